@@ -1,0 +1,35 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-slow lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/flexmarl train examples/referential_game.yaml --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/ruff check flexmarl tests benchmarks
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check flexmarl tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml
+
+clean:
+	rm -rf runs .pytest_cache

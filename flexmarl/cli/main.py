@@ -1,0 +1,111 @@
+"""`flexmarl` command line: train, bench.
+
+Errors a user can fix (config, graph, task, model) print one clear message and exit 2;
+nothing prints a traceback wall unless FLEXMARL_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from flexmarl.config.schema import ConfigError, load_config
+from flexmarl.graph.meg import GraphError
+from flexmarl.graph.task import TaskLoadError
+from flexmarl.policy.model import ModelLoadError
+from flexmarl.store.experience import StoreError
+
+USER_ERRORS = (ConfigError, GraphError, TaskLoadError, ModelLoadError, StoreError)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flexmarl.orchestrator.run import prepare, train
+
+    console = Console(stderr=True)
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out or cfg.out or Path("runs") / cfg.name)
+    prepare(cfg)  # fail fast, before any worker starts
+    console.print(
+        f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {len(cfg.agents)} agents, "
+        f"pipeline={cfg.pipeline.mode}, runtime={cfg.runtime.kind}, "
+        f"{cfg.train.iterations} iterations -> {out}"
+    )
+    progress = Progress(
+        TextColumn("[bold blue]iteration {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("success {task.fields[success]:.3f}"),
+        TextColumn("{task.fields[speed]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    with progress:
+        bar = progress.add_task("train", total=cfg.train.iterations, success=0.0, speed="")
+
+        def on_iteration(record: dict) -> None:
+            progress.update(bar, advance=1, success=record["task/success_rate"],
+                            speed=f"{record['wall_s']:.2f}s/it")
+
+        result = train(cfg, out, on_iteration)
+    failed = sum(r["episodes/failed"] for r in result.records)
+    print(f"final success rate: {result.final_success:.3f} "
+          f"(chance {1 / max(cfg.task.options.get('num_candidates', 1), 1):.3f})"
+          if "num_candidates" in cfg.task.options
+          else f"final success rate: {result.final_success:.3f}")
+    print(f"wall time: {result.wall_s:.1f} s, failed episodes: {failed}")
+    print(f"metrics:     {out / 'metrics.jsonl'}")
+    print(f"trace:       {out / 'trace.json'}  (open in chrome://tracing or ui.perfetto.dev)")
+    for agent, path in result.checkpoints.items():
+        print(f"checkpoint:  {path / 'model.safetensors'}  [{agent}]")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from flexmarl.orchestrator.bench import bench_pipeline
+
+    if args.what != "pipeline":
+        raise ConfigError(f"bench: unknown benchmark {args.what!r} (known: pipeline)")
+    bench_pipeline(args.config, args.set, rounds=args.rounds, out=args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train the agents of a run config")
+    p.add_argument("config", help="run config YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set pipeline.mode=sync")
+    p.add_argument("--out", help="output folder (default runs/<name>)")
+    p.set_defaults(fn=_train)
+    b = sub.add_parser("bench", help="benchmarks that print figures")
+    b.add_argument("what", choices=["pipeline"])
+    b.add_argument("config")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--out", default=None)
+    b.set_defaults(fn=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as exc:
+        if os.environ.get("FLEXMARL_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Run configuration: one YAML file, validated by pydantic, every field documented here.
+
+Unknown keys are errors (a typo must not silently fall back to a default). `--set a.b=c`
+overrides are applied to the raw YAML before validation, so they are checked the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the file and the field at fault."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(Strict):
+    """A transformers causal LM: random init from a small Llama config, or a local path."""
+
+    kind: Literal["random", "path"] = "random"
+    path: str | None = None
+    gguf_file: str | None = None
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    init_std: float = Field(0.02, gt=0)
+    init_seed: int | None = None
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> ModelConfig:
+        if self.kind == "path" and not self.path:
+            raise ValueError("model.path is required when model.kind is 'path'")
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.hidden_size must be divisible by model.num_heads")
+        return self
+
+
+class AlgorithmConfig(Strict):
+    name: Literal["grpo"] = "grpo"
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    adv_eps: float = Field(1e-6, gt=0)
+    scale_by_std: bool = True
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(1.0, gt=0)
+
+
+class OptimConfig(Strict):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+
+
+class AgentConfig(Strict):
+    model: ModelConfig = ModelConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    optim: OptimConfig = OptimConfig()
+    trainable: bool = True
+
+
+class TaskConfig(Strict):
+    builder: str
+    options: dict[str, Any] = {}
+
+
+class TrainConfig(Strict):
+    iterations: int = Field(10, gt=0)
+    inputs_per_iteration: int = Field(32, gt=0)
+    group_size: int = Field(8, gt=0)
+    micro_batch_size: int = Field(64, gt=0)
+    log_every: int = Field(1, gt=0)
+
+
+class PipelineConfig(Strict):
+    mode: Literal["sync", "async"] = "async"
+
+
+class RolloutConfig(Strict):
+    max_batch_seqs: int = Field(64, gt=0)
+
+
+class RuntimeConfig(Strict):
+    kind: Literal["local"] = "local"
+    rollout_workers: int = Field(1, gt=0)
+    train_workers: int = Field(1, gt=0)
+    torch_threads: int = Field(1, gt=0)
+    deterministic: bool = False
+
+
+class RunConfig(Strict):
+    name: str = "run"
+    seed: int = 0
+    task: TaskConfig
+    agents: dict[str, AgentConfig]
+    train: TrainConfig = TrainConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    out: str | None = None
+
+    @model_validator(mode="after")
+    def _agents(self) -> RunConfig:
+        if not self.agents:
+            raise ValueError("agents: at least one agent is required")
+        for name in self.agents:
+            if not name.isidentifier():
+                raise ValueError(f"agents: agent name {name!r} must be an identifier")
+        return self
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty key part")
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+        node = raw
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a mapping")
+            node = child
+        node[parts[-1]] = parsed
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" (line {mark.line + 1}, column {mark.column + 1})"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None

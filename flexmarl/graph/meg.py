@@ -1,0 +1,146 @@
+"""Multi-agent Execution Graph (MEG): which agent runs where in an episode, and what feeds what.
+
+A node is one invocation of an agent inside an episode; its prompt is built from the episode's
+input and the outputs of the nodes it depends on. Multi-round patterns are unrolled into nodes.
+The graph is a DAG; `validate` names the cycle, the unknown agent or the missing input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class GraphError(ValueError):
+    """A graph that cannot run: names the node, agent or cycle at fault."""
+
+
+@dataclass
+class NodePrompt:
+    """What a node asks its agent: prompt tokens, how many tokens it may emit, which ones.
+
+    `allowed_tokens` constrains decoding (an action mask); the trainer re-applies the same mask
+    so that training log-probs are those of the distribution that sampled.
+    """
+
+    tokens: list[int]
+    max_new_tokens: int
+    allowed_tokens: list[int] | None = None
+    stop_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EpisodeContext:
+    """What a prompt builder or a reward function sees: the episode's input and node outputs."""
+
+    input_id: str
+    trajectory_id: int
+    data: dict[str, Any]
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+    def output(self, node: str) -> list[int]:
+        if node not in self.outputs:
+            raise GraphError(f"node output {node!r} is not available in this episode")
+        return self.outputs[node]
+
+
+PromptBuilder = Callable[[EpisodeContext], NodePrompt]
+RewardFn = Callable[[EpisodeContext], float]
+Condition = Callable[[EpisodeContext], bool]
+
+
+@dataclass
+class Node:
+    name: str
+    agent: str
+    inputs: tuple[str, ...]
+    prompt: PromptBuilder
+    when: Condition | None = None
+    reward: RewardFn | None = None
+
+
+@dataclass
+class MEG:
+    """A per-episode DAG of agent invocations plus the rewards that score an episode."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    episode_reward: RewardFn | None = None
+    success: Callable[[EpisodeContext], bool] | None = None
+
+    def node(
+        self,
+        name: str,
+        *,
+        agent: str,
+        prompt: PromptBuilder,
+        inputs: Iterable[str] = (),
+        when: Condition | None = None,
+        reward: RewardFn | None = None,
+    ) -> MEG:
+        """Add a node; `when` may skip it (and so end its branch) for a given episode."""
+        if not name or "_" in name:
+            raise GraphError(f"node name {name!r} must be non-empty and contain no '_'")
+        if name in self.nodes:
+            raise GraphError(f"node {name!r} is defined twice")
+        self.nodes[name] = Node(name, agent, tuple(inputs), prompt, when, reward)
+        return self
+
+    def set_episode_reward(self, fn: RewardFn) -> MEG:
+        """A team reward, credited to every node of the episode."""
+        self.episode_reward = fn
+        return self
+
+    def set_success(self, fn: Callable[[EpisodeContext], bool]) -> MEG:
+        """Task success (for metrics only; rewards drive learning)."""
+        self.success = fn
+        return self
+
+    @property
+    def agents(self) -> list[str]:
+        return sorted({n.agent for n in self.nodes.values()})
+
+    def topological_order(self) -> list[str]:
+        """Nodes in dependency order (ties by insertion), raising on a cycle with its path."""
+        order: list[str] = []
+        state: dict[str, int] = {}  # 1 visiting, 2 done
+
+        def visit(name: str, path: list[str]) -> None:
+            if state.get(name) == 2:
+                return
+            if state.get(name) == 1:
+                cycle = path[path.index(name) :] + [name]
+                raise GraphError("graph has a cycle: " + " -> ".join(cycle))
+            state[name] = 1
+            for dep in self.nodes[name].inputs:
+                visit(dep, path + [name])
+            state[name] = 2
+            order.append(name)
+
+        for name in self.nodes:
+            visit(name, [])
+        return order
+
+    def validate(self, known_agents: Iterable[str] | None = None) -> list[str]:
+        """Check the graph; returns the topological order. Errors name the node at fault."""
+        if not self.nodes:
+            raise GraphError("graph has no nodes")
+        for node in self.nodes.values():
+            for dep in node.inputs:
+                if dep not in self.nodes:
+                    raise GraphError(f"node {node.name!r} has missing input {dep!r}")
+                if dep == node.name:
+                    raise GraphError(f"graph has a cycle: {node.name} -> {node.name}")
+        if known_agents is not None:
+            known = set(known_agents)
+            for node in self.nodes.values():
+                if node.agent not in known:
+                    raise GraphError(
+                        f"node {node.name!r} uses unknown agent {node.agent!r} "
+                        f"(configured agents: {', '.join(sorted(known)) or 'none'})"
+                    )
+        return self.topological_order()
+
+    def turn_of(self) -> dict[str, int]:
+        """The `turn` of each node in sample ids: its position in topological order."""
+        return {name: i for i, name in enumerate(self.topological_order())}

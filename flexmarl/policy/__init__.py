@@ -1,0 +1,1 @@
+"""Agent policies: models, sampling and log-probs."""

@@ -1,0 +1,55 @@
+"""The small interfaces the orchestrator is written against (local, Ray and sim implement them).
+
+Acme-style: the orchestrator only knows a rollout pool (generate, publish weights) and a
+training pool (accumulate, step, save); where those run is the runtime's business.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.training.trainer import Sample
+
+Weights = dict[str, np.ndarray]
+
+
+class WorkerError(RuntimeError):
+    """A worker reported a failure (the remote traceback is in the message)."""
+
+
+class SpanSink(Protocol):
+    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None: ...
+
+
+class RolloutPool(Protocol):
+    n_workers: int
+
+    async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult: ...
+
+    async def publish(self, agent: str, version: int, weights: Weights) -> None: ...
+
+
+class TrainPool(Protocol):
+    n_workers: int
+
+    async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]: ...
+
+    async def step(self, agent: str) -> tuple[dict[str, float], Weights]: ...
+
+    async def weights(self, agent: str) -> Weights: ...
+
+    async def save(self, agent: str, directory: str) -> str: ...
+
+
+class Runtime(Protocol):
+    rollout: RolloutPool
+    train: TrainPool
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def placement(self) -> dict[str, Any]: ...

@@ -1,0 +1,289 @@
+"""The experience store: the only channel between rollout and training.
+
+One table per agent. A row is one node invocation (one sample of one agent), keyed by
+`sample_id = {input_id}_{turn}_{trajectory_id}` and the `policy_version` that produced it.
+Simple fields travel by value; tensors by reference (handles into an object store), so a row is
+cheap to move and its payload is fetched only by whoever trains on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+
+class StoreError(RuntimeError):
+    """A store operation that would corrupt the data: names the agent, row and states."""
+
+
+class ConsistencyError(StoreError):
+    """A row that would break the on-policy contract if it were trained on."""
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    GENERATED = "generated"
+    REWARDED = "rewarded"
+    READY = "ready"
+    CONSUMED = "consumed"
+    FAILED = "failed"
+
+
+ALLOWED_TRANSITIONS: dict[Status, frozenset[Status]] = {
+    Status.PENDING: frozenset({Status.GENERATED, Status.FAILED}),
+    Status.GENERATED: frozenset({Status.REWARDED, Status.FAILED}),
+    Status.REWARDED: frozenset({Status.READY, Status.FAILED}),
+    Status.READY: frozenset({Status.CONSUMED}),
+    Status.CONSUMED: frozenset(),
+    Status.FAILED: frozenset(),
+}
+
+
+def make_sample_id(input_id: str, turn: int, trajectory_id: int) -> str:
+    for name, part in (("input_id", input_id),):
+        if "_" in part:
+            raise StoreError(f"{name} {part!r} must not contain '_' (it separates sample_id parts)")
+    return f"{input_id}_{turn}_{trajectory_id}"
+
+
+def parse_sample_id(sample_id: str) -> tuple[str, int, int]:
+    try:
+        input_id, turn, traj = sample_id.rsplit("_", 2)
+        return input_id, int(turn), int(traj)
+    except ValueError as exc:
+        raise StoreError(f"malformed sample_id {sample_id!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A handle to an array held by an object store (in-memory locally, Ray's on a cluster)."""
+
+    key: Any
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class LocalObjectStore:
+    """In-process object store: arrays by handle, freed when their row is consumed or failed."""
+
+    def __init__(self) -> None:
+        self._objects: dict[int, np.ndarray] = {}
+        self._next = 0
+
+    def put(self, array: np.ndarray) -> TensorRef:
+        array = np.ascontiguousarray(array)
+        self._next += 1
+        self._objects[self._next] = array
+        return TensorRef(self._next, tuple(array.shape), str(array.dtype))
+
+    def get(self, ref: TensorRef) -> np.ndarray:
+        try:
+            return self._objects[ref.key]
+        except KeyError as exc:
+            raise StoreError(f"object {ref.key} is not in the object store (freed?)") from exc
+
+    def free(self, ref: TensorRef) -> None:
+        self._objects.pop(ref.key, None)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+
+@dataclass(slots=True)
+class Row:
+    sample_id: str
+    agent: str
+    node: str
+    input_id: str
+    turn: int
+    trajectory_id: int
+    iteration: int
+    policy_version: int
+    version_vector: dict[str, int]
+    status: Status = Status.PENDING
+    data: dict[str, Any] = field(default_factory=dict)
+    refs: dict[str, TensorRef] = field(default_factory=dict)
+    error: str | None = None
+    consumed_by_step: int | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+
+class AgentTable:
+    """All rows of one agent, indexed by sample_id and by (status, policy_version)."""
+
+    def __init__(self, agent: str) -> None:
+        self.agent = agent
+        self.rows: dict[str, Row] = {}
+        self._by_status: dict[tuple[Status, int], dict[str, None]] = {}
+
+    def _index(self, row: Row) -> dict[str, None]:
+        return self._by_status.setdefault((row.status, row.policy_version), {})
+
+    def insert(self, row: Row) -> None:
+        if row.agent != self.agent:
+            raise StoreError(f"row {row.sample_id} of agent {row.agent!r} put in table {self.agent!r}")
+        if row.sample_id in self.rows:
+            raise StoreError(f"agent {self.agent!r}: row {row.sample_id} already exists")
+        if row.status is not Status.PENDING:
+            raise StoreError(f"agent {self.agent!r}: row {row.sample_id} must start pending")
+        self.rows[row.sample_id] = row
+        self._index(row)[row.sample_id] = None
+
+    def get(self, sample_id: str) -> Row:
+        try:
+            return self.rows[sample_id]
+        except KeyError as exc:
+            raise StoreError(f"agent {self.agent!r}: no row {sample_id}") from exc
+
+    def transition(self, sample_id: str, to: Status) -> Row:
+        row = self.get(sample_id)
+        if to not in ALLOWED_TRANSITIONS[row.status]:
+            raise StoreError(
+                f"agent {self.agent!r}: row {sample_id} cannot go from {row.status.value} "
+                f"to {to.value}"
+            )
+        del self._index(row)[sample_id]
+        row.status = to
+        row.updated_at = time.time()
+        self._index(row)[sample_id] = None
+        return row
+
+    def ids_with(self, status: Status, version: int) -> list[str]:
+        return list(self._by_status.get((status, version), {}))
+
+    def count(self, status: Status, version: int | None = None) -> int:
+        if version is not None:
+            return len(self._by_status.get((status, version), {}))
+        return sum(len(v) for (s, _), v in self._by_status.items() if s is status)
+
+
+class ExperienceStore:
+    """The multi-table store. Single-writer (the orchestrator's event loop) by design."""
+
+    def __init__(self, agents: Iterable[str], objects: LocalObjectStore | None = None) -> None:
+        self.tables = {a: AgentTable(a) for a in agents}
+        self.objects = objects or LocalObjectStore()
+        self._listeners: list[Callable[[str], None]] = []
+
+    def table(self, agent: str) -> AgentTable:
+        try:
+            return self.tables[agent]
+        except KeyError as exc:
+            raise StoreError(f"unknown agent {agent!r} (tables: {', '.join(self.tables)})") from exc
+
+    def subscribe(self, fn: Callable[[str], None]) -> None:
+        """`fn(agent)` is called whenever a row of that agent changes status."""
+        self._listeners.append(fn)
+
+    def _notify(self, agent: str) -> None:
+        for fn in self._listeners:
+            fn(agent)
+
+    # --- writes ---------------------------------------------------------------------------
+    def add(self, row: Row) -> Row:
+        self.table(row.agent).insert(row)
+        self._notify(row.agent)
+        return row
+
+    def set_generated(
+        self, agent: str, sample_id: str, data: dict[str, Any], arrays: dict[str, np.ndarray]
+    ) -> Row:
+        row = self.table(agent).transition(sample_id, Status.GENERATED)
+        row.data.update(data)
+        for name, array in arrays.items():
+            row.refs[name] = self.objects.put(array)
+        self._notify(agent)
+        return row
+
+    def set_rewarded(self, agent: str, sample_id: str, reward: float) -> Row:
+        row = self.table(agent).transition(sample_id, Status.REWARDED)
+        row.data["reward"] = float(reward)
+        self._notify(agent)
+        return row
+
+    def set_ready(self, agent: str, sample_id: str, advantage: float) -> Row:
+        row = self.table(agent).transition(sample_id, Status.READY)
+        row.data["advantage"] = float(advantage)
+        self._notify(agent)
+        return row
+
+    def set_failed(self, agent: str, sample_id: str, error: str) -> Row:
+        row = self.table(agent).transition(sample_id, Status.FAILED)
+        row.error = error
+        self._free(row)
+        self._notify(agent)
+        return row
+
+    def _free(self, row: Row) -> None:
+        for ref in row.refs.values():
+            self.objects.free(ref)
+
+    # --- reads ----------------------------------------------------------------------------
+    def take_ready(
+        self,
+        agent: str,
+        version: int,
+        max_rows: int,
+        step: int,
+        expected_vector: dict[str, int] | None = None,
+    ) -> list[Row]:
+        """Consume up to `max_rows` ready rows of `agent` produced by `version`, exactly once.
+
+        Rows are taken in sample_id order so that the set consumed does not depend on timing.
+        Each row is checked against the consistency contract before it is handed out.
+        """
+        table = self.table(agent)
+        ids = sorted(table.ids_with(Status.READY, version))[:max_rows]
+        rows = [table.get(i) for i in ids]
+        for row in rows:
+            check_row(row, agent, version, expected_vector)
+        for row in rows:
+            table.transition(row.sample_id, Status.CONSUMED)
+            row.consumed_by_step = step
+        if rows:
+            self._notify(agent)
+        return rows
+
+    def fetch(self, row: Row, name: str) -> np.ndarray:
+        return self.objects.get(row.refs[name])
+
+    def release(self, rows: Iterable[Row]) -> None:
+        """Free the payloads of rows already trained on."""
+        for row in rows:
+            if row.status is not Status.CONSUMED:
+                raise StoreError(f"row {row.sample_id} released while {row.status.value}")
+            self._free(row)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {
+            agent: {s.value: table.count(s) for s in Status} for agent, table in self.tables.items()
+        }
+
+
+def check_row(
+    row: Row, agent: str, version: int, expected_vector: dict[str, int] | None
+) -> None:
+    """The consistency contract: a row of agent a's step k was made by a's version k, in an
+    episode whose version vector is iteration k's, and is ready (never consumed before)."""
+    if row.agent != agent:
+        raise ConsistencyError(f"row {row.sample_id} of agent {row.agent!r} offered to {agent!r}")
+    if row.status is not Status.READY:
+        raise ConsistencyError(
+            f"agent {agent!r}: row {row.sample_id} is {row.status.value}, not ready"
+        )
+    if row.policy_version != version:
+        raise ConsistencyError(
+            f"agent {agent!r}: row {row.sample_id} was generated by version "
+            f"{row.policy_version}, but the trainer is at version {version}"
+        )
+    if expected_vector is not None and row.version_vector != expected_vector:
+        raise ConsistencyError(
+            f"agent {agent!r}: row {row.sample_id} comes from an episode with version vector "
+            f"{row.version_vector}, expected {expected_vector}"
+        )

@@ -1,0 +1,123 @@
+"""Spans, busy fractions, metrics.jsonl and a Chrome trace: where the time goes, per worker.
+
+Metric names are fixed across algorithms (see `METRIC_NAMES` in the README): a dashboard built
+for one run works for every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(slots=True)
+class Span:
+    pool: str
+    worker: int
+    start: float
+    end: float
+    label: str
+
+
+class Telemetry:
+    def __init__(self, out_dir: Path | None = None) -> None:
+        self.out_dir = out_dir
+        self.t0 = time.time()
+        self.spans: list[Span] = []
+        self.events: list[dict[str, Any]] = []
+        self._metrics_file = None
+        self._tb = None
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = (out_dir / "metrics.jsonl").open("w")
+            try:  # TensorBoard when installed, JSONL always
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out_dir / "tb"))
+            except Exception:  # noqa: BLE001 - optional dependency
+                self._tb = None
+
+    # --- spans --------------------------------------------------------------------------------
+    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
+        self.spans.append(Span(pool, worker, start, end, label))
+
+    def event(self, name: str, **fields: Any) -> None:
+        self.events.append({"name": name, "time": time.time(), **fields})
+
+    def busy_seconds(self, pool: str, t0: float, t1: float) -> float:
+        total = 0.0
+        for s in self.spans:
+            if s.pool == pool and s.end > t0 and s.start < t1:
+                total += min(s.end, t1) - max(s.start, t0)
+        return total
+
+    def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float) -> float:
+        if t1 <= t0 or n_workers <= 0:
+            return 0.0
+        return self.busy_seconds(pool, t0, t1) / ((t1 - t0) * n_workers)
+
+    # --- metrics -----------------------------------------------------------------------------
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: _json_safe(v) for k, v in record.items()}
+        if self._metrics_file is not None:
+            self._metrics_file.write(json.dumps(clean) + "\n")
+            self._metrics_file.flush()
+        if self._tb is not None:
+            step = int(record.get("iteration", 0))
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and k != "iteration":
+                    self._tb.add_scalar(k, v, step)
+
+    def write_trace(self, path: Path) -> Path:
+        """Chrome trace format (chrome://tracing, Perfetto): one process per pool, one thread
+        per worker, one complete event per span."""
+        pools = sorted({s.pool for s in self.spans})
+        pid = {p: i + 1 for i, p in enumerate(pools)}
+        events: list[dict[str, Any]] = []
+        for p in pools:
+            events.append({"ph": "M", "name": "process_name", "pid": pid[p], "args": {"name": p}})
+        for s in self.spans:
+            parts = s.label.split(":")
+            events.append({
+                "ph": "X",
+                "name": s.label,
+                "cat": parts[0],
+                "pid": pid[s.pool],
+                "tid": s.worker,
+                "ts": (s.start - self.t0) * 1e6,
+                "dur": max(s.end - s.start, 0.0) * 1e6,
+                "args": {"agent": parts[1] if len(parts) > 1 else ""},
+            })
+        for e in self.events:
+            events.append({"ph": "i", "s": "g", "name": e["name"], "pid": 0, "tid": 0,
+                           "ts": (e["time"] - self.t0) * 1e6,
+                           "args": {k: _json_safe(v) for k, v in e.items() if k != "time"}})
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return path
+
+    def close(self) -> None:
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)

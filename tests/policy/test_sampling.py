@@ -1,0 +1,68 @@
+import torch
+
+from flexmarl.config.schema import ModelConfig
+from flexmarl.policy.model import build_model
+from flexmarl.policy.sampling import (
+    GenerationRequest,
+    generate,
+    make_token_batch,
+    response_logprobs,
+)
+
+
+def _model():
+    return build_model("a", ModelConfig(init_std=0.3), vocab_size=40, max_seq_len=32, run_seed=0)
+
+
+def _requests():
+    reqs = []
+    for i in range(12):
+        prompt = [1] + [5 + (i * 7 + j) % 30 for j in range(1 + i % 5)]
+        allowed = None if i % 3 == 0 else list(range(10, 30))
+        reqs.append(GenerationRequest(f"x-{i}_0_0", "a", 0, prompt, 3 + i % 4, allowed, [], 1.0, 7))
+    return reqs
+
+
+def test_batched_equals_alone():
+    torch.manual_seed(0)
+    model = _model()
+    reqs = _requests()
+    batched = generate(model, reqs)
+    for req, res in zip(reqs, batched, strict=True):
+        alone = generate(model, [req])[0]
+        assert alone.tokens == res.tokens
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, res.logprobs, strict=True)) < 1e-5
+        assert len(res.tokens) == req.max_new_tokens
+        if req.allowed_tokens is not None:
+            assert set(res.tokens) <= set(req.allowed_tokens)
+
+
+def test_sampling_is_keyed_by_sample_id_and_version():
+    model = _model()
+    req = _requests()[1]
+    again = generate(model, [req])[0]
+    assert generate(model, [req])[0].tokens == again.tokens
+    others = {tuple(generate(model, [GenerationRequest(**{**req.__dict__, "version": v})])[0]
+                    .tokens) for v in range(8)}
+    assert len(others) > 1
+
+
+def test_training_logprobs_match_generation():
+    model = _model()
+    reqs = _requests()
+    res = generate(model, reqs)
+    batch = make_token_batch([r.prompt for r in reqs], [r.tokens for r in res],
+                             [r.allowed_tokens for r in reqs], [1.0] * len(reqs), 40)
+    logp, ent = response_logprobs(model, batch, with_entropy=True)
+    for i, r in enumerate(res):
+        for j, lp in enumerate(r.logprobs):
+            assert abs(float(logp[i, j]) - lp) < 1e-4
+    assert ent is not None and float(ent.min()) >= 0.0
+
+
+def test_stop_token_ends_sequence():
+    model = _model()
+    req = GenerationRequest("s-0_0_0", "a", 0, [1, 2, 3], 20, [10, 11], [10], 1.0, 0)
+    res = generate(model, [req])[0]
+    assert res.tokens[-1] == 10 or len(res.tokens) == 20
+    assert 10 not in res.tokens[:-1]
