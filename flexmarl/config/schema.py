@@ -48,6 +48,9 @@ class AlgorithmConfig(Strict):
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
+    # Linear decay of the entropy bonus to 0 over this many optimizer steps (None: constant):
+    # explore early while a convention forms, then let the policies sharpen.
+    entropy_decay_steps: int | None = Field(None, gt=0)
     adv_eps: float = Field(1e-6, gt=0)
     scale_by_std: bool = True
 

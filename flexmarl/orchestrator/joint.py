@@ -50,7 +50,8 @@ class IterationState:
     successes: int = 0
     rollout_done: asyncio.Event = field(default_factory=asyncio.Event)
     rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    groups: dict[str, list[dict[str, list[str]]]] = field(default_factory=lambda: defaultdict(list))
+    groups: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
+    groups_done: set[int] = field(default_factory=set)
     trained: dict[str, dict[str, float]] = field(default_factory=dict)
     train_done: dict[str, float] = field(default_factory=dict)
     rollout_finished_at: float = 0.0
@@ -85,6 +86,9 @@ class JointOrchestrator:
         self._changed: dict[str, asyncio.Event] = {}
         self.iterations: dict[int, IterationState] = {}
         self.consumed: dict[str, dict[int, list[str]]] = {a: defaultdict(list) for a in self.agents}
+        # (sample_id, policy_version, optimizer step) of every row trained on: the audit trail
+        # that "each row exactly once, by the step of its own version" is checked against.
+        self.audit: dict[str, list[tuple[str, int, int]]] = {a: [] for a in self.agents}
         self.records: list[dict[str, Any]] = []
         self._last_done = 0.0
         self._start = 0.0
@@ -234,6 +238,9 @@ class JointOrchestrator:
         group = it.groups[input_id]
         if len(group) < self.cfg.train.group_size:
             return
+        it.groups_done.add(int(input_id.split("-")[1]))
+        for agent in self.agents:
+            self._changed_event(agent).set()
         for name in self.order:
             ids = [g[name] for g in group if name in g]
             if not ids:
@@ -276,30 +283,48 @@ class JointOrchestrator:
         ]
 
     async def train_iteration(self, agent: str, k: int) -> None:
-        """Consume agent's ready rows of version k in micro-batches as they appear, then step."""
+        """Consume agent's rows of version k in canonical micro-batches, then step.
+
+        Micro-batch j holds the rows of groups [j*m, (j+1)*m) (m groups of ~micro_batch_size
+        rows); it is trained as soon as those groups are complete. The split, and so the
+        summation order of gradients, never depends on timing: sync and async runs agree.
+        """
         it = self.iterations[k]
-        table = self.store.table(agent)
-        mb = self.cfg.train.micro_batch_size
+        n_inputs = self.cfg.train.inputs_per_iteration
+        nodes = [n for n in self.order if self.graph.nodes[n].agent == agent]
+        per_group = max(1, self.cfg.train.group_size * len(nodes))
+        groups_per_mb = max(1, self.cfg.train.micro_batch_size // per_group)
         changed = self._changed_event(agent)
         vector = self.vector(k)
-        while True:
-            changed.clear()
-            ready = table.count(Status.READY, k)
-            finished = it.rollout_done.is_set()
-            if ready >= mb or (finished and ready > 0):
-                rows = self.store.take_ready(agent, k, mb, step=k, expected_vector=vector)
-                self.consumed[agent][k].extend(r.sample_id for r in rows)
-                await self.train.accumulate(agent, self._samples(rows))
-                self.store.release(rows)
+        table = self.store.table(agent)
+        for start in range(0, n_inputs, groups_per_mb):
+            chunk = range(start, min(n_inputs, start + groups_per_mb))
+            while True:
+                changed.clear()
+                if all(i in it.groups_done for i in chunk):
+                    break
+                await changed.wait()
+            ids = [
+                sid
+                for i in chunk
+                for episode in it.groups[f"{k}-{i}"]
+                for node, sid in sorted(episode.items())
+                if node in nodes and table.get(sid).status is Status.READY
+            ]
+            if not ids:
                 continue
-            if finished:
-                break
-            await changed.wait()
+            rows = self.store.take_ready(agent, k, len(ids), step=k, expected_vector=vector,
+                                         sample_ids=ids)
+            self.consumed[agent][k].extend(r.sample_id for r in rows)
+            self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
+            await self.train.accumulate(agent, self._samples(rows))
+            self.store.release(rows)
         metrics, weights = await self.train.step(agent)
         if metrics.get("skipped"):
             self.telemetry.event("step_skipped", agent=agent, iteration=k)
         it.trained[agent] = metrics
         await self._publish(agent, k + 1, weights)
+        self.store.evict(agent, k)
         it.train_done[agent] = time.time()
 
     async def _publish(self, agent: str, version: int, weights: Weights) -> None:

@@ -25,6 +25,7 @@ class RunResult:
     records: list[dict[str, Any]]
     checkpoints: dict[str, Path]
     consumed: dict[str, dict[int, list[str]]]
+    audit: dict[str, list[tuple[str, int, int]]]
     store_stats: dict[str, dict[str, int]]
     placement: dict[str, Any]
     wall_s: float
@@ -91,7 +92,7 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration) -> RunResult:
         for agent in orch.trainable:
             path = out / "checkpoints" / "final" / agent
             checkpoints[agent] = Path(await runtime.train.save(agent, str(path)))
-        return RunResult(out, records, checkpoints, orch.consumed, orch.store.stats(),
+        return RunResult(out, records, checkpoints, orch.consumed, orch.audit, orch.store.stats(),
                          runtime.placement(), 0.0)
     finally:
         await runtime.stop()

@@ -1,0 +1,28 @@
+"""Cluster simulator foundations: accelerator profiles, cost model, workload schema."""
+
+from flexmarl.sim.cost import (
+    MODEL_PRESETS,
+    CostModel,
+    GenerationTiming,
+    LengthDistribution,
+    ModelSpec,
+    get_model,
+)
+from flexmarl.sim.hardware import ACCELERATORS, AcceleratorSpec, get_accelerator
+from flexmarl.sim.workload import EpisodeNode, Workload, WorkloadError, load_workload
+
+__all__ = [
+    "ACCELERATORS",
+    "MODEL_PRESETS",
+    "AcceleratorSpec",
+    "CostModel",
+    "EpisodeNode",
+    "GenerationTiming",
+    "LengthDistribution",
+    "ModelSpec",
+    "Workload",
+    "WorkloadError",
+    "get_accelerator",
+    "get_model",
+    "load_workload",
+]

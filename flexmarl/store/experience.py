@@ -9,6 +9,7 @@ cheap to move and its payload is fetched only by whoever trains on it.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -154,6 +155,15 @@ class AgentTable:
         self._index(row)[sample_id] = None
         return row
 
+    def remove(self, sample_id: str) -> Row:
+        row = self.get(sample_id)
+        if row.status not in (Status.CONSUMED, Status.FAILED):
+            raise StoreError(f"agent {self.agent!r}: row {sample_id} removed while "
+                             f"{row.status.value}")
+        del self._index(row)[sample_id]
+        del self.rows[sample_id]
+        return row
+
     def ids_with(self, status: Status, version: int) -> list[str]:
         return list(self._by_status.get((status, version), {}))
 
@@ -169,6 +179,7 @@ class ExperienceStore:
     def __init__(self, agents: Iterable[str], objects: LocalObjectStore | None = None) -> None:
         self.tables = {a: AgentTable(a) for a in agents}
         self.objects = objects or LocalObjectStore()
+        self.evicted: dict[str, dict[str, int]] = {a: defaultdict(int) for a in self.tables}
         self._listeners: list[Callable[[str], None]] = []
 
     def table(self, agent: str) -> AgentTable:
@@ -232,14 +243,19 @@ class ExperienceStore:
         max_rows: int,
         step: int,
         expected_vector: dict[str, int] | None = None,
+        sample_ids: list[str] | None = None,
     ) -> list[Row]:
         """Consume up to `max_rows` ready rows of `agent` produced by `version`, exactly once.
 
-        Rows are taken in sample_id order so that the set consumed does not depend on timing.
-        Each row is checked against the consistency contract before it is handed out.
+        Rows are taken in sample_id order (or exactly `sample_ids`, in that order) so that the
+        set consumed does not depend on timing. Every row is checked against the consistency
+        contract before any is handed out.
         """
         table = self.table(agent)
-        ids = sorted(table.ids_with(Status.READY, version))[:max_rows]
+        if sample_ids is None:
+            ids = sorted(table.ids_with(Status.READY, version))[:max_rows]
+        else:
+            ids = list(sample_ids)[:max_rows]
         rows = [table.get(i) for i in ids]
         for row in rows:
             check_row(row, agent, version, expected_vector)
@@ -260,9 +276,22 @@ class ExperienceStore:
                 raise StoreError(f"row {row.sample_id} released while {row.status.value}")
             self._free(row)
 
+    def evict(self, agent: str, version: int) -> int:
+        """Drop the consumed and failed rows of one version once its step is done (bounded
+        memory); their counts stay in `evicted`. Rows still in flight are never dropped."""
+        table = self.table(agent)
+        n = 0
+        for status in (Status.CONSUMED, Status.FAILED):
+            for sid in table.ids_with(status, version):
+                table.remove(sid)
+                self.evicted[agent][status.value] += 1
+                n += 1
+        return n
+
     def stats(self) -> dict[str, dict[str, int]]:
         return {
-            agent: {s.value: table.count(s) for s in Status} for agent, table in self.tables.items()
+            agent: {s.value: table.count(s) + self.evicted[agent].get(s.value, 0) for s in Status}
+            for agent, table in self.tables.items()
         }
 
 

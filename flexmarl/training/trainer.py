@@ -98,7 +98,8 @@ class AgentTrainer:
             with torch.no_grad():
                 ref_logp, _ = response_logprobs(self.ref_model, batch)
         loss, metrics = grpo.loss(
-            logp, old, adv, batch.response_mask, self.cfg.algorithm, ref_logp, entropy
+            logp, old, adv, batch.response_mask, self.cfg.algorithm, ref_logp, entropy,
+            step=self.version,
         )
         loss.backward()
         self._rows += len(samples)

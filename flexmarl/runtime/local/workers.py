@@ -106,7 +106,10 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
         # requests in priority order (episodes that started first finish first).
         pending.sort(key=lambda item: priorities[item[0]])
         agent = pending[0][1].agent
-        chosen = [item for item in pending if item[1].agent == agent][: spec.max_batch_seqs]
+        # Deterministic mode decodes each sequence alone: numerics then never depend on which
+        # requests happened to share a batch.
+        limit = 1 if spec.deterministic else spec.max_batch_seqs
+        chosen = [item for item in pending if item[1].agent == agent][:limit]
         chosen_ids = {sub_id for sub_id, _ in chosen}
         pending = [item for item in pending if item[0] not in chosen_ids]
         replies = []

@@ -25,6 +25,12 @@ def group_advantages(rewards: list[float], cfg: AlgorithmConfig) -> list[float]:
     return centered.tolist()
 
 
+def entropy_coef(cfg: AlgorithmConfig, step: int) -> float:
+    if cfg.entropy_decay_steps is None:
+        return cfg.entropy_coef
+    return cfg.entropy_coef * max(0.0, 1.0 - step / cfg.entropy_decay_steps)
+
+
 def loss(
     logp: torch.Tensor,  # [B, R] under the current weights
     old_logp: torch.Tensor,  # [B, R] recorded at generation
@@ -33,6 +39,7 @@ def loss(
     cfg: AlgorithmConfig,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    step: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sum over rows of the per-row loss (not the mean: the trainer normalises at step time)."""
     tokens = mask.sum(-1).clamp(min=1.0)
@@ -58,7 +65,8 @@ def loss(
         metrics["kl"] = float((((old_logp - logp.detach()) * mask).sum(-1) / tokens).sum())
     if entropy is not None:
         ent_row = entropy.sum(-1) / tokens
-        if cfg.entropy_coef > 0:
-            total = total - cfg.entropy_coef * ent_row.sum()
+        coef = entropy_coef(cfg, step)
+        if coef > 0:
+            total = total - coef * ent_row.sum()
         metrics["entropy"] = float(ent_row.detach().sum())
     return total, metrics
