@@ -185,7 +185,7 @@ class JointOrchestrator:
                 if not t.done():
                     t.cancel()
         if error is not None:
-            for name, row in rows.items():
+            for row in rows.values():
                 if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
                     self.store.set_failed(row.agent, row.sample_id, error)
             it.episodes_failed += 1

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ class ConsistencyError(StoreError):
     """A row that would break the on-policy contract if it were trained on."""
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     PENDING = "pending"
     GENERATED = "generated"
     REWARDED = "rewarded"

@@ -59,7 +59,7 @@ def _listener_prompt(source: str, max_tokens: int):
     def prompt(ctx: EpisodeContext) -> NodePrompt:
         cands = ctx.data["candidates"]
         message = ctx.output(source)
-        return NodePrompt([BOS, TAG_LISTENER, *cands, SEP, *message, SEP], max_tokens, cands)
+        return NodePrompt([BOS, TAG_LISTENER, *cands, SEP, *message], max_tokens, cands)
 
     return prompt
 
@@ -81,7 +81,7 @@ def build_referential_game(
     layout = Layout(num_objects, num_symbols)
 
     def speak(ctx: EpisodeContext) -> NodePrompt:
-        return NodePrompt([BOS, TAG_SPEAKER, ctx.data["target"], SEP], message_length,
+        return NodePrompt([BOS, TAG_SPEAKER, SEP, ctx.data["target"]], message_length,
                           layout.symbols)
 
     graph = (
@@ -111,11 +111,11 @@ def build_relay_chain(
     layout = Layout(num_objects, num_symbols)
 
     def speak(ctx: EpisodeContext) -> NodePrompt:
-        return NodePrompt([BOS, TAG_SPEAKER, ctx.data["target"], SEP], message_length,
+        return NodePrompt([BOS, TAG_SPEAKER, SEP, ctx.data["target"]], message_length,
                           layout.symbols)
 
     def relay(ctx: EpisodeContext) -> NodePrompt:
-        return NodePrompt([BOS, TAG_RELAY, *ctx.output("speak"), SEP], relay_length,
+        return NodePrompt([BOS, TAG_RELAY, SEP, *ctx.output("speak")], relay_length,
                           layout.symbols)
 
     graph = (

@@ -9,6 +9,7 @@ actor.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,7 @@ class AgentTrainer:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         self.model.config.save_pretrained(str(directory))
         (directory / "flexmarl.json").write_text(
-            '{"agent": "%s", "policy_version": %d}\n' % (self.agent, self.version)
+            json.dumps({"agent": self.agent, "policy_version": self.version}) + "\n"
         )
         return directory
 
