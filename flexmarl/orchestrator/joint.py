@@ -15,7 +15,6 @@ with version k, in episodes whose version vector is iteration k's, each row once
 from __future__ import annotations
 
 import asyncio
-import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
@@ -207,7 +206,7 @@ class JointOrchestrator:
         self._maybe_group_ready(it, input_id)
         it.episodes_done += 1
         if it.episodes_done == it.episodes_total:
-            it.rollout_finished_at = time.time()
+            it.rollout_finished_at = self.telemetry.now()
             it.rollout_done.set()
 
     def _score(self, ctx: EpisodeContext, rows: dict[str, Row]) -> dict[str, float]:
@@ -257,7 +256,8 @@ class JointOrchestrator:
     async def rollout_iteration(self, k: int) -> IterationState:
         n_inputs = self.cfg.train.inputs_per_iteration
         group = self.cfg.train.group_size
-        it = IterationState(index=k, episodes_total=n_inputs * group, started_at=time.time())
+        it = IterationState(index=k, episodes_total=n_inputs * group,
+                            started_at=self.telemetry.now())
         self.iterations[k] = it
         rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k))
         inputs = self.task.sample_inputs(rng, n_inputs)
@@ -325,7 +325,7 @@ class JointOrchestrator:
         it.trained[agent] = metrics
         await self._publish(agent, k + 1, weights)
         self.store.evict(agent, k)
-        it.train_done[agent] = time.time()
+        it.train_done[agent] = self.telemetry.now()
 
     async def _publish(self, agent: str, version: int, weights: Weights) -> None:
         await self.rollout.publish(agent, version, weights)
@@ -334,7 +334,7 @@ class JointOrchestrator:
 
     # --- drivers -----------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
-        self._start = self._last_done = time.time()
+        self._start = self._last_done = self.telemetry.now()
         # Version 0 comes from the trainers, so rollout and training start from the same weights.
         for agent in self.trainable:
             await self.rollout.publish(agent, 0, await self.train.weights(agent))
@@ -383,7 +383,7 @@ class JointOrchestrator:
 
     def _finish_iteration(self, k: int) -> None:
         it = self.iterations[k]
-        now = time.time()
+        now = self.telemetry.now()
         t0 = self._last_done
         self._last_done = now
         n_ok = it.episodes_total - it.episodes_failed

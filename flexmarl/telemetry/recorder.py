@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,13 @@ class Span:
 
 
 class Telemetry:
-    def __init__(self, out_dir: Path | None = None) -> None:
+    def __init__(
+        self, out_dir: Path | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        """`clock` is wall time for real runtimes and the virtual clock for the simulator."""
         self.out_dir = out_dir
-        self.t0 = time.time()
+        self.now = clock
+        self.t0 = clock()
         self.spans: list[Span] = []
         self.events: list[dict[str, Any]] = []
         self._metrics_file = None
@@ -46,7 +51,7 @@ class Telemetry:
         self.spans.append(Span(pool, worker, start, end, label))
 
     def event(self, name: str, **fields: Any) -> None:
-        self.events.append({"name": name, "time": time.time(), **fields})
+        self.events.append({"name": name, "time": self.now(), **fields})
 
     def busy_seconds(self, pool: str, t0: float, t1: float) -> float:
         total = 0.0

@@ -39,7 +39,7 @@ def test_sync_and_async_give_equal_checkpoints_in_deterministic_mode(tmp_path):
     for mode in ("sync", "async"):
         cfg = load_config(EXAMPLES / "referential_game.yaml",
                           [f"pipeline.mode={mode}", "runtime.deterministic=true",
-                           "train.iterations=3", "train.inputs_per_iteration=16"])
+                           "train.iterations=3"])
         results[mode] = train(cfg, tmp_path / mode)
         _assert_exactly_once(results[mode], cfg)
     for agent, path in results["sync"].checkpoints.items():
