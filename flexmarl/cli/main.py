@@ -12,22 +12,17 @@ import sys
 from pathlib import Path
 
 from flexmarl.config.schema import ConfigError, load_config
-from flexmarl.graph.meg import GraphError
-from flexmarl.graph.task import TaskLoadError
-from flexmarl.policy.model import ModelLoadError
-from flexmarl.store.experience import StoreError
-
-USER_ERRORS = (ConfigError, GraphError, TaskLoadError, ModelLoadError, StoreError)
+from flexmarl.errors import UserError
 
 
 def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
+    cfg = load_config(args.config, args.set)  # config errors surface before torch loads
     from flexmarl.orchestrator.run import prepare, train
 
-    console = Console(stderr=True)
-    cfg = load_config(args.config, args.set)
     out = Path(args.out or cfg.out or Path("runs") / cfg.name)
     prepare(cfg)  # fail fast, before any worker starts
     console.print(
@@ -97,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except USER_ERRORS as exc:
+    except UserError as exc:
         if os.environ.get("FLEXMARL_DEBUG"):
             raise
         print(f"error: {exc}", file=sys.stderr)

@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexmarl.errors import UserError
 
-class GraphError(ValueError):
+
+class GraphError(UserError, ValueError):
     """A graph that cannot run: names the node, agent or cycle at fault."""
 
 

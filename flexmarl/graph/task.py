@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.errors import UserError
 from flexmarl.graph.meg import MEG
 
 
-class TaskLoadError(ValueError):
+class TaskLoadError(UserError, ValueError):
     """The task's import path or its options are wrong."""
 
 

@@ -9,9 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from flexmarl.config.schema import ModelConfig
+from flexmarl.errors import UserError
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """The agent's model could not be built or loaded; names the agent and the field."""
 
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.errors import UserError
 
-class StoreError(RuntimeError):
+
+class StoreError(UserError, RuntimeError):
     """A store operation that would corrupt the data: names the agent, row and states."""
 
 
