@@ -69,6 +69,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from flexmarl.sim.simulate import simulate
+    from flexmarl.sim.workload import WorkloadError
+
+    try:
+        simulate(args.workload, args.baseline or None, iterations=args.iterations,
+                 out=args.out or Path("runs") / "sim" / Path(args.workload).stem,
+                 pictures=not args.no_pictures)
+    except (WorkloadError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--out", default=None)
     b.set_defaults(fn=_bench)
+    m = sub.add_parser("simulate", help="the real orchestrator on a simulated cluster, with "
+                                         "baselines side by side")
+    m.add_argument("workload", help="workload YAML (see examples/sim/)")
+    m.add_argument("--baseline", action="append", default=[],
+                   help="system to compare (marti-like, sync-disaggregated, flexmarl-sync, "
+                        "flexmarl-static-balance, flexmarl-static-alloc); repeatable")
+    m.add_argument("--iterations", type=int, default=None)
+    m.add_argument("--out", default=None)
+    m.add_argument("--no-pictures", action="store_true")
+    m.set_defaults(fn=_simulate)
     return parser
 
 

@@ -98,7 +98,7 @@ class RolloutConfig(Strict):
 
 
 class RuntimeConfig(Strict):
-    kind: Literal["local"] = "local"
+    kind: Literal["local", "sim"] = "local"
     rollout_workers: int = Field(1, gt=0)
     train_workers: int = Field(1, gt=0)
     torch_threads: int = Field(1, gt=0)

@@ -155,9 +155,9 @@ class JointOrchestrator:
             rows[name] = row
             acfg = self.cfg.agents[agent]
             request = GenerationRequest(
-                sample_id=sample_id, agent=agent, version=version, prompt=list(prompt.tokens),
+                sample_id=sample_id, agent=agent, version=version, prompt=prompt.tokens,
                 max_new_tokens=prompt.max_new_tokens, allowed_tokens=prompt.allowed_tokens,
-                stop_tokens=list(prompt.stop_tokens), temperature=acfg.sampling.temperature,
+                stop_tokens=prompt.stop_tokens, temperature=acfg.sampling.temperature,
                 seed=self.cfg.seed,
             )
             result = await self.rollout.generate(request, priority)
@@ -268,6 +268,9 @@ class JointOrchestrator:
             for i in range(n_inputs) for j in range(group)
         ]
         await asyncio.gather(*episodes)
+        end = getattr(self.rollout, "end_iteration", None)
+        if end is not None:  # e.g. the balancer re-plans from this iteration's demand
+            end(k)
         return it
 
     # --- training ----------------------------------------------------------------------------
@@ -285,9 +288,11 @@ class JointOrchestrator:
     async def train_iteration(self, agent: str, k: int) -> None:
         """Consume agent's rows of version k in canonical micro-batches, then step.
 
-        Micro-batch j holds the rows of groups [j*m, (j+1)*m) (m groups of ~micro_batch_size
-        rows); it is trained as soon as those groups are complete. The split, and so the
-        summation order of gradients, never depends on timing: sync and async runs agree.
+        A micro-batch is m complete groups (~micro_batch_size rows). In deterministic mode (and
+        in sync mode, where all groups are complete anyway) micro-batch j is groups
+        [j*m, (j+1)*m), so the split and the summation order of gradients never depend on
+        timing and sync and async runs agree bitwise; otherwise the first m groups to complete
+        go first, so training starts as early as possible.
         """
         it = self.iterations[k]
         n_inputs = self.cfg.train.inputs_per_iteration
@@ -297,13 +302,26 @@ class JointOrchestrator:
         changed = self._changed_event(agent)
         vector = self.vector(k)
         table = self.store.table(agent)
-        for start in range(0, n_inputs, groups_per_mb):
-            chunk = range(start, min(n_inputs, start + groups_per_mb))
-            while True:
-                changed.clear()
-                if all(i in it.groups_done for i in chunk):
-                    break
-                await changed.wait()
+        canonical = self.cfg.runtime.deterministic or self.cfg.pipeline.mode == "sync"
+        taken: set[int] = set()
+        while len(taken) < n_inputs:
+            if canonical:  # fixed chunks in input order: the split never depends on timing
+                start = min(set(range(n_inputs)) - taken)
+                chunk = list(range(start, min(n_inputs, start + groups_per_mb)))
+                while True:
+                    changed.clear()
+                    if all(i in it.groups_done for i in chunk):
+                        break
+                    await changed.wait()
+            else:  # whichever groups completed first, as soon as a micro-batch is full
+                while True:
+                    changed.clear()
+                    done = sorted(it.groups_done - taken)
+                    if len(done) >= groups_per_mb or len(done) == n_inputs - len(taken):
+                        chunk = done[:groups_per_mb]
+                        break
+                    await changed.wait()
+            taken.update(chunk)
             ids = [
                 sid
                 for i in chunk

@@ -1,0 +1,216 @@
+"""`flexmarl simulate`: run the production orchestrator on a simulated cluster, FlexMARL and
+baselines side by side, and report makespan, speedup, utilisation and efficiency.
+
+Baselines are settings of the same simulator (named for what they model):
+- `marti-like`: colocated hybrid engine (rollout and training take turns on every device, with
+  engine sleep/wake), synchronous, static equal replica split, agents trained one after another;
+- `sync-disaggregated`: separate rollout and training pools, synchronous, static splits;
+- `flexmarl`: async micro-batch pipeline + hierarchical balancing + agent-centric allocation;
+- ablations `flexmarl-sync`, `flexmarl-static-balance`, `flexmarl-static-alloc` switch off one
+  feature each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.runtime.sim.clock import run_virtual
+from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
+from flexmarl.sim.task import workload_config, workload_task
+from flexmarl.sim.workload import Workload, load_workload
+from flexmarl.store.experience import parse_sample_id
+from flexmarl.telemetry.recorder import Telemetry
+
+SYSTEMS: dict[str, tuple[str, SimFeatures]] = {
+    "marti-like": ("sync", SimFeatures(colocated=True, balance="static", allocation="static",
+                                        sequential_training=True)),
+    "sync-disaggregated": ("sync", SimFeatures(balance="static", allocation="static")),
+    "flexmarl": ("async", SimFeatures()),
+    "flexmarl-sync": ("sync", SimFeatures()),
+    "flexmarl-static-balance": ("async", SimFeatures(balance="static")),
+    "flexmarl-static-alloc": ("async", SimFeatures(allocation="static")),
+}
+BASELINES = ["marti-like", "sync-disaggregated"]
+ABLATIONS = ["flexmarl-sync", "flexmarl-static-balance", "flexmarl-static-alloc"]
+
+
+@dataclass
+class SimResult:
+    system: str
+    iterations: int
+    makespan_s: float
+    per_iteration_s: float
+    utilisation: float
+    lower_bound_s: float
+    efficiency: float
+    real_s: float
+    runtime: SimRuntime
+    records: list[dict[str, Any]]
+
+
+def simulate_system(wl: Workload, system: str, iterations: int | None = None) -> SimResult:
+    if system not in SYSTEMS:
+        raise ValueError(f"--baseline: unknown system {system!r} (known: {', '.join(SYSTEMS)})")
+    mode, features = SYSTEMS[system]
+    cfg = workload_config(wl, mode=mode, iterations=iterations)
+    task = workload_task(wl)
+    started = time.perf_counter()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        telemetry = Telemetry(None, clock=loop.time)
+        rt = SimRuntime(wl, features)
+        await rt.start()
+        try:
+            orch = JointOrchestrator(cfg, task, rt.rollout, rt.train, telemetry)
+            records = await orch.run()
+        finally:
+            await rt.stop()
+        return rt, orch, records
+
+    rt, orch, records = run_virtual(main())
+    real = time.perf_counter() - started
+    n = len(records)
+    makespan = records[-1]["time_s"]
+    busy = rt.busy_accel_seconds()
+    utilisation = busy / (rt.total * makespan)
+    lower = lower_bound(rt, orch, n)
+    per_it = makespan / n
+    return SimResult(system, n, makespan, per_it, utilisation, lower, lower / per_it, real, rt,
+                     records)
+
+
+def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> float:
+    """max(critical path of one iteration, total work / total capacity), per iteration.
+
+    The critical path is the slowest episode's dependency chain with every node served alone
+    on an idle engine, plus the slowest agent's optimizer step and weight publication; the
+    work is the busy accelerator-seconds of this very run.
+    """
+    node_of = {turn: name for name, turn in orch.turns.items()}
+    episodes: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    for sid, lat in rt.solo_latency.items():
+        input_id, turn, traj = parse_sample_id(sid)
+        episodes[(input_id, traj)][node_of[turn]] = lat
+    chain = 0.0
+    for lats in episodes.values():
+        finish: dict[str, float] = {}
+        for name in orch.order:
+            if name in lats:
+                node = orch.graph.nodes[name]
+                start = max((finish.get(i, 0.0) for i in node.inputs), default=0.0)
+                finish[name] = start + lats[name]
+        chain = max(chain, max(finish.values(), default=0.0))
+    tail = 0.0
+    for agent in rt.trainable:
+        spec = rt.wl.agent(agent)
+        tail = max(tail, rt.cost.optimizer_step_time(spec.model, rt.train_alloc[agent])
+                   + rt.cost.weight_transfer_time(spec.model, inter_node=True, links=spec.tp))
+    critical = chain / 1.0 + tail
+    work = rt.busy_accel_seconds() / rt.total / iterations
+    return max(critical, work)
+
+
+def write_trace(result: SimResult, path: Path) -> Path:
+    lanes = sorted({s.lane for s in result.runtime.spans})
+    tid = {lane: i for i, lane in enumerate(lanes)}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid[lane], "args": {"name": lane}}
+        for lane in lanes
+    ]
+    for s in result.runtime.spans:
+        events.append({"ph": "X", "name": f"{s.kind}:{s.agent}", "cat": s.pool, "pid": 1,
+                       "tid": tid[s.lane], "ts": s.start * 1e6,
+                       "dur": (s.end - s.start) * 1e6, "args": {"accelerators": s.accelerators}})
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return path
+
+
+def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60) -> Path:
+    """One panel per system, one lane per worker, colour per agent; rollout solid, training
+    hatched. Lanes beyond `max_lanes` (large clusters) are left out of the picture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    agents = [a.name for a in results[0].runtime.wl.agents]
+    cmap = plt.get_cmap("tab20" if len(agents) > 10 else "tab10")
+    colour = {a: cmap(i % cmap.N) for i, a in enumerate(agents)}
+    horizon = max(r.makespan_s for r in results)
+    fig, axes = plt.subplots(len(results), 1, figsize=(14, 3.2 * len(results)), squeeze=False)
+    for ax, res in zip(axes[:, 0], results, strict=True):
+        spans = [s for s in res.runtime.spans if s.pool in ("rollout", "train")]
+        lanes = sorted({s.lane for s in spans}, key=lambda x: (not x.startswith("rollout"), x))
+        shown = lanes[:max_lanes]
+        y = {lane: i for i, lane in enumerate(shown)}
+        for s in spans:
+            if s.lane not in y:
+                continue
+            ax.barh(y[s.lane], s.end - s.start, left=s.start, height=0.8,
+                    color=colour[s.agent], hatch="//" if s.pool == "train" else None,
+                    edgecolor="black" if s.pool == "train" else colour[s.agent], linewidth=0.2)
+        ax.set_yticks(range(len(shown)))
+        ax.set_yticklabels(shown, fontsize=5 if len(shown) > 30 else 7)
+        ax.set_xlim(0, horizon)
+        ax.invert_yaxis()
+        extra = f" ({len(lanes) - len(shown)} more lanes not shown)" if len(lanes) > len(shown) \
+            else ""
+        ax.set_title(f"{res.system}: {res.per_iteration_s:.1f} s/iteration, utilisation "
+                     f"{res.utilisation:.2f}{extra}", fontsize=10)
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    handles = [Patch(color=colour[a], label=a) for a in agents]
+    handles += [Patch(facecolor="white", edgecolor="black", label="rollout (solid)"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="training")]
+    fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=2)
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def simulate(path: str | Path, systems: list[str] | None = None, iterations: int | None = None,
+             out: str | Path | None = None, pictures: bool = True) -> list[SimResult]:
+    wl = load_workload(path)
+    systems = systems or ["flexmarl", *BASELINES]
+    if "flexmarl" not in systems:
+        systems = ["flexmarl", *systems]
+    results = [simulate_system(wl, s, iterations) for s in systems]
+    flex = results[0]
+    print(f"workload {wl.name}: {wl.cluster.nodes} nodes x {wl.cluster.accelerators_per_node} "
+          f"{wl.cluster.accelerator.name}, {len(wl.agents)} agents, "
+          f"{wl.episodes_per_iteration} episodes/iteration, {flex.iterations} iterations")
+    print(f"{'system':<24}{'s/iteration':>12}{'speedup':>9}{'util':>7}{'util x':>8}"
+          f"{'lower bound':>12}{'efficiency':>11}{'real s':>8}")
+    for r in results:
+        print(f"{r.system:<24}{r.per_iteration_s:>12.1f}{r.per_iteration_s and flex.per_iteration_s and r.per_iteration_s / flex.per_iteration_s:>9.2f}"  # noqa: E501
+              f"{r.utilisation:>7.2f}{flex.utilisation / r.utilisation:>8.2f}"
+              f"{r.lower_bound_s:>12.1f}{r.efficiency:>11.2f}{r.real_s:>8.1f}")
+    print("(speedup = that system's s/iteration / FlexMARL's; util x = FlexMARL's utilisation / "
+          "that system's)")
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_trace(flex, out / "trace.json")
+        summary = [{"system": r.system, "per_iteration_s": r.per_iteration_s,
+                    "makespan_s": r.makespan_s, "utilisation": r.utilisation,
+                    "lower_bound_s": r.lower_bound_s, "efficiency": r.efficiency,
+                    "real_s": r.real_s, "plan": r.runtime.plans[-1]} for r in results]
+        (out / "report.json").write_text(json.dumps(summary, indent=2))
+        print(f"trace: {out / 'trace.json'}")
+        if pictures:
+            print(f"gantt: {write_gantt(results, out / 'gantt.png')}")
+    return results
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
