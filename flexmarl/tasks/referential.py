@@ -40,6 +40,26 @@ def _check(name: str, value: int, low: int) -> None:
         raise GraphError(f"task.options.{name}: must be an integer >= {low}, got {value!r}")
 
 
+def _layout(num_objects: int, num_candidates: int, num_symbols: int, **lengths: int) -> Layout:
+    """Validate the options (errors name the option) and lay out the vocabulary."""
+    for name, value, low in (("num_objects", num_objects, 2), ("num_candidates", num_candidates, 2),
+                             ("num_symbols", num_symbols, 2),
+                             *((k, v, 1) for k, v in lengths.items())):
+        _check(name, value, low)
+    if num_candidates > num_objects:
+        raise GraphError("task.options.num_candidates: must not exceed num_objects")
+    return Layout(num_objects, num_symbols)
+
+
+def _speaker_prompt(layout: Layout, message_length: int):
+    def speak(ctx: EpisodeContext) -> NodePrompt:
+        # the target comes last, right where the message is decoded from
+        return NodePrompt([BOS, TAG_SPEAKER, SEP, ctx.data["target"]], message_length,
+                          layout.symbols)
+
+    return speak
+
+
 def _sampler(layout: Layout, num_candidates: int):
     def sample_inputs(rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
         out = []
@@ -72,17 +92,8 @@ def build_referential_game(
     num_objects: int = 8, num_candidates: int = 4, message_length: int = 1,
     num_symbols: int = 8,
 ) -> Task:
-    for name, value, low in (("num_objects", num_objects, 2), ("num_candidates", num_candidates, 2),
-                             ("message_length", message_length, 1),
-                             ("num_symbols", num_symbols, 2)):
-        _check(name, value, low)
-    if num_candidates > num_objects:
-        raise GraphError("task.options.num_candidates: must not exceed num_objects")
-    layout = Layout(num_objects, num_symbols)
-
-    def speak(ctx: EpisodeContext) -> NodePrompt:
-        return NodePrompt([BOS, TAG_SPEAKER, SEP, ctx.data["target"]], message_length,
-                          layout.symbols)
+    layout = _layout(num_objects, num_candidates, num_symbols, message_length=message_length)
+    speak = _speaker_prompt(layout, message_length)
 
     graph = (
         MEG()
@@ -102,17 +113,9 @@ def build_relay_chain(
     num_objects: int = 8, num_candidates: int = 4, message_length: int = 2,
     relay_length: int = 8, num_symbols: int = 8,
 ) -> Task:
-    for name, value, low in (("num_objects", num_objects, 2), ("num_candidates", num_candidates, 2),
-                             ("message_length", message_length, 1),
-                             ("relay_length", relay_length, 1), ("num_symbols", num_symbols, 2)):
-        _check(name, value, low)
-    if num_candidates > num_objects:
-        raise GraphError("task.options.num_candidates: must not exceed num_objects")
-    layout = Layout(num_objects, num_symbols)
-
-    def speak(ctx: EpisodeContext) -> NodePrompt:
-        return NodePrompt([BOS, TAG_SPEAKER, SEP, ctx.data["target"]], message_length,
-                          layout.symbols)
+    layout = _layout(num_objects, num_candidates, num_symbols, message_length=message_length,
+                     relay_length=relay_length)
+    speak = _speaker_prompt(layout, message_length)
 
     def relay(ctx: EpisodeContext) -> NodePrompt:
         return NodePrompt([BOS, TAG_RELAY, SEP, *ctx.output("speak")], relay_length,
