@@ -1,4 +1,4 @@
-"""`flexmarl` command line: train, bench.
+"""`flexmarl` command line: train, bench, simulate, serve-model.
 
 Errors a user can fix (config, graph, task, model) print one clear message and exit 2;
 nothing prints a traceback wall unless FLEXMARL_DEBUG=1.
@@ -82,6 +82,17 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_model(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"serve-model: {path} is not a model folder (no config.json); pass a "
+                          "checkpoint such as runs/<name>/checkpoints/final/<agent>")
+    from flexmarl.rollout.server import serve
+
+    serve(str(path), args.host, args.port, args.max_batch_seqs)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default=None)
     m.add_argument("--no-pictures", action="store_true")
     m.set_defaults(fn=_simulate)
+    s = sub.add_parser("serve-model", help="serve a checkpoint on an OpenAI-compatible "
+                                            "/v1/completions endpoint (token ids, log-probs)")
+    s.add_argument("path", help="model folder (config.json + model.safetensors)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--max-batch-seqs", type=int, default=32)
+    s.set_defaults(fn=_serve_model)
     return parser
 
 

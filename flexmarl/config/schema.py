@@ -68,8 +68,27 @@ class OptimConfig(Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
 
 
+class BackendConfig(Strict):
+    """Where the agent's rollout requests are served (DESIGN.md section 6).
+
+    `hf`: transformers inside the rollout pool's replicas (the default, CPU or GPU);
+    `openai`: an OpenAI-compatible `/v1/completions` endpoint, for frozen agents and judges;
+    `vllm`: vLLM engines inside the replicas (`pip install flexmarl[vllm]`, GPU only).
+    """
+
+    kind: Literal["hf", "openai", "vllm"] = "hf"
+    url: str | None = None  # openai: base URL, e.g. http://127.0.0.1:8000
+    model: str | None = None  # openai: the model name the endpoint expects
+    timeout_s: float = Field(30.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    backoff_s: float = Field(0.5, ge=0)  # first retry delay, doubled each retry
+    max_concurrency: int = Field(16, gt=0)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm
+
+
 class AgentConfig(Strict):
     model: ModelConfig = ModelConfig()
+    backend: BackendConfig = BackendConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     sampling: SamplingConfig = SamplingConfig()
     optim: OptimConfig = OptimConfig()
@@ -94,7 +113,13 @@ class PipelineConfig(Strict):
 
 
 class RolloutConfig(Strict):
+    # a replica's continuous batch: at most this many sequences, holding at most this many
+    # KV tokens (prompt + max_new_tokens each)
     max_batch_seqs: int = Field(64, gt=0)
+    max_batch_tokens: int = Field(65536, gt=0)
+    # hierarchical: capacity follows measured demand, requests go to the least-loaded replica
+    # (in tokens); static: equal split and round robin, the peers' baseline
+    balance: Literal["hierarchical", "static"] = "hierarchical"
 
 
 class RuntimeConfig(Strict):
@@ -120,9 +145,17 @@ class RunConfig(Strict):
     def _agents(self) -> RunConfig:
         if not self.agents:
             raise ValueError("agents: at least one agent is required")
-        for name in self.agents:
+        for name, agent in self.agents.items():
             if not name.isidentifier():
                 raise ValueError(f"agents: agent name {name!r} must be an identifier")
+            backend = agent.backend
+            if backend.kind == "openai":
+                if not backend.url:
+                    raise ValueError(f"agents.{name}.backend.url: required for the openai "
+                                     "backend (e.g. http://127.0.0.1:8000)")
+                if agent.trainable:
+                    raise ValueError(f"agents.{name}.backend: the openai backend serves frozen "
+                                     f"agents only; set agents.{name}.trainable: false")
         return self
 
 

@@ -55,6 +55,12 @@ class IterationState:
     train_done: dict[str, float] = field(default_factory=dict)
     rollout_finished_at: float = 0.0
     errors: list[str] = field(default_factory=list)
+    # rollout measurements: per agent queue waits (s) and tokens generated, per node latency
+    queue_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    node_latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    episode_latency: list[float] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
 
 
 class JointOrchestrator:
@@ -126,6 +132,7 @@ class JointOrchestrator:
             n: asyncio.get_running_loop().create_future() for n in self.order
         }
         priority = (k, index, traj)
+        episode_start = self.telemetry.now()
 
         async def run_node(name: str) -> None:
             node = self.graph.nodes[name]
@@ -160,7 +167,11 @@ class JointOrchestrator:
                 stop_tokens=prompt.stop_tokens, temperature=acfg.sampling.temperature,
                 seed=self.cfg.seed,
             )
+            submitted = self.telemetry.now()
             result = await self.rollout.generate(request, priority)
+            it.node_latency[name].append(self.telemetry.now() - submitted)
+            it.queue_waits[agent].append(result.queue_s)
+            it.tokens[agent] += len(result.tokens)
             self.store.set_generated(
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
@@ -203,11 +214,22 @@ class JointOrchestrator:
                     pass
         it.groups[input_id].append({n: r.sample_id for n, r in rows.items()} if error is None
                                    else {})
+        it.episode_latency.append(self.telemetry.now() - episode_start)
         self._maybe_group_ready(it, input_id)
         it.episodes_done += 1
         if it.episodes_done == it.episodes_total:
-            it.rollout_finished_at = self.telemetry.now()
-            it.rollout_done.set()
+            self._rollout_finished(it)
+
+    def _rollout_finished(self, it: IterationState) -> None:
+        """Iteration k's last episode is in: let the rollout pool re-plan from the store's
+        statistics (hierarchical balancing) before iteration k+1 submits anything."""
+        it.rollout_finished_at = self.telemetry.now()
+        end = getattr(self.rollout, "end_iteration", None)
+        if end is not None:
+            it.plan = end(it.index, self.store.generation_stats(it.index))
+            if it.plan is not None:
+                self.telemetry.event("rollout_plan", **it.plan)
+        it.rollout_done.set()
 
     def _score(self, ctx: EpisodeContext, rows: dict[str, Row]) -> dict[str, float]:
         """Team reward to every node of the episode, plus each node's own reward."""
@@ -268,9 +290,6 @@ class JointOrchestrator:
             for i in range(n_inputs) for j in range(group)
         ]
         await asyncio.gather(*episodes)
-        end = getattr(self.rollout, "end_iteration", None)
-        if end is not None:  # e.g. the balancer re-plans from this iteration's demand
-            end(k)
         return it
 
     # --- training ----------------------------------------------------------------------------
@@ -399,6 +418,32 @@ class JointOrchestrator:
             if not any(r["iteration"] == k for r in self.records):
                 self._finish_iteration(k)
 
+    def _rollout_metrics(self, it: IterationState) -> dict[str, Any]:
+        """Balance and latency of one iteration's rollout (DESIGN.md section 9 names)."""
+        t0, t1 = it.started_at, it.rollout_finished_at
+        span = max(t1 - t0, 1e-9)
+        busy = self.telemetry.busy_by_worker("rollout", self.rollout.n_workers, t0, t1)
+        out: dict[str, Any] = {}
+        for i, b in enumerate(busy):
+            out[f"rollout/replica/{i}/busy_frac"] = b / span
+        mean = float(np.mean(busy)) if busy else 0.0
+        # max/mean busy time across the pool's replicas: 1.0 is perfect balance
+        out["rollout/imbalance"] = max(busy) / mean if mean > 0 else 1.0
+        lat = it.episode_latency
+        out["rollout/episode_latency_p50_s"] = _quantile(lat, 0.5)
+        out["rollout/episode_latency_p95_s"] = _quantile(lat, 0.95)
+        for agent in self.agents:
+            waits = it.queue_waits.get(agent, [])
+            out[f"agent/{agent}/queue_wait_p50_s"] = _quantile(waits, 0.5)
+            out[f"agent/{agent}/queue_wait_p95_s"] = _quantile(waits, 0.95)
+            out[f"agent/{agent}/tokens_per_s"] = it.tokens.get(agent, 0) / span
+            out[f"agent/{agent}/tokens_generated"] = it.tokens.get(agent, 0)
+        for node, values in it.node_latency.items():
+            out[f"node/{node}/latency_p50_s"] = _quantile(values, 0.5)
+        if it.plan is not None:
+            out["rollout/plan"] = it.plan
+        return out
+
     def _finish_iteration(self, k: int) -> None:
         it = self.iterations[k]
         now = self.telemetry.now()
@@ -417,6 +462,7 @@ class JointOrchestrator:
             "pool/train/busy_frac": self.telemetry.busy_frac("train", self.train.n_workers, t0, now),
             "rollout/makespan_s": it.rollout_finished_at - it.started_at,
         }
+        record.update(self._rollout_metrics(it))
         for agent in self.agents:
             rewards = it.rewards.get(agent, [])
             record[f"agent/{agent}/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
@@ -430,6 +476,10 @@ class JointOrchestrator:
         self.telemetry.log(record)
         if self.on_iteration is not None:
             self.on_iteration(record)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(values, q)) if values else 0.0
 
 
 def format_exception(exc: BaseException) -> str:

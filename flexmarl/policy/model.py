@@ -57,6 +57,23 @@ def build_model(
     return model
 
 
+def approx_params(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameters of a Llama-shaped model, from the config alone (no weights loaded): the
+    per-token cost the rollout balancer weighs demand by (about 2 FLOPs per parameter)."""
+    hidden, inter, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, vocab_size
+    if cfg.kind == "path" and cfg.path:
+        config_file = Path(cfg.path) / "config.json"
+        if config_file.exists():
+            import json
+
+            c = json.loads(config_file.read_text())
+            hidden = c.get("hidden_size", hidden)
+            inter = c.get("intermediate_size", inter)
+            layers = c.get("num_hidden_layers", layers)
+            vocab = c.get("vocab_size", vocab)
+    return layers * (4 * hidden * hidden + 3 * hidden * inter) + 2 * vocab * hidden
+
+
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached CPU copy of the trainable weights, the unit of weight publication."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}

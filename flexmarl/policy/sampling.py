@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +28,16 @@ class GenerationRequest:
     stop_tokens: list[int] = field(default_factory=list)
     temperature: float = 1.0
     seed: int = 0
+    # An explicit sampling seed (requests served over HTTP carry one); when None the noise
+    # stream is keyed by (seed, sample_id, version), see `noise_seed_of`.
+    noise_seed: int | None = None
+
+
+def noise_seed_of(request: GenerationRequest) -> int:
+    """The seed of a request's Gumbel noise stream: the same on every replica and endpoint."""
+    if request.noise_seed is not None:
+        return request.noise_seed
+    return stable_seed(request.seed, request.sample_id, request.version)
 
 
 @dataclass
@@ -37,9 +46,12 @@ class GenerationResult:
     tokens: list[int]
     logprobs: list[float]
     version: int
+    admitted_at: float = 0.0  # when a batch slot took the request (the clock of its replica)
+    finished_at: float = 0.0
+    queue_s: float = 0.0  # time from submission to admission, filled in by the rollout pool
 
 
-def _mask_row(vocab: int, allowed: list[int] | None) -> torch.Tensor:
+def mask_row(vocab: int, allowed: list[int] | None) -> torch.Tensor:
     mask = torch.zeros(vocab, dtype=torch.bool)
     if allowed is None:
         mask[:] = True
@@ -48,65 +60,15 @@ def _mask_row(vocab: int, allowed: list[int] | None) -> torch.Tensor:
     return mask
 
 
-@torch.no_grad()
-def generate(model: torch.nn.Module, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    """Decode a batch of requests (left-padded, KV-cached) to their own lengths."""
+def generate(
+    model: torch.nn.Module, requests: list[GenerationRequest], max_seqs: int | None = None
+) -> list[GenerationResult]:
+    """Decode `requests` to their own lengths with continuous batching (see rollout.engine)."""
+    from flexmarl.rollout.engine import ContinuousBatcher
+
     if not requests:
         return []
-    vocab = model.config.vocab_size
-    bsz = len(requests)
-    width = max(len(r.prompt) for r in requests)
-    input_ids = torch.full((bsz, width), PAD, dtype=torch.long)
-    attn = torch.zeros((bsz, width), dtype=torch.long)
-    for i, r in enumerate(requests):
-        if not r.prompt:
-            raise ValueError(f"request {r.sample_id}: empty prompt")
-        input_ids[i, width - len(r.prompt) :] = torch.as_tensor(r.prompt)
-        attn[i, width - len(r.prompt) :] = 1
-    masks = torch.stack([_mask_row(vocab, r.allowed_tokens) for r in requests])
-    temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32).unsqueeze(1)
-    rngs = [np.random.default_rng(stable_seed(r.seed, r.sample_id, r.version)) for r in requests]
-    limits = [r.max_new_tokens for r in requests]
-    stops = [set(r.stop_tokens) for r in requests]
-    out_tokens: list[list[int]] = [[] for _ in requests]
-    out_logps: list[list[float]] = [[] for _ in requests]
-    done = [lim <= 0 for lim in limits]
-
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    next_pos = position_ids[:, -1:] + 1
-    for _ in range(max(limits)):
-        if all(done):
-            break
-        logits = out.logits[:, -1, :].float() / temps
-        logits = logits.masked_fill(~masks, float("-inf"))
-        logp = F.log_softmax(logits, dim=-1)
-        noise = torch.from_numpy(
-            np.stack([rng.gumbel(size=vocab) for rng in rngs]).astype(np.float32)
-        )
-        choice = torch.argmax(logp + noise, dim=-1)
-        chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
-        for i in range(bsz):
-            if done[i]:
-                continue
-            tok = int(choice[i])
-            out_tokens[i].append(tok)
-            out_logps[i].append(float(chosen_logp[i]))
-            if len(out_tokens[i]) >= limits[i] or tok in stops[i]:
-                done[i] = True
-        if all(done):
-            break
-        attn = torch.cat([attn, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
-        out = model(input_ids=choice.unsqueeze(1), attention_mask=attn, position_ids=next_pos,
-                    cache=cache, use_cache=True)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
-        next_pos = next_pos + 1
-    return [
-        GenerationResult(r.sample_id, out_tokens[i], out_logps[i], r.version)
-        for i, r in enumerate(requests)
-    ]
+    return ContinuousBatcher(model, max_seqs or len(requests)).run_to_completion(requests)
 
 
 @dataclass
@@ -145,7 +107,7 @@ def make_token_batch(
         if r:
             rtok[i, : len(r)] = torch.as_tensor(r)
         start[i] = len(p)
-    masks = torch.stack([_mask_row(vocab, a) for a in allowed])
+    masks = torch.stack([mask_row(vocab, a) for a in allowed])
     temps = torch.tensor(temperatures, dtype=torch.float32).unsqueeze(1)
     return TokenBatch(input_ids, attn, rmask, rtok, start, masks, temps)
 

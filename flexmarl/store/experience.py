@@ -175,6 +175,13 @@ class AgentTable:
         return sum(len(v) for (s, _), v in self._by_status.items() if s is status)
 
 
+@dataclass
+class GenerationStats:
+    rows: int = 0
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+
+
 class ExperienceStore:
     """The multi-table store. Single-writer (the orchestrator's event loop) by design."""
 
@@ -183,6 +190,7 @@ class ExperienceStore:
         self.objects = objects or LocalObjectStore()
         self.evicted: dict[str, dict[str, int]] = {a: defaultdict(int) for a in self.tables}
         self._listeners: list[Callable[[str], None]] = []
+        self._generation: dict[tuple[str, int], GenerationStats] = {}
 
     def table(self, agent: str) -> AgentTable:
         try:
@@ -211,8 +219,17 @@ class ExperienceStore:
         row.data.update(data)
         for name, array in arrays.items():
             row.refs[name] = self.objects.put(array)
+        stat = self._generation.setdefault((agent, row.iteration), GenerationStats())
+        stat.rows += 1
+        stat.prompt_tokens += len(data.get("prompt", ()))
+        stat.response_tokens += len(data.get("response", ()))
         self._notify(agent)
         return row
+
+    def generation_stats(self, iteration: int) -> dict[str, GenerationStats]:
+        """Per agent: rows generated in `iteration` and their prompt / response token counts,
+        the demand the rollout balancer plans from (kept after rows are evicted)."""
+        return {a: self._generation.get((a, iteration), GenerationStats()) for a in self.tables}
 
     def set_rewarded(self, agent: str, sample_id: str, reward: float) -> Row:
         row = self.table(agent).transition(sample_id, Status.REWARDED)

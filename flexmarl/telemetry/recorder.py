@@ -60,6 +60,14 @@ class Telemetry:
                 total += min(s.end, t1) - max(s.start, t0)
         return total
 
+    def busy_by_worker(self, pool: str, n_workers: int, t0: float, t1: float) -> list[float]:
+        """Busy seconds of each worker of `pool` within [t0, t1]."""
+        out = [0.0] * n_workers
+        for s in self.spans:
+            if s.pool == pool and s.end > t0 and s.start < t1 and 0 <= s.worker < n_workers:
+                out[s.worker] += min(s.end, t1) - max(s.start, t0)
+        return out
+
     def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float) -> float:
         if t1 <= t0 or n_workers <= 0:
             return 0.0

@@ -10,10 +10,14 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import threading
+import time
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
+from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.backends.openai import OpenAIBackend
+from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import SpanSink, Weights, WorkerError
 from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main, train_worker_main
 from flexmarl.training.trainer import Sample
@@ -142,25 +146,50 @@ class WorkerProxy:
 
 
 class LocalRolloutPool:
-    """Replicas each hosting every agent's model; requests go to the least-loaded replica."""
+    """Replicas (each able to host every agent's model) behind the hierarchical balancer;
+    agents served by an OpenAI-compatible endpoint bypass the replicas."""
 
-    def __init__(self, workers: list[WorkerProxy]) -> None:
+    def __init__(
+        self,
+        workers: list[WorkerProxy],
+        balancer: Balancer,
+        remote: dict[str, OpenAIBackend] | None = None,
+    ) -> None:
         self.workers = workers
         self.n_workers = len(workers)
+        self.balancer = balancer
+        self.remote = remote or {}
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
-        cost = len(request.prompt) + request.max_new_tokens
-        worker = min(self.workers, key=lambda w: (w.outstanding_tokens, w.index))
+        remote = self.remote.get(request.agent)
+        if remote is not None:
+            return await remote.generate(request)
+        cost = self.balancer.expected_cost(request.agent, len(request.prompt),
+                                           request.max_new_tokens)
+        index = self.balancer.pick(request.agent, [w.outstanding_tokens for w in self.workers])
+        worker = self.workers[index]
         worker.outstanding_tokens += cost
+        submitted = time.time()
         try:
-            return await worker.submit(request, priority)
+            result = await worker.submit(request, priority)
         finally:
             worker.outstanding_tokens -= cost
+        result.queue_s = max(0.0, result.admitted_at - submitted)
+        self.balancer.observe(request.agent, len(result.tokens))
+        return result
 
     async def publish(self, agent: str, version: int, weights: Weights) -> None:
+        if agent in self.remote:
+            raise WorkerError(f"agent {agent!r} is served by an external endpoint: its weights "
+                              "cannot be published")
         await asyncio.gather(
             *(w.call("load_weights", (agent, version, weights)) for w in self.workers)
         )
+
+    def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any]:
+        """Re-plan agents onto replicas from iteration k's measured demand."""
+        plan = self.balancer.replan(k + 1, self.balancer.demand_from(stats))
+        return plan.to_dict()
 
 
 class LocalTrainPool:
@@ -213,7 +242,12 @@ class LocalRuntime:
                         spec([a for a in trainable if binding[a] == i]), sink)
             for i in range(n_train)
         ]
-        self.rollout = LocalRolloutPool(self.rollout_workers)
+        local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
+        costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
+        balancer = Balancer(local_agents or agents, rt.rollout_workers, cfg.rollout.balance, costs)
+        remote = {a: OpenAIBackend(a, cfg.agents[a].backend, cfg.seed)
+                  for a in agents if cfg.agents[a].backend.kind == "openai"}
+        self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
         self.train = LocalTrainPool(self.train_workers, binding)
 
     async def start(self) -> None:

@@ -59,80 +59,134 @@ def _error(exc: BaseException) -> str:
 
 
 def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
-    """A rollout replica hosting the models of `spec.agents`; batches waiting requests."""
+    """A rollout replica hosting the models of `spec.agents`, one continuous batch per model.
+
+    Between decode steps it reads new requests and admits them into its model's running batch
+    as budgets allow; a finished sequence is answered at once, not when its batch ends. When
+    several models have work, the one holding the highest-priority request steps next.
+    """
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
-    from flexmarl.policy.model import build_model
-    from flexmarl.policy.sampling import generate
 
     cfg = RunConfig.model_validate(spec.config)
-    models = {
-        a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed)
-        for a in spec.agents
-    }
+    # Deterministic mode decodes each sequence alone: numerics then never depend on which
+    # requests happened to share a batch.
+    max_seqs = 1 if spec.deterministic else spec.max_batch_seqs
+    engines = {}
+    for a in spec.agents:
+        engines[a] = make_engine(a, cfg, spec, max_seqs)
     versions = dict.fromkeys(spec.agents, 0)
-    pending: list[tuple[int, Any]] = []  # (msg_id, GenerationRequest) in arrival order
+    waiting: dict[str, list[tuple[int, Any]]] = {a: [] for a in spec.agents}
     priorities: dict[int, tuple] = {}
+    running_ids: dict[str, dict[str, int]] = {a: {} for a in spec.agents}  # sample_id -> sub_id
+    deferred: dict[str, tuple[int, int, Any]] = {}  # agent -> (msg_id, version, weights)
+    busy_since: float | None = None
     running = True
     conn.send((-1, True, "ready", []))
+
+    def load(agent: str, msg_id: int, version: int, weights: Any) -> None:
+        t0 = time.time()
+        try:
+            engines[agent].load_weights(from_numpy(weights))
+            versions[agent] = version
+            conn.send((msg_id, True, version, [(t0, time.time(), f"load:{agent}")]))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send((msg_id, False, _error(exc), []))
+
+    def has_work() -> bool:
+        return any(waiting.values()) or any(e.active for e in engines.values())
+
     while running:
-        # Block only when idle; otherwise drain whatever arrived while we computed.
-        if not pending:
-            messages = [conn.recv()]
-        else:
-            messages = []
+        messages = [] if has_work() else [conn.recv()]  # block only when idle
         while conn.poll(0):
             messages.append(conn.recv())
         for msg_id, command, payload in messages:
             if command == "generate":
                 for sub_id, request, priority in payload:
-                    pending.append((sub_id, request))
+                    waiting[request.agent].append((sub_id, request))
                     priorities[sub_id] = priority
             elif command == "load_weights":
                 agent, version, weights = payload
-                t0 = time.time()
-                try:
-                    models[agent].load_state_dict(from_numpy(weights))
-                    versions[agent] = version
-                    conn.send((msg_id, True, version, [(t0, time.time(), f"load:{agent}")]))
-                except Exception as exc:  # noqa: BLE001 - reported to the parent
-                    conn.send((msg_id, False, _error(exc), []))
+                if engines[agent].active:  # never swap weights under running sequences
+                    deferred[agent] = (msg_id, version, weights)
+                else:
+                    load(agent, msg_id, version, weights)
             elif command == "stop":
                 running = False
                 conn.send((msg_id, True, None, []))
-        if not running or not pending:
+        for agent in list(deferred):
+            if not engines[agent].active:
+                load(agent, *deferred.pop(agent))
+        if not running or not has_work():
             continue
-        # The next batch: the agent of the highest-priority waiting request, then that agent's
-        # requests in priority order (episodes that started first finish first).
-        pending.sort(key=lambda item: priorities[item[0]])
-        agent = pending[0][1].agent
-        # Deterministic mode decodes each sequence alone: numerics then never depend on which
-        # requests happened to share a batch.
-        limit = 1 if spec.deterministic else spec.max_batch_seqs
-        chosen = [item for item in pending if item[1].agent == agent][:limit]
-        chosen_ids = {sub_id for sub_id, _ in chosen}
-        pending = [item for item in pending if item[0] not in chosen_ids]
-        replies = []
-        try:
-            stale = [r for _, r in chosen if r.version != versions[agent]]
+        replies: list[tuple[int, bool, Any]] = []
+        # requests for an older version than the replica holds can never be served
+        for agent, queue in waiting.items():
+            stale = [(i, r) for i, r in queue if r.version < versions[agent]]
+            for sub_id, r in stale:
+                replies.append((sub_id, False, f"agent {agent!r}: request {r.sample_id} wants "
+                                f"version {r.version}, replica holds {versions[agent]}"))
+                priorities.pop(sub_id, None)
             if stale:
-                raise RuntimeError(
-                    f"agent {agent!r}: request {stale[0].sample_id} wants version "
-                    f"{stale[0].version}, replica holds {versions[agent]}"
-                )
-            t0 = time.time()
-            results = generate(models[agent], [r for _, r in chosen])
-            t1 = time.time()
-            for (sub_id, _), result in zip(chosen, results, strict=True):
+                waiting[agent] = [item for item in queue if item not in stale]
+
+        def urgency(agent: str) -> tuple:
+            ids = [i for i, r in waiting[agent] if r.version == versions[agent]]
+            ids += list(running_ids[agent].values())
+            return min((priorities[i] for i in ids), default=(float("inf"),))
+
+        candidates = [a for a in engines if engines[a].active or any(
+            r.version == versions[a] for _, r in waiting[a])]
+        if busy_since is None:
+            busy_since = time.time()
+        if candidates:
+            agent = min(candidates, key=urgency)
+            engine = engines[agent]
+            queue = sorted(waiting[agent], key=lambda item: priorities[item[0]])
+            take, tokens = [], 0
+            for sub_id, r in queue:
+                if r.version != versions[agent] or not engine.fits(r, len(take), tokens):
+                    continue
+                take.append((sub_id, r))
+                tokens += len(r.prompt) + r.max_new_tokens
+            if take:
+                taken = {sub_id for sub_id, _ in take}
+                waiting[agent] = [item for item in waiting[agent] if item[0] not in taken]
+                for sub_id, r in take:
+                    running_ids[agent][r.sample_id] = sub_id
+            try:
+                finished = engine.admit([r for _, r in take]) + engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail this model's batch, keep serving
+                err = _error(exc)
+                finished = []
+                for sub_id in running_ids[agent].values():
+                    replies.append((sub_id, False, err))
+                    priorities.pop(sub_id, None)
+                running_ids[agent].clear()
+                engine.reset()
+            for result in finished:
+                sub_id = running_ids[agent].pop(result.sample_id)
+                priorities.pop(sub_id, None)
                 replies.append((sub_id, True, result))
-            span = (t0, t1, f"gen:{agent}:{len(chosen)}")
-        except Exception as exc:  # noqa: BLE001
-            err = _error(exc)
-            replies = [(sub_id, False, err) for sub_id, _ in chosen]
-            span = None
-        for sub_id, _ in chosen:
-            priorities.pop(sub_id, None)
-        conn.send((-2, True, replies, [span] if span else []))
+        if replies:
+            now = time.time()
+            label = f"gen:{'+'.join(a for a in engines if engines[a].active) or 'idle'}"
+            conn.send((-2, True, replies, [(busy_since, now, label)]))
+            busy_since = now if has_work() else None
+
+
+def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
+    """The agent's inference engine on this replica: transformers (hf) or vLLM."""
+    from flexmarl.policy.model import build_model
+    from flexmarl.rollout.engine import HFEngine
+
+    acfg = cfg.agents[agent]
+    if acfg.backend.kind == "vllm":
+        from flexmarl.rollout.backends.vllm import VLLMEngine
+
+        return VLLMEngine(agent, acfg, max_seqs)
+    model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed)
+    return HFEngine(model, max_seqs, cfg.rollout.max_batch_tokens)
 
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:

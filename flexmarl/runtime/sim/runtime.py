@@ -24,6 +24,7 @@ import numpy as np
 
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.balancer import allot_replicas
 from flexmarl.sim.cost import CostModel
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
@@ -181,14 +182,16 @@ class SimRolloutPool:
         await fut
         rt.tokens[request.agent] += out_len
         return GenerationResult(request.sample_id, SyntheticTokens(out_len), [],  # type: ignore[arg-type]
-                                request.version)
+                                request.version, admitted_at=seq.admitted,
+                                queue_s=seq.admitted - seq.enqueued)
 
     async def publish(self, agent: str, version: int, weights: dict) -> None:
         await self.rt.publish(agent, version)
 
-    def end_iteration(self, k: int) -> None:
+    def end_iteration(self, k: int, stats: dict | None = None) -> dict | None:
         """Between iterations the hierarchical balancer re-plans from measured demand."""
         self.rt.replan()
+        return dict(self.rt.plans[-1]) if self.rt.plans else None
 
 
 class SimTrainPool:
@@ -293,23 +296,10 @@ class SimRuntime:
             train_acc = self.total - roll_acc
         # replicas per agent
         units = {a.name: a.tp for a in wl.agents}
-        if f.balance == "hierarchical":
-            weights = roll_d
-        else:
-            weights = {a.name: 1.0 for a in wl.agents}
-        replicas = {n: 1 for n in units}
-        budget = roll_acc - sum(units.values())
-        # hand out replicas one at a time to the agent with the highest demand per replica
-        while budget > 0:
-            cands = [n for n in units if units[n] <= budget]
-            if not cands:
-                break
-            if f.balance == "hierarchical":
-                best = max(cands, key=lambda n: weights[n] / replicas[n])
-            else:
-                best = min(cands, key=lambda n: (replicas[n] * units[n], n))
-            replicas[best] += 1
-            budget -= units[best]
+        # the production balancer's inter-agent allotment, in whole replicas of tp accelerators
+        replicas = allot_replicas(roll_d, roll_acc,
+                                  "hierarchical" if f.balance == "hierarchical" else "static",
+                                  units)
         # training accelerators
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated or f.sequential_training:

@@ -1,0 +1,238 @@
+"""Continuous batching for one transformers model: admit and retire sequences at each decode step.
+
+A replica keeps one running batch per model. Newcomers are prefilled together and their KV rows
+are merged into the running cache (left-padded to a common length, masked out); a sequence that
+finishes leaves the batch at once and its KV rows are dropped, so the batch stays full while
+long-tail generations run. Per-sequence state (position, Gumbel stream keyed by (seed,
+sample_id, version), token mask, temperature) lives with the sequence, so a sequence decodes to
+the same tokens and log-probs whether alone or inside any batch (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flexmarl.policy.sampling import (
+    PAD,
+    GenerationRequest,
+    GenerationResult,
+    mask_row,
+    noise_seed_of,
+)
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    rng: np.random.Generator
+    mask: torch.Tensor
+    next_pos: int
+    admitted_at: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def budget(self) -> int:
+        """KV tokens this sequence may come to hold (prompt + its output limit)."""
+        return len(self.request.prompt) + self.request.max_new_tokens
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    extra = width - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class ContinuousBatcher:
+    """The running batch of one model on one replica.
+
+    `max_seqs` bounds the sequences decoded together, `max_tokens` the KV tokens they may hold
+    (prompt + max_new_tokens each): the two budgets a real engine gets from its KV memory.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_seqs: int = 64, max_tokens: int = 1 << 20):
+        if max_seqs < 1:
+            raise ValueError("max_seqs must be >= 1")
+        self.model = model
+        self.vocab = model.config.vocab_size
+        self.max_seqs = max_seqs
+        self.max_tokens = max_tokens
+        self.seqs: list[_Sequence] = []
+        self.cache = None
+        self.attn: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
+        self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
+        self._choice = torch.zeros(0, dtype=torch.long)  # sampled tokens not yet fed
+        self.steps = 0
+
+    # --- capacity ----------------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        return len(self.seqs)
+
+    def kv_budget_used(self) -> int:
+        return sum(s.budget for s in self.seqs)
+
+    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
+        """Would `request` fit next to the running batch and `already` other newcomers?"""
+        if self.active + already >= self.max_seqs:
+            return False
+        need = len(request.prompt) + request.max_new_tokens
+        used = self.kv_budget_used() + extra_tokens
+        # an empty batch always takes one request, however long, so nothing starves
+        return used + need <= self.max_tokens or (self.active + already) == 0
+
+    # --- admission: batched prefill, merged into the running cache ---------------------------
+    @torch.no_grad()
+    def admit(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Prefill `requests` and join them to the batch; returns any that finish at once."""
+        if not requests:
+            return []
+        now = time.time()
+        width = max(len(r.prompt) for r in requests)
+        bsz = len(requests)
+        input_ids = torch.full((bsz, width), PAD, dtype=torch.long)
+        attn = torch.zeros((bsz, width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            if not r.prompt:
+                raise ValueError(f"request {r.sample_id}: empty prompt")
+            input_ids[i, width - len(r.prompt):] = torch.as_tensor(r.prompt)
+            attn[i, width - len(r.prompt):] = 1
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        new = [
+            _Sequence(r, np.random.default_rng(noise_seed_of(r)),
+                      mask_row(self.vocab, r.allowed_tokens), len(r.prompt), now)
+            for r in requests
+        ]
+        start = len(self.seqs)
+        self._merge(new, cache, attn, out.logits[:, -1, :].float())
+        return self._sample(start)
+
+    def _merge(self, new: list[_Sequence], cache, attn: torch.Tensor, logits: torch.Tensor):
+        if self.cache is None or not self.seqs:
+            self.seqs, self.cache, self.attn, self.logits = new, cache, attn, logits
+            self._choice = torch.zeros(0, dtype=torch.long)
+            return
+        assert self.attn is not None
+        width = max(self.attn.shape[1], attn.shape[1])
+        for old_layer, new_layer in zip(self.cache.layers, cache.layers, strict=True):
+            old_layer.keys = torch.cat(
+                [_pad_left(old_layer.keys, width, 2), _pad_left(new_layer.keys, width, 2)])
+            old_layer.values = torch.cat(
+                [_pad_left(old_layer.values, width, 2), _pad_left(new_layer.values, width, 2)])
+        self.attn = torch.cat([_pad_left(self.attn, width, 1), _pad_left(attn, width, 1)])
+        self.logits = torch.cat([logits.new_zeros((len(self.seqs), logits.shape[1])), logits])
+        self.seqs = self.seqs + new
+
+    # --- decoding ----------------------------------------------------------------------------
+    def _sample(self, start: int = 0) -> list[GenerationResult]:
+        """Pick the next token of sequences `start:` from their logits; retire finished ones.
+
+        Every running sequence holds one sampled token not yet fed to the model (`_choice`):
+        `step` feeds them all, newcomers get theirs here right after their prefill.
+        """
+        assert self.logits is not None
+        seqs = self.seqs[start:]
+        temps = torch.tensor([s.request.temperature for s in seqs],
+                             dtype=torch.float32).unsqueeze(1)
+        masks = torch.stack([s.mask for s in seqs])
+        logits = self.logits[start:]
+        logp = F.log_softmax((logits / temps).masked_fill(~masks, float("-inf")), dim=-1)
+        noise = torch.from_numpy(
+            np.stack([s.rng.gumbel(size=self.vocab) for s in seqs]).astype(np.float32))
+        choice = torch.argmax(logp + noise, dim=-1)
+        chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+        self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
+        self.logits = None
+        finished = []
+        for j, s in enumerate(seqs):
+            if s.request.max_new_tokens <= 0:
+                finished.append(start + j)
+                continue
+            tok = int(choice[j])
+            s.tokens.append(tok)
+            s.logprobs.append(float(chosen[j]))
+            if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens:
+                finished.append(start + j)
+        results = [self._result(self.seqs[i]) for i in finished]
+        if finished:
+            gone = set(finished)
+            self._retire([i for i in range(len(self.seqs)) if i not in gone])
+        return results
+
+    def _result(self, s: _Sequence) -> GenerationResult:
+        r = s.request
+        return GenerationResult(r.sample_id, s.tokens, s.logprobs, r.version,
+                                admitted_at=s.admitted_at, finished_at=time.time())
+
+    def _retire(self, keep: list[int]) -> None:
+        if not keep:
+            self.seqs, self.cache, self.attn, self.logits = [], None, None, None
+            return
+        assert self.attn is not None
+        idx = torch.as_tensor(keep, dtype=torch.long)
+        self.seqs = [self.seqs[i] for i in keep]
+        self._choice = self._choice[idx]
+        attn = self.attn[idx]
+        # columns that now hold padding in every remaining row can go
+        first = int((attn.sum(0) > 0).nonzero()[0]) if attn.sum() > 0 else 0
+        self.attn = attn[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+
+    @torch.no_grad()
+    def step(self) -> list[GenerationResult]:
+        """One decode step for every running sequence; returns those that finished."""
+        if not self.seqs:
+            return []
+        assert self.attn is not None
+        bsz = len(self.seqs)
+        self.attn = torch.cat([self.attn, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
+        pos = torch.tensor([[s.next_pos] for s in self.seqs], dtype=torch.long)
+        out = self.model(input_ids=self._choice.unsqueeze(1), attention_mask=self.attn,
+                         position_ids=pos, cache=self.cache, use_cache=True)
+        self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        for s in self.seqs:
+            s.next_pos += 1
+        self.logits = out.logits[:, -1, :].float()
+        self.steps += 1
+        return self._sample()
+
+    def run_to_completion(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Decode `requests` (admitted as room frees up) until all finish; in request order."""
+        queue = list(requests)
+        done: dict[str, GenerationResult] = {}
+        while queue or self.seqs:
+            take = []
+            tokens = 0
+            while queue and self.fits(queue[0], len(take), tokens):
+                tokens += len(queue[0].prompt) + queue[0].max_new_tokens
+                take.append(queue.pop(0))
+            for res in self.admit(take) + self.step():
+                done[res.sample_id] = res
+        return [done[r.sample_id] for r in requests]
+
+
+class HFEngine(ContinuousBatcher):
+    """The `hf` backend on a replica: continuous batching plus in-place weight updates."""
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.active:
+            raise RuntimeError("cannot load weights while sequences are running")
+        self.model.load_state_dict(weights)
+
+    def reset(self) -> None:
+        """Drop the running batch (after a failure); the model stays loaded."""
+        self.seqs, self.cache, self.attn, self.logits = [], None, None, None
+        self._choice = torch.zeros(0, dtype=torch.long)
