@@ -8,6 +8,7 @@ Tensors cross the pipe as numpy arrays (plain pickling, no shared-memory file de
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import traceback
@@ -81,6 +82,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     running_ids: dict[str, dict[str, int]] = {a: {} for a in spec.agents}  # sample_id -> sub_id
     deferred: dict[str, tuple[int, int, Any]] = {}  # agent -> (msg_id, version, weights)
     busy_since: float | None = None
+    step_turn = itertools.count()
     running = True
     conn.send((-1, True, "ready", []))
 
@@ -130,17 +132,15 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             if stale:
                 waiting[agent] = [item for item in queue if item not in stale]
 
-        def urgency(agent: str) -> tuple:
-            ids = [i for i, r in waiting[agent] if r.version == versions[agent]]
-            ids += list(running_ids[agent].values())
-            return min((priorities[i] for i in ids), default=(float("inf"),))
-
         candidates = [a for a in engines if engines[a].active or any(
             r.version == versions[a] for _, r in waiting[a])]
         if busy_since is None:
             busy_since = time.time()
         if candidates:
-            agent = min(candidates, key=urgency)
+            # models sharing a replica take decode steps in turn: an upstream agent with a few
+            # short requests is never starved behind another model's long generations
+            turn = next(step_turn)
+            agent = candidates[turn % len(candidates)]
             engine = engines[agent]
             queue = sorted(waiting[agent], key=lambda item: priorities[item[0]])
             take, tokens = [], 0

@@ -1,0 +1,68 @@
+"""Hierarchical load balancing: allotment follows demand, dispatch follows outstanding tokens."""
+
+from flexmarl.rollout.balancer import (
+    Balancer,
+    allot_replicas,
+    equal_split,
+    share_replicas,
+)
+from flexmarl.store.experience import GenerationStats
+
+
+def test_allotment_follows_demand():
+    got = allot_replicas({"a": 6.0, "b": 3.0, "c": 1.0}, 10)
+    assert got == {"a": 6, "b": 3, "c": 1}
+    # tensor-parallel replicas take several accelerators each
+    got = allot_replicas({"big": 9.0, "small": 1.0}, 10, units={"big": 4, "small": 1})
+    assert got == {"big": 2, "small": 2}
+    assert allot_replicas({"a": 6.0, "b": 3.0, "c": 1.0}, 9, "static") == {"a": 3, "b": 3, "c": 3}
+
+
+def test_shares_when_one_agent_dominates():
+    plan = share_replicas({"long": 80.0, "s1": 7.0, "s2": 7.0, "s3": 6.0}, 4)
+    assert plan["long"] == [0, 1, 2, 3]  # 3.2 replicas' worth: three of its own plus a share
+    assert plan["s1"] == plan["s2"] == plan["s3"] == [3]
+    # fewer replicas than agents: everyone gets one, heaviest placed first
+    plan = share_replicas({"a": 5.0, "b": 3.0, "c": 1.0, "d": 1.0}, 2)
+    assert all(len(r) == 1 for r in plan.values())
+    assert plan["a"] != plan["b"]
+    assert equal_split(["a", "b", "c"], 7) == {"a": [0, 1, 2], "b": [3, 4], "c": [5, 6]}
+
+
+def test_intra_agent_dispatch_picks_least_outstanding_tokens():
+    bal = Balancer(["a", "b"], 4)
+    # before measurements: equal split, a on replicas 0-1
+    assert bal.plan.replicas == {"a": [0, 1], "b": [2, 3]}
+    assert bal.pick("a", [500, 20, 0, 0]) == 1
+    assert bal.pick("a", [10, 20, 0, 0]) == 0
+    # outstanding work is counted in tokens: prompt + expected output
+    assert bal.expected_cost("a", 10, 50) == 60
+    bal.observe("a", 4)
+    bal.observe("a", 6)
+    assert bal.expected_cost("a", 10, 50) == 15
+
+
+def test_static_deals_round_robin_whatever_the_load():
+    bal = Balancer(["a", "b"], 4, mode="static")
+    picks = [bal.pick("a", [1000, 0, 0, 0]) for _ in range(4)]
+    assert picks == [0, 1, 0, 1]
+
+
+def test_replanning_reacts_to_a_demand_shift():
+    bal = Balancer(["a", "b", "c", "d"], 4, cost_per_token={"a": 1, "b": 1, "c": 1, "d": 2})
+    stats = {"a": GenerationStats(32, 320, 3200), "b": GenerationStats(32, 320, 200),
+             "c": GenerationStats(32, 320, 200), "d": GenerationStats(32, 320, 100)}
+    demand = bal.demand_from(stats)
+    assert demand["a"] == 3200 + 32.0
+    assert demand["d"] == 2 * (100 + 32.0)
+    plan = bal.replan(1, demand)
+    assert len(plan.replicas["a"]) >= 3
+    assert plan.share()["a"] > 2.5
+    # demand moves to d: the next plan follows it
+    stats["a"], stats["d"] = GenerationStats(32, 320, 100), GenerationStats(32, 320, 3200)
+    plan = bal.replan(2, bal.demand_from(stats))
+    assert len(plan.replicas["d"]) >= 3 and len(plan.replicas["a"]) == 1
+    assert [p.iteration for p in bal.plans] == [0, 1, 2]
+    # static never moves
+    static = Balancer(["a", "b", "c", "d"], 4, mode="static")
+    assert static.replan(1, demand).replicas == {"a": [0], "b": [1], "c": [2], "d": [3]}
