@@ -96,7 +96,10 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             conn.send((msg_id, False, _error(exc), []))
 
     def has_work() -> bool:
-        return any(waiting.values()) or any(e.active for e in engines.values())
+        """Something to decode now: running sequences, or requests the loaded weights serve
+        (requests for a newer version wait for its weights without spinning)."""
+        return any(e.active for e in engines.values()) or any(
+            r.version <= versions[a] for a, queue in waiting.items() for _, r in queue)
 
     while running:
         messages = [] if has_work() else [conn.recv()]  # block only when idle
