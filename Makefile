@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml
+	$(BIN)/python benchmarks/rollout.py examples/skewed_rollout.yaml
 
 clean:
 	rm -rf runs .pytest_cache
