@@ -70,8 +70,11 @@ class RayRolloutPool:
     those queued in one loop tick travel as one actor call."""
 
     def __init__(self, actors: list[_Actor]) -> None:
-        self.actors = actors
-        self.n_workers = len(actors)
+        self.actors = actors  # filled by RayRuntime.start
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.actors)
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         cost = len(request.prompt) + request.max_new_tokens
@@ -125,9 +128,12 @@ class RayTrainPool:
     """Training actors; each trainable agent is bound to one of them (round robin)."""
 
     def __init__(self, actors: list[_Actor], binding: dict[str, int]) -> None:
-        self.actors = actors
+        self.actors = actors  # filled by RayRuntime.start
         self.binding = binding
-        self.n_workers = len(actors)
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.actors)
 
     def _actor(self, agent: str) -> _Actor:
         return self.actors[self.binding[agent]]
