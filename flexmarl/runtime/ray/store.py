@@ -7,6 +7,10 @@
   ObjectRefs created by whoever produced them; the table never fetches a payload, and a
   micro-batch it serves carries the refs, so the consumer (a trainer actor) fetches the bytes
   from the object store itself, never through the driver.
+
+A payload reference is either an `ObjectRef` (the whole object is the row's array) or
+`(ObjectRef, i)`: row i of a block a producer put once for a whole generation batch. Blocks
+keep `ray.put` off the per-row path (one put costs ~0.1-1 ms; a batch holds up to 64 rows).
 """
 
 from __future__ import annotations
@@ -120,11 +124,22 @@ class AgentTableActor:
         return {s.value: self.table.count(s) for s in Status}
 
 
-def samples_from_rows(rows: list[dict[str, Any]]) -> list[Sample]:
-    """Trainer-side: fetch the micro-batch's log-probs from the object store, build Samples."""
+def fetch_payloads(refs: list[Any]) -> list[np.ndarray]:
+    """Resolve payload references (ObjectRef or (ObjectRef, i)), fetching each object once."""
     import ray
 
-    logprobs = ray.get([r["refs"]["logprobs"] for r in rows]) if rows else []
+    unique: dict[str, Any] = {}
+    for r in refs:
+        obj = r[0] if isinstance(r, tuple) else r
+        unique.setdefault(obj.hex(), obj)
+    values = dict(zip(unique, ray.get(list(unique.values())), strict=True))
+    return [values[r[0].hex()][r[1]] if isinstance(r, tuple) else values[r.hex()]
+            for r in refs]
+
+
+def samples_from_rows(rows: list[dict[str, Any]]) -> list[Sample]:
+    """Trainer-side: fetch the micro-batch's log-probs from the object store, build Samples."""
+    logprobs = fetch_payloads([r["refs"]["logprobs"] for r in rows])
     return [
         Sample(
             sample_id=r["sample_id"], prompt=r["data"]["prompt"], response=r["data"]["response"],

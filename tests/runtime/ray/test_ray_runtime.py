@@ -68,8 +68,8 @@ def test_referential_game_learns_on_ray(tmp_path, ray_head):
 
 
 def test_deterministic_local_and_ray_give_equal_checkpoints(tmp_path, ray_head):
-    common = ["runtime.deterministic=true", "train.iterations=3",
-              "train.inputs_per_iteration=8", "train.micro_batch_size=16"]
+    common = ["runtime.deterministic=true", "train.iterations=3", "train.group_size=4",
+              "train.inputs_per_iteration=4", "train.micro_batch_size=8"]
     local = train(load_config(EXAMPLES / "referential_game.yaml", common), tmp_path / "local")
     on_ray = train(load_config(EXAMPLES / "referential_game.yaml", [
         *common, "runtime.kind=ray", f"runtime.address={ray_head}"]), tmp_path / "ray")
@@ -116,6 +116,7 @@ def test_trainer_actor_killed_mid_run_fails_the_run_and_shuts_down(tmp_path, ray
     assert _head_up(ray_head)
 
 
+@pytest.mark.slow
 def test_local_cluster_started_for_the_run_is_stopped(tmp_path):
     """No runtime.address: FlexMARL starts a private cluster and shuts it down again."""
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
