@@ -163,8 +163,10 @@ class TrainWorker:
         t0 = time.time()
         rows = ray.get(table.take_ready.remote(version, max_rows, step))
         samples = samples_from_rows(rows)
+        t1 = time.time()
         result = self._trainer(agent).accumulate(samples)
-        return result, [(t0, time.time(), f"acc:{agent}:{len(samples)}")]
+        return result, [(t0, t1, f"pull:{agent}:{len(samples)}"),
+                        (t1, time.time(), f"acc:{agent}:{len(samples)}")]
 
     def _weights_ref(self, agent: str) -> Any:
         import ray

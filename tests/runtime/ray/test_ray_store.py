@@ -19,6 +19,13 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 N_ROWS = 100_000
 
 
+def _spec() -> WorkerSpec:
+    cfg = load_config(EXAMPLES / "referential_game.yaml")
+    task = build_referential_game(**cfg.task.options)
+    return WorkerSpec(cfg.model_dump(mode="json"), task.vocab_size, task.max_seq_len,
+                      ["speaker"], 1, False)
+
+
 class Producer:
     """Stands in for a rollout replica: it creates the payloads (one block per generation
     batch of 64 rows), so it owns them."""
@@ -73,25 +80,13 @@ def test_table_actor_holds_100k_rows_and_serves_micro_batches_by_reference(ray_h
         counts = ray.get(table.counts.remote())
         assert counts["ready"] == N_ROWS - 128 and counts["consumed"] == 128
         assert ray.get(table.evict.remote(0)) == 128
-    finally:
-        ray.shutdown()
 
-
-def test_trainer_pulls_micro_batch_from_table_without_the_driver(ray_head):
-    """The driver hands the trainer actor only the table's handle; the trainer fetches rows
-    and payloads itself and trains on them."""
-    cfg = load_config(EXAMPLES / "referential_game.yaml")
-    task = build_referential_game(**cfg.task.options)
-    spec = WorkerSpec(cfg.model_dump(mode="json"), task.vocab_size, task.max_seq_len,
-                      ["speaker"], 1, False)
-    ray.init(address=ray_head, log_to_driver=False)
-    try:
-        table = ray.remote(AgentTableActor).options(num_cpus=0).remote("speaker")
-        producer = ray.remote(Producer).options(num_cpus=0).remote()
-        ray.get(producer.fill.remote(table, "speaker", 64))
-        trainer = ray.remote(TrainWorker).options(num_cpus=1).remote(spec)
+        # Store -> trainer without the driver: the trainer actor gets only the table's handle,
+        # pulls a micro-batch, fetches its payloads from the object store and trains on them.
+        trainer = ray.remote(TrainWorker).options(num_cpus=1).remote(_spec())
         result, spans = ray.get(trainer.accumulate_from_table.remote("speaker", table, 0, 32, 0))
-        assert result == {"rows": 32.0} and spans[0][2] == "acc:speaker:32"
+        assert result == {"rows": 32.0}
+        assert [s[2] for s in spans] == ["pull:speaker:32", "acc:speaker:32"]
         metrics, (ref,), _ = ray.get(trainer.step.remote("speaker"))
         assert metrics["rows"] == 32.0 and metrics["grad_norm"] > 0
         assert isinstance(ref, ray.ObjectRef)  # the new weights: a reference, fetched on demand
