@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from flexmarl.store.experience import AgentTable, Row, Status, StoreError, TensorRef, check_row
-from flexmarl.training.trainer import Sample
 
 
 class RayObjectStore:
@@ -85,6 +84,13 @@ class AgentTableActor:
             self.table.transition(sample_id, Status.REWARDED).data["reward"] = float(reward)
         return len(rewards)
 
+    def set_scored(self, items: list[tuple[str, float, float]]) -> int:
+        """(sample_id, reward, advantage): rewarded then ready, in one call per batch."""
+        for sample_id, reward, adv in items:
+            self.table.transition(sample_id, Status.REWARDED).data["reward"] = float(reward)
+            self.table.transition(sample_id, Status.READY).data["advantage"] = float(adv)
+        return len(items)
+
     def set_ready(self, advantages: list[tuple[str, float]]) -> int:
         for sample_id, adv in advantages:
             self.table.transition(sample_id, Status.READY).data["advantage"] = float(adv)
@@ -137,8 +143,10 @@ def fetch_payloads(refs: list[Any]) -> list[np.ndarray]:
             for r in refs]
 
 
-def samples_from_rows(rows: list[dict[str, Any]]) -> list[Sample]:
+def samples_from_rows(rows: list[dict[str, Any]]) -> list[Any]:
     """Trainer-side: fetch the micro-batch's log-probs from the object store, build Samples."""
+    from flexmarl.training.trainer import Sample  # torch: only where a trainer runs
+
     logprobs = fetch_payloads([r["refs"]["logprobs"] for r in rows])
     return [
         Sample(

@@ -68,7 +68,7 @@ def _kill(pids: set[int], sig: int) -> None:
 def stop_head(pgid: int, temp_dir: str) -> None:
     pids = _own_pids(pgid, temp_dir)
     _kill(pids, signal.SIGTERM)
-    deadline = time.time() + 5
+    deadline = time.time() + 2
     while time.time() < deadline and _own_pids(pgid, temp_dir):
         time.sleep(0.2)
     _kill(_own_pids(pgid, temp_dir), signal.SIGKILL)

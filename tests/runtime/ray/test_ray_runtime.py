@@ -97,6 +97,7 @@ def test_unplaceable_pool_fails_clearly_and_shuts_down(tmp_path, ray_head):
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_trainer_actor_killed_mid_run_fails_the_run_and_shuts_down(tmp_path, ray_head):
     """A real fault: the train actor's process is SIGKILLed after iteration 0."""
     cfg = load_config(EXAMPLES / "referential_game.yaml", [

@@ -14,6 +14,7 @@ from flexmarl.runtime.ray.actors import TrainWorker
 from flexmarl.runtime.ray.store import AgentTableActor, RayObjectStore, fetch_payloads
 from flexmarl.store.experience import ExperienceStore, Row, Status, StoreError
 from flexmarl.tasks.referential import build_referential_game
+from tests.runtime.ray.producer import Producer
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 N_ROWS = 100_000
@@ -24,34 +25,6 @@ def _spec() -> WorkerSpec:
     task = build_referential_game(**cfg.task.options)
     return WorkerSpec(cfg.model_dump(mode="json"), task.vocab_size, task.max_seq_len,
                       ["speaker"], 1, False)
-
-
-class Producer:
-    """Stands in for a rollout replica: it creates the payloads (one block per generation
-    batch of 64 rows), so it owns them."""
-
-    def fill(self, table, agent: str, n: int, chunk: int = 64 * 160) -> list[str]:
-        hexes = []
-        for lo in range(0, n, chunk):
-            rows = []
-            for start in range(lo, min(n, lo + chunk), 64):
-                idx = range(start, min(n, lo + chunk, start + 64))
-                block = ray.put([np.full(1, -0.5 - i % 7, dtype=np.float32) for i in idx])
-                hexes.append(block.hex())
-                for j, i in enumerate(idx):
-                    rows.append({
-                        "sample_id": f"{i // 8:06d}_0_{i % 8}", "node": "speak",
-                        "input_id": f"{i // 8:06d}", "turn": 0, "trajectory_id": i % 8,
-                        "iteration": 0, "policy_version": 0, "version_vector": {agent: 0},
-                        "data": {"prompt": [3, 4, 5], "response": [6],
-                                 "allowed": None, "temperature": 1.0},
-                        "refs": {"logprobs": (block, j)},
-                    })
-            ray.get(table.add_generated.remote(rows))
-            ids = [(r["sample_id"], 1.0) for r in rows]
-            ray.get(table.set_rewarded.remote(ids))
-            ray.get(table.set_ready.remote([(sid, 0.5) for sid, _ in ids]))
-        return hexes
 
 
 def test_table_actor_holds_100k_rows_and_serves_micro_batches_by_reference(ray_head):
@@ -69,7 +42,7 @@ def test_table_actor_holds_100k_rows_and_serves_micro_batches_by_reference(ray_h
         for row in batch:  # payloads come back as references to the producer's objects
             block, j = row["refs"]["logprobs"]
             assert isinstance(block, ray.ObjectRef) and block.hex() in hexes
-            assert row["data"]["advantage"] == 0.5
+            assert row["data"]["advantage"] == 0.5 and row["data"]["reward"] == 1.0
         payloads = fetch_payloads([r["refs"]["logprobs"] for r in batch])
         for row, lp in zip(batch, payloads, strict=True):
             index = int(row["input_id"]) * 8 + row["trajectory_id"]
