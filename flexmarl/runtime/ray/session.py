@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import socket
 import tempfile
 from typing import Any
 
@@ -45,6 +46,7 @@ class RaySession:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
         if self.address is not None:
+            self._probe(self.address)
             try:
                 ray.init(address=self.address, **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -65,6 +67,21 @@ class RaySession:
             self.started_cluster = True
         self.connected_here = True
         self.gcs_address = ray.get_runtime_context().gcs_address
+
+    @staticmethod
+    def _probe(address: str) -> None:
+        """Fail in a second on a HOST:PORT nobody listens on (ray.init would retry for minutes)."""
+        if address == "auto" or "://" in address:
+            return
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=5):
+                pass
+        except OSError as exc:
+            raise RayRuntimeError(
+                f"runtime.address={address}: no Ray head reachable there "
+                f"({exc.strerror or exc}); start one with `ray start --head --port {port}`"
+            ) from None
 
     def info(self) -> dict[str, Any]:
         return {

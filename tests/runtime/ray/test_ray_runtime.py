@@ -97,6 +97,17 @@ def test_unplaceable_pool_fails_clearly_and_shuts_down(tmp_path, ray_head):
         ray.shutdown()
 
 
+def test_unreachable_address_fails_fast_with_the_setting_named(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address=127.0.0.1:{port}"])
+    with pytest.raises(RayRuntimeError, match=rf"runtime\.address=127\.0\.0\.1:{port}: no Ray head"):
+        train(cfg, tmp_path / "run")
+    assert not ray.is_initialized()
+
+
 @pytest.mark.slow
 def test_trainer_actor_killed_mid_run_fails_the_run_and_shuts_down(tmp_path, ray_head):
     """A real fault: the train actor's process is SIGKILLed after iteration 0."""
