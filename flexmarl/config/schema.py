@@ -135,6 +135,15 @@ class RayConfig(Strict):
     temp_dir: str | None = None
     placement_timeout_s: float = Field(60.0, gt=0)
 
+    @field_validator("temp_dir")
+    @classmethod
+    def _short_temp_dir(cls, value: str | None) -> str | None:
+        # Ray puts unix sockets under <temp_dir>/session_<date>_<pid>/sockets/ (108-byte limit).
+        if value is not None and len(value) > 48:
+            raise ValueError(f"{value!r} is {len(value)} characters; Ray's socket paths under "
+                             "it would exceed the OS limit, use at most 48 (e.g. /tmp/fm-run)")
+        return value
+
 
 class RuntimeConfig(Strict):
     kind: Literal["local", "sim", "ray"] = "local"

@@ -35,6 +35,8 @@ def test_ray_address_and_bundles_load():
      r"resources\.n: amount must be > 0"),
     (["runtime.kind=ray", "runtime.ray.strategy=pack"], r"runtime\.ray\.strategy"),
     (["runtime.kind=ray", "runtime.ray.bundles=3"], r"runtime\.ray\.bundles: unknown key"),
+    (["runtime.kind=ray", f"runtime.ray.temp_dir=/tmp/{'x' * 60}"],
+     r"runtime\.ray\.temp_dir: .*at most 48"),
 ])
 def test_bad_ray_settings_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
