@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from flexmarl.errors import UserError
 
@@ -122,12 +130,72 @@ class RolloutConfig(Strict):
     balance: Literal["hierarchical", "static"] = "hierarchical"
 
 
+class RayBundle(Strict):
+    """What one worker of a pool asks Ray for: one placement-group bundle per worker."""
+
+    cpus: float = Field(1.0, ge=0)
+    gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = {}  # custom resources, e.g. {"rollout_node": 1}
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> RayBundle:
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"resources.{name}: use cpus/gpus for {name}")
+            if amount <= 0:
+                raise ValueError(f"resources.{name}: amount must be > 0, got {amount}")
+        if self.cpus == 0 and self.gpus == 0 and not self.resources:
+            raise ValueError("a bundle must ask for something (cpus, gpus or resources)")
+        return self
+
+
+class RayConfig(Strict):
+    """The Ray runtime: two placement groups (rollout, train), so the pools never contend."""
+
+    rollout_bundle: RayBundle = RayBundle()
+    train_bundle: RayBundle = RayBundle()
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Only for a cluster FlexMARL starts itself (no runtime.address): its CPU count, temp dir.
+    num_cpus: int | None = Field(None, gt=0)
+    temp_dir: str | None = None
+    placement_timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("temp_dir")
+    @classmethod
+    def _short_temp_dir(cls, value: str | None) -> str | None:
+        # Ray puts unix sockets under <temp_dir>/session_<date>_<pid>/sockets/ (108-byte limit).
+        if value is not None and len(value) > 48:
+            raise ValueError(f"{value!r} is {len(value)} characters; Ray's socket paths under "
+                             "it would exceed the OS limit, use at most 48 (e.g. /tmp/fm-run)")
+        return value
+
+
 class RuntimeConfig(Strict):
-    kind: Literal["local", "sim"] = "local"
+    kind: Literal["local", "sim", "ray"] = "local"
     rollout_workers: int = Field(1, gt=0)
     train_workers: int = Field(1, gt=0)
     torch_threads: int = Field(1, gt=0)
     deterministic: bool = False
+    # runtime.kind=ray: HOST:PORT of a running cluster (`ray start --head`), "auto" for the
+    # one this machine belongs to, or None to start a private local one for this run.
+    address: str | None = None
+    ray: RayConfig = RayConfig()
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        kind = info.data.get("kind")
+        if kind != "ray":
+            raise ValueError(f"only used with runtime.kind=ray (kind is {kind!r})")
+        addr = value.strip()
+        if addr == "auto" or addr.startswith("ray://"):
+            return addr
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
+        return addr
 
 
 class RunConfig(Strict):

@@ -56,6 +56,10 @@ def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry):
         from flexmarl.runtime.local.runtime import LocalRuntime
 
         return LocalRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
+    if cfg.runtime.kind == "ray":
+        from flexmarl.runtime.ray.runtime import RayRuntime
+
+        return RayRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
     raise ValueError(f"runtime.kind: unsupported runtime {cfg.runtime.kind!r}")
 
 

@@ -187,7 +187,7 @@ class ExperienceStore:
 
     def __init__(self, agents: Iterable[str], objects: LocalObjectStore | None = None) -> None:
         self.tables = {a: AgentTable(a) for a in agents}
-        self.objects = objects or LocalObjectStore()
+        self.objects = objects if objects is not None else LocalObjectStore()
         self.evicted: dict[str, dict[str, int]] = {a: defaultdict(int) for a in self.tables}
         self._listeners: list[Callable[[str], None]] = []
         self._generation: dict[tuple[str, int], GenerationStats] = {}

@@ -1,0 +1,193 @@
+"""The actors of the Ray runtime: a rollout replica and a training worker.
+
+They reuse the local workers' pieces (model building, `policy.sampling.generate`,
+`training.trainer.AgentTrainer`) and differ only in transport: calls are actor methods, weights
+arrive as ObjectRefs resolved from the object store on the replica's node, never via the driver.
+Every reply carries the `(start, end, label)` spans of the work it covers, as locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from flexmarl.runtime.local.workers import WorkerSpec, _error, _setup_torch, from_numpy, to_numpy
+
+Span = tuple[float, float, str]
+
+
+def where() -> dict[str, Any]:
+    """Which node and process this actor runs in (for the placement log)."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {
+        "node_id": ctx.get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+        "actor_id": ctx.get_actor_id(),
+    }
+
+
+class RolloutReplica:
+    """Hosts every agent's model; batches the requests waiting on it, highest priority first.
+
+    An async actor: requests keep arriving while a batch decodes on the single compute thread,
+    so the next batch sees everything that queued up meanwhile (as the local replica does).
+    """
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        _setup_torch(spec)
+        from flexmarl.config.schema import RunConfig
+        from flexmarl.policy.model import build_model
+
+        self.spec = spec
+        cfg = RunConfig.model_validate(spec.config)
+        self.models = {
+            a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed)
+            for a in spec.agents
+        }
+        self.versions = dict.fromkeys(spec.agents, 0)
+        self.pending: list[tuple[tuple, int, Any, asyncio.Future]] = []
+        self.spans: list[Span] = []
+        self._seq = itertools.count()
+        self._batcher: asyncio.Task | None = None
+        # One compute thread: loads and decodes never overlap, the event loop stays free.
+        self._compute = ThreadPoolExecutor(1, initializer=_setup_torch, initargs=(spec,))
+
+    def where(self) -> dict[str, Any]:
+        return where()
+
+    async def load_weights(self, agent: str, version: int, weights: dict) -> tuple[int, list]:
+        t0 = time.time()
+        model = self.models[agent]
+        tensors = from_numpy(weights)
+        await asyncio.get_running_loop().run_in_executor(
+            self._compute, model.load_state_dict, tensors
+        )
+        self.versions[agent] = version
+        return version, [(t0, time.time(), f"load:{agent}")]
+
+    async def generate(self, items: list[tuple[Any, tuple]]) -> tuple[list, list[Span]]:
+        """`items` are (GenerationRequest, priority); replies are (ok, result-or-error)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for request, priority in items:
+            fut = loop.create_future()
+            self.pending.append((priority, next(self._seq), request, fut))
+            futures.append(fut)
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.ensure_future(self._drain())
+        results = await asyncio.gather(*futures)
+        spans, self.spans = self.spans, []
+        return list(results), spans
+
+    async def _drain(self) -> None:
+        from flexmarl.policy.sampling import generate
+
+        loop = asyncio.get_running_loop()
+        while self.pending:
+            await asyncio.sleep(0)  # let the requests sent in the same tick join
+            self.pending.sort(key=lambda item: (item[0], item[1]))
+            agent = self.pending[0][2].agent
+            # Deterministic mode decodes each sequence alone, exactly as the local replica.
+            limit = 1 if self.spec.deterministic else self.spec.max_batch_seqs
+            chosen = [item for item in self.pending if item[2].agent == agent][:limit]
+            taken = {item[1] for item in chosen}
+            self.pending = [item for item in self.pending if item[1] not in taken]
+            requests = [item[2] for item in chosen]
+            try:
+                stale = [r for r in requests if r.version != self.versions[agent]]
+                if stale:
+                    raise RuntimeError(
+                        f"agent {agent!r}: request {stale[0].sample_id} wants version "
+                        f"{stale[0].version}, replica holds {self.versions[agent]}"
+                    )
+                t0 = time.time()
+                results = await loop.run_in_executor(
+                    self._compute, generate, self.models[agent], requests
+                )
+                self.spans.append((t0, time.time(), f"gen:{agent}:{len(requests)}"))
+                replies = [(True, r) for r in results]
+            except Exception as exc:  # noqa: BLE001 - reported to the driver per request
+                replies = [(False, _error(exc))] * len(chosen)
+            for item, reply in zip(chosen, replies, strict=True):
+                if not item[3].done():
+                    item[3].set_result(reply)
+
+
+class TrainWorker:
+    """Holds the trainers of the agents bound to it; weights leave it as one ray.put each."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        _setup_torch(spec)
+        from flexmarl.config.schema import RunConfig
+        from flexmarl.training.trainer import AgentTrainer
+
+        cfg = RunConfig.model_validate(spec.config)
+        self.trainers = {
+            a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed)
+            for a in spec.agents
+        }
+
+    def where(self) -> dict[str, Any]:
+        return where()
+
+    def _trainer(self, agent: str):
+        try:
+            return self.trainers[agent]
+        except KeyError:
+            raise KeyError(f"agent {agent!r} is not bound to this train worker "
+                           f"(holds {sorted(self.trainers)})") from None
+
+    def accumulate(self, agent: str, samples: list) -> tuple[dict[str, float], list[Span]]:
+        t0 = time.time()
+        result = self._trainer(agent).accumulate(samples)
+        return result, [(t0, time.time(), f"acc:{agent}:{len(samples)}")]
+
+    def accumulate_from_table(
+        self, agent: str, table: Any, version: int, max_rows: int, step: int
+    ) -> tuple[dict[str, float], list[Span]]:
+        """Pull a micro-batch from the agent's table actor and fetch its payloads by reference:
+        the driver hands over only the table handle."""
+        import ray
+
+        from flexmarl.runtime.ray.store import samples_from_rows
+
+        t0 = time.time()
+        rows = ray.get(table.take_ready.remote(version, max_rows, step))
+        samples = samples_from_rows(rows)
+        t1 = time.time()
+        result = self._trainer(agent).accumulate(samples)
+        return result, [(t0, t1, f"pull:{agent}:{len(samples)}"),
+                        (t1, time.time(), f"acc:{agent}:{len(samples)}")]
+
+    def _weights_ref(self, agent: str) -> Any:
+        import ray
+
+        return ray.put(to_numpy(self._trainer(agent).weights()))
+
+    def step(self, agent: str) -> tuple[dict[str, float], list, list[Span]]:
+        t0 = time.time()
+        metrics = self._trainer(agent).step()
+        ref = self._weights_ref(agent)  # nested in a list: the driver gets the ref, not the data
+        return metrics, [ref], [(t0, time.time(), f"step:{agent}")]
+
+    def weights(self, agent: str) -> tuple[list, list[Span]]:
+        t0 = time.time()
+        ref = self._weights_ref(agent)
+        return [ref], [(t0, time.time(), f"weights:{agent}")]
+
+    def save(self, agent: str) -> tuple[dict[str, bytes], list[Span]]:
+        """The checkpoint files' bytes: this actor may run on a node without the driver's disk."""
+        t0 = time.time()
+        with tempfile.TemporaryDirectory(prefix="fm-ckpt-") as tmp:
+            path = Path(self._trainer(agent).save(tmp))
+            files = {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+        return files, [(t0, time.time(), f"save:{agent}")]

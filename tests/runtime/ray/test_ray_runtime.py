@@ -1,0 +1,141 @@
+"""The spine's orchestrator on a real Ray head (loopback, 2 CPUs): it learns, it matches the
+local runtime bit for bit in deterministic mode, placement is logged, the session always ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from flexmarl.config.schema import load_config
+from flexmarl.orchestrator.run import train
+from flexmarl.runtime.base import WorkerError
+from flexmarl.runtime.ray.session import RayRuntimeError
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def _head_up(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert x.keys() == y.keys()
+    return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+
+def test_referential_game_learns_on_ray(tmp_path, ray_head):
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=30",
+    ])
+    result = train(cfg, tmp_path / "run")
+    assert not ray.is_initialized(), "the driver must disconnect when the run ends"
+    assert _head_up(ray_head), "a cluster FlexMARL did not start must stay up"
+    first = sum(r["task/success_rate"] for r in result.records[:5]) / 5
+    last = sum(r["task/success_rate"] for r in result.records[-5:]) / 5
+    assert first < 0.25 + 0.15
+    assert last >= 0.5 and last > first + 0.2, f"success {first:.3f} -> {last:.3f}"
+    # Placement is visible: which actor ran where, in metrics.jsonl and run.log.
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    placement = lines[0]
+    assert placement["event"] == "placement" and placement["runtime"] == "ray"
+    assert placement["ray"]["address"].endswith(ray_head.rsplit(":", 1)[1])
+    assert not placement["ray"]["started_cluster"]
+    for pool in ("rollout", "train"):
+        (worker,) = placement[pool]
+        assert worker["node_id"] and worker["pid"] > 0 and worker["placement_group"]
+        assert worker["resources"] == {"CPU": 1.0}
+    assert placement["train"][0]["agents"] == ["speaker", "listener"]
+    assert placement["rollout"][0]["placement_group"] != placement["train"][0]["placement_group"]
+    assert "rollout[0] actor" in (tmp_path / "run" / "run.log").read_text()
+    records = lines[1:]
+    assert len(records) == 30
+    assert all(0 < r["pool/rollout/busy_frac"] <= 1 for r in records)
+    assert all(0 < r["pool/train/busy_frac"] <= 1 for r in records)
+    for agent, path in result.checkpoints.items():
+        meta = json.loads((path / "flexmarl.json").read_text())
+        assert meta == {"agent": agent, "policy_version": 30}
+
+
+def test_deterministic_local_and_ray_give_equal_checkpoints(tmp_path, ray_head):
+    common = ["runtime.deterministic=true", "train.iterations=3", "train.group_size=4",
+              "train.inputs_per_iteration=4", "train.micro_batch_size=8"]
+    local = train(load_config(EXAMPLES / "referential_game.yaml", common), tmp_path / "local")
+    on_ray = train(load_config(EXAMPLES / "referential_game.yaml", [
+        *common, "runtime.kind=ray", f"runtime.address={ray_head}"]), tmp_path / "ray")
+    assert not ray.is_initialized()
+    for agent, path in local.checkpoints.items():
+        assert _max_diff(path, on_ray.checkpoints[agent]) <= 1e-5
+    assert [r["task/success_rate"] for r in local.records] == \
+        [r["task/success_rate"] for r in on_ray.records]
+    assert all(r["agent/speaker/grad_norm"] > 0 for r in on_ray.records)
+
+
+def test_unplaceable_pool_fails_clearly_and_shuts_down(tmp_path, ray_head):
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address={ray_head}", "runtime.ray.rollout_bundle.cpus=3",
+        "runtime.ray.placement_timeout_s=2",
+    ])
+    with pytest.raises(RayRuntimeError, match=r"runtime\.ray\.rollout_bundle.*not placed"):
+        train(cfg, tmp_path / "run")
+    assert not ray.is_initialized()
+    # Nothing of the failed run holds the cluster's CPUs: the next run can place its pools.
+    ray.init(address=ray_head, log_to_driver=False)
+    try:
+        assert ray.available_resources().get("CPU") == 2.0
+    finally:
+        ray.shutdown()
+
+
+def test_unreachable_address_fails_fast_with_the_setting_named(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address=127.0.0.1:{port}"])
+    with pytest.raises(RayRuntimeError, match=rf"runtime\.address=127\.0\.0\.1:{port}: no Ray head"):
+        train(cfg, tmp_path / "run")
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_trainer_actor_killed_mid_run_fails_the_run_and_shuts_down(tmp_path, ray_head):
+    """A real fault: the train actor's process is SIGKILLed after iteration 0."""
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=20",
+        "train.inputs_per_iteration=8", "pipeline.mode=sync",
+    ])
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def kill_trainer(record):
+        if record["iteration"] == 0:
+            placement = json.loads(metrics.read_text().splitlines()[0])
+            os.kill(placement["train"][0]["pid"], signal.SIGKILL)
+
+    with pytest.raises(WorkerError, match="train worker 0"):
+        train(cfg, tmp_path / "run", on_iteration=kill_trainer)
+    assert not ray.is_initialized()
+    assert _head_up(ray_head)
+
+
+@pytest.mark.slow
+def test_local_cluster_started_for_the_run_is_stopped(tmp_path):
+    """No runtime.address: FlexMARL starts a private cluster and shuts it down again."""
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", "train.iterations=1", "train.inputs_per_iteration=4",
+        "runtime.ray.num_cpus=2",
+    ])
+    result = train(cfg, tmp_path / "run")
+    assert result.placement["ray"]["started_cluster"]
+    assert not ray.is_initialized()
+    assert not _head_up(result.placement["ray"]["address"])
