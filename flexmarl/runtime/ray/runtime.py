@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flexmarl.config.schema import RayBundle, RunConfig
+from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import SpanSink, WorkerError
 from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
@@ -66,29 +69,40 @@ class _Actor:
 
 
 class RayRolloutPool:
-    """Replicas each hosting every agent's model; requests go to the least-loaded replica, and
-    those queued in one loop tick travel as one actor call."""
+    """Replicas each hosting every agent's model, behind the same hierarchical balancer as the
+    local pool; requests queued in one loop tick for one replica travel as one actor call."""
 
-    def __init__(self, actors: list[_Actor]) -> None:
+    def __init__(self, actors: list[_Actor], balancer: Balancer) -> None:
         self.actors = actors  # filled by RayRuntime.start
+        self.balancer = balancer
 
     @property
     def n_workers(self) -> int:
         return len(self.actors)
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
-        cost = len(request.prompt) + request.max_new_tokens
-        actor = min(self.actors, key=lambda a: (a.outstanding_tokens, a.index))
+        cost = self.balancer.expected_cost(request.agent, len(request.prompt),
+                                           request.max_new_tokens)
+        index = self.balancer.pick(request.agent, [a.outstanding_tokens for a in self.actors])
+        actor = self.actors[index]
         actor.outstanding_tokens += cost
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if not actor.outbox:
             loop.call_soon(self._flush, actor)
         actor.outbox.append((request, priority, fut))
+        submitted = time.time()
         try:
-            return await fut
+            result = await fut
         finally:
             actor.outstanding_tokens -= cost
+        result.queue_s = max(0.0, result.admitted_at - submitted)
+        self.balancer.observe(request.agent, len(result.tokens))
+        return result
+
+    def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any]:
+        """Re-plan agents onto replicas from iteration k's measured demand."""
+        return self.balancer.replan(k + 1, self.balancer.demand_from(stats)).to_dict()
 
     def _flush(self, actor: _Actor) -> None:
         batch, actor.outbox = actor.outbox, []
@@ -201,7 +215,10 @@ class RayRuntime:
         self.groups: dict[str, Any] = {}
         self.rollout_actors: list[_Actor] = []
         self.train_actors: list[_Actor] = []
-        self.rollout = RayRolloutPool(self.rollout_actors)
+        costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in self.agents}
+        self.rollout = RayRolloutPool(
+            self.rollout_actors,
+            Balancer(self.agents, rt.rollout_workers, cfg.rollout.balance, costs))
         self.train = RayTrainPool(self.train_actors, self.binding)
 
     def _spec(self, names: list[str]) -> WorkerSpec:
