@@ -30,7 +30,13 @@ from flexmarl.graph.task import Task
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.runtime.base import RolloutPool, TrainPool, Weights
-from flexmarl.store.experience import ExperienceStore, Row, Status, make_sample_id
+from flexmarl.store.experience import (
+    ExperienceStore,
+    Row,
+    Status,
+    make_sample_id,
+    parse_sample_id,
+)
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.algorithms import grpo
 from flexmarl.training.trainer import Sample
@@ -300,6 +306,10 @@ class JointOrchestrator:
         group = it.groups[input_id]
         if len(group) < self.cfg.train.group_size:
             return
+        # Trajectory order, not completion order: advantages and the row order inside
+        # micro-batches (hence float summation order) then never depend on timing, so a resumed
+        # or recovered run (whose episodes finish in another order) equals an uninterrupted one.
+        group.sort(key=lambda g: min((parse_sample_id(s)[2] for s in g.values()), default=-1))
         it.groups_done.add(int(input_id.split("-")[1]))
         for agent in self.agents:
             self._changed_event(agent).set()

@@ -106,7 +106,7 @@ class AgentTrainer:
         )
         if not torch.isfinite(loss.detach()):
             # A poisoned micro-batch would turn every weight into NaN: its step is skipped.
-            self._nonfinite = self._nonfinite or f"non-finite loss {float(loss):.4g}"
+            self._nonfinite = self._nonfinite or f"non-finite loss {float(loss.detach()):.4g}"
         else:
             loss.backward()
         self._rows += len(samples)
