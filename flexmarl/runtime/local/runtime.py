@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -47,7 +48,10 @@ class WorkerProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
         self._outbox: list[tuple] = []
-        self._send_lock = threading.Lock()
+        # Sends go through a queue and a sender thread: a frozen worker that stops reading
+        # fills its pipe, and a blocking send must never stall the event loop (the heartbeat
+        # monitor runs there).
+        self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.outstanding_tokens = 0
         self.alive = False
         self.stopping = False
@@ -62,6 +66,8 @@ class WorkerProxy:
         self.process.start()
         self.alive = True
         threading.Thread(target=self._read, name=f"reader-{self.pool}-{self.index}",
+                         daemon=True).start()
+        threading.Thread(target=self._write, name=f"sender-{self.pool}-{self.index}",
                          daemon=True).start()
         await self._ready
         self.last_beat = time.monotonic()
@@ -144,12 +150,25 @@ class WorkerProxy:
         return msg_id, fut
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self.conn.send(msg)
+        self._sendq.put(msg)
+
+    def _write(self) -> None:
+        while True:
+            msg = self._sendq.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # dead: the reader's EOF fails the futures
+                return
 
     async def call(self, command: str, payload: Any) -> Any:
         msg_id, fut = self._new_future()
-        self._send((msg_id, command, payload))
+        try:
+            self._send((msg_id, command, payload))
+        except OSError as exc:  # the process died and its pipe's EOF is not processed yet
+            self._futures.pop(msg_id, None)
+            raise WorkerLost(f"{self.pool} worker {self.index} lost: {exc}") from exc
         return await fut
 
     def submit(self, item: Any, priority: tuple) -> asyncio.Future:
@@ -164,7 +183,10 @@ class WorkerProxy:
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         if batch and self.alive:
-            self._send((next(self._ids), "generate", batch))
+            try:
+                self._send((next(self._ids), "generate", batch))
+            except OSError:  # dead: the pipe's EOF fails these futures with WorkerLost
+                pass
 
     async def stop(self, timeout: float = 10.0) -> None:
         self.stopping = True
@@ -178,6 +200,7 @@ class WorkerProxy:
             self.process.kill()
             self.process.join(timeout=5)
         self.alive = False
+        self._sendq.put(None)
 
 
 class LocalRolloutPool:
@@ -330,7 +353,7 @@ class LocalRuntime:
 
     async def stop(self) -> None:
         if self.supervisor is not None:
-            self.supervisor.stop()
+            await self.supervisor.stop()
         await asyncio.gather(
             *(w.stop() for w in self.rollout_workers + self.train_workers),
             return_exceptions=True,
@@ -389,7 +412,12 @@ class Supervisor:
             self.rt.train.saved_state[agent] = await self.rt.train.get_state(agent)
         self._monitor = asyncio.ensure_future(self._watch())
 
-    def stop(self) -> None:
+    async def stop(self, timeout: float = 60.0) -> None:
+        """Let restarts in progress finish (a run hands back whole pools, and their recovery
+        is recorded), then stop watching."""
+        pending = [t for t in self._tasks.values() if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
         self._stopping = True
         if self._monitor is not None:
             self._monitor.cancel()
