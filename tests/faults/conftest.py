@@ -17,9 +17,9 @@ from flexmarl.orchestrator.run import train
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "referential_game.yaml"
-ITERATIONS = 4
+ITERATIONS = 3
 OVERRIDES = [
-    "runtime.deterministic=true", f"train.iterations={ITERATIONS}", "train.inputs_per_iteration=8",
+    "runtime.deterministic=true", f"train.iterations={ITERATIONS}", "train.inputs_per_iteration=4",
     "train.group_size=8", "train.micro_batch_size=16", "train.checkpoint_every=1",
     "runtime.rollout_workers=2",
 ]

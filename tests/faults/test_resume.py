@@ -34,6 +34,7 @@ def _generation(out) -> int:
         return 0
 
 
+@pytest.mark.slow  # two CLI runs: ~75 s on the shared 2-core machine
 def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path, reference):
     out = tmp_path / "run"
     proc = cli(*cli_args(out))
