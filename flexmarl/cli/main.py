@@ -43,6 +43,11 @@ def _train(args: argparse.Namespace) -> int:
     )
     with progress:
         bar = progress.add_task("train", total=cfg.train.iterations, success=0.0, speed="")
+        if resume is not None:  # the resumed iterations are already done
+            from flexmarl.orchestrator.checkpoint import find_checkpoints
+
+            name = find_checkpoints(resume).latest_name() or "gen-0"
+            progress.update(bar, completed=int(name.rsplit("-", 1)[-1] or 0))
 
         def on_iteration(record: dict) -> None:
             progress.update(bar, advance=1, success=record["task/success_rate"],

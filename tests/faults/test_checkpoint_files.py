@@ -137,3 +137,21 @@ def test_nan_or_inf_step_is_skipped_with_a_reason(poison):
     trainer.accumulate(_samples(version=1, prefix="1"))
     assert "skip_reason" not in trainer.step()
     json.dumps(metrics)  # the reason travels into metrics.jsonl
+
+
+def test_cli_refuses_a_corrupt_snapshot_naming_the_file(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints")
+    _save(manager, 1, _trainer(), [{"sample_id": "1-0_0_0", "status": "pending", "arrays": {}}])
+    store = tmp_path / "run" / "checkpoints" / "gen-000001" / "store.msgpack"
+    store.write_bytes(store.read_bytes()[:-3])
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexmarl", "train", str(root / "examples" / "referential_game.yaml"),
+         "--resume", str(tmp_path / "run")], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"{store}: truncated or corrupt" in proc.stderr

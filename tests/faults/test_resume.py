@@ -81,3 +81,28 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_stops(tmp_path, reference)
     assert 1 <= stopped < ITERATIONS
     _resume(out)
     assert_final_equal(out, reference)
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_run_stops_it_loudly_and_keeps_the_old_generation(tmp_path,
+                                                                             monkeypatch):
+    import errno
+
+    from flexmarl.orchestrator import checkpoint as ck
+    from flexmarl.orchestrator.checkpoint import CheckpointError
+    from flexmarl.orchestrator.run import train
+
+    real = ck._write_bytes
+
+    def full_disk(path, data):  # the disk is full when generation 2 is written
+        if path.name == "store.msgpack" and "gen-000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(ck, "_write_bytes", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointError, match="gen-000001 is intact"):
+        train(config(), out)
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == "gen-000001"
+    assert ck.CheckpointManager(out / "checkpoints").load().completed == 1
+    assert events(out, "checkpoint_failed")
