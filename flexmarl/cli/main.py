@@ -23,7 +23,9 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)  # config errors surface before torch loads
     from flexmarl.orchestrator.run import prepare, train
 
-    out = Path(args.out or cfg.out or Path("runs") / cfg.name)
+    resume = Path(args.resume) if args.resume else None
+    default_out = resume.parent if resume and resume.name == "checkpoints" else resume
+    out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
     prepare(cfg)  # fail fast, before any worker starts
     console.print(
         f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {len(cfg.agents)} agents, "
@@ -41,12 +43,24 @@ def _train(args: argparse.Namespace) -> int:
     )
     with progress:
         bar = progress.add_task("train", total=cfg.train.iterations, success=0.0, speed="")
+        if resume is not None:  # the resumed iterations are already done
+            from flexmarl.orchestrator.checkpoint import find_checkpoints
+
+            name = find_checkpoints(resume).latest_name() or "gen-0"
+            progress.update(bar, completed=int(name.rsplit("-", 1)[-1] or 0))
 
         def on_iteration(record: dict) -> None:
             progress.update(bar, advance=1, success=record["task/success_rate"],
                             speed=f"{record['wall_s']:.2f}s/it")
 
-        result = train(cfg, out, on_iteration)
+        from flexmarl.orchestrator.joint import RunInterrupted
+
+        try:
+            result = train(cfg, out, on_iteration, resume=resume)
+        except RunInterrupted as exc:
+            progress.stop()
+            print(f"interrupted: {exc}", file=sys.stderr)
+            return 143
     failed = sum(r["episodes/failed"] for r in result.records)
     print(f"final success rate: {result.final_success:.3f} "
           f"(chance {1 / max(cfg.task.options.get('num_candidates', 1), 1):.3f})"
@@ -100,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="run config YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set pipeline.mode=sync")
-    p.add_argument("--out", help="output folder (default runs/<name>)")
+    p.add_argument("--out", help="output folder (default runs/<name>, or the resumed run's)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run in DIR (a run folder or its checkpoints/) from LATEST")
     p.set_defaults(fn=_train)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=["pipeline"])

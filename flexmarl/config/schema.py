@@ -114,6 +114,12 @@ class TrainConfig(Strict):
     group_size: int = Field(8, gt=0)
     micro_batch_size: int = Field(64, gt=0)
     log_every: int = Field(1, gt=0)
+    # A checkpoint generation every N completed iterations (None: only on SIGTERM / Ctrl-C);
+    # the last `keep_checkpoints` generations are kept under OUT/checkpoints/.
+    checkpoint_every: int | None = Field(None, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+    # Optimizer steps skipped for a NaN/inf loss or gradient before the run stops with an error.
+    max_skipped_steps: int = Field(3, ge=0)
 
 
 class PipelineConfig(Strict):
@@ -196,6 +202,12 @@ class RuntimeConfig(Strict):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{value!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
         return addr
+    # Liveness of worker processes: each sends a heartbeat every interval; a worker silent for
+    # `heartbeat_misses` intervals is declared lost, killed and restarted.
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    heartbeat_misses: int = Field(3, gt=0)
+    # Restarts of lost workers allowed per run before the run fails.
+    max_worker_restarts: int = Field(10, ge=0)
 
 
 class RunConfig(Strict):

@@ -24,12 +24,19 @@ from typing import Any
 import numpy as np
 
 from flexmarl.config.schema import RunConfig
+from flexmarl.errors import UserError
 from flexmarl.graph.meg import EpisodeContext, GraphError, NodePrompt
 from flexmarl.graph.task import Task
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.runtime.base import RolloutPool, TrainPool, Weights
-from flexmarl.store.experience import ExperienceStore, Row, Status, make_sample_id
+from flexmarl.store.experience import (
+    ExperienceStore,
+    Row,
+    Status,
+    make_sample_id,
+    parse_sample_id,
+)
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.algorithms import grpo
 from flexmarl.training.trainer import Sample
@@ -37,6 +44,24 @@ from flexmarl.training.trainer import Sample
 
 class EpisodeFailure(RuntimeError):
     """A user function (prompt builder, condition, reward) raised inside an episode."""
+
+
+class TrainingDiverged(UserError, RuntimeError):
+    """More optimizer steps were skipped for NaN/inf than `train.max_skipped_steps` allows."""
+
+
+class RunInterrupted(RuntimeError):
+    """SIGTERM / Ctrl-C: the run stopped at an iteration boundary (after a checkpoint, when
+    checkpointing is configured)."""
+
+    def __init__(self, message: str, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+# save(completed, position, trainer_states, rows) -> path: the checkpoint writer (blocking; it
+# runs in a thread while the pipeline goes on).
+SaveCheckpoint = Callable[[int, dict[str, Any], dict[str, Any], list[dict[str, Any]]], Any]
 
 
 @dataclass
@@ -72,7 +97,11 @@ class JointOrchestrator:
         train: TrainPool,
         telemetry: Telemetry,
         on_iteration: Callable[[dict[str, Any]], None] | None = None,
+        save_checkpoint: SaveCheckpoint | None = None,
+        resume: Any = None,
     ) -> None:
+        """`save_checkpoint` writes a generation every `train.checkpoint_every` iterations and
+        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left."""
         self.cfg = cfg
         self.task = task
         self.graph = task.graph
@@ -97,6 +126,20 @@ class JointOrchestrator:
         self.records: list[dict[str, Any]] = []
         self._last_done = 0.0
         self._start = 0.0
+        # --- reliability: checkpoints, resume, stop requests, skipped steps ---
+        self.save_checkpoint = save_checkpoint
+        self.resume = resume
+        self.start_iteration = 0
+        self.skipped_steps = 0
+        self.last_checkpoint: str | None = None
+        self._capture_idle = asyncio.Event()
+        self._capture_idle.set()
+        self._writing: asyncio.Future | None = None
+        self._stop_requests = 0
+        self._stop = asyncio.Event()
+        self._restored: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        if resume is not None:
+            self._load_position(resume)
 
     # --- versions and notifications ----------------------------------------------------------
     def vector(self, iteration: int) -> dict[str, int]:
@@ -126,6 +169,10 @@ class JointOrchestrator:
         k = it.index
         input_id = f"{k}-{index}"
         ctx = EpisodeContext(input_id=input_id, trajectory_id=traj, data=data)
+        restored = self._restored.pop((index, traj), None) if k == self.start_iteration else None
+        if restored is not None:  # finished before the checkpoint: its rows, not a re-run
+            self._replay_episode(it, ctx, restored)
+            return
         vector = self.vector(k)
         rows: dict[str, Row] = {}
         done: dict[str, asyncio.Future] = {
@@ -231,6 +278,28 @@ class JointOrchestrator:
                 self.telemetry.event("rollout_plan", **it.plan)
         it.rollout_done.set()
 
+    def _replay_episode(
+        self, it: IterationState, ctx: EpisodeContext, saved: list[dict[str, Any]]
+    ) -> None:
+        """Account a restored episode exactly as `run_episode` accounted it the first time."""
+        rows = {}
+        for d in sorted(saved, key=lambda d: d["turn"]):
+            row = self.store.restore_row(d)
+            rows[row.node] = row
+            ctx.outputs[row.node] = list(d["data"]["response"])
+            it.rewards[row.agent].append(float(d["data"]["reward"]))
+        if self.graph.success is not None:
+            try:
+                it.successes += int(bool(self.graph.success(ctx)))
+            except Exception:  # noqa: BLE001 - a metric must not kill the run
+                pass
+        it.groups[ctx.input_id].append({n: r.sample_id for n, r in rows.items()})
+        self._maybe_group_ready(it, ctx.input_id)
+        it.episodes_done += 1
+        if it.episodes_done == it.episodes_total:
+            it.rollout_finished_at = self.telemetry.now()
+            it.rollout_done.set()
+
     def _score(self, ctx: EpisodeContext, rows: dict[str, Row]) -> dict[str, float]:
         """Team reward to every node of the episode, plus each node's own reward."""
         team = 0.0
@@ -259,6 +328,10 @@ class JointOrchestrator:
         group = it.groups[input_id]
         if len(group) < self.cfg.train.group_size:
             return
+        # Trajectory order, not completion order: advantages and the row order inside
+        # micro-batches (hence float summation order) then never depend on timing, so a resumed
+        # or recovered run (whose episodes finish in another order) equals an uninterrupted one.
+        group.sort(key=lambda g: min((parse_sample_id(s)[2] for s in g.values()), default=-1))
         it.groups_done.add(int(input_id.split("-")[1]))
         for agent in self.agents:
             self._changed_event(agent).set()
@@ -356,8 +429,20 @@ class JointOrchestrator:
             self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
             await self.train.accumulate(agent, self._samples(rows))
             self.store.release(rows)
+        await self._capture_idle.wait()  # a checkpoint is reading trainer states: do not step
         metrics, weights = await self.train.step(agent)
-        if metrics.get("skipped"):
+        reason = metrics.pop("skip_reason", None)
+        if reason is not None:
+            self.skipped_steps += 1
+            self.telemetry.fault("step_skipped", agent=agent, iteration=k, reason=reason,
+                                 skipped_total=self.skipped_steps)
+            if self.skipped_steps > self.cfg.train.max_skipped_steps:
+                raise TrainingDiverged(
+                    f"agent {agent!r}, iteration {k}: optimizer step skipped ({reason}); "
+                    f"{self.skipped_steps} skipped steps exceed train.max_skipped_steps="
+                    f"{self.cfg.train.max_skipped_steps}"
+                )
+        elif metrics.get("skipped"):
             self.telemetry.event("step_skipped", agent=agent, iteration=k)
         it.trained[agent] = metrics
         await self._publish(agent, k + 1, weights)
@@ -372,22 +457,48 @@ class JointOrchestrator:
     # --- drivers -----------------------------------------------------------------------------
     async def run(self) -> list[dict[str, Any]]:
         self._start = self._last_done = self.telemetry.now()
-        # Version 0 comes from the trainers, so rollout and training start from the same weights.
+        if self.records:  # resumed: time keeps counting from where the run stopped
+            self._start -= float(self.records[-1].get("time_s", 0.0))
+        if self.resume is not None:
+            for agent in self.trainable:
+                await self.train.set_state(agent, self.resume.trainer_states[agent])
+        # Version 0 (or the resumed version) comes from the trainers, so rollout and training
+        # start from the same weights.
         for agent in self.trainable:
-            await self.rollout.publish(agent, 0, await self.train.weights(agent))
+            await self.rollout.publish(agent, self.versions[agent],
+                                       await self.train.weights(agent))
+        main = asyncio.ensure_future(self._drive())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not main.done():  # stop requested: the checkpoint (if any) is written, end here
+            main.cancel()
+            await asyncio.gather(main, return_exceptions=True)
+            await self._wait_writes()
+            where = f"; resume from {self.last_checkpoint}" if self.last_checkpoint else ""
+            raise RunInterrupted(f"stopped after {len(self.records)} iterations{where}",
+                                 self.last_checkpoint)
+        main.result()
+        await self._wait_writes()
+        return self.records
+
+    async def _drive(self) -> None:
         iterations = self.cfg.train.iterations
+        first = self.start_iteration
         if self.cfg.pipeline.mode == "sync":
-            for k in range(iterations):
+            for k in range(first, iterations):
                 await self.rollout_iteration(k)
                 await asyncio.gather(*(self.train_iteration(a, k) for a in self.trainable))
                 self._finish_iteration(k)
         else:
-            await asyncio.gather(self._async_rollouts(iterations), self._async_trainers(iterations))
-        return self.records
+            await asyncio.gather(self._async_rollouts(first, iterations),
+                                 self._async_trainers(first, iterations))
 
-    async def _async_rollouts(self, iterations: int) -> None:
+    async def _async_rollouts(self, first: int, iterations: int) -> None:
         pending: list[asyncio.Task] = []
-        for k in range(iterations):
+        for k in range(first, iterations):
             task = asyncio.ensure_future(self.rollout_iteration(k))
             pending.append(task)
             # Iteration k+1 only needs k's rollout to be complete: every agent's version k+1
@@ -400,17 +511,116 @@ class JointOrchestrator:
             await asyncio.sleep(0)
         await self.iterations[k].rollout_done.wait()
 
-    async def _async_trainers(self, iterations: int) -> None:
+    async def _async_trainers(self, first: int, iterations: int) -> None:
         async def trainer(agent: str) -> None:
-            for k in range(iterations):
+            for k in range(first, iterations):
                 while k not in self.iterations:
                     await asyncio.sleep(0.001)
                 await self.train_iteration(agent, k)
                 self._maybe_finish(k)
 
         await asyncio.gather(*(trainer(a) for a in self.trainable))
-        for k in range(iterations):
+        for k in range(first, iterations):
             self._maybe_finish(k)
+
+    # --- checkpoints and resume --------------------------------------------------------------
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop. A second
+        request stops at once, without a checkpoint."""
+        self._stop_requests += 1
+        self.telemetry.fault("stop_requested", count=self._stop_requests)
+        if self._stop_requests > 1 or self.save_checkpoint is None:
+            self._stop.set()
+
+    def _position(self, completed: int) -> dict[str, Any]:
+        return {
+            "completed": completed,
+            "versions": dict(self.versions),
+            "records": list(self.records),
+            "consumed": {a: {str(k): list(ids) for k, ids in per.items() if k < completed}
+                         for a, per in self.consumed.items()},
+            "audit": {a: [list(t) for t in trail if t[2] < completed]
+                      for a, trail in self.audit.items()},
+            "evicted": {a: dict(c) for a, c in self.store.evicted.items()},
+            "skipped_steps": self.skipped_steps,
+            "seed": self.cfg.seed,
+            "agents": self.agents,
+        }
+
+    def _load_position(self, ckpt: Any) -> None:
+        pos = ckpt.position
+        if sorted(pos["agents"]) != sorted(self.agents):
+            raise GraphError(f"resume {ckpt.path}: the checkpoint has agents {pos['agents']}, "
+                             f"the config has {self.agents}")
+        self.start_iteration = int(pos["completed"])
+        self.versions.update({a: int(v) for a, v in pos["versions"].items()})
+        self.records = list(pos["records"])
+        for agent, per in pos["consumed"].items():
+            for k, ids in per.items():
+                self.consumed[agent][int(k)] = list(ids)
+        for agent, trail in pos["audit"].items():
+            self.audit[agent] = [(sid, int(v), int(step)) for sid, v, step in trail]
+        for agent, counts in pos["evicted"].items():
+            self.store.evicted[agent].update(counts)
+        self.skipped_steps = int(pos.get("skipped_steps", 0))
+        # Episodes of the next iteration that had finished (all rows rewarded, payload kept)
+        # are restored instead of re-run; the rest are generated again (same keyed sampling).
+        by_episode: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        for d in ckpt.rows:
+            if d["iteration"] == self.start_iteration:
+                index = int(d["input_id"].split("-")[1])
+                by_episode[(index, int(d["trajectory_id"]))].append(d)
+        for key, rows in by_episode.items():
+            if rows and all(d["status"] in (Status.REWARDED.value, Status.READY.value)
+                            and "logprobs" in d["arrays"] for d in rows):
+                self._restored[key] = rows
+
+    def _checkpoint_due(self, k: int) -> bool:
+        every = self.cfg.train.checkpoint_every
+        if self.save_checkpoint is None:
+            return False
+        return self._stop_requests > 0 or (every is not None and (k + 1) % every == 0)
+
+    def _capture(self, k: int) -> None:
+        """Checkpoint at the boundary after iteration k: the position and the store are taken
+        now (synchronously), the trainer states next, before any trainer may step again."""
+        position = self._position(k + 1)
+        rows = self.store.snapshot(k + 1)
+        self._capture_idle.clear()
+        previous = self._writing
+
+        async def capture() -> None:
+            try:
+                if previous is not None:  # generations are written one after another
+                    await previous
+                states = dict(zip(self.trainable, await asyncio.gather(
+                    *(self.train.get_state(a) for a in self.trainable)), strict=True))
+                for agent, (_, meta) in states.items():
+                    if int(meta["version"]) != k + 1:
+                        raise RuntimeError(f"checkpoint after iteration {k}: trainer of "
+                                           f"{agent!r} is at version {meta['version']}")
+            finally:
+                self._capture_idle.set()
+            t0 = self.telemetry.now()
+            assert self.save_checkpoint is not None
+            path = await asyncio.to_thread(self.save_checkpoint, k + 1, position, states, rows)
+            self.last_checkpoint = str(path)
+            self.telemetry.fault("checkpoint", completed=k + 1, path=str(path),
+                                 rows_in_flight=len(rows), save_s=self.telemetry.now() - t0)
+            if self._stop_requests > 0:
+                self._stop.set()
+
+        self._writing = asyncio.ensure_future(capture())
+        self._writing.add_done_callback(self._write_done)
+
+    def _write_done(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self.telemetry.fault("checkpoint_failed", error=str(fut.exception()))
+            self._stop.set()  # a failed save stops the run loudly (run() re-raises it)
+
+    async def _wait_writes(self) -> None:
+        if self._writing is not None:
+            await self._writing  # re-raises a failed save
 
     def _maybe_finish(self, k: int) -> None:
         it = self.iterations[k]
@@ -476,6 +686,8 @@ class JointOrchestrator:
         self.telemetry.log(record)
         if self.on_iteration is not None:
             self.on_iteration(record)
+        if self._checkpoint_due(k):
+            self._capture(k)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import yaml
 from flexmarl.config.schema import RunConfig
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
+from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.telemetry.recorder import Telemetry
 
@@ -29,6 +31,7 @@ class RunResult:
     store_stats: dict[str, dict[str, int]]
     placement: dict[str, Any]
     wall_s: float
+    faults: dict[str, Any] | None = None
 
     @property
     def final_success(self) -> float:
@@ -67,15 +70,25 @@ def train(
     cfg: RunConfig,
     out_dir: str | Path,
     on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    resume: str | Path | None = None,
+    on_runtime: Callable[[Any], None] | None = None,
 ) -> RunResult:
+    """Train; with `resume` (a run folder or its checkpoints/), continue from its LATEST
+    generation. `on_runtime(runtime)` is called once the workers run (chaos tests, benches)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     task = prepare(cfg)
+    ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     telemetry = Telemetry(out)
+    if ckpt is not None:  # metrics.jsonl restarts from the checkpoint's records
+        for record in ckpt.position["records"]:
+            telemetry.log(record)
+        telemetry.fault("resumed", checkpoint=str(ckpt.path), completed=ckpt.completed,
+                        rows_restored=len(ckpt.rows))
     started = time.time()
     try:
-        result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration))
+        result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
     finally:
         telemetry.write_trace(out / "trace.json")
         telemetry.close()
@@ -90,18 +103,37 @@ def train(
     return result
 
 
-async def _run(cfg, task, telemetry, out: Path, on_iteration) -> RunResult:
+async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
+               on_runtime=None) -> RunResult:
     runtime = make_runtime(cfg, task, telemetry)
     await runtime.start()
+    loop = asyncio.get_running_loop()
+    handled: list[int] = []
     try:
         telemetry.event("placement", **runtime.placement())
-        orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration)
+        manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
+        orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
+                                 save_checkpoint=manager.save, resume=ckpt)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # checkpoint at the next boundary, stop
+            try:
+                loop.add_signal_handler(sig, orch.request_stop)
+                handled.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
+        if on_runtime is not None:
+            on_runtime(runtime)
         records = await orch.run()
         checkpoints = {}
         for agent in orch.trainable:
             path = out / "checkpoints" / "final" / agent
             checkpoints[agent] = Path(await runtime.train.save(agent, str(path)))
+        supervisor = getattr(runtime, "supervisor", None)
+        faults = None
+        if supervisor is not None:
+            faults = {"failures": supervisor.failures, "recoveries": supervisor.recoveries}
         return RunResult(out, records, checkpoints, orch.consumed, orch.audit, orch.store.stats(),
-                         runtime.placement(), 0.0)
+                         runtime.placement(), 0.0, faults)
     finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
         await runtime.stop()

@@ -20,6 +20,11 @@ class WorkerError(RuntimeError):
     """A worker reported a failure (the remote traceback is in the message)."""
 
 
+class WorkerLost(WorkerError):
+    """A worker process or actor is gone (killed, crashed, silent past its heartbeats): what it
+    held in flight can be re-dispatched once it is restarted or to another replica."""
+
+
 class SpanSink(Protocol):
     def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None: ...
 

@@ -307,6 +307,50 @@ class ExperienceStore:
                 n += 1
         return n
 
+    # --- snapshots ------------------------------------------------------------------------
+    def snapshot(self, min_iteration: int) -> list[dict[str, Any]]:
+        """Rows of iterations >= `min_iteration` (those no committed step has trained on), as
+        plain values with their status and whatever payload is still held, for a checkpoint."""
+        from flexmarl.orchestrator.checkpoint import encode_array
+
+        out = []
+        for table in self.tables.values():
+            for row in table.rows.values():
+                if row.iteration < min_iteration:
+                    continue
+                arrays = {}
+                for name, ref in row.refs.items():
+                    if ref.key in self.objects._objects:
+                        arrays[name] = encode_array(self.objects.get(ref))
+                out.append({
+                    "sample_id": row.sample_id, "agent": row.agent, "node": row.node,
+                    "input_id": row.input_id, "turn": row.turn,
+                    "trajectory_id": row.trajectory_id, "iteration": row.iteration,
+                    "policy_version": row.policy_version,
+                    "version_vector": dict(row.version_vector), "status": row.status.value,
+                    "data": dict(row.data), "arrays": arrays, "error": row.error,
+                })
+        return out
+
+    def restore_row(self, d: dict[str, Any]) -> Row:
+        """Re-insert a snapshotted row of a finished episode as `rewarded` (its group's
+        advantages are computed again when the group is complete, exactly as the first time)."""
+        from flexmarl.orchestrator.checkpoint import decode_array
+
+        if d["status"] not in (Status.REWARDED.value, Status.READY.value):
+            raise StoreError(f"agent {d['agent']!r}: row {d['sample_id']} is {d['status']}; "
+                             f"only rewarded or ready rows can be restored")
+        row = self.add(Row(
+            sample_id=d["sample_id"], agent=d["agent"], node=d["node"], input_id=d["input_id"],
+            turn=d["turn"], trajectory_id=d["trajectory_id"], iteration=d["iteration"],
+            policy_version=d["policy_version"], version_vector=dict(d["version_vector"]),
+        ))
+        data = {k: v for k, v in d["data"].items() if k not in ("reward", "advantage")}
+        arrays = {k: decode_array(v) for k, v in d["arrays"].items()}
+        self.set_generated(row.agent, row.sample_id, data, arrays)
+        self.set_rewarded(row.agent, row.sample_id, d["data"]["reward"])
+        return row
+
     def stats(self) -> dict[str, dict[str, int]]:
         return {
             agent: {s.value: table.count(s) + self.evicted[agent].get(s.value, 0) for s in Status}

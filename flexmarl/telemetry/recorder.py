@@ -53,6 +53,16 @@ class Telemetry:
     def event(self, name: str, **fields: Any) -> None:
         self.events.append({"name": name, "time": self.now(), **fields})
 
+    def fault(self, name: str, **fields: Any) -> None:
+        """A failure, recovery or checkpoint: an event in the trace *and* a line
+        `{"event": name, "time": ..., ...}` in metrics.jsonl, so a run's faults are auditable
+        from its metrics alone."""
+        self.event(name, **fields)
+        if self._metrics_file is not None:
+            line = {"event": name, "time": self.now(), **fields}
+            self._metrics_file.write(json.dumps({k: _json_safe(v) for k, v in line.items()}) + "\n")
+            self._metrics_file.flush()
+
     def busy_seconds(self, pool: str, t0: float, t1: float) -> float:
         total = 0.0
         for s in self.spans:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -66,6 +67,7 @@ class AgentTrainer:
         self._rows = 0
         self._seen: set[str] = set()
         self._sums: dict[str, float] = {}
+        self._nonfinite: str | None = None  # why this step must be skipped (NaN/inf seen)
 
     def accumulate(self, samples: list[Sample]) -> dict[str, float]:
         """Forward/backward one micro-batch; gradients add up until `step`."""
@@ -102,7 +104,11 @@ class AgentTrainer:
             logp, old, adv, batch.response_mask, self.cfg.algorithm, ref_logp, entropy,
             step=self.version,
         )
-        loss.backward()
+        if not torch.isfinite(loss.detach()):
+            # A poisoned micro-batch would turn every weight into NaN: its step is skipped.
+            self._nonfinite = self._nonfinite or f"non-finite loss {float(loss.detach()):.4g}"
+        else:
+            loss.backward()
         self._rows += len(samples)
         self._seen.update(s.sample_id for s in samples)
         for k, v in metrics.items():
@@ -122,6 +128,10 @@ class AgentTrainer:
         norm = torch.nn.utils.clip_grad_norm_(
             self.params, max_norm if max_norm is not None else float("inf")
         )
+        if self._nonfinite is None and not torch.isfinite(norm):
+            self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
+        if self._nonfinite is not None:
+            return self._skip_step(self._nonfinite)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(self._sums.pop("tokens", 0.0), 1.0)
@@ -135,6 +145,18 @@ class AgentTrainer:
         self._sums = {}
         self.version += 1
         return metrics
+
+    def _skip_step(self, reason: str) -> dict[str, float]:
+        """Drop this iteration's gradients, keep the weights, still advance the version (the
+        rows of this version were used up)."""
+        rows = float(self._rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
+        self._seen.clear()
+        self._sums = {}
+        self._nonfinite = None
+        self.version += 1
+        return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return weights_of(self.model)
@@ -153,3 +175,51 @@ class AgentTrainer:
 
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "rows_pending": self._rows}
+
+    # --- full training state, for checkpoints and trainer restarts ---------------------------
+    def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Everything a restarted trainer needs to continue bit for bit: weights, optimizer
+        moments and step counts, the version and the RNG states, as (arrays, JSON-able meta).
+        Gradients of a step in progress are not part of it (they are rebuilt from the rows)."""
+        arrays: dict[str, np.ndarray] = {
+            f"model.{k}": v.numpy() for k, v in self.weights().items()
+        }
+        opt = self.optimizer.state_dict()
+        for idx, slots in opt["state"].items():
+            for key, value in slots.items():
+                arrays[f"optim.{idx}.{key}"] = value.detach().cpu().numpy().copy()
+        arrays["rng.torch"] = torch.get_rng_state().numpy().copy()
+        np_state = np.random.get_state()
+        arrays["rng.numpy"] = np.asarray(np_state[1]).copy()
+        meta = {
+            "agent": self.agent,
+            "version": self.version,
+            "param_groups": opt["param_groups"],
+            "rng_numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "hf_config": json.loads(self.model.config.to_json_string()),
+        }
+        return arrays, meta
+
+    def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore `get_state`'s output; any gradients accumulated so far are dropped."""
+        if meta.get("agent") != self.agent:
+            raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
+        weights = {k[len("model."):]: torch.from_numpy(np.array(v, copy=True))
+                   for k, v in arrays.items() if k.startswith("model.")}
+        self.model.load_state_dict(weights)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in arrays.items():
+            if key.startswith("optim."):
+                _, idx, name = key.split(".", 2)
+                state.setdefault(int(idx), {})[name] = torch.from_numpy(np.array(value, copy=True))
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        torch.set_rng_state(torch.from_numpy(np.array(arrays["rng.torch"], copy=True)))
+        name, pos, has_gauss, cached = meta["rng_numpy"]
+        np.random.set_state((name, np.array(arrays["rng.numpy"], dtype=np.uint32), pos,
+                             has_gauss, cached))
+        self.version = int(meta["version"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
+        self._seen.clear()
+        self._sums = {}
+        self._nonfinite = None

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import queue
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
@@ -18,8 +20,13 @@ from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, Weights, WorkerError
-from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main, train_worker_main
+from flexmarl.runtime.base import SpanSink, Weights, WorkerError, WorkerLost
+from flexmarl.runtime.local.workers import (
+    HEARTBEAT,
+    WorkerSpec,
+    rollout_worker_main,
+    train_worker_main,
+)
 from flexmarl.training.trainer import Sample
 
 
@@ -33,6 +40,7 @@ class WorkerProxy:
 
     def __init__(self, pool: str, index: int, target: Any, spec: WorkerSpec, sink: SpanSink):
         self.pool, self.index, self.sink = pool, index, sink
+        self.target, self.spec = target, spec
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -43,9 +51,17 @@ class WorkerProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
         self._outbox: list[tuple] = []
-        self._send_lock = threading.Lock()
+        # Sends go through a queue and a sender thread: a frozen worker that stops reading
+        # fills its pipe, and a blocking send must never stall the event loop (the heartbeat
+        # monitor runs there).
+        self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.outstanding_tokens = 0
         self.alive = False
+        self.stopping = False
+        self.last_beat = time.monotonic()  # any message counts as a heartbeat
+        self.lost_reason: str | None = None
+        self.lost_in_flight = 0
+        self.on_death: Callable[[WorkerProxy], None] | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -54,7 +70,10 @@ class WorkerProxy:
         self.alive = True
         threading.Thread(target=self._read, name=f"reader-{self.pool}-{self.index}",
                          daemon=True).start()
+        threading.Thread(target=self._write, name=f"sender-{self.pool}-{self.index}",
+                         daemon=True).start()
         await self._ready
+        self.last_beat = time.monotonic()
 
     def _read(self) -> None:
         assert self._loop is not None
@@ -62,13 +81,37 @@ class WorkerProxy:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._died)
+                try:
+                    self._loop.call_soon_threadsafe(self._died)
+                except RuntimeError:  # the event loop is already closed: nobody is waiting
+                    pass
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
+            self.last_beat = time.monotonic()
+            if msg[0] == HEARTBEAT:
+                continue
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+            except RuntimeError:
+                return
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the process (e.g. it missed its heartbeats); the pipe's EOF then runs the
+        normal death path, so a hung worker and a crashed one are recovered the same way."""
+        self.lost_reason = reason
+        if self.process.is_alive():
+            self.process.kill()
 
     def _died(self) -> None:
+        if not self.alive and self._ready is not None and self._ready.done():
+            return
         self.alive = False
-        err = WorkerError(f"{self.pool} worker {self.index} exited (code {self.process.exitcode})")
+        self.process.join(timeout=1)
+        reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
+        self.lost_reason = reason
+        self.lost_in_flight = sum(1 for f in self._futures.values() if not f.done())
+        err = WorkerLost(f"{self.pool} worker {self.index} lost: {reason}")
+        if self.on_death is not None and not self.stopping:
+            self.on_death(self)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(err)
         for fut in self._futures.values():
@@ -102,7 +145,7 @@ class WorkerProxy:
 
     def _new_future(self) -> tuple[int, asyncio.Future]:
         if not self.alive:
-            raise WorkerError(f"{self.pool} worker {self.index} is not running")
+            raise WorkerLost(f"{self.pool} worker {self.index} is not running")
         assert self._loop is not None
         msg_id = next(self._ids)
         fut = self._loop.create_future()
@@ -110,12 +153,25 @@ class WorkerProxy:
         return msg_id, fut
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self.conn.send(msg)
+        self._sendq.put(msg)
+
+    def _write(self) -> None:
+        while True:
+            msg = self._sendq.get()
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # dead: the reader's EOF fails the futures
+                return
 
     async def call(self, command: str, payload: Any) -> Any:
         msg_id, fut = self._new_future()
-        self._send((msg_id, command, payload))
+        try:
+            self._send((msg_id, command, payload))
+        except OSError as exc:  # the process died and its pipe's EOF is not processed yet
+            self._futures.pop(msg_id, None)
+            raise WorkerLost(f"{self.pool} worker {self.index} lost: {exc}") from exc
         return await fut
 
     def submit(self, item: Any, priority: tuple) -> asyncio.Future:
@@ -130,9 +186,13 @@ class WorkerProxy:
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         if batch and self.alive:
-            self._send((next(self._ids), "generate", batch))
+            try:
+                self._send((next(self._ids), "generate", batch))
+            except OSError:  # dead: the pipe's EOF fails these futures with WorkerLost
+                pass
 
     async def stop(self, timeout: float = 10.0) -> None:
+        self.stopping = True
         if self.alive:
             try:
                 await asyncio.wait_for(self.call("stop", None), timeout)
@@ -143,6 +203,7 @@ class WorkerProxy:
             self.process.kill()
             self.process.join(timeout=5)
         self.alive = False
+        self._sendq.put(None)
 
 
 class LocalRolloutPool:
@@ -159,15 +220,35 @@ class LocalRolloutPool:
         self.n_workers = len(workers)
         self.balancer = balancer
         self.remote = remote or {}
+        # The last weights published per agent: what a restarted replica must load.
+        self.latest: dict[str, tuple[int, Weights]] = {}
+        # Set by the runtime's supervisor: waits until a live replica exists (or raises).
+        self.on_lost: Callable[[], Awaitable[None]] | None = None
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
+        """Dispatch; a request whose replica is lost goes again to a live one (sampling is keyed
+        by (seed, sample_id, version), so the re-run produces the same tokens)."""
         remote = self.remote.get(request.agent)
         if remote is not None:
             return await remote.generate(request)
+        while True:
+            try:
+                return await self._dispatch(request, priority)
+            except WorkerLost:
+                if self.on_lost is None:
+                    raise
+                await self.on_lost()
+
+    async def _dispatch(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         cost = self.balancer.expected_cost(request.agent, len(request.prompt),
                                            request.max_new_tokens)
-        index = self.balancer.pick(request.agent, [w.outstanding_tokens for w in self.workers])
-        worker = self.workers[index]
+        live = [w for w in self.workers if w.alive]
+        if not live:
+            raise WorkerLost("no live rollout replica")
+        load = [w.outstanding_tokens if w.alive else float("inf") for w in self.workers]
+        worker = self.workers[self.balancer.pick(request.agent, load)]
+        if not worker.alive:  # its planned replicas are down: any live one will do
+            worker = min(live, key=lambda w: (w.outstanding_tokens, w.index))
         worker.outstanding_tokens += cost
         submitted = time.time()
         try:
@@ -182,9 +263,14 @@ class LocalRolloutPool:
         if agent in self.remote:
             raise WorkerError(f"agent {agent!r} is served by an external endpoint: its weights "
                               "cannot be published")
-        await asyncio.gather(
-            *(w.call("load_weights", (agent, version, weights)) for w in self.workers)
+        self.latest[agent] = (version, weights)
+        results = await asyncio.gather(
+            *(w.call("load_weights", (agent, version, weights)) for w in self.workers if w.alive),
+            return_exceptions=True,
         )
+        for r in results:  # a lost replica gets `latest` when it is restarted
+            if isinstance(r, BaseException) and not isinstance(r, WorkerLost):
+                raise r
 
     def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any]:
         """Re-plan agents onto replicas from iteration k's measured demand."""
@@ -199,21 +285,59 @@ class LocalTrainPool:
         self.workers = workers
         self.binding = binding
         self.n_workers = len(workers)
+        # Recovery journal, kept when `on_lost` is set: each agent's full trainer state after
+        # its last step and the micro-batches accumulated since, so a restarted worker resumes
+        # from exactly there and no row is lost or counted twice in a gradient.
+        self.on_lost: Callable[[int], Awaitable[None]] | None = None
+        self.saved_state: dict[str, tuple[dict, dict]] = {}
+        self.journal: dict[str, list[list[Sample]]] = {a: [] for a in binding}
 
     def _worker(self, agent: str) -> WorkerProxy:
         return self.workers[self.binding[agent]]
 
+    async def _call(self, agent: str, command: str, payload: Any) -> Any:
+        while True:
+            try:
+                return await self._worker(agent).call(command, payload)
+            except WorkerLost:
+                if self.on_lost is None:
+                    raise
+                await self.on_lost(self.binding[agent])
+
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
-        return await self._worker(agent).call("accumulate", (agent, samples))
+        result = await self._call(agent, "accumulate", (agent, samples))
+        if self.on_lost is not None:
+            self.journal[agent].append(samples)
+        return result
 
     async def step(self, agent: str) -> tuple[dict[str, float], Weights]:
-        return await self._worker(agent).call("step", agent)
+        while True:
+            out = await self._call(agent, "step", agent)
+            if self.on_lost is None:
+                return out
+            try:  # the state after this step is the new restart point
+                state = await self._worker(agent).call("get_state", agent)
+            except WorkerLost:  # lost with the step: restore, replay the journal, step again
+                await self.on_lost(self.binding[agent])
+                continue
+            self.saved_state[agent] = state
+            self.journal[agent] = []
+            return out
+
+    async def get_state(self, agent: str) -> tuple[dict, dict]:
+        return await self._call(agent, "get_state", agent)
+
+    async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
+        await self._call(agent, "set_state", (agent, *state))
+        if self.on_lost is not None:
+            self.saved_state[agent] = state
+            self.journal[agent] = []
 
     async def weights(self, agent: str) -> Weights:
-        return await self._worker(agent).call("weights", agent)
+        return await self._call(agent, "weights", agent)
 
     async def save(self, agent: str, directory: str) -> str:
-        return await self._worker(agent).call("save", (agent, directory))
+        return await self._call(agent, "save", (agent, directory))
 
 
 class LocalRuntime:
@@ -222,6 +346,7 @@ class LocalRuntime:
     ) -> None:
         self.cfg = cfg
         sink = sink or _NullSink()
+        self.sink = sink
         rt = cfg.runtime
         config = cfg.model_dump(mode="json")
         agents = list(cfg.agents)
@@ -229,10 +354,13 @@ class LocalRuntime:
 
         def spec(names: list[str]) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
-                              rt.deterministic, cfg.rollout.max_batch_seqs)
+                              rt.deterministic, cfg.rollout.max_batch_seqs,
+                              heartbeat_s=rt.heartbeat_interval_s)
 
+        # agents served by an external endpoint need no model in the replicas
+        local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
         self.rollout_workers = [
-            WorkerProxy("rollout", i, rollout_worker_main, spec(agents), sink)
+            WorkerProxy("rollout", i, rollout_worker_main, spec(local_agents), sink)
             for i in range(rt.rollout_workers)
         ]
         n_train = max(1, min(rt.train_workers, len(trainable)))
@@ -242,22 +370,26 @@ class LocalRuntime:
                         spec([a for a in trainable if binding[a] == i]), sink)
             for i in range(n_train)
         ]
-        local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
         balancer = Balancer(local_agents or agents, rt.rollout_workers, cfg.rollout.balance, costs)
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend, cfg.seed)
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
         self.train = LocalTrainPool(self.train_workers, binding)
+        self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
 
     async def start(self) -> None:
         try:
             await asyncio.gather(*(w.start() for w in self.rollout_workers + self.train_workers))
+            if self.supervisor is not None:
+                await self.supervisor.start()
         except BaseException:
             await self.stop()
             raise
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         await asyncio.gather(
             *(w.stop() for w in self.rollout_workers + self.train_workers),
             return_exceptions=True,
@@ -272,3 +404,155 @@ class LocalRuntime:
                 for w in self.train_workers
             ],
         }
+
+
+class Supervisor:
+    """Liveness and recovery of the local runtime's worker processes.
+
+    Every worker beats every `runtime.heartbeat_interval_s`; one silent for
+    `runtime.heartbeat_misses` intervals is killed. A lost worker (killed, crashed, hung) is
+    restarted in place: a rollout replica reloads the last published weights of every agent
+    (its in-flight requests were already re-dispatched to live replicas by the pool); a training
+    worker gets each of its agents' state after their last step and replays the micro-batches
+    accumulated since. Each failure and recovery is a `worker_failed` / `worker_recovered`
+    event in metrics.jsonl and the trace, with the recovery time.
+    """
+
+    def __init__(self, runtime: LocalRuntime) -> None:
+        self.rt = runtime
+        self.cfg = runtime.cfg.runtime
+        self.restarts = 0
+        self.failures: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        self._changed = asyncio.Event()
+        self._fatal: str | None = None
+        self._monitor: asyncio.Task | None = None
+        self._stopping = False
+
+    def _workers(self) -> list[WorkerProxy]:
+        return self.rt.rollout_workers + self.rt.train_workers
+
+    def _event(self, name: str, **fields: Any) -> None:
+        fault = getattr(self.rt.sink, "fault", None)
+        if fault is not None:
+            fault(name, **fields)
+
+    async def start(self) -> None:
+        for w in self._workers():
+            w.on_death = self._on_death
+        self.rt.rollout.on_lost = self._wait_rollout
+        self.rt.train.on_lost = self._wait_train
+        # Restart point of every trainer: its state now (version 0, or a resumed one later).
+        for agent in self.rt.train.binding:
+            self.rt.train.saved_state[agent] = await self.rt.train.get_state(agent)
+        self._monitor = asyncio.ensure_future(self._watch())
+
+    async def stop(self, timeout: float = 60.0) -> None:
+        """Let restarts in progress finish (a run hands back whole pools, and their recovery
+        is recorded), then stop watching."""
+        pending = [t for t in self._tasks.values() if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for task in self._tasks.values():
+            task.cancel()
+
+    async def _watch(self) -> None:
+        interval = self.cfg.heartbeat_interval_s
+        limit = interval * self.cfg.heartbeat_misses
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for w in self._workers():
+                if w.alive and not w.stopping and now - w.last_beat > limit:
+                    w.kill(f"missed {self.cfg.heartbeat_misses} heartbeats "
+                           f"({now - w.last_beat:.1f} s silent)")
+
+    def _on_death(self, proxy: WorkerProxy) -> None:
+        if self._stopping:
+            return
+        died_at = time.monotonic()
+        info = {"pool": proxy.pool, "worker": proxy.index, "pid": proxy.process.pid,
+                "reason": proxy.lost_reason, "in_flight": proxy.lost_in_flight}
+        self.failures.append(info)
+        self._event("worker_failed", **info)
+        key = (proxy.pool, proxy.index)
+        self._tasks[key] = asyncio.ensure_future(self._restart(proxy, died_at))
+
+    async def _restart(self, old: WorkerProxy, died_at: float) -> None:
+        while True:
+            if self.restarts >= self.cfg.max_worker_restarts:
+                self._fatal = (f"{old.pool} worker {old.index} lost ({old.lost_reason}) and "
+                               f"runtime.max_worker_restarts={self.cfg.max_worker_restarts} "
+                               f"restarts are used up")
+                self._event("worker_unrecoverable", pool=old.pool, worker=old.index,
+                            reason=self._fatal)
+                self._changed.set()
+                return
+            self.restarts += 1
+            new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
+            try:
+                await new.start()
+                if old.pool == "rollout":
+                    await self._load_latest(new)
+                else:
+                    await self._restore_trainers(new)
+            except WorkerLost:
+                await new.stop(timeout=1)
+                continue
+            new.on_death = self._on_death
+            workers = self.rt.rollout_workers if old.pool == "rollout" else self.rt.train_workers
+            workers[old.index] = new  # the pools share these lists
+            recovery_s = time.monotonic() - died_at
+            info = {"pool": old.pool, "worker": old.index, "pid": new.process.pid,
+                    "recovery_s": recovery_s, "restarts": self.restarts}
+            self.recoveries.append(info)
+            self._event("worker_recovered", **info)
+            self._changed.set()
+            return
+
+    async def _load_latest(self, new: WorkerProxy) -> None:
+        """Publish every agent's latest weights, until no newer version arrived meanwhile."""
+        loaded: dict[str, int] = {}
+        while True:
+            todo = {a: vw for a, vw in self.rt.rollout.latest.items() if loaded.get(a) != vw[0]}
+            if not todo:
+                return
+            for agent, (version, weights) in todo.items():
+                await new.call("load_weights", (agent, version, weights))
+                loaded[agent] = version
+
+    async def _restore_trainers(self, new: WorkerProxy) -> None:
+        pool = self.rt.train
+        for agent, index in pool.binding.items():
+            if index != new.index:
+                continue
+            arrays, meta = pool.saved_state[agent]
+            await new.call("set_state", (agent, arrays, meta))
+            for samples in pool.journal[agent]:
+                await new.call("accumulate", (agent, samples))
+
+    async def _wait_rollout(self) -> None:
+        while True:
+            if self._fatal is not None:
+                raise WorkerError(self._fatal)
+            if any(w.alive for w in self.rt.rollout_workers):
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _wait_train(self, index: int) -> None:
+        while True:
+            if self._fatal is not None:
+                raise WorkerError(self._fatal)
+            if self.rt.train_workers[index].alive:
+                return
+            task = self._tasks.get(("train", index))
+            if task is not None and not task.done():
+                await asyncio.shield(task)
+                continue
+            self._changed.clear()
+            await self._changed.wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,6 +31,50 @@ class WorkerSpec:
     torch_threads: int
     deterministic: bool
     max_batch_seqs: int = 64
+    heartbeat_s: float = 2.0
+
+
+HEARTBEAT = -3  # message id of a liveness beat: `(HEARTBEAT, True, time, [])`
+
+
+class LockedConnection:
+    """A pipe end shared by the worker loop and its heartbeat thread (sends must not interleave)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def recv(self) -> Any:
+        return self._conn.recv()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._conn.poll(timeout)
+
+
+def start_heartbeat(conn: Connection, spec: WorkerSpec) -> LockedConnection:
+    """Beat every `spec.heartbeat_s` from a daemon thread, so a worker stuck in a long
+    computation still shows it is alive and a hung or frozen one shows that it is not."""
+    locked = LockedConnection(conn)
+
+    def beat() -> None:
+        while True:
+            time.sleep(spec.heartbeat_s)
+            try:
+                locked.send((HEARTBEAT, True, time.time(), []))
+            except (OSError, ValueError):
+                return
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    return locked
+
+
+def state_to_numpy(state: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict, dict]:
+    arrays, meta = state
+    return {k: np.asarray(v) for k, v in arrays.items()}, meta
 
 
 def _setup_torch(spec: WorkerSpec) -> None:
@@ -63,9 +108,10 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A rollout replica hosting the models of `spec.agents`, one continuous batch per model.
 
     Between decode steps it reads new requests and admits them into its model's running batch
-    as budgets allow; a finished sequence is answered at once, not when its batch ends. When
-    several models have work, the one holding the highest-priority request steps next.
+    as budgets allow; a finished sequence is answered at once, not when its batch ends. Models
+    sharing the replica take decode steps in turn.
     """
+    conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
 
@@ -194,6 +240,7 @@ def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A training worker holding the trainers of `spec.agents` (they time-share its core)."""
+    conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
     from flexmarl.training.trainer import AgentTrainer
@@ -228,6 +275,15 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                 agent, directory = payload
                 result = str(trainers[agent].save(directory))
                 label = f"save:{agent}"
+            elif command == "get_state":
+                agent = payload
+                result = state_to_numpy(trainers[agent].get_state())
+                label = f"state:{agent}"
+            elif command == "set_state":
+                agent, arrays, meta = payload
+                trainers[agent].set_state(arrays, meta)
+                result = int(meta["version"])
+                label = f"restore:{agent}"
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send((msg_id, True, result, [(t0, time.time(), label)]))
