@@ -154,7 +154,18 @@ def response_logprobs(
     model: torch.nn.Module, batch: TokenBatch, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, R] of the response tokens under `model` (same mask, temperature)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logp, entropy, _ = response_forward(model, batch, with_entropy)
+    return logp, entropy
+
+
+def response_forward(
+    model: torch.nn.Module, batch: TokenBatch, with_entropy: bool = False,
+    with_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs [B, R], entropies [B, R] and last hidden states [B, R, H] of the positions that
+    predict each response token (the state a value head scores), from one forward pass."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                output_hidden_states=with_hidden)
     logits = out.logits.float()
     bsz, rwidth = batch.response_tokens.shape
     # logits at position t predict token t+1: response token j sits at start+j.
@@ -172,4 +183,8 @@ def response_logprobs(
         probs = logp_all.exp()
         ent = -(probs * logp_all.masked_fill(~batch.allowed.unsqueeze(1), 0.0)).sum(-1)
         entropy = ent * batch.response_mask
-    return logp, entropy
+    hidden = None
+    if with_hidden:
+        h = out.hidden_states[-1]
+        hidden = h.gather(1, idx.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+    return logp, entropy, hidden

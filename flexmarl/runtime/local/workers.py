@@ -143,7 +143,8 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
     cfg = RunConfig.model_validate(spec.config)
     trainers = {
-        a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed)
+        a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed,
+                        total_steps=cfg.train.iterations)
         for a in spec.agents
     }
     conn.send((-1, True, "ready", []))
