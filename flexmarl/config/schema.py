@@ -212,7 +212,10 @@ class RolloutConfig(Strict):
 class RuntimeConfig(Strict):
     kind: Literal["local", "sim"] = "local"
     rollout_workers: int = Field(1, gt=0)
+    # training slots (devices; CPU worker processes on the local runtime), bound to agents on
+    # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
+    swap_to: Literal["host", "disk"] = "host"
     torch_threads: int = Field(1, gt=0)
     deterministic: bool = False
 

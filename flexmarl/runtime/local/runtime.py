@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import tempfile
 import threading
 from typing import Any
 
@@ -16,6 +17,7 @@ from flexmarl.config.schema import RunConfig
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.runtime.base import SpanSink, Weights, WorkerError
 from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main, train_worker_main
+from flexmarl.training.allocator import SlotAllocator
 from flexmarl.training.trainer import Sample
 
 
@@ -164,27 +166,41 @@ class LocalRolloutPool:
 
 
 class LocalTrainPool:
-    """Training workers; each trainable agent is bound to one of them (round robin)."""
+    """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
+    fewer slots than agents, agents time-share slots and their states are swapped."""
 
-    def __init__(self, workers: list[WorkerProxy], binding: dict[str, int]) -> None:
+    def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
-        self.binding = binding
         self.n_workers = len(workers)
+        self.allocator = SlotAllocator(len(workers))
+        self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
+        self.swap_seconds = 0.0
 
-    def _worker(self, agent: str) -> WorkerProxy:
-        return self.workers[self.binding[agent]]
+    async def _call(self, agent: str, command: str, payload: Any) -> Any:
+        lease = await self.allocator.acquire(agent)
+        try:
+            worker = self.workers[lease.slot]
+            if lease.swap_in:
+                out_agent, out_state, timings = await worker.call(
+                    "bind", (agent, self.swapped.pop(agent, None)))
+                if out_agent is not None:
+                    self.swapped[out_agent] = out_state
+                self.swap_seconds += timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+            return await worker.call(command, payload)
+        finally:
+            self.allocator.release(lease)
 
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
-        return await self._worker(agent).call("accumulate", (agent, samples))
+        return await self._call(agent, "accumulate", (agent, samples))
 
     async def step(self, agent: str) -> tuple[dict[str, float], Weights]:
-        return await self._worker(agent).call("step", agent)
+        return await self._call(agent, "step", agent)
 
     async def weights(self, agent: str) -> Weights:
-        return await self._worker(agent).call("weights", agent)
+        return await self._call(agent, "weights", agent)
 
     async def save(self, agent: str, directory: str) -> str:
-        return await self._worker(agent).call("save", (agent, directory))
+        return await self._call(agent, "save", (agent, directory))
 
 
 class LocalRuntime:
@@ -198,23 +214,27 @@ class LocalRuntime:
         agents = list(cfg.agents)
         trainable = [a for a in agents if cfg.agents[a].trainable]
 
+        self._swap_tmp = None
+        swap_dir = None
+        if rt.swap_to == "disk":
+            self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
+            swap_dir = self._swap_tmp.name
+
         def spec(names: list[str]) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
-                              rt.deterministic, cfg.rollout.max_batch_seqs)
+                              rt.deterministic, cfg.rollout.max_batch_seqs, swap_dir)
 
         self.rollout_workers = [
             WorkerProxy("rollout", i, rollout_worker_main, spec(agents), sink)
             for i in range(rt.rollout_workers)
         ]
         n_train = max(1, min(rt.train_workers, len(trainable)))
-        binding = {a: i % n_train for i, a in enumerate(trainable)}
         self.train_workers = [
-            WorkerProxy("train", i, train_worker_main,
-                        spec([a for a in trainable if binding[a] == i]), sink)
+            WorkerProxy("train", i, train_worker_main, spec(trainable), sink)
             for i in range(n_train)
         ]
         self.rollout = LocalRolloutPool(self.rollout_workers)
-        self.train = LocalTrainPool(self.train_workers, binding)
+        self.train = LocalTrainPool(self.train_workers)
 
     async def start(self) -> None:
         try:
@@ -228,13 +248,17 @@ class LocalRuntime:
             *(w.stop() for w in self.rollout_workers + self.train_workers),
             return_exceptions=True,
         )
+        if self._swap_tmp is not None:
+            self._swap_tmp.cleanup()
 
     def placement(self) -> dict[str, Any]:
         return {
             "rollout": [{"worker": w.index, "pid": w.process.pid} for w in self.rollout_workers],
             "train": [
                 {"worker": w.index, "pid": w.process.pid,
-                 "agents": [a for a, i in self.train.binding.items() if i == w.index]}
+                 "agents": [a for a, i in self.train.allocator.binding().items()
+                            if i == w.index]}
                 for w in self.train_workers
             ],
+            "train_swaps": self.train.allocator.swaps,
         }

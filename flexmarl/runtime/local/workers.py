@@ -29,6 +29,7 @@ class WorkerSpec:
     torch_threads: int
     deterministic: bool
     max_batch_seqs: int = 64
+    swap_dir: str | None = None  # training slots: where swapped-out states go (None: host)
 
 
 def _setup_torch(spec: WorkerSpec) -> None:
@@ -92,7 +93,8 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                 agent, version, weights = payload
                 t0 = time.time()
                 try:
-                    models[agent].load_state_dict(from_numpy(weights))
+                    # a version may carry only the tensors that changed (LoRA: adapted layers)
+                    models[agent].load_state_dict(from_numpy(weights), strict=False)
                     versions[agent] = version
                     conn.send((msg_id, True, version, [(t0, time.time(), f"load:{agent}")]))
                 except Exception as exc:  # noqa: BLE001 - reported to the parent
@@ -136,17 +138,15 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
-    """A training worker holding the trainers of `spec.agents` (they time-share its core)."""
+    """A training slot: hosts the trainer of whichever agent the parent's allocator binds to it
+    (`bind` swaps the resident out and the new agent in); the other commands act on it."""
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
-    from flexmarl.training.trainer import AgentTrainer
+    from flexmarl.training.slots import TrainSlot
 
     cfg = RunConfig.model_validate(spec.config)
-    trainers = {
-        a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed,
-                        total_steps=cfg.train.iterations)
-        for a in spec.agents
-    }
+    slot = TrainSlot(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
+    trainers = slot.trainers  # the resident trainer(s), by agent
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
@@ -155,7 +155,11 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             if command == "stop":
                 conn.send((msg_id, True, None, []))
                 return
-            if command == "accumulate":
+            if command == "bind":
+                agent, incoming = payload
+                result = slot.bind(agent, incoming)
+                label = f"swap:{agent}"
+            elif command == "accumulate":
                 agent, samples = payload
                 result = trainers[agent].accumulate(samples)
                 label = f"acc:{agent}:{len(samples)}"
