@@ -258,8 +258,9 @@ def restore(trainer: AgentTrainer, state: TrainingState) -> None:
         if k.startswith("o/"):
             _, idx, key = k.split("/", 2)
             opt_state.setdefault(int(idx), {})[key] = v.clone()
-    trainer.optimizer.load_state_dict({"state": opt_state,
-                                       "param_groups": state.meta["param_groups"]})
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}  # JSON made it a list
+              for g in state.meta["param_groups"]]
+    trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     torch.set_rng_state(state.tensors["rng/torch"])
     trainer.version = state.meta["version"]
     trainer._rows = state.meta["rows"]
