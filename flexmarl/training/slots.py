@@ -36,7 +36,7 @@ class TrainSlot:
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
-            captured = st.capture(trainer)
+            captured = st.capture(trainer, frozen=False)  # frozen base: rebuilt
             if self.swap_dir is not None:
                 path = f"{self.swap_dir}/{resident}.safetensors"
                 st.move(captured, st.Disk(path))

@@ -219,12 +219,17 @@ def _modules(trainer: AgentTrainer) -> dict[str, torch.nn.Module]:
     return mods
 
 
-def capture(trainer: AgentTrainer) -> TrainingState:
-    """Everything that makes the trainer's future exact: weights, AdamW, grads, RNG, counters."""
+def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
+    """Everything that makes the trainer's future exact: weights, AdamW, grads, RNG, counters.
+
+    `frozen=False` leaves out parameters that never train (a LoRA base model): a trainer built
+    from the same config has them bit for bit, so a swap need not move them."""
     tensors: dict[str, torch.Tensor] = {}
     for prefix, mod in _modules(trainer).items():
+        fixed = {k for k, p in mod.named_parameters() if not p.requires_grad}
         for k, v in mod.state_dict().items():
-            tensors[f"w/{prefix}/{k}"] = v.detach().clone()
+            if frozen or k not in fixed:
+                tensors[f"w/{prefix}/{k}"] = v.detach().clone()
         for k, p in mod.named_parameters():
             if p.grad is not None:
                 tensors[f"g/{prefix}/{k}"] = p.grad.detach().clone()
@@ -249,7 +254,13 @@ def restore(trainer: AgentTrainer, state: TrainingState) -> None:
     for prefix, mod in _modules(trainer).items():
         weights = {k[len(prefix) + 3:]: v for k, v in state.tensors.items()
                    if k.startswith(f"w/{prefix}/")}
-        mod.load_state_dict(weights, strict=True)
+        result = mod.load_state_dict(weights, strict=False)
+        trainable = {k for k, p in mod.named_parameters() if p.requires_grad}
+        missing = trainable & set(result.missing_keys)
+        if missing or result.unexpected_keys:
+            raise ValueError(f"agent {trainer.agent!r}: state does not fit the trainer "
+                             f"(missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(result.unexpected_keys)[:3]})")
         for k, p in mod.named_parameters():
             g = state.tensors.get(f"g/{prefix}/{k}")
             p.grad = None if g is None else g.clone().to(p.device)

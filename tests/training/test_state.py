@@ -98,3 +98,22 @@ def test_capture_restore_mid_accumulation_is_exact():
     assert _equal(sa, sb) and sa.meta["version"] == 2
     assert any(k.startswith("o/") for k in sa.tensors) and any(k.startswith("w/value_head")
                                                                for k in sa.tensors)
+
+
+def test_swap_capture_of_a_lora_trainer_leaves_the_frozen_base_out():
+    raw = CFG.model_dump()
+    raw["algorithm"] = {"name": "grpo"}
+    raw["lora"] = {"r": 2, "target_modules": ["q_proj"]}
+    cfg = AgentConfig.model_validate(raw)
+    a = AgentTrainer("a", cfg, 22, 16, run_seed=0)
+    a.accumulate(_samples(0, 0))
+    a.step()
+    a.accumulate(_samples(1, 0))
+    small, full = st.capture(a, frozen=False), st.capture(a)
+    assert small.nbytes < full.nbytes / 5
+    assert all("lora_" in k for k in small.tensors if k.startswith("w/"))
+    b = AgentTrainer("a", cfg, 22, 16, run_seed=0)
+    st.restore(b, st.from_wire(st.to_wire(small)))
+    for t in (a, b):
+        t.step()
+    assert all(torch.equal(v, b.weights()[k]) for k, v in a.weights().items())
