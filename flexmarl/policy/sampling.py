@@ -164,15 +164,21 @@ def response_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs [B, R], entropies [B, R] and last hidden states [B, R, H] of the positions that
     predict each response token (the state a value head scores), from one forward pass."""
+    width = batch.input_ids.shape[1]
+    # Only positions from the earliest response onwards need logits (the LM head over a large
+    # vocabulary is a good part of the cost): keep the last `keep` positions.
+    first = max(int(batch.response_start.min()) - 1, 0)
+    keep = width - first
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                output_hidden_states=with_hidden)
+                output_hidden_states=with_hidden, logits_to_keep=keep)
     logits = out.logits.float()
     bsz, rwidth = batch.response_tokens.shape
     # logits at position t predict token t+1: response token j sits at start+j.
     idx = (batch.response_start.unsqueeze(1) + torch.arange(rwidth).unsqueeze(0) - 1).clamp(
-        0, logits.shape[1] - 1
+        0, width - 1
     )
-    picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+    lidx = (idx - (width - logits.shape[1])).clamp(0, logits.shape[1] - 1)
+    picked = logits.gather(1, lidx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     picked = picked / batch.temperature.unsqueeze(-1)
     picked = picked.masked_fill(~batch.allowed.unsqueeze(1), float("-inf"))
     logp_all = F.log_softmax(picked, dim=-1)

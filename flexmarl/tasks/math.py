@@ -29,9 +29,13 @@ WORDS = {
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 
 
+SYSTEM = "You are good at arithmetic."  # short: the default system prompt doubles the prompt
+
+
 def _encode_chat(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+        add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # BatchEncoding in some transformers versions
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -49,10 +49,22 @@ def to_numpy(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in weights.items()}
 
 
-def from_numpy(weights: dict[str, np.ndarray]) -> dict[str, Any]:
+def from_numpy(weights: Any) -> dict[str, Any]:
+    """Tensors from a numpy dict, or from the state interface's wire form (`publish_form`)."""
     import torch
 
+    if isinstance(weights, tuple):
+        from flexmarl.training.state import from_wire
+
+        return from_wire(weights).tensors
     return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
+
+
+def publish_form(weights: dict[str, Any], agent: str, version: int) -> Any:
+    """Published weights travel as a `TrainingState` in wire form: one flat buffer, any dtype."""
+    from flexmarl.training.state import TrainingState, to_wire
+
+    return to_wire(TrainingState(weights, {"agent": agent, "version": version}))
 
 
 def _error(exc: BaseException) -> str:
@@ -166,11 +178,13 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             elif command == "step":
                 agent = payload
                 metrics = trainers[agent].step()
-                result = (metrics, to_numpy(trainers[agent].weights()))
+                trainer = trainers[agent]
+                result = (metrics, publish_form(trainer.weights(), agent, trainer.version))
                 label = f"step:{agent}"
             elif command == "weights":
                 agent = payload
-                result = to_numpy(trainers[agent].weights())
+                trainer = trainers[agent]
+                result = publish_form(trainer.weights(), agent, trainer.version)
                 label = f"weights:{agent}"
             elif command == "save":
                 agent, directory = payload
