@@ -38,6 +38,9 @@ class SlotAllocator:
     slots: list[SlotInfo] = field(init=False)
     waiting: deque = field(default_factory=deque)
     swaps: int = 0
+    # agent -> resolved once its evicted state has arrived where the runtime keeps it: a swap-in
+    # of that agent on another slot must wait for it (runtime side: `state_arrived`)
+    transit: dict[str, asyncio.Future] = field(default_factory=dict)
     _clock: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -63,31 +66,46 @@ class SlotAllocator:
         slot.last_used = next(self._clock)
         if lease.evict is not None:
             self.swaps += 1
+            self.transit[lease.evict] = asyncio.get_running_loop().create_future()
         return lease
 
+    async def wait_state(self, agent: str) -> None:
+        """Until the state of `agent`, if it is being swapped out, has arrived."""
+        fut = self.transit.get(agent)
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    def state_arrived(self, agent: str, error: BaseException | None = None) -> None:
+        fut = self.transit.pop(agent, None)
+        if fut is not None and not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
     async def acquire(self, agent: str) -> Lease:
-        if not self.waiting:
-            lease = self._pick(agent)
-            if lease is not None:
-                return self._take(agent, lease)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self.waiting.append((agent, fut))
+        self._dispatch()
         return await fut
 
     def release(self, lease: Lease) -> None:
         self.slots[lease.slot].busy = False
         self.slots[lease.slot].last_used = next(self._clock)
-        # serve waiters in arrival order; one whose home slot is busy does not block the others
-        still = deque()
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Serve waiters in arrival order; one whose home slot is busy does not block others."""
+        still: deque = deque()
         while self.waiting:
             agent, fut = self.waiting.popleft()
             if fut.done():
                 continue
-            lease_ = self._pick(agent)
-            if lease_ is None:
+            lease = self._pick(agent)
+            if lease is None:
                 still.append((agent, fut))
                 continue
-            fut.set_result(self._take(agent, lease_))
+            fut.set_result(self._take(agent, lease))
         self.waiting = still
 
     def binding(self) -> dict[str, int]:

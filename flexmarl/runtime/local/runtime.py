@@ -181,10 +181,18 @@ class LocalTrainPool:
         try:
             worker = self.workers[lease.slot]
             if lease.swap_in:
-                out_agent, out_state, timings = await worker.call(
-                    "bind", (agent, self.swapped.pop(agent, None)))
+                await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
+                try:
+                    out_agent, out_state, timings = await worker.call(
+                        "bind", (agent, self.swapped.pop(agent, None)))
+                except BaseException as exc:
+                    if lease.evict is not None:
+                        self.allocator.state_arrived(lease.evict, exc)
+                    raise
                 if out_agent is not None:
                     self.swapped[out_agent] = out_state
+                if lease.evict is not None:
+                    self.allocator.state_arrived(lease.evict)
                 self.swap_seconds += timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
             return await worker.call(command, payload)
         finally:
