@@ -66,7 +66,9 @@ def bench_swap(cfg: AgentConfig, vocab: int, batch: list[Sample]) -> dict[str, f
     trainer = AgentTrainer("bench", cfg, vocab, 256, run_seed=0, total_steps=10)
     trainer.accumulate(batch)
     trainer.step()  # AdamW moments exist now
-    trainer.accumulate(batch)  # and gradients are pending: the state a yielding agent has
+    # and gradients are pending: the state a yielding agent has
+    trainer.accumulate([Sample(s.sample_id, s.prompt, s.response, s.old_logprobs, s.advantage,
+                               s.allowed, s.temperature, 1) for s in batch])
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/state.safetensors"
@@ -150,8 +152,11 @@ def _plain_iteration(model, params, opt, batches: list[list[Sample]], clip: floa
             old[i, :n] = torch.tensor(s.old_logprobs)
             pos[i, :n] = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + n)
             tgt[i, :n] = torch.tensor(s.response)
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
-        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        # like the trainer, LM-head logits only from the earliest response position on
+        first = min(len(s.prompt) for s in samples) - 1
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
+                       logits_to_keep=width - first).logits.float()
+        picked = logits.gather(1, (pos - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         logp = torch.log_softmax(picked, -1).gather(2, tgt.unsqueeze(-1)).squeeze(-1)
         adv = torch.tensor([s.advantage for s in samples]).unsqueeze(1)
         ratio = torch.exp(logp - old)

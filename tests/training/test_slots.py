@@ -14,7 +14,7 @@ RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
 
 
 def test_one_slot_and_three_slots_end_with_equal_weights(tmp_path):
-    common = ["runtime.deterministic=true", "train.iterations=3", "train.inputs_per_iteration=8",
+    common = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=8",
               "train.group_size=4", "train.micro_batch_size=8",
               "agents.relay.algorithm={name: ppo, critic: head, kl_coef: 0.05}",
               "agents.listener.algorithm={name: reinforce_pp, kl_coef: 0.05}"]
@@ -24,8 +24,8 @@ def test_one_slot_and_three_slots_end_with_equal_weights(tmp_path):
                                            f"runtime.swap_to={swap}"])
         runs[slots] = train(cfg, tmp_path / f"slots{slots}")
     assert runs[3].placement["train_swaps"] == 0
-    # 3 agents x 3 iterations x (2 micro-batches + step) on one slot: many swaps
-    assert runs[1].placement["train_swaps"] >= 6
+    # 3 agents x 2 iterations x (2 micro-batches + step) on one slot: many swaps
+    assert runs[1].placement["train_swaps"] >= 4
     for agent in ("speaker", "relay", "listener"):
         a = load_file(str(runs[1].checkpoints[agent] / "model.safetensors"))
         b = load_file(str(runs[3].checkpoints[agent] / "model.safetensors"))

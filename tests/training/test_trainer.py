@@ -59,10 +59,11 @@ def run_bandit(cfg: AgentConfig, steps: int, inputs=16, group=4) -> list[float]:
 
 @pytest.mark.parametrize("name,algo", [
     ("grpo", {}),
-    ("ppo", {"critic": "head"}),
+    # the others are slow only to keep `make test` short (each ~10 s of CPU)
+    pytest.param("ppo", {"critic": "head"}, marks=pytest.mark.slow),
     pytest.param("ppo", {"critic": "separate", "kl_coef": 0.01, "kl_mode": "reward"},
                  marks=pytest.mark.slow),
-    ("reinforce_pp", {"kl_coef": 0.01}),
+    pytest.param("reinforce_pp", {"kl_coef": 0.01}, marks=pytest.mark.slow),
 ])
 def test_each_algorithm_learns_the_bandit(name, algo):
     curve = run_bandit(_agent(name, **algo), steps=22)
