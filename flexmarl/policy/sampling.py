@@ -159,7 +159,7 @@ def response_logprobs(
 
 
 def response_forward(
-    model: torch.nn.Module, batch: TokenBatch, with_entropy: bool = False,
+    model: torch.nn.Module, batch: TokenBatch, with_entropy: bool | str = False,
     with_hidden: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs [B, R], entropies [B, R] and last hidden states [B, R, H] of the positions that
@@ -179,15 +179,20 @@ def response_forward(
     )
     lidx = (idx - (width - logits.shape[1])).clamp(0, logits.shape[1] - 1)
     picked = logits.gather(1, lidx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-    picked = picked / batch.temperature.unsqueeze(-1)
-    picked = picked.masked_fill(~batch.allowed.unsqueeze(1), float("-inf"))
+    if not bool((batch.temperature == 1.0).all()):
+        picked = picked / batch.temperature.unsqueeze(-1)
+    restricted = not bool(batch.allowed.all())  # skip [B, R, V] masking when nothing is masked
+    if restricted:
+        picked = picked.masked_fill(~batch.allowed.unsqueeze(1), float("-inf"))
     logp_all = F.log_softmax(picked, dim=-1)
     logp = logp_all.gather(2, batch.response_tokens.unsqueeze(-1)).squeeze(-1)
     logp = logp * batch.response_mask
     entropy = None
     if with_entropy:
-        probs = logp_all.exp()
-        ent = -(probs * logp_all.masked_fill(~batch.allowed.unsqueeze(1), 0.0)).sum(-1)
+        # a metric only (no gradient) unless the caller trains on it
+        src = logp_all if with_entropy == "grad" else logp_all.detach()
+        safe = src.masked_fill(~batch.allowed.unsqueeze(1), 0.0) if restricted else src
+        ent = -(src.exp() * safe).sum(-1)
         entropy = ent * batch.response_mask
     hidden = None
     if with_hidden:

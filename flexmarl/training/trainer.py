@@ -22,7 +22,7 @@ from flexmarl.config.schema import AgentConfig, OptimConfig
 from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
 from flexmarl.training import algorithms, lora
-from flexmarl.training.algorithms.common import LossInputs
+from flexmarl.training.algorithms.common import LossInputs, entropy_coef
 
 
 class TrainingError(RuntimeError):
@@ -155,7 +155,9 @@ class AgentTrainer:
         for i, s in enumerate(samples):
             old[i, : len(s.old_logprobs)] = torch.as_tensor(s.old_logprobs)
         shared_head = self.value_head is not None and self.critic_model is None
-        logp, entropy, hidden = response_forward(self.model, batch, with_entropy=True,
+        ent_grad = entropy_coef(self.cfg.algorithm, self.version) > 0
+        logp, entropy, hidden = response_forward(self.model, batch,
+                                                 with_entropy="grad" if ent_grad else True,
                                                  with_hidden=shared_head)
         inputs = LossInputs(
             logp=logp, old_logp=old, mask=batch.response_mask,
