@@ -59,11 +59,9 @@ def run_bandit(cfg: AgentConfig, steps: int, inputs=16, group=4) -> list[float]:
 
 @pytest.mark.parametrize("name,algo", [
     ("grpo", {}),
-    # the others are slow only to keep `make test` short (each ~10 s of CPU)
-    pytest.param("ppo", {"critic": "head"}, marks=pytest.mark.slow),
-    pytest.param("ppo", {"critic": "separate", "kl_coef": 0.01, "kl_mode": "reward"},
-                 marks=pytest.mark.slow),
-    pytest.param("reinforce_pp", {"kl_coef": 0.01}, marks=pytest.mark.slow),
+    ("ppo", {"critic": "head"}),
+    ("ppo", {"critic": "separate", "kl_coef": 0.01, "kl_mode": "reward"}),
+    ("reinforce_pp", {"kl_coef": 0.01}),
 ])
 def test_each_algorithm_learns_the_bandit(name, algo):
     curve = run_bandit(_agent(name, **algo), steps=22)
