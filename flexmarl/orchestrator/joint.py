@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.config.schema import RunConfig
+from flexmarl.config.schema import CreditConfig, RunConfig
 from flexmarl.errors import UserError
 from flexmarl.graph.meg import EpisodeContext, GraphError, NodePrompt
 from flexmarl.graph.task import Task
@@ -38,7 +38,7 @@ from flexmarl.store.experience import (
     parse_sample_id,
 )
 from flexmarl.telemetry.recorder import Telemetry
-from flexmarl.training.algorithms import grpo
+from flexmarl.training import algorithms
 from flexmarl.training.trainer import Sample
 
 
@@ -88,6 +88,22 @@ class IterationState:
     plan: dict[str, Any] | None = None
 
 
+def assign_credit(
+    team: float, own: dict[str, float], downstream: dict[str, dict[str, int]], credit: CreditConfig
+) -> dict[str, float]:
+    """Node rewards of one episode: team * team reward + node * own reward + the discounted own
+    rewards of the nodes downstream (upstream_discount ** hops); `own` holds the nodes that ran."""
+    out = {}
+    for name in own:
+        value = credit.team * team + credit.node * own[name]
+        if credit.upstream_discount > 0:
+            for down, hops in downstream.get(name, {}).items():
+                if down in own:
+                    value += credit.upstream_discount ** hops * own[down]
+        out[name] = value
+    return out
+
+
 class JointOrchestrator:
     def __init__(
         self,
@@ -107,6 +123,7 @@ class JointOrchestrator:
         self.graph = task.graph
         self.order = self.graph.validate(cfg.agents.keys())
         self.turns = self.graph.turn_of()
+        self._downstream = self._downstream_hops()
         self.rollout = rollout
         self.train = train
         self.telemetry = telemetry
@@ -301,26 +318,51 @@ class JointOrchestrator:
             it.rollout_done.set()
 
     def _score(self, ctx: EpisodeContext, rows: dict[str, Row]) -> dict[str, float]:
-        """Team reward to every node of the episode, plus each node's own reward."""
+        """Credit assignment across the graph (`train.credit`): each node that ran gets
+        team * team reward + node * its own reward + a discounted share of the own rewards of
+        the nodes downstream of it (upstream_discount ** hops)."""
+        credit = self.cfg.train.credit
         team = 0.0
         if self.graph.episode_reward is not None:
             try:
                 team = float(self.graph.episode_reward(ctx))
             except Exception as exc:  # noqa: BLE001
                 raise EpisodeFailure(f"episode reward raised {exc!r}") from exc
-        out = {}
+        own: dict[str, float] = {}
         for name in rows:
             node = self.graph.nodes[name]
-            own = 0.0
+            own[name] = 0.0
             if node.reward is not None:
                 try:
-                    own = float(node.reward(ctx))
+                    own[name] = float(node.reward(ctx))
                 except Exception as exc:  # noqa: BLE001
                     raise EpisodeFailure(f"node {name!r}: reward raised {exc!r}") from exc
-            value = team + own
+        out = assign_credit(team, own, self._downstream, credit)
+        for name, value in out.items():
             if not np.isfinite(value):
                 raise EpisodeFailure(f"node {name!r}: reward is not finite ({value})")
-            out[name] = value
+        return out
+
+    def _downstream_hops(self) -> dict[str, dict[str, int]]:
+        """For each node, the nodes that (transitively) consume its output, by fewest hops."""
+        consumers: dict[str, list[str]] = {n: [] for n in self.graph.nodes}
+        for name, node in self.graph.nodes.items():
+            for dep in node.inputs:
+                consumers[dep].append(name)
+        out: dict[str, dict[str, int]] = {}
+        for start in self.graph.nodes:
+            hops: dict[str, int] = {}
+            frontier, h = [start], 0
+            while frontier:
+                h += 1
+                nxt = []
+                for n in frontier:
+                    for c in consumers[n]:
+                        if c not in hops:
+                            hops[c] = h
+                            nxt.append(c)
+                frontier = nxt
+            out[start] = hops
         return out
 
     def _maybe_group_ready(self, it: IterationState, input_id: str) -> None:
@@ -344,7 +386,8 @@ class JointOrchestrator:
                 continue
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
-            advs = grpo.group_advantages(rewards, self.cfg.agents[agent].algorithm)
+            algo_cfg = self.cfg.agents[agent].algorithm
+            advs = algorithms.get(algo_cfg.name).sequence_advantages(rewards, algo_cfg)
             for sid, adv in zip(ids, advs, strict=True):
                 self.store.set_ready(agent, sid, adv)
 
@@ -373,6 +416,7 @@ class JointOrchestrator:
                 old_logprobs=self.store.fetch(r, "logprobs").tolist(),
                 advantage=r.data["advantage"], allowed=r.data["allowed"],
                 temperature=r.data["temperature"], policy_version=r.policy_version,
+                reward=r.data["reward"],
             )
             for r in rows
         ]

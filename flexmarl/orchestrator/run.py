@@ -51,7 +51,24 @@ def prepare(cfg: RunConfig) -> Task:
     for agent in cfg.agents:
         if agent not in used:
             raise GraphError(f"agents.{agent}: configured, but no node of the graph uses it")
+    check_models(cfg, task)
     return task
+
+
+def check_models(cfg: RunConfig, task: Task) -> None:
+    """LoRA targets and checkpoint shapes against a meta-device model: no weights loaded."""
+    from flexmarl.policy.model import check_shapes, checkpoint_shapes, skeleton
+    from flexmarl.training import lora
+
+    for agent, acfg in cfg.agents.items():
+        if acfg.lora is None and acfg.model.checkpoint is None:
+            continue
+        model = skeleton(agent, acfg.model, task.vocab_size, task.max_seq_len)
+        if acfg.lora is not None:
+            lora.check_targets(agent, model, acfg.lora)
+        if acfg.model.checkpoint:
+            shapes = checkpoint_shapes(agent, acfg.model.checkpoint)
+            check_shapes(agent, acfg.model.checkpoint, shapes, model)
 
 
 def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry):

@@ -116,22 +116,48 @@ def response_logprobs(
     model: torch.nn.Module, batch: TokenBatch, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, R] of the response tokens under `model` (same mask, temperature)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logp, entropy, _ = response_forward(model, batch, with_entropy)
+    return logp, entropy
+
+
+def response_forward(
+    model: torch.nn.Module, batch: TokenBatch, with_entropy: bool | str = False,
+    with_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs [B, R], entropies [B, R] and last hidden states [B, R, H] of the positions that
+    predict each response token (the state a value head scores), from one forward pass."""
+    width = batch.input_ids.shape[1]
+    # Only positions from the earliest response onwards need logits (the LM head over a large
+    # vocabulary is a good part of the cost): keep the last `keep` positions.
+    first = max(int(batch.response_start.min()) - 1, 0)
+    keep = width - first
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                output_hidden_states=with_hidden, logits_to_keep=keep)
     logits = out.logits.float()
     bsz, rwidth = batch.response_tokens.shape
     # logits at position t predict token t+1: response token j sits at start+j.
     idx = (batch.response_start.unsqueeze(1) + torch.arange(rwidth).unsqueeze(0) - 1).clamp(
-        0, logits.shape[1] - 1
+        0, width - 1
     )
-    picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-    picked = picked / batch.temperature.unsqueeze(-1)
-    picked = picked.masked_fill(~batch.allowed.unsqueeze(1), float("-inf"))
+    lidx = (idx - (width - logits.shape[1])).clamp(0, logits.shape[1] - 1)
+    picked = logits.gather(1, lidx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+    if not bool((batch.temperature == 1.0).all()):
+        picked = picked / batch.temperature.unsqueeze(-1)
+    restricted = not bool(batch.allowed.all())  # skip [B, R, V] masking when nothing is masked
+    if restricted:
+        picked = picked.masked_fill(~batch.allowed.unsqueeze(1), float("-inf"))
     logp_all = F.log_softmax(picked, dim=-1)
     logp = logp_all.gather(2, batch.response_tokens.unsqueeze(-1)).squeeze(-1)
     logp = logp * batch.response_mask
     entropy = None
     if with_entropy:
-        probs = logp_all.exp()
-        ent = -(probs * logp_all.masked_fill(~batch.allowed.unsqueeze(1), 0.0)).sum(-1)
+        # a metric only (no gradient) unless the caller trains on it
+        src = logp_all if with_entropy == "grad" else logp_all.detach()
+        safe = src.masked_fill(~batch.allowed.unsqueeze(1), 0.0) if restricted else src
+        ent = -(src.exp() * safe).sum(-1)
         entropy = ent * batch.response_mask
-    return logp, entropy
+    hidden = None
+    if with_hidden:
+        h = out.hidden_states[-1]
+        hidden = h.gather(1, idx.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+    return logp, entropy, hidden

@@ -230,7 +230,8 @@ class HFEngine(ContinuousBatcher):
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         if self.active:
             raise RuntimeError("cannot load weights while sequences are running")
-        self.model.load_state_dict(weights)
+        # a version may carry only the tensors that changed (LoRA: the adapted layers)
+        self.model.load_state_dict(weights, strict=False)
 
     def reset(self) -> None:
         """Drop the running batch (after a failure); the model stays loaded."""

@@ -10,8 +10,10 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import queue
+import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +29,7 @@ from flexmarl.runtime.local.workers import (
     rollout_worker_main,
     train_worker_main,
 )
+from flexmarl.training.allocator import SlotAllocator
 from flexmarl.training.trainer import Sample
 
 
@@ -279,30 +282,57 @@ class LocalRolloutPool:
 
 
 class LocalTrainPool:
-    """Training workers; each trainable agent is bound to one of them (round robin)."""
+    """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
+    fewer slots than agents, agents time-share slots and their states are swapped."""
 
-    def __init__(self, workers: list[WorkerProxy], binding: dict[str, int]) -> None:
+    def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
-        self.binding = binding
         self.n_workers = len(workers)
+        self.allocator = SlotAllocator(len(workers))
+        self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
+        self.swap_seconds = 0.0
         # Recovery journal, kept when `on_lost` is set: each agent's full trainer state after
         # its last step and the micro-batches accumulated since, so a restarted worker resumes
         # from exactly there and no row is lost or counted twice in a gradient.
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
         self.saved_state: dict[str, tuple[dict, dict]] = {}
-        self.journal: dict[str, list[list[Sample]]] = {a: [] for a in binding}
+        self.journal: dict[str, list[list[Sample]]] = defaultdict(list)
 
-    def _worker(self, agent: str) -> WorkerProxy:
-        return self.workers[self.binding[agent]]
+    @property
+    def binding(self) -> dict[str, int]:
+        """Which slot each resident agent is on right now."""
+        return self.allocator.binding()
 
-    async def _call(self, agent: str, command: str, payload: Any) -> Any:
+    async def _call(self, agent: str, command: str, payload: Any, retry: bool = True) -> Any:
+        """Run `command` on the slot bound to `agent` (binding, and swapping, on demand); a
+        slot lost meanwhile is restarted by the supervisor and the command runs again."""
         while True:
+            lease = await self.allocator.acquire(agent)
             try:
-                return await self._worker(agent).call(command, payload)
+                worker = self.workers[lease.slot]
+                if lease.swap_in:
+                    await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
+                    try:
+                        out_agent, out_state, timings = await worker.call(
+                            "bind", (agent, self.swapped.pop(agent, None)))
+                    except BaseException as exc:
+                        if lease.evict is not None:
+                            self.allocator.state_arrived(lease.evict, exc)
+                        raise
+                    if out_agent is not None:
+                        self.swapped[out_agent] = out_state
+                    if lease.evict is not None:
+                        self.allocator.state_arrived(lease.evict)
+                    self.swap_seconds += (timings.get("swap_out_s", 0.0)
+                                          + timings.get("swap_in_s", 0.0))
+                return await worker.call(command, payload)
             except WorkerLost:
-                if self.on_lost is None:
+                if self.on_lost is None or not retry:
                     raise
-                await self.on_lost(self.binding[agent])
+                slot = lease.slot
+            finally:
+                self.allocator.release(lease)
+            await self.on_lost(slot)
 
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
         result = await self._call(agent, "accumulate", (agent, samples))
@@ -316,9 +346,11 @@ class LocalTrainPool:
             if self.on_lost is None:
                 return out
             try:  # the state after this step is the new restart point
-                state = await self._worker(agent).call("get_state", agent)
+                state = await self._call(agent, "get_state", agent, retry=False)
             except WorkerLost:  # lost with the step: restore, replay the journal, step again
-                await self.on_lost(self.binding[agent])
+                slot = self.binding.get(agent)
+                if slot is not None:
+                    await self.on_lost(slot)
                 continue
             self.saved_state[agent] = state
             self.journal[agent] = []
@@ -351,11 +383,18 @@ class LocalRuntime:
         config = cfg.model_dump(mode="json")
         agents = list(cfg.agents)
         trainable = [a for a in agents if cfg.agents[a].trainable]
+        self.trainable = trainable
+
+        self._swap_tmp = None
+        swap_dir = None
+        if rt.swap_to == "disk":
+            self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
+            swap_dir = self._swap_tmp.name
 
         def spec(names: list[str]) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
                               rt.deterministic, cfg.rollout.max_batch_seqs,
-                              heartbeat_s=rt.heartbeat_interval_s)
+                              heartbeat_s=rt.heartbeat_interval_s, swap_dir=swap_dir)
 
         # agents served by an external endpoint need no model in the replicas
         local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
@@ -364,10 +403,8 @@ class LocalRuntime:
             for i in range(rt.rollout_workers)
         ]
         n_train = max(1, min(rt.train_workers, len(trainable)))
-        binding = {a: i % n_train for i, a in enumerate(trainable)}
         self.train_workers = [
-            WorkerProxy("train", i, train_worker_main,
-                        spec([a for a in trainable if binding[a] == i]), sink)
+            WorkerProxy("train", i, train_worker_main, spec(trainable), sink)
             for i in range(n_train)
         ]
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
@@ -375,7 +412,7 @@ class LocalRuntime:
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend, cfg.seed)
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
-        self.train = LocalTrainPool(self.train_workers, binding)
+        self.train = LocalTrainPool(self.train_workers)
         self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
 
     async def start(self) -> None:
@@ -394,15 +431,19 @@ class LocalRuntime:
             *(w.stop() for w in self.rollout_workers + self.train_workers),
             return_exceptions=True,
         )
+        if self._swap_tmp is not None:
+            self._swap_tmp.cleanup()
 
     def placement(self) -> dict[str, Any]:
         return {
             "rollout": [{"worker": w.index, "pid": w.process.pid} for w in self.rollout_workers],
             "train": [
                 {"worker": w.index, "pid": w.process.pid,
-                 "agents": [a for a, i in self.train.binding.items() if i == w.index]}
+                 "agents": [a for a, i in self.train.allocator.binding().items()
+                            if i == w.index]}
                 for w in self.train_workers
             ],
+            "train_swaps": self.train.allocator.swaps,
         }
 
 
@@ -444,7 +485,7 @@ class Supervisor:
         self.rt.rollout.on_lost = self._wait_rollout
         self.rt.train.on_lost = self._wait_train
         # Restart point of every trainer: its state now (version 0, or a resumed one later).
-        for agent in self.rt.train.binding:
+        for agent in self.rt.trainable:
             self.rt.train.saved_state[agent] = await self.rt.train.get_state(agent)
         self._monitor = asyncio.ensure_future(self._watch())
 
@@ -530,6 +571,7 @@ class Supervisor:
         for agent, index in pool.binding.items():
             if index != new.index:
                 continue
+            await new.call("bind", (agent, None))  # the agent was resident on the lost slot
             arrays, meta = pool.saved_state[agent]
             await new.call("set_state", (agent, arrays, meta))
             for samples in pool.journal[agent]:

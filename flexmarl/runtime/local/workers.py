@@ -32,6 +32,7 @@ class WorkerSpec:
     deterministic: bool
     max_batch_seqs: int = 64
     heartbeat_s: float = 2.0
+    swap_dir: str | None = None  # training slots: where swapped-out states go (None: host)
 
 
 HEARTBEAT = -3  # message id of a liveness beat: `(HEARTBEAT, True, time, [])`
@@ -94,10 +95,22 @@ def to_numpy(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in weights.items()}
 
 
-def from_numpy(weights: dict[str, np.ndarray]) -> dict[str, Any]:
+def from_numpy(weights: Any) -> dict[str, Any]:
+    """Tensors from a numpy dict, or from the state interface's wire form (`publish_form`)."""
     import torch
 
+    if isinstance(weights, tuple):
+        from flexmarl.training.state import from_wire
+
+        return from_wire(weights).tensors
     return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
+
+
+def publish_form(weights: dict[str, Any], agent: str, version: int) -> Any:
+    """Published weights travel as a `TrainingState` in wire form: one flat buffer, any dtype."""
+    from flexmarl.training.state import TrainingState, to_wire
+
+    return to_wire(TrainingState(weights, {"agent": agent, "version": version}))
 
 
 def _error(exc: BaseException) -> str:
@@ -239,17 +252,16 @@ def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
 
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
-    """A training worker holding the trainers of `spec.agents` (they time-share its core)."""
+    """A training slot: hosts the trainer of whichever agent the parent's allocator binds to it
+    (`bind` swaps the resident out and the new agent in); the other commands act on it."""
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
-    from flexmarl.training.trainer import AgentTrainer
+    from flexmarl.training.slots import TrainSlot
 
     cfg = RunConfig.model_validate(spec.config)
-    trainers = {
-        a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed)
-        for a in spec.agents
-    }
+    slot = TrainSlot(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
+    trainers = slot.trainers  # the resident trainer(s), by agent
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
@@ -258,18 +270,24 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             if command == "stop":
                 conn.send((msg_id, True, None, []))
                 return
-            if command == "accumulate":
+            if command == "bind":
+                agent, incoming = payload
+                result = slot.bind(agent, incoming)
+                label = f"swap:{agent}"
+            elif command == "accumulate":
                 agent, samples = payload
                 result = trainers[agent].accumulate(samples)
                 label = f"acc:{agent}:{len(samples)}"
             elif command == "step":
                 agent = payload
                 metrics = trainers[agent].step()
-                result = (metrics, to_numpy(trainers[agent].weights()))
+                trainer = trainers[agent]
+                result = (metrics, publish_form(trainer.weights(), agent, trainer.version))
                 label = f"step:{agent}"
             elif command == "weights":
                 agent = payload
-                result = to_numpy(trainers[agent].weights())
+                trainer = trainers[agent]
+                result = publish_form(trainer.weights(), agent, trainer.version)
                 label = f"weights:{agent}"
             elif command == "save":
                 agent, directory = payload

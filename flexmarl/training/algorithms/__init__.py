@@ -1,1 +1,12 @@
-"""Training algorithms, one per file."""
+"""One file per algorithm, each readable top to bottom: grpo, ppo, reinforce_pp."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+
+def get(name: str) -> ModuleType:
+    """The module of an algorithm by its config name (each has `sequence_advantages`, `loss`)."""
+    from flexmarl.training.algorithms import grpo, ppo, reinforce_pp
+
+    return {"grpo": grpo, "ppo": ppo, "reinforce_pp": reinforce_pp}[name]

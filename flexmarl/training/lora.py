@@ -1,0 +1,62 @@
+"""LoRA through peft: target validation (one clear error), wrapping, and merged publication.
+
+The rollout replicas keep plain models; after each step the trainer publishes only the tensors
+LoRA changes, merged (W + scale * B @ A) under the base model's names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexmarl.config.schema import LoraConfig
+from flexmarl.errors import UserError
+
+
+class LoraTargetError(UserError, ValueError):
+    """A LoRA target module that the agent's model does not have."""
+
+
+def check_targets(agent: str, model: torch.nn.Module, cfg: LoraConfig) -> None:
+    """Each target must name linear layers of the model (by their last name component)."""
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear)})
+    for target in cfg.target_modules:
+        if target not in linear:
+            raise LoraTargetError(
+                f"agent {agent!r}: lora.target_modules: {target!r} matches no linear layer of "
+                f"the model (it has: {', '.join(linear)})"
+            )
+
+
+def apply(agent: str, model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    check_targets(agent, model, cfg)
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                              target_modules=list(cfg.target_modules), bias="none")
+    return get_peft_model(model, peft_cfg)
+
+
+def merged_weights(model: torch.nn.Module, full: bool = False) -> dict[str, torch.Tensor]:
+    """Base-model-named weights with the adapters merged in, without touching `model`.
+
+    `full=False`: only the adapted layers' weights (what changes between versions)."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    prefix = "base_model.model."
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and hasattr(module, "base_layer"):
+            base = module.base_layer.weight.detach()
+            delta = module.get_delta_weight(module.active_adapters[0]).detach()
+            key = name[len(prefix):] if name.startswith(prefix) else name
+            out[f"{key}.weight"] = (base + delta).to("cpu", copy=True).contiguous()
+    if full:
+        for key, value in model.state_dict().items():
+            if "lora_" in key:
+                continue
+            key = key[len(prefix):] if key.startswith(prefix) else key
+            key = key.replace(".base_layer.", ".")
+            out.setdefault(key, value.detach().to("cpu", copy=True).contiguous())
+    return out

@@ -1,0 +1,60 @@
+"""One training slot (a device, or a CPU worker here): hosts the trainer of whichever agent the
+allocator bound to it, and swaps states out and in through `training.state`.
+
+A trainer is built the first time its agent is bound anywhere (same config and seed give the
+same initial weights in every process); afterwards it only travels as a captured state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flexmarl.config.schema import RunConfig
+from flexmarl.training import state as st
+from flexmarl.training.trainer import AgentTrainer
+
+
+class TrainSlot:
+    def __init__(self, cfg: RunConfig, vocab_size: int, max_seq_len: int,
+                 swap_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.swap_dir = swap_dir  # None: swapped states go to the caller's host memory
+        self.trainers: dict[str, AgentTrainer] = {}  # resident (at most one after a bind)
+
+    def _build(self, agent: str) -> AgentTrainer:
+        return AgentTrainer(agent, self.cfg.agents[agent], self.vocab_size, self.max_seq_len,
+                            self.cfg.seed, total_steps=self.cfg.train.iterations)
+
+    def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
+        """Make `agent` resident: swap out the current resident (its state goes back, as wire
+        bytes or a disk path), then swap `agent` in from `incoming` (None: first binding)."""
+        timings: dict[str, float] = {}
+        out_agent, out_state = None, None
+        for resident in [a for a in self.trainers if a != agent]:
+            t0 = time.perf_counter()
+            trainer = self.trainers.pop(resident)
+            captured = st.capture(trainer, frozen=False)  # frozen base: rebuilt
+            if self.swap_dir is not None:
+                path = f"{self.swap_dir}/{resident}.safetensors"
+                st.move(captured, st.Disk(path))
+                out_state = ("disk", path)
+            else:
+                out_state = ("host", st.to_wire(captured))
+            out_agent = resident
+            timings["swap_out_s"] = time.perf_counter() - t0
+            timings["swap_bytes"] = float(captured.nbytes)
+            del trainer, captured
+        if agent not in self.trainers:
+            t0 = time.perf_counter()
+            trainer = self._build(agent)
+            if incoming is not None:
+                kind, payload = incoming
+                handle = st.StateHandle(st.Disk(payload)) if kind == "disk" else st.at(
+                    st.from_wire(payload))
+                st.restore(trainer, handle.load())
+            self.trainers[agent] = trainer
+            timings["swap_in_s"] = time.perf_counter() - t0
+        return out_agent, out_state, timings

