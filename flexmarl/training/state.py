@@ -242,6 +242,7 @@ def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
     meta = {
         "agent": trainer.agent, "version": trainer.version, "rows": trainer._rows,
         "seen": sorted(trainer._seen), "sums": trainer._sums, "param_groups": groups,
+        "nonfinite": getattr(trainer, "_nonfinite", None),
     }
     return TrainingState(tensors, meta)
 
@@ -277,3 +278,4 @@ def restore(trainer: AgentTrainer, state: TrainingState) -> None:
     trainer._rows = state.meta["rows"]
     trainer._seen = set(state.meta["seen"])
     trainer._sums = dict(state.meta["sums"])
+    trainer._nonfinite = state.meta.get("nonfinite")  # a poisoned step stays poisoned

@@ -169,9 +169,13 @@ class AgentTrainer:
             values=self._values(batch, hidden),
         )
         loss, metrics = self.algo.loss(inputs, self.cfg.algorithm, step=self.version)
-        if not torch.isfinite(loss.detach()):
+        bad = [k for k, v in metrics.items() if not math.isfinite(float(v))]
+        if not torch.isfinite(loss.detach()) or bad:
             # A poisoned micro-batch would turn every weight into NaN: its step is skipped.
-            self._nonfinite = self._nonfinite or f"non-finite loss {float(loss.detach()):.4g}"
+            # (Masked terms can keep the loss itself finite while its parts are not.)
+            what = f"non-finite loss {float(loss.detach()):.4g}" if not bad else \
+                f"non-finite {', '.join(bad)}"
+            self._nonfinite = self._nonfinite or what
         else:
             loss.backward()
         self._rows += len(samples)
