@@ -313,9 +313,12 @@ class LocalTrainPool:
                 if lease.swap_in:
                     await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
                     try:
+                        incoming = self.swapped.pop(agent, None)
                         out_agent, out_state, timings = await worker.call(
-                            "bind", (agent, self.swapped.pop(agent, None)))
+                            "bind", (agent, incoming))
                     except BaseException as exc:
+                        if incoming is not None:  # not delivered: it is still the state
+                            self.swapped[agent] = incoming
                         if lease.evict is not None:
                             self.allocator.state_arrived(lease.evict, exc)
                         raise
@@ -323,6 +326,12 @@ class LocalTrainPool:
                         self.swapped[out_agent] = out_state
                     if lease.evict is not None:
                         self.allocator.state_arrived(lease.evict)
+                    if incoming is None and agent in self.saved_state:
+                        # its state went down with a slot (lost mid-swap): the restart point
+                        # after its last step, plus the micro-batches accumulated since
+                        await worker.call("set_state", (agent, *self.saved_state[agent]))
+                        for samples in self.journal[agent]:
+                            await worker.call("accumulate", (agent, samples))
                     self.swap_seconds += (timings.get("swap_out_s", 0.0)
                                           + timings.get("swap_in_s", 0.0))
                 return await worker.call(command, payload)
