@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -54,20 +55,26 @@ def _llama_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> LlamaC
     )
 
 
+def _from_path(agent: str, cfg: ModelConfig, loader: Any) -> Any:
+    """`loader(model.path, gguf_file=...)` (a model or its config), or a ModelLoadError naming
+    the agent and the field."""
+    path = Path(cfg.path or "")
+    if not path.exists():
+        raise ModelLoadError(f"agent {agent!r}: model.path {str(path)!r} does not exist")
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    try:
+        return loader(str(path), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"agent {agent!r}: cannot load model.path {path}: {exc}") from exc
+
+
 def build_model(
     agent: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int, run_seed: int
 ) -> PreTrainedModel:
     """Same agent, config and seed give the same initial weights in every process."""
     cfg = _resolve(cfg)
     if cfg.kind == "path":
-        path = Path(cfg.path or "")
-        if not path.exists():
-            raise ModelLoadError(f"agent {agent!r}: model.path {str(path)!r} does not exist")
-        kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"agent {agent!r}: cannot load model.path {path}: {exc}") from exc
+        model = _from_path(agent, cfg, AutoModelForCausalLM.from_pretrained)
     else:
         config = _llama_config(cfg, vocab_size, max_seq_len)
         seed = cfg.init_seed if cfg.init_seed is not None else stable_seed(run_seed, agent)
@@ -108,14 +115,7 @@ def skeleton(agent: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int) ->
     Used to check a config (LoRA targets, checkpoint shapes) before any worker starts."""
     cfg = _resolve(cfg)
     if cfg.kind == "path":
-        path = Path(cfg.path or "")
-        if not path.exists():
-            raise ModelLoadError(f"agent {agent!r}: model.path {str(path)!r} does not exist")
-        kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-        try:
-            config = AutoConfig.from_pretrained(str(path), **kwargs)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"agent {agent!r}: cannot load model.path {path}: {exc}") from exc
+        config = _from_path(agent, cfg, AutoConfig.from_pretrained)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     with torch.device("meta"):

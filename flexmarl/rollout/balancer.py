@@ -13,10 +13,8 @@ dealt round robin whatever their length.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 BalanceMode = Literal["hierarchical", "static"]
@@ -187,6 +185,3 @@ class Balancer:
         if self.mode == "static":
             return candidates[next(self._round_robin[agent]) % len(candidates)]
         return min(candidates, key=lambda r: (outstanding[r], r))
-
-    def write_log(self, path: Path) -> None:
-        path.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in self.plans))

@@ -70,7 +70,6 @@ class ContinuousBatcher:
         self.attn: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
         self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
         self._choice = torch.zeros(0, dtype=torch.long)  # sampled tokens not yet fed
-        self.steps = 0
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -131,7 +130,7 @@ class ContinuousBatcher:
             old_layer.values = torch.cat(
                 [_pad_left(old_layer.values, width, 2), _pad_left(new_layer.values, width, 2)])
         self.attn = torch.cat([_pad_left(self.attn, width, 1), _pad_left(attn, width, 1)])
-        self.logits = torch.cat([logits.new_zeros((len(self.seqs), logits.shape[1])), logits])
+        self.logits = logits  # only the newcomers still need their first token
         self.seqs = self.seqs + new
 
     # --- decoding ----------------------------------------------------------------------------
@@ -146,7 +145,7 @@ class ContinuousBatcher:
         temps = torch.tensor([s.request.temperature for s in seqs],
                              dtype=torch.float32).unsqueeze(1)
         masks = torch.stack([s.mask for s in seqs])
-        logits = self.logits[start:]
+        logits = self.logits  # the pending logits of sequences start:
         logp = F.log_softmax((logits / temps).masked_fill(~masks, float("-inf")), dim=-1)
         noise = torch.from_numpy(
             np.stack([s.rng.gumbel(size=self.vocab) for s in seqs]).astype(np.float32))
@@ -206,7 +205,6 @@ class ContinuousBatcher:
         for s in self.seqs:
             s.next_pos += 1
         self.logits = out.logits[:, -1, :].float()
-        self.steps += 1
         return self._sample()
 
     def run_to_completion(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -82,7 +82,7 @@ def parse_completion(payload: Any, where: str) -> tuple[list[int], list[float]]:
 class OpenAIBackend:
     """One agent's client; requests run concurrently (up to `max_concurrency`) in threads."""
 
-    def __init__(self, agent: str, cfg: BackendConfig, run_seed: int = 0) -> None:
+    def __init__(self, agent: str, cfg: BackendConfig) -> None:
         if not cfg.url:
             raise ValueError(f"agents.{agent}.backend.url is required")
         self.agent = agent

@@ -418,7 +418,7 @@ class LocalRuntime:
         ]
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
         balancer = Balancer(local_agents or agents, rt.rollout_workers, cfg.rollout.balance, costs)
-        remote = {a: OpenAIBackend(a, cfg.agents[a].backend, cfg.seed)
+        remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
         self.train = LocalTrainPool(self.train_workers)
