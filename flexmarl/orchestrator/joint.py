@@ -15,6 +15,7 @@ with version k, in episodes whose version vector is iteration k's, each row once
 from __future__ import annotations
 
 import asyncio
+import math
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
@@ -718,8 +719,11 @@ class JointOrchestrator:
         }
         record.update(self._rollout_metrics(it))
         for agent in self.agents:
+            # fsum is exactly rounded, so the mean does not depend on the order in which
+            # episodes finished (placement changes that order, never the rewards).
             rewards = it.rewards.get(agent, [])
-            record[f"agent/{agent}/reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
+            record[f"agent/{agent}/reward_mean"] = (
+                math.fsum(rewards) / len(rewards) if rewards else 0.0)
             record[f"agent/{agent}/policy_version"] = self.versions[agent]
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
             for key, value in it.trained.get(agent, {}).items():
