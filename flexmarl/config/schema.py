@@ -241,6 +241,10 @@ class RolloutConfig(Strict):
     # hierarchical: capacity follows measured demand, requests go to the least-loaded replica
     # (in tokens); static: equal split and round robin, the peers' baseline
     balance: Literal["hierarchical", "static"] = "hierarchical"
+    # dependency: a node runs the moment its own episode's inputs exist (dependency-parallel);
+    # stage: every node of graph level L waits until level L-1 is done in *every* episode of
+    # the iteration, the turn-by-turn batch generation of the peers' baseline
+    schedule: Literal["dependency", "stage"] = "dependency"
 
 
 class RayBundle(Strict):

@@ -87,6 +87,10 @@ class IterationState:
     node_latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     episode_latency: list[float] = field(default_factory=list)
     plan: dict[str, Any] | None = None
+    # rollout.schedule=stage: node tasks still unresolved per graph level, and one event per
+    # level that opens when every lower level is resolved in every episode
+    stage_left: list[int] = field(default_factory=list)
+    stage_open: list[asyncio.Event] = field(default_factory=list)
 
 
 def assign_credit(
@@ -124,6 +128,7 @@ class JointOrchestrator:
         self.graph = task.graph
         self.order = self.graph.validate(cfg.agents.keys())
         self.turns = self.graph.turn_of()
+        self.level = self._levels()
         self._downstream = self._downstream_hops()
         self.rollout = rollout
         self.train = train
@@ -131,8 +136,9 @@ class JointOrchestrator:
         self.on_iteration = on_iteration
         self.agents = list(cfg.agents)
         self.trainable = [a for a in self.agents if cfg.agents[a].trainable]
+        # Trainers wait for whole groups (`_maybe_group_ready` wakes them), not for every
+        # store change: a wake-up per row would cost each trainer a scan per generated row.
         self.store = ExperienceStore(self.agents)
-        self.store.subscribe(self._on_store_change)
         self.versions = dict.fromkeys(self.agents, 0)
         self._gates: dict[tuple[str, int], asyncio.Event] = {}
         self._changed: dict[str, asyncio.Event] = {}
@@ -177,9 +183,6 @@ class JointOrchestrator:
             self._changed[agent] = asyncio.Event()
         return self._changed[agent]
 
-    def _on_store_change(self, agent: str) -> None:
-        self._changed_event(agent).set()
-
     # --- episodes ----------------------------------------------------------------------------
     async def run_episode(
         self, it: IterationState, index: int, traj: int, data: dict[str, Any]
@@ -215,6 +218,8 @@ class JointOrchestrator:
             if not isinstance(prompt, NodePrompt):
                 raise EpisodeFailure(f"node {name!r}: prompt builder returned "
                                      f"{type(prompt).__name__}, not NodePrompt")
+            if it.stage_open:  # rollout.schedule=stage: the level barrier
+                await it.stage_open[self.level[name]].wait()
             agent = node.agent
             version = vector[agent]
             await self._gate(agent, version).wait()
@@ -247,6 +252,10 @@ class JointOrchestrator:
             done[name].set_result(True)
 
         tasks = [asyncio.ensure_future(run_node(n)) for n in self.order]
+        if it.stage_open:
+            for n, t in zip(self.order, tasks, strict=True):
+                # ran, skipped, failed or cancelled with its episode: the level counts it
+                t.add_done_callback(lambda _t, level=self.level[n]: self._resolved(it, level))
         error: str | None = None
         try:
             await asyncio.gather(*tasks)
@@ -285,6 +294,22 @@ class JointOrchestrator:
         if it.episodes_done == it.episodes_total:
             self._rollout_finished(it)
 
+    def _levels(self) -> dict[str, int]:
+        """Graph level of each node: 0 without inputs, else one more than its deepest input."""
+        level: dict[str, int] = {}
+        for name in self.order:  # topological
+            inputs = self.graph.nodes[name].inputs
+            level[name] = 1 + max((level[i] for i in inputs), default=-1)
+        return level
+
+    def _resolved(self, it: IterationState, level: int, count: int = 1) -> None:
+        it.stage_left[level] -= count
+        for lvl in range(1, len(it.stage_open)):
+            if it.stage_left[lvl - 1] > 0:
+                break
+            if not it.stage_open[lvl].is_set():
+                it.stage_open[lvl].set()
+
     def _rollout_finished(self, it: IterationState) -> None:
         """Iteration k's last episode is in: let the rollout pool re-plan from the store's
         statistics (hierarchical balancing) before iteration k+1 submits anything."""
@@ -312,6 +337,9 @@ class JointOrchestrator:
             except Exception:  # noqa: BLE001 - a metric must not kill the run
                 pass
         it.groups[ctx.input_id].append({n: r.sample_id for n, r in rows.items()})
+        if it.stage_open:
+            for name in self.order:
+                self._resolved(it, self.level[name])
         self._maybe_group_ready(it, ctx.input_id)
         it.episodes_done += 1
         if it.episodes_done == it.episodes_total:
@@ -376,7 +404,7 @@ class JointOrchestrator:
         # or recovered run (whose episodes finish in another order) equals an uninterrupted one.
         group.sort(key=lambda g: min((parse_sample_id(s)[2] for s in g.values()), default=-1))
         it.groups_done.add(int(input_id.split("-")[1]))
-        for agent in self.agents:
+        for agent in self.trainable:
             self._changed_event(agent).set()
         for name in self.order:
             ids = [g[name] for g in group if name in g]
@@ -398,6 +426,13 @@ class JointOrchestrator:
         it = IterationState(index=k, episodes_total=n_inputs * group,
                             started_at=self.telemetry.now())
         self.iterations[k] = it
+        if self.cfg.rollout.schedule == "stage":
+            levels = 1 + max(self.level.values(), default=0)
+            it.stage_left = [0] * levels
+            for name in self.order:
+                it.stage_left[self.level[name]] += it.episodes_total
+            it.stage_open = [asyncio.Event() for _ in range(levels)]
+            it.stage_open[0].set()
         rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k))
         inputs = self.task.sample_inputs(rng, n_inputs)
         if len(inputs) != n_inputs:

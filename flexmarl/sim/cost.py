@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from flexmarl.policy.model import stable_seed
 from flexmarl.sim.hardware import AcceleratorSpec, get_accelerator
 
 __all__ = [
@@ -198,6 +200,14 @@ def get_model(name: str) -> ModelSpec:
 # --- Output / prompt length distributions ------------------------------------------------------
 
 
+_STD_NORMAL = statistics.NormalDist()
+
+
+def keyed_uniform(*parts: object) -> float:
+    """A uniform number in (0, 1) that depends only on ``parts`` (stable across processes)."""
+    return (stable_seed(*parts) >> 10 | 1) / float(1 << 53)
+
+
 class LengthDistribution(BaseModel):
     """A distribution of token counts, sampled deterministically from a numpy Generator.
 
@@ -274,6 +284,28 @@ class LengthDistribution(BaseModel):
             raw = scale * (1.0 + rng.pareto(alpha, shape))
         upper = np.inf if self.max is None else self.max
         return np.clip(np.rint(raw), self.min, upper).astype(np.int64)
+
+    def draw(self, u: float) -> int:
+        """The length at quantile ``u`` in (0, 1) (inverse CDF), clipped to ``[min, max]``.
+
+        One keyed uniform per request (see `keyed_uniform`) instead of a seeded Generator:
+        the same request gets the same length in every simulated system, at ~1 us a draw.
+        """
+        if not 0.0 < u < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {u}")
+        if self.kind == "fixed":
+            raw = self.mean
+        elif self.kind == "uniform":
+            half = self.mean * self._spread
+            raw = self.mean - half + 2 * half * u
+        elif self.kind == "lognormal":
+            sigma = 1.0 if self.sigma is None else self.sigma
+            raw = math.exp(math.log(self.mean) - sigma**2 / 2 + sigma * _STD_NORMAL.inv_cdf(u))
+        else:
+            alpha = 1.5 if self.alpha is None else self.alpha
+            raw = self.mean * (alpha - 1) / alpha * (1.0 - u) ** (-1.0 / alpha)
+        upper = math.inf if self.max is None else self.max
+        return int(min(max(round(raw), self.min), upper))
 
     def scaled(self, factor: float) -> LengthDistribution:
         """The same shape with ``factor`` times the mean (e.g. to express output-length skew)."""

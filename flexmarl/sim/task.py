@@ -15,6 +15,7 @@ from flexmarl.config.schema import RunConfig, config_from_dict
 from flexmarl.graph.meg import MEG, EpisodeContext, NodePrompt
 from flexmarl.graph.task import Task
 from flexmarl.policy.model import stable_seed
+from flexmarl.sim.cost import keyed_uniform
 from flexmarl.sim.workload import Workload
 
 
@@ -58,8 +59,8 @@ def workload_task(wl: Workload) -> Task:
         agent = wl.agent(node.agent)
 
         def prompt(ctx: EpisodeContext, node=node, agent=agent) -> NodePrompt:
-            rng = np.random.default_rng(stable_seed(wl.seed, "prompt", ctx.input_id, node.id))
-            n = int(agent.prompt_length.sample(rng))
+            n = agent.prompt_length.draw(keyed_uniform(wl.seed, "prompt", ctx.input_id,
+                                                       node.id))
             if agent.append_inputs:
                 n += sum(len(ctx.outputs[_node_name(i)]) for i in node.inputs
                          if _node_name(i) in ctx.outputs)
@@ -82,7 +83,8 @@ def workload_task(wl: Workload) -> Task:
                 info={"workload": wl.name})
 
 
-def workload_config(wl: Workload, *, mode: str, iterations: int | None = None) -> RunConfig:
+def workload_config(wl: Workload, *, mode: str, schedule: str = "dependency",
+                    iterations: int | None = None) -> RunConfig:
     agents = {a.name: {"trainable": a.trainable} for a in wl.agents}
     return config_from_dict({
         "name": wl.name,
@@ -97,5 +99,6 @@ def workload_config(wl: Workload, *, mode: str, iterations: int | None = None) -
                                     wl.rollout.episodes_per_iteration // 32),
         },
         "pipeline": {"mode": mode},
+        "rollout": {"schedule": schedule},
         "runtime": {"kind": "sim"},
     }, f"workload {wl.name}")

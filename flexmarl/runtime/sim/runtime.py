@@ -3,21 +3,24 @@ predicts, on the virtual clock. The orchestrator driving them is the production 
 
 Resource plans (which accelerators serve which agent) are computed here from the workload:
 - rollout/training split: in proportion to estimated rollout vs training work (disaggregated),
-  or every accelerator doing both in turn (colocated, the MARTI-like baseline);
+  or colocated (the MARTI-like baseline): every agent owns an equal share of the cluster, on
+  which its engines and its trainer take turns (engines sleep while it trains);
 - inter-agent rollout balance: `hierarchical` gives each agent replicas in proportion to its
   demand (tokens x per-token cost), re-planned each iteration from measured tokens; `static`
   splits replicas equally;
-- intra-agent: a request goes to the replica with the least outstanding tokens;
+- intra-agent: `hierarchical` sends a request to the replica with the least outstanding
+  tokens, `static` deals requests round robin (fixed equal chunks);
 - training allocation: `agent_centric` binds accelerators in proportion to training load,
-  `static` splits them equally.
+  `static` splits them equally; `sequential_training` trains one agent at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +28,7 @@ import numpy as np
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import allot_replicas
-from flexmarl.sim.cost import CostModel
+from flexmarl.sim.cost import CostModel, keyed_uniform
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
 from flexmarl.training.trainer import Sample
@@ -68,10 +71,9 @@ def largest_remainder(weights: dict[str, float], total: int, minimum: dict[str, 
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
-    remaining: int
-    kv: int
+    prompt: int
     out_len: int
     future: asyncio.Future
     enqueued: float
@@ -82,9 +84,12 @@ class _Seq:
 class SimReplica:
     """One inference engine (tp accelerators) with continuous batching in virtual time.
 
-    Sequences are admitted as others finish (up to max_num_seqs); each admission costs a
-    prefill; a decode segment runs until the first running sequence finishes or a new request
-    arrives, whichever comes first.
+    An event-driven state machine on the loop's timers (no coroutine per engine): sequences
+    are admitted as others finish (up to max_num_seqs, and as many as the KV cache holds at
+    their full length); each admission costs a prefill; a decode segment runs until the first
+    running sequence finishes, or, in an under-filled batch, until the next decode step after a
+    new request arrives. Sums over the running batch are kept incrementally, so a segment
+    costs O(log batch) whatever the batch size.
     """
 
     def __init__(self, runtime: SimRuntime, agent: str, index: int, tp: int) -> None:
@@ -94,67 +99,101 @@ class SimReplica:
         self.tp = tp
         self.model = runtime.wl.agent(agent).model
         self.lane = f"rollout/{agent}/{index}"
-        self.waiting: list[_Seq] = []
-        self.running: list[_Seq] = []
-        self.outstanding_tokens = 0
-        self.arrived = asyncio.Event()
-        self.task: asyncio.Task | None = None
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[tuple[int, int, _Seq]] = []  # heap: (finish step, order, seq)
+        self.step = 0  # decode steps this engine has run
+        self.kv = 0  # KV tokens held by the running batch
+        self.reserved = 0  # KV tokens the running batch will hold at full length
+        self.outstanding_tokens = 0  # prompt + output tokens not yet through the engine
+        self.state = "idle"  # idle | prefill | decode | paused
         self.cap = runtime.cost.max_num_seqs
+        self.kv_cap = runtime.cost.kv_capacity_tokens(self.model, tp)
+        self._order = 0
+        self._handle: asyncio.TimerHandle | None = None
+        self._segment = (0.0, 0, 0.0)  # start, steps, seconds per step
+        self._interruptible = False
 
     def submit(self, seq: _Seq) -> None:
         self.waiting.append(seq)
-        self.outstanding_tokens += seq.out_len + seq.kv
-        self.arrived.set()
+        self.outstanding_tokens += seq.out_len + seq.prompt
+        if self.state == "idle":
+            self._next()
+        elif self.state == "decode" and self._interruptible:
+            # an under-filled batch takes the newcomer at the end of the current decode step
+            self._interruptible = False
+            t0, steps, step_s = self._segment
+            done = min(steps, max(1, math.ceil((self.rt.loop.time() - t0) / step_s - 1e-9)))
+            if done < steps and self._handle is not None:
+                self._handle.cancel()
+                self._segment = (t0, done, step_s)
+                self._handle = self.rt.loop.call_at(t0 + done * step_s, self._decoded)
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        cost = self.rt.cost
-        while True:
-            if not self.running and not self.waiting:
-                self.arrived.clear()
-                await self.arrived.wait()
-            await self.rt.rollout_gate(self)
-            if self.waiting and len(self.running) < self.cap:
-                admit = self.waiting[: self.cap - len(self.running)]
-                del self.waiting[: len(admit)]
-                t0 = loop.time()
-                await asyncio.sleep(cost.prefill_time(self.model, self.tp,
-                                                      sum(s.kv for s in admit)))
-                self.rt.busy(self, "prefill", t0, loop.time())
-                for seq in admit:
-                    seq.admitted = t0
-                    self.rt.queue_waits[self.agent].append(t0 - seq.enqueued)
-                self.running.extend(admit)
-            if not self.running:
-                continue
-            steps = min(s.remaining for s in self.running)
-            kv = sum(s.kv for s in self.running)
-            step_s = cost.decode_step_time(self.model, self.tp, len(self.running), kv)
-            self.arrived.clear()
-            t0 = loop.time()
-            if len(self.running) >= self.cap // 4 or self.waiting:
-                # a well-filled batch admits newcomers when its next sequence finishes
-                await asyncio.sleep(steps * step_s)
-                done_steps = steps
-            else:  # an under-filled batch admits newcomers at the next decode step
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), timeout=steps * step_s)
-                    done_steps = min(steps, max(1, int((loop.time() - t0) / step_s)))
-                    await asyncio.sleep(max(0.0, t0 + done_steps * step_s - loop.time()))
-                except TimeoutError:
-                    done_steps = steps
-            self.rt.busy(self, "gen", t0, loop.time())
-            still = []
-            for s in self.running:
-                s.remaining -= done_steps
-                s.kv += done_steps
-                self.outstanding_tokens -= done_steps
-                if s.remaining <= 0:
-                    self.outstanding_tokens -= s.kv - s.out_len
-                    self.rt.finish(self, s, loop.time())
-                else:
-                    still.append(s)
-            self.running = still
+    def resume(self) -> None:
+        if self.state == "paused":
+            self.state = "idle"
+            self._next()
+
+    def _next(self) -> None:
+        rt = self.rt
+        loop = rt.loop
+        now = loop.time()
+        if rt.paused(self.agent):
+            self.state = "paused"
+            rt.paused_replicas[self.agent].append(self)
+            return
+        cost = rt.cost
+        if self.waiting and len(self.running) < self.cap:
+            admit: list[_Seq] = []
+            while (self.waiting and len(self.running) + len(admit) < self.cap
+                   and (self.reserved + self.waiting[0].prompt + self.waiting[0].out_len
+                        <= self.kv_cap or not (self.running or admit))):
+                seq = self.waiting.popleft()
+                self.reserved += seq.prompt + seq.out_len
+                admit.append(seq)
+            if admit:
+                self.state = "prefill"
+                duration = cost.prefill_time(self.model, self.tp, sum(s.prompt for s in admit))
+                self._handle = loop.call_at(now + duration, self._prefilled, admit, now)
+                return
+        if not self.running:
+            self.state = "idle"
+            return
+        batch = len(self.running)
+        steps = self.running[0][0] - self.step
+        seconds = cost._decode_segment_time(self.model, self.tp, batch, self.kv, steps)
+        self.state = "decode"
+        self._segment = (now, steps, seconds / steps)
+        self._interruptible = batch < self.cap // 4 and not self.waiting
+        self._handle = loop.call_at(now + seconds, self._decoded)
+
+    def _prefilled(self, admit: list[_Seq], t0: float) -> None:
+        rt = self.rt
+        rt.busy(self, "prefill", t0, rt.loop.time())
+        waits = rt.queue_waits[self.agent]
+        for seq in admit:
+            seq.admitted = t0
+            waits.append(t0 - seq.enqueued)
+            heapq.heappush(self.running, (self.step + seq.out_len, self._order, seq))
+            self._order += 1
+            self.kv += seq.prompt
+        self._next()
+
+    def _decoded(self) -> None:
+        rt = self.rt
+        now = rt.loop.time()
+        t0, done, _ = self._segment
+        rt.busy(self, "gen", t0, now)
+        batch = len(self.running)
+        self.step += done
+        self.kv += done * batch
+        self.outstanding_tokens -= done * batch
+        while self.running and self.running[0][0] <= self.step:
+            _, _, seq = heapq.heappop(self.running)
+            self.kv -= seq.prompt + seq.out_len
+            self.reserved -= seq.prompt + seq.out_len
+            self.outstanding_tokens -= seq.prompt
+            rt.finish(self, seq, now)
+        self._next()
 
 
 class SimRolloutPool:
@@ -162,25 +201,35 @@ class SimRolloutPool:
         self.rt = runtime
         self.replicas: dict[str, list[SimReplica]] = {}
         self.n_workers = 0
+        self._round_robin: dict[str, int] = defaultdict(int)
+
+    def _pick(self, agent: str) -> SimReplica:
+        """Hierarchical: the replica with the least outstanding tokens; static: round robin
+        (the peers' fixed equal split of the prompts)."""
+        active = self.replicas[agent][: self.rt.active[agent]]
+        if self.rt.features.balance == "static":
+            i = self._round_robin[agent]
+            self._round_robin[agent] = i + 1
+            return active[i % len(active)]
+        return min(active, key=_outstanding)
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         rt = self.rt
         spec = rt.wl.agent(request.agent)
-        rng = np.random.default_rng(stable_seed(rt.wl.seed, "out", request.sample_id))
-        out_len = max(1, int(spec.output_length.sample(rng)))
-        loop = asyncio.get_running_loop()
+        out_len = max(1, spec.output_length.draw(keyed_uniform(rt.wl.seed, "out",
+                                                               request.sample_id)))
+        loop = rt.loop
         fut = loop.create_future()
-        seq = _Seq(out_len, len(request.prompt), out_len, fut, loop.time(), request)
-        replica = min(self.replicas[request.agent][: rt.active[request.agent]],
-                      key=lambda r: (r.outstanding_tokens, r.index))
-        # the request's latency alone on an idle engine: a term of the critical path
         p = len(request.prompt)
+        seq = _Seq(p, out_len, fut, loop.time(), request)
+        # the request's latency alone on an idle engine: a term of the critical path
         rt.solo_latency[request.sample_id] = (
             rt.cost.prefill_time(spec.model, spec.tp, p)
             + out_len * rt.cost.decode_step_time(spec.model, spec.tp, 1, p + out_len / 2))
-        replica.submit(seq)
+        self._pick(request.agent).submit(seq)
         await fut
         rt.tokens[request.agent] += out_len
+        rt.requests[request.sample_id] = (seq.enqueued, loop.time())
         return GenerationResult(request.sample_id, SyntheticTokens(out_len), [],  # type: ignore[arg-type]
                                 request.version, admitted_at=seq.admitted,
                                 queue_s=seq.admitted - seq.enqueued)
@@ -192,6 +241,10 @@ class SimRolloutPool:
         """Between iterations the hierarchical balancer re-plans from measured demand."""
         self.rt.replan()
         return dict(self.rt.plans[-1]) if self.rt.plans else None
+
+
+def _outstanding(r: SimReplica) -> tuple[int, int]:
+    return r.outstanding_tokens, r.index
 
 
 class SimTrainPool:
@@ -229,17 +282,24 @@ class SimRuntime:
         self.tokens: dict[str, int] = defaultdict(int)
         self.queue_waits: dict[str, list[float]] = defaultdict(list)
         self.solo_latency: dict[str, float] = {}
+        self.requests: dict[str, tuple[float, float]] = {}  # sample_id -> (submitted, done)
         self.active: dict[str, int] = {}
         self.plans: list[dict[str, Any]] = []
         self.rollout = SimRolloutPool(self)
         self.train = SimTrainPool(self)
         self.trainable = [a.name for a in wl.agents if a.trainable]
+        self.groups: dict[str, int] = {}  # colocated: each agent's own accelerators
+        self.paused_replicas: dict[str, list[SimReplica]] = defaultdict(list)
+        self._asleep: set[str] = set()  # colocated: agents whose engines sleep while they train
         self._train_locks: dict[str, asyncio.Lock] = {}
-        self._phase = "rollout"  # colocated baseline only
-        self._rollout_phase: asyncio.Event | None = None
-        self._training_agents = 0
-        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.plan_resources()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     # --- planning ------------------------------------------------------------------------
     def _rollout_demand(self, measured: bool) -> dict[str, float]:
@@ -281,34 +341,51 @@ class SimRuntime:
             out[a.name] = cost.train_compute_time(a.model, 1, tokens)
         return out
 
+    def _colocated_groups(self) -> dict[str, int]:
+        """MARTI-like: every agent owns an equal share of the cluster (whole replicas of its
+        tp), on which its engines and its trainer take turns."""
+        wl, cost = self.wl, self.cost
+        share = self.total // len(wl.agents)
+        out = {}
+        for a in wl.agents:
+            need = a.tp
+            if a.trainable:
+                need = max(need, math.ceil(cost.min_train_accelerators(a.model) / a.tp) * a.tp)
+            out[a.name] = max(need, share // a.tp * a.tp)
+        if sum(out.values()) > self.total:
+            raise ValueError(
+                f"workload {wl.name}: the colocated baseline gives each agent its own "
+                f"accelerators and needs {sum(out.values())}, but the cluster has {self.total}")
+        return out
+
     def plan_resources(self, measured: bool = False) -> None:
         wl, f = self.wl, self.features
         roll_d, train_d = self._rollout_demand(measured), self._train_demand()
+        mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
-            roll_acc, train_acc = self.total, self.total
+            self.groups = self._colocated_groups()
+            roll_acc = train_acc = sum(self.groups.values())
+            replicas = {a.name: self.groups[a.name] // a.tp for a in wl.agents}
+            train_alloc = {a: self.groups[a] for a in self.trainable}
         else:
-            need_train = sum(self.cost.min_train_accelerators(wl.agent(a).model)
-                             for a in self.trainable)
+            need_train = sum(mins.values())
             need_roll = sum(a.tp for a in wl.agents)
             # in proportion to estimated rollout vs training work
             share = sum(roll_d.values()) / (sum(roll_d.values()) + sum(train_d.values()))
             roll_acc = min(self.total - need_train, max(need_roll, round(self.total * share)))
             train_acc = self.total - roll_acc
-        # replicas per agent
-        units = {a.name: a.tp for a in wl.agents}
-        # the production balancer's inter-agent allotment, in whole replicas of tp accelerators
-        replicas = allot_replicas(roll_d, roll_acc,
-                                  "hierarchical" if f.balance == "hierarchical" else "static",
-                                  units)
-        # training accelerators
-        mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
-        if f.colocated or f.sequential_training:
-            train_alloc = dict.fromkeys(self.trainable, train_acc)
-        elif f.allocation == "agent_centric":
-            train_alloc = largest_remainder(train_d, train_acc, mins)
-        else:
-            equal = train_acc // max(1, len(self.trainable))
-            train_alloc = {a: max(mins[a], equal) for a in self.trainable}
+            units = {a.name: a.tp for a in wl.agents}
+            # the production balancer's inter-agent allotment, in whole replicas of tp
+            replicas = allot_replicas(
+                roll_d, roll_acc, "hierarchical" if f.balance == "hierarchical" else "static",
+                units)
+            if f.sequential_training:
+                train_alloc = dict.fromkeys(self.trainable, train_acc)
+            elif f.allocation == "agent_centric":
+                train_alloc = largest_remainder(train_d, train_acc, mins)
+            else:
+                equal = train_acc // max(1, len(self.trainable))
+                train_alloc = {a: max(mins[a], equal) for a in self.trainable}
         self.roll_acc, self.train_acc = roll_acc, train_acc
         self.train_alloc = train_alloc
         self._resize_replicas(replicas)
@@ -326,21 +403,13 @@ class SimRuntime:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        self._rollout_phase = asyncio.Event()
-        self._rollout_phase.set()
-        self._spawn()
-
-    def _spawn(self) -> None:
-        for reps in self.rollout.replicas.values():
-            for r in reps:
-                if r.task is None:
-                    r.task = asyncio.ensure_future(r.run())
-                    self._tasks.append(r.task)
+        self._loop = asyncio.get_running_loop()
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for reps in self.rollout.replicas.values():
+            for r in reps:
+                if r._handle is not None:
+                    r._handle.cancel()
 
     def placement(self) -> dict[str, Any]:
         return {"plan": self.plans[-1]}
@@ -356,30 +425,25 @@ class SimRuntime:
             seq.future.set_result(now)
 
     # --- colocated phases ------------------------------------------------------------------
-    async def rollout_gate(self, replica: SimReplica) -> None:
-        """Colocated: engines are asleep while training runs."""
-        if self.features.colocated and self._rollout_phase is not None:
-            await self._rollout_phase.wait()
+    def paused(self, agent: str) -> bool:
+        """Colocated: an agent's engines are asleep while its trainer holds the devices."""
+        return agent in self._asleep
 
     async def train_work(self, agent: str, kind: str, tokens: int) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         spec = self.wl.agent(agent)
         n = self.train_alloc[agent]
         f = self.features
-        lock = (self._train_locks.setdefault("all", asyncio.Lock())
-                if (f.colocated or f.sequential_training)
+        lock = (self._train_locks.setdefault("all", asyncio.Lock()) if f.sequential_training
                 else self._train_locks.setdefault(agent, asyncio.Lock()))
-        if f.colocated and self._phase == "rollout":
-            # rollout engines go to sleep (offload weights) before the first training work
-            self._phase = "train"
-            assert self._rollout_phase is not None
-            self._rollout_phase.clear()
-            t0 = loop.time()
-            await asyncio.sleep(max(self.cost.engine_sleep_time(a.model, a.tp)
-                                    for a in self.wl.agents))
-            self.spans.append(BusySpan("colocated", "overhead", agent, "sleep", t0, loop.time(),
-                                       0))
         async with lock:
+            if f.colocated and agent not in self._asleep:
+                # the agent's engines go to sleep (offload weights and KV) before it trains
+                self._asleep.add(agent)
+                t0 = loop.time()
+                await asyncio.sleep(self.cost.engine_sleep_time(spec.model, spec.tp))
+                self.spans.append(BusySpan(f"train/{agent}", "overhead", agent, "sleep", t0,
+                                           loop.time(), 0))
             t0 = loop.time()
             if kind == "train":
                 await asyncio.sleep(self.cost.train_compute_time(spec.model, n, tokens))
@@ -389,20 +453,16 @@ class SimRuntime:
                                        n))
 
     async def publish(self, agent: str, version: int) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         spec = self.wl.agent(agent)
         t0 = loop.time()
         if self.features.colocated:
-            # weights are already on the devices; wake the engines once all agents stepped
-            if version > 0:
-                self._training_agents += 1
-                if self._training_agents >= len(self.trainable):
-                    self._training_agents = 0
-                    await asyncio.sleep(max(self.cost.engine_wake_time(a.model, a.tp)
-                                            for a in self.wl.agents))
-                    self._phase = "rollout"
-                    assert self._rollout_phase is not None
-                    self._rollout_phase.set()
+            # the new weights are already on the agent's devices: wake its engines
+            if agent in self._asleep:
+                await asyncio.sleep(self.cost.engine_wake_time(spec.model, spec.tp))
+                self._asleep.discard(agent)
+                for replica in self.paused_replicas.pop(agent, []):
+                    replica.resume()
         else:
             await asyncio.sleep(self.cost.weight_transfer_time(
                 spec.model, inter_node=True, links=spec.tp))
@@ -413,7 +473,6 @@ class SimRuntime:
         """Between iterations: hierarchical balancing re-plans from measured demand."""
         if self.features.balance == "hierarchical" and not self.features.colocated:
             self.plan_resources(measured=True)
-            self._spawn()
 
     # --- summaries -------------------------------------------------------------------------
     def busy_accel_seconds(self, t0: float = 0.0, t1: float = math.inf) -> float:
@@ -422,15 +481,3 @@ class SimRuntime:
             if s.accelerators and s.end > t0 and s.start < t1:
                 total += (min(s.end, t1) - max(s.start, t0)) * s.accelerators
         return total
-
-
-@dataclass
-class SimReport:
-    name: str
-    makespan_s: float
-    per_iteration_s: float
-    utilisation: float
-    busy_accel_s: float
-    lower_bound_s: float = 0.0
-    efficiency: float = 0.0
-    plans: list[dict[str, Any]] = field(default_factory=list)

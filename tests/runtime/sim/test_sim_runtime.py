@@ -50,3 +50,53 @@ def test_report_writes_trace_and_gantt(tmp_path, capsys):
     assert "speedup" in out and "marti-like" in out and "efficiency" in out
     assert (tmp_path / "trace.json").stat().st_size > 0
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _request_times_by_level(result):
+    """{(iteration, graph level): [(submitted, done), ...]} from the simulated requests."""
+    from flexmarl.store.experience import parse_sample_id
+
+    orch = result.orchestrator
+    node_of = {turn: name for name, turn in orch.turns.items()}
+    out: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for sid, times in result.runtime.requests.items():
+        input_id, turn, _ = parse_sample_id(sid)
+        k = int(input_id.split("-")[0])
+        out.setdefault((k, orch.level[node_of[turn]]), []).append(times)
+    return out
+
+
+def test_stage_schedule_holds_each_level_until_the_previous_level_is_done_everywhere():
+    wl = load_workload(WORKLOAD.parent / "planner_coder_reviewer.yaml")
+    stage = _request_times_by_level(simulate_system(wl, "flexmarl-stage", iterations=1))
+    levels = sorted(level for _, level in stage)
+    assert len(levels) >= 3
+    for level in levels[1:]:
+        first_submit = min(t0 for t0, _ in stage[(0, level)])
+        last_done_below = max(t1 for t1, _ in stage[(0, level - 1)])
+        assert first_submit >= last_done_below
+    # dependency-parallel: a fast episode's next node runs while slow ones are still at the
+    # previous level
+    dep = _request_times_by_level(simulate_system(wl, "flexmarl", iterations=1))
+    assert any(min(t0 for t0, _ in dep[(0, level)]) < max(t1 for t1, _ in dep[(0, level - 1)])
+               for level in levels[1:])
+
+
+def _overlap(a, b) -> bool:
+    return a.start < b.end - 1e-9 and b.start < a.end - 1e-9
+
+
+def test_marti_like_gives_each_agent_its_own_devices_and_trains_one_agent_at_a_time(wl):
+    marti = simulate_system(wl, "marti-like", iterations=2)
+    rt = marti.runtime
+    assert sum(rt.groups.values()) <= rt.total
+    for agent, group in rt.groups.items():
+        assert rt.active[agent] * wl.agent(agent).tp == group
+    train = [s for s in rt.spans if s.pool == "train"]
+    roll = [s for s in rt.spans if s.pool == "rollout"]
+    assert train and roll
+    for t in train:
+        # its own engines sleep while an agent trains on their devices ...
+        assert not any(r.agent == t.agent and _overlap(r, t) for r in roll)
+        # ... and agents train one after another
+        assert not any(o.agent != t.agent and _overlap(o, t) for o in train)
