@@ -293,6 +293,12 @@ class SimRuntime:
         self._asleep: set[str] = set()  # colocated: agents whose engines sleep while they train
         self._train_locks: dict[str, asyncio.Lock] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # busy accelerator-seconds so far, per pool and agent (measured load)
+        self.work: dict[str, dict[str, float]] = {"rollout": defaultdict(float),
+                                                  "train": defaultdict(float)}
+        self._rollouts_done = 0
+        self._last_work: tuple[dict[str, float], dict[str, tuple[float, int]]] = ({}, {})
+        self._train_measured: dict[str, float] = {}
         self.plan_resources()
 
     @property
@@ -358,9 +364,34 @@ class SimRuntime:
                 f"accelerators and needs {sum(out.values())}, but the cluster has {self.total}")
         return out
 
+    def _measured_demand(self) -> tuple[dict[str, float], dict[str, float]] | None:
+        """Busy accelerator-seconds each agent's rollout took in the iteration that just
+        finished, and each agent's training per optimizer step since the last plan: the
+        measured load that agent-centric allocation and hierarchical balancing follow."""
+        roll_now = dict(self.work["rollout"])
+        train_now = {a: (self.work["train"].get(a, 0.0), self.train.versions[a])
+                     for a in self.trainable}
+        last_roll, last_train = self._last_work
+        self._last_work = (roll_now, train_now)
+        roll = {a.name: roll_now.get(a.name, 0.0) - last_roll.get(a.name, 0.0)
+                for a in self.wl.agents}
+        train = {}
+        for a, (work, steps) in train_now.items():
+            work0, steps0 = last_train.get(a, (0.0, 0))
+            if steps == steps0:  # no step since the last plan: keep that measurement
+                if a not in self._train_measured:
+                    return None
+                train[a] = self._train_measured[a]
+            else:
+                train[a] = (work - work0) / (steps - steps0)
+        self._train_measured = train
+        return roll, train
+
     def plan_resources(self, measured: bool = False) -> None:
         wl, f = self.wl, self.features
         roll_d, train_d = self._rollout_demand(measured), self._train_demand()
+        if measured and (m := self._measured_demand()) is not None:
+            roll_d, train_d = m
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
             self.groups = self._colocated_groups()
@@ -419,6 +450,7 @@ class SimRuntime:
         if end > start:
             self.spans.append(BusySpan(replica.lane, "rollout", replica.agent, kind, start, end,
                                        replica.tp))
+            self.work["rollout"][replica.agent] += (end - start) * replica.tp
 
     def finish(self, replica: SimReplica, seq: _Seq, now: float) -> None:
         if not seq.future.done():
@@ -451,6 +483,7 @@ class SimRuntime:
                 await asyncio.sleep(self.cost.optimizer_step_time(spec.model, n))
             self.spans.append(BusySpan(f"train/{agent}", "train", agent, kind, t0, loop.time(),
                                        n))
+            self.work["train"][agent] += (loop.time() - t0) * n
 
     async def publish(self, agent: str, version: int) -> None:
         loop = self.loop
@@ -470,8 +503,11 @@ class SimRuntime:
                                    loop.time(), 0))
 
     def replan(self) -> None:
-        """Between iterations: hierarchical balancing re-plans from measured demand."""
-        if self.features.balance == "hierarchical" and not self.features.colocated:
+        """Between iterations: hierarchical balancing and agent-centric allocation re-plan
+        the pools from the measured load."""
+        self._rollouts_done += 1
+        f = self.features
+        if not f.colocated and (f.balance == "hierarchical" or f.allocation == "agent_centric"):
             self.plan_resources(measured=True)
 
     # --- summaries -------------------------------------------------------------------------
