@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import operator
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +212,7 @@ class SimRolloutPool:
             i = self._round_robin[agent]
             self._round_robin[agent] = i + 1
             return active[i % len(active)]
-        return min(active, key=_outstanding)
+        return min(active, key=_OUTSTANDING)  # first of the least loaded: lowest index
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         rt = self.rt
@@ -243,8 +244,7 @@ class SimRolloutPool:
         return dict(self.rt.plans[-1]) if self.rt.plans else None
 
 
-def _outstanding(r: SimReplica) -> tuple[int, int]:
-    return r.outstanding_tokens, r.index
+_OUTSTANDING = operator.attrgetter("outstanding_tokens")
 
 
 class SimTrainPool:
