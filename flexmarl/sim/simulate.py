@@ -166,7 +166,13 @@ def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60) -> Pa
     for ax, res in zip(axes[:, 0], results, strict=True):
         spans = [s for s in res.runtime.spans if s.pool in ("rollout", "train")]
         lanes = sorted({s.lane for s in spans}, key=lambda x: (not x.startswith("rollout"), x))
-        shown = lanes[:max_lanes]
+        # at most an equal number of lanes per (pool, agent), so every agent shows up
+        by_group: dict[str, list[str]] = defaultdict(list)
+        for lane in lanes:
+            by_group[lane.rsplit("/", 1)[0] if lane.startswith("rollout/") else lane].append(lane)
+        per_group = max(1, max_lanes // max(1, len(by_group)))
+        keep = {lane for group in by_group.values() for lane in group[:per_group]}
+        shown = [lane for lane in lanes if lane in keep]
         y = {lane: i for i, lane in enumerate(shown)}
         # one broken_barh per (lane, agent, pool): a 48-node run has ~10^5 spans
         bars: dict[tuple[str, str, str], list[tuple[float, float]]] = defaultdict(list)
