@@ -22,7 +22,12 @@ from typing import Any
 
 from flexmarl.config.schema import RunConfig, load_config
 from flexmarl.sim.local_mirror import MirrorResult, mirror_config, per_iteration, run_mirror
-from flexmarl.sim.profile import LocalProfile, machine_info, profile_local
+from flexmarl.sim.profile import (
+    LocalProfile,
+    machine_info,
+    measure_external_load,
+    profile_local,
+)
 
 TOLERANCE = 0.25  # issue 6, item 6: within 25% of the measured local makespan
 
@@ -35,6 +40,8 @@ class CalibrationRow:
     measured_steady_s: float  # iterations after the first
     simulated_steady_s: float
     real_wall_s: float  # the real run's wall time, worker start-up included
+    external_load: float = 0.0  # other runnable work (CPUs) measured just before the real run
+    simulated_at_profile_load_s: float = 0.0  # the same simulation at the profile's load
 
     @property
     def error(self) -> float:
@@ -48,7 +55,9 @@ class CalibrationRow:
         return {"mode": self.mode, "measured_s_per_iteration": self.measured_s,
                 "simulated_s_per_iteration": self.simulated_s, "error": self.error,
                 "within_25pct": self.within, "measured_steady_s": self.measured_steady_s,
-                "simulated_steady_s": self.simulated_steady_s, "real_wall_s": self.real_wall_s}
+                "simulated_steady_s": self.simulated_steady_s, "real_wall_s": self.real_wall_s,
+                "external_load": self.external_load,
+                "simulated_at_profile_load_s": self.simulated_at_profile_load_s}
 
 
 def run_real(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], float]:
@@ -85,13 +94,17 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         mcfg = mirror_config(cfg, iterations, mode)
         log(f"real run: {cfg.name}, pipeline.mode={mode}, {iterations} iterations "
             f"-> {out / f'real-{mode}'}")
+        external = measure_external_load()
         records, wall = run_real(mcfg, out / f"real-{mode}")
+        external = (external + measure_external_load()) / 2  # before and after the run
         loads[f"after_{mode}"] = machine_info()["loadavg"]
-        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
+        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode, external=external)
+        at_profile = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
         sims[mode] = sim
         mean, steady = per_iteration(records)
         rows.append(CalibrationRow(mode, mean, sim.per_iteration_s, steady,
-                                   sim.steady_per_iteration_s, wall))
+                                   sim.steady_per_iteration_s, wall, external,
+                                   at_profile.per_iteration_s))
     print_table(cfg.name, rows, iterations, loads)
     (out / "calibration.json").write_text(json.dumps({
         "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
@@ -108,10 +121,12 @@ def print_table(name: str, rows: list[CalibrationRow], iterations: int,
     print(f"calibration of {name}: {iterations} iterations on this machine "
           f"({os.cpu_count()} CPUs, load average {loads})")
     print(f"{'mode':<7}{'measured s/it':>15}{'simulated s/it':>16}{'error':>9}"
-          f"{'within 25%':>12}{'  (steady: measured / simulated s/it)'}")
+          f"{'within 25%':>12}{'other load':>12}   steady s/it (meas / sim)")
     for r in rows:
         print(f"{r.mode:<7}{r.measured_s:>15.3f}{r.simulated_s:>16.3f}{r.error:>+9.1%}"
-              f"{'yes' if r.within else 'NO':>12}"
+              f"{'yes' if r.within else 'NO':>12}{r.external_load:>12.2f}"
               f"   {r.measured_steady_s:.3f} / {r.simulated_steady_s:.3f}")
     print("(s/it = makespan / iterations, from the runs' time_s; steady leaves out the first "
-          "iteration; the error is reported, not enforced)")
+          "iteration; other load = CPUs' worth of other runnable work measured around the real "
+          "run, which the simulation shares the CPUs with; the error is reported, not "
+          "enforced)")

@@ -14,9 +14,12 @@ the production `SlotAllocator`) drive simulated worker processes that keep the p
 - with `runtime.max_worker_restarts > 0` the pools keep the supervisor's restart points (a
   `get_state` after every step, and one per agent before the run), as the local runtime does.
 
-Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each;
-the orchestrator's own CPU time per request (`parent_per_request_s`) delays each request's
-delivery. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
+Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
+The orchestrator's own CPU time (`parent_per_request_s` per generate request,
+`parent_per_train_call_s` per training command) is work of a serial parent process. All
+processes' work shares the machine's CPUs (`CpuShare`, processor sharing on
+`profile.machine["cpus"]` cores): on a 2-core machine, a replica, a training slot and the
+parent busy at once each run at 2/3 speed. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
 config's. The task is the real one: prompts come from its prompt builders, and outputs are
 tokens drawn from each request's allowed tokens with the profile's lengths.
 """
@@ -42,6 +45,85 @@ from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.profile import AgentProfile, LocalProfile
 
 
+class CpuShare:
+    """Processor sharing: the busy work of the simulated processes (replicas, training slots,
+    the parent) on `cores` CPUs next to `external` CPUs' worth of other runnable work; with n
+    busy processes each progresses at min(1, cores / (n + external)) (each process is one
+    torch thread, as `runtime.torch_threads: 1` runs). Profiled costs were measured by one
+    busy process under `profiled_external`, so they are scaled back to an idle machine first."""
+
+    def __init__(self, cores: float, external: float = 0.0,
+                 profiled_external: float = 0.0) -> None:
+        self.cores = max(1.0, float(cores))
+        self.external = max(0.0, float(external))
+        self.solo = min(1.0, self.cores / (1.0 + max(0.0, float(profiled_external))))
+        self.jobs: dict[int, list[Any]] = {}  # id -> [remaining work (s), future]
+        self.last: float | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self.busy_s = 0.0
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / (len(self.jobs) + self.external)) if self.jobs else 1.0
+
+    def _advance(self, now: float) -> None:
+        if self.last is not None and self.jobs:
+            done = (now - self.last) * self._rate()
+            for job in self.jobs.values():
+                job[0] -= done
+        self.last = now
+
+    def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        for key in [k for k, j in self.jobs.items() if j[0] <= 1e-9]:
+            fut = self.jobs.pop(key)[1]
+            if not fut.done():
+                fut.set_result(None)
+        if self.jobs:
+            left = min(j[0] for j in self.jobs.values())
+            self.handle = loop.call_later(left / self._rate(), self._tick)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.handle = None
+        self._advance(loop.time())
+        self._reschedule(loop)
+
+    async def run(self, seconds: float) -> None:
+        """`seconds` of one process's CPU work, stretched by the sharing."""
+        if seconds <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        fut = loop.create_future()
+        self.jobs[id(fut)] = [seconds * self.solo, fut]
+        self.busy_s += seconds * self.solo
+        self._reschedule(loop)
+        try:
+            await fut
+        finally:
+            if self.jobs.pop(id(fut), None) is not None:  # cancelled while running
+                self._advance(loop.time())
+                self._reschedule(loop)
+
+
+class ParentProcess:
+    """The orchestrator's own process: its per-request and per-training-call work, one piece
+    at a time, on the shared CPUs."""
+
+    def __init__(self, cpu: CpuShare, profile: LocalProfile) -> None:
+        self.cpu = cpu
+        self.profile = profile
+        self.lock = asyncio.Lock()
+
+    async def work(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        async with self.lock:
+            await self.cpu.run(seconds)
+
+
 def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
     if p is None or name not in p.fits:
         return 0.0
@@ -49,10 +131,14 @@ def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
 
 
 class _Common:
-    def __init__(self, pool: str, index: int, profile: LocalProfile, sink: Any) -> None:
+    def __init__(self, pool: str, index: int, profile: LocalProfile, sink: Any,
+                 cpu: CpuShare, parent: ParentProcess) -> None:
         self.pool, self.index = pool, index
         self.profile = profile
         self.sink = sink
+        self.cpu, self.parent = cpu, parent
+        self.calls = 0
+        self._pending: set[asyncio.Task] = set()
         self.alive = True
         self.stopping = False
         self.outstanding_tokens = 0
@@ -93,8 +179,8 @@ class SimRolloutWorker(_Common):
     """One rollout replica process of the local runtime, in virtual time."""
 
     def __init__(self, index: int, agents: list[str], profile: LocalProfile, max_seqs: int,
-                 max_tokens: int, sink: Any) -> None:
-        super().__init__("rollout", index, profile, sink)
+                 max_tokens: int, sink: Any, cpu: CpuShare, parent: ParentProcess) -> None:
+        super().__init__("rollout", index, profile, sink, cpu, parent)
         self.agents = agents
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
         self.versions = dict.fromkeys(agents, 0)
@@ -118,11 +204,17 @@ class SimRolloutWorker(_Common):
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        delay = (self._ipc("ipc_generate", requests=len(batch))
-                 + self.profile.parent_per_request_s * len(batch))
-        asyncio.get_running_loop().call_later(delay, self._deliver, batch)
+        task = asyncio.ensure_future(self._send(batch))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
-    def _deliver(self, batch: list) -> None:
+    async def _send(self, batch: list) -> None:
+        self.calls += len(batch)
+        await self.parent.work(self.profile.parent_per_request_s * len(batch))
+        await asyncio.sleep(self._ipc("ipc_generate", requests=len(batch)))
+        for fut, request, priority in batch:
+            self.waiting[request.agent].append((fut, request, priority))
+        self.wake.set()
         for fut, request, priority in batch:
             self.waiting[request.agent].append((fut, request, priority))
         self.wake.set()
@@ -166,7 +258,7 @@ class SimRolloutWorker(_Common):
                 if not self.running[agent]:
                     fut, version = self.loads.pop(agent)
                     t0 = loop.time()
-                    await asyncio.sleep(_cost(self.profile.agents.get(agent), "load_weights"))
+                    await self.cpu.run(_cost(self.profile.agents.get(agent), "load_weights"))
                     self.versions[agent] = version
                     self.sink.span("rollout", self.index, t0, loop.time(), f"load:{agent}")
                     self._later(self._ipc("ipc_call", bytes=0), fut, version)
@@ -225,7 +317,7 @@ class SimRolloutWorker(_Common):
                 s.generated += 1
                 (finished if s.generated >= s.out_len else still).append(s)
             self.running[agent] = still
-        await asyncio.sleep(cost)
+        await self.cpu.run(cost)
         now = loop.time()
         if finished:
             self.sink.span("rollout", self.index, t0, now, f"gen:{agent}")
@@ -247,8 +339,9 @@ class SimRolloutWorker(_Common):
 class SimTrainWorker(_Common):
     """One training slot process of the local runtime, in virtual time: one command at a time."""
 
-    def __init__(self, index: int, profile: LocalProfile, sink: Any) -> None:
-        super().__init__("train", index, profile, sink)
+    def __init__(self, index: int, profile: LocalProfile, sink: Any, cpu: CpuShare,
+                 parent: ParentProcess) -> None:
+        super().__init__("train", index, profile, sink, cpu, parent)
         self.lock = asyncio.Lock()  # FIFO: the pipe's order
         self.resident: str | None = None
         self.built: set[str] = set()
@@ -265,11 +358,13 @@ class SimTrainWorker(_Common):
         loop = asyncio.get_running_loop()
         if command == "stop":
             return None
+        self.calls += 1
+        await self.parent.work(self.profile.parent_per_train_call_s)
         await asyncio.sleep(self._ipc("ipc_call", bytes=self._payload_bytes(command, payload)))
         async with self.lock:
             t0 = loop.time()
             result, cost, reply_bytes, agent = self._run(command, payload)
-            await asyncio.sleep(cost)
+            await self.cpu.run(cost)
             self.sink.span("train", self.index, t0, loop.time(), f"{command}:{agent}")
         await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
         return result
@@ -328,6 +423,7 @@ class MirrorResult:
     steady_per_iteration_s: float
     real_s: float
     spans: list[Any]
+    train_calls: int = 0
 
 
 def per_iteration(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -352,9 +448,11 @@ def mirror_config(cfg: RunConfig, iterations: int | None = None,
 
 def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
-               virtual: bool = True) -> MirrorResult:
-    """Run the production orchestrator on the mirrored local runtime; `virtual=False` runs it
-    in real time (what the orchestrator itself costs, with zero-cost workers)."""
+               virtual: bool = True, cores: float | None = None,
+               external: float | None = None) -> MirrorResult:
+    """Run the production orchestrator on the mirrored local runtime. `cores` / `external`
+    override the profile's CPU count and other load (CPUs' worth of runnable work measured
+    when profiling, see `profile.measure_external_load`); `virtual=False` runs in real time."""
     from flexmarl.orchestrator.joint import JointOrchestrator
     from flexmarl.runtime.sim.clock import run_virtual
     from flexmarl.telemetry.recorder import Telemetry
@@ -367,19 +465,24 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     if len(local) != len(agents):
         raise ValueError("--profile-local: agents served by an external endpoint cannot be "
                          "profiled on this machine")
-    requests = 0
+    workers: list[_Common] = []
     spans: list[Any] = []
 
     async def main() -> list[dict[str, Any]]:
-        nonlocal requests
         loop = asyncio.get_running_loop()
         telemetry = Telemetry(None, clock=loop.time)
         telemetry.spans = spans
         max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
+        machine = profile.machine
+        cpu = CpuShare(cores or machine.get("cpus") or 1,
+                       machine.get("external_load", 0.0) if external is None else external,
+                       machine.get("external_load", 0.0))
+        parent = ParentProcess(cpu, profile)
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, cfg.rollout.max_batch_tokens,
-                                     telemetry) for i in range(rt.rollout_workers)]
-        tworkers = [SimTrainWorker(i, profile, telemetry)
+                                     telemetry, cpu, parent) for i in range(rt.rollout_workers)]
+        tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent)
                     for i in range(max(1, min(rt.train_workers, len(trainable))))]
+        workers.extend(rworkers + tworkers)
         costs = {a: float(approx_params(cfg.agents[a].model, task.vocab_size)) for a in local}
         balancer = Balancer(local, rt.rollout_workers, cfg.rollout.balance, costs)
         rollout = LocalRolloutPool(rworkers, balancer)  # type: ignore[arg-type]
@@ -395,14 +498,6 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                 for agent in trainable:
                     train.saved_state[agent] = await train.get_state(agent)
             orch = JointOrchestrator(cfg, task, rollout, train, telemetry)
-            original = rollout.generate
-
-            async def counted(request: GenerationRequest, priority: tuple) -> GenerationResult:
-                nonlocal requests
-                requests += 1
-                return await original(request, priority)
-
-            rollout.generate = counted  # type: ignore[method-assign]
             return await orch.run()
         finally:
             for w in rworkers:
@@ -413,4 +508,6 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     real = time.perf_counter() - started
     mean, steady = per_iteration(records)
     makespan = float(records[-1]["time_s"]) if records else 0.0
-    return MirrorResult(records, requests, makespan, mean, steady, real, spans)
+    requests = sum(w.calls for w in workers if w.pool == "rollout")
+    train_calls = sum(w.calls for w in workers if w.pool == "train")
+    return MirrorResult(records, requests, makespan, mean, steady, real, spans, train_calls)

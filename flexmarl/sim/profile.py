@@ -98,11 +98,11 @@ def fit_linear(terms: Sequence[str], xs: Sequence[dict[str, float]], ys: Sequenc
     return Fit(list(terms), out, rmse, len(ys))
 
 
-def constant(ys: Sequence[float]) -> Fit:
-    """A cost that does not depend on size: the median of its measurements."""
+def constant(ys: Sequence[float], how: str = "median") -> Fit:
+    """A cost that does not depend on size: the median (or `min`) of its measurements."""
     ys = list(ys)
-    med = float(statistics.median(ys))
-    return Fit(["1"], {"1": med}, float(np.std(ys)), len(ys))
+    value = float(min(ys) if how == "min" else statistics.median(ys))
+    return Fit(["1"], {"1": value}, float(np.std(ys)), len(ys))
 
 
 # --- the profile ----------------------------------------------------------------------------
@@ -125,6 +125,7 @@ class LocalProfile:
     parent_per_request_s: float = 0.0
     machine: dict[str, Any] = field(default_factory=dict)
     measured_s: float = 0.0
+    parent_per_train_call_s: float = 0.0
 
     def agent(self, name: str) -> AgentProfile:
         return self.agents[name]
@@ -137,6 +138,7 @@ class LocalProfile:
             "machine": self.machine,
             "measured_s": self.measured_s,
             "parent_per_request_s": self.parent_per_request_s,
+            "parent_per_train_call_s": self.parent_per_train_call_s,
             "ipc": {k: f.to_dict() for k, f in self.ipc.items()},
             "agents": {a: {"fits": {k: f.to_dict() for k, f in p.fits.items()},
                            "output_lengths": list(p.output_lengths),
@@ -159,7 +161,7 @@ class LocalProfile:
         return cls(d["config"], int(d["torch_threads"]), agents,
                    {k: Fit.from_dict(f) for k, f in d["ipc"].items()},
                    float(d.get("parent_per_request_s", 0.0)), dict(d.get("machine", {})),
-                   float(d.get("measured_s", 0.0)))
+                   float(d.get("measured_s", 0.0)), float(d.get("parent_per_train_call_s", 0.0)))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -181,15 +183,41 @@ def machine_info() -> dict[str, Any]:
             "loadavg": [round(x, 2) for x in load]}
 
 
+def _spin(seconds: float) -> float:
+    """Busy-loop for `seconds` of wall time; the CPU seconds this process got meanwhile."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    x = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10_000):
+            x += 1
+    return time.process_time() - c0
+
+
+def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> float:
+    """How many CPUs' worth of other work is runnable on this machine right now: `cpus` spinning
+    processes get `capacity` CPU-seconds per second between them; under processor sharing with
+    E other runnable tasks, capacity = cpus * cpus / (cpus + E)."""
+    import multiprocessing as mp
+
+    cpus = cpus or os.cpu_count() or 1
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(cpus) as pool:
+        pool.map(_spin, [0.05] * cpus)  # the children are up
+        got = pool.map(_spin, [seconds] * cpus)
+    capacity = max(1e-6, sum(got) / seconds)
+    return max(0.0, cpus * cpus / capacity - cpus)
+
+
 # --- measurement helpers ----------------------------------------------------------------------
-def _timed(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Median wall time of `fn` over `reps` runs (after the caller's warm-up)."""
+def _timed(fn: Callable[[], Any], reps: int = 5) -> float:
+    """Shortest wall time of `fn` over `reps` runs (after the caller's warm-up): on a shared
+    machine, preemption only ever adds time, so the minimum is the steadiest estimate."""
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return float(statistics.median(out))
+    return min(out)
 
 
 def _grid(upper: int, points: Sequence[int]) -> list[int]:
@@ -197,7 +225,7 @@ def _grid(upper: int, points: Sequence[int]) -> list[int]:
 
 
 def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
-                   reps: int = 3) -> dict[str, Fit]:
+                   reps: int = 5) -> dict[str, Fit]:
     """Prefill and decode of one model through the real continuous batcher."""
     from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.rollout.engine import HFEngine
@@ -227,15 +255,16 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
                 times.append(time.perf_counter() - t0)
                 engine.reset()
             px.append({"seqs": n, "tokens": n * w})
-            py.append(float(statistics.median(times)))
+            py.append(min(times))
             engine.admit(requests(n, w))
-            for s in range(reps + 1):
+            engine.step()  # the first step after admission: not a steady one
+            steps = []
+            for _ in range(reps):
                 t0 = time.perf_counter()
                 engine.step()
-                took = time.perf_counter() - t0
-                if s:  # the first step after admission pays the merge; skip it
-                    dx.append({"seqs": n, "tokens": n * (w + s + 1)})
-                    dy.append(took)
+                steps.append(time.perf_counter() - t0)
+            dx.append({"seqs": n, "tokens": n * (w + 2 + reps / 2)})
+            dy.append(min(steps))
             engine.reset()
     return {"prefill": fit_linear(["1", "seqs", "tokens"], px, py),
             "decode": fit_linear(["1", "seqs", "tokens"], dx, dy)}
@@ -255,7 +284,7 @@ def _samples(n: int, prompt: int, response: int, vocab: int, version: int, tag: 
 
 def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                     prompt_len: int, response_len: int, allowed: list[int] | None,
-                    reps: int = 3) -> dict[str, Fit]:
+                    reps: int = 5) -> dict[str, Fit]:
     """accumulate / step / weights / swap / get_state of one agent's real trainer."""
     from flexmarl.runtime.local.workers import publish_form, state_to_numpy
     from flexmarl.training.slots import TrainSlot
@@ -285,7 +314,7 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                 trainer.accumulate(batch)
                 times.append(time.perf_counter() - t0)
             ax.append({"rows": rows, "tokens": rows * (p + r)})
-            ay.append(float(statistics.median(times)))
+            ay.append(min(times))
             t0 = time.perf_counter()
             trainer.step()
             publish_form(trainer.weights(), agent, trainer.version)
@@ -304,11 +333,11 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
         slot, spare = spare, slot
     return {
         "accumulate": fit_linear(["1", "rows", "tokens"], ax, ay),
-        "step": constant(steps),
+        "step": constant(steps, "min"),
         "weights": constant([weights_s]),
         "get_state": constant([state_s]),
-        "swap_out": constant(outs),
-        "swap_in": constant(ins),
+        "swap_out": constant(outs, "min"),
+        "swap_in": constant(ins, "min"),
         "build": constant([build_s]),
     }
 
@@ -324,7 +353,7 @@ def _swap_out(slot: Any, agent: str) -> tuple[str | None, Any, dict[str, float]]
     return agent, out_state, {"swap_out_s": time.perf_counter() - t0}
 
 
-def profile_load_weights(model: Any, agent: str, reps: int = 3) -> Fit:
+def profile_load_weights(model: Any, agent: str, reps: int = 5) -> Fit:
     from flexmarl.policy.model import weights_of
     from flexmarl.rollout.engine import HFEngine
     from flexmarl.runtime.local.workers import from_numpy, publish_form
@@ -336,10 +365,12 @@ def profile_load_weights(model: Any, agent: str, reps: int = 3) -> Fit:
 
 # --- message round trips through the real WorkerProxy ------------------------------------------
 def echo_worker_main(conn: Any, spec: Any) -> None:
-    """Speaks the local workers' protocol and answers at once: generate requests with results of
-    their `max_new_tokens` tokens, any other command with a small value."""
+    """Speaks the local workers' protocol and answers every command at once: generate requests
+    with `max_new_tokens` tokens (the first allowed token), published weights as a blob of
+    `spec` bytes (the real wire form's size), the rest with what a real worker returns."""
     from flexmarl.policy.sampling import GenerationResult
 
+    blob = bytes(int(spec or 0))
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
@@ -347,13 +378,26 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
             conn.send((msg_id, True, None, []))
             return
         if command == "generate":
-            replies = [(sub_id, True, GenerationResult(r.sample_id, [5] * r.max_new_tokens,
-                                                       [-1.0] * r.max_new_tokens, r.version,
-                                                       admitted_at=time.time()))
-                       for sub_id, r, _ in payload]
+            replies = []
+            for sub_id, r, _ in payload:
+                tok = (r.allowed_tokens or [5])[0]
+                replies.append((sub_id, True, GenerationResult(
+                    r.sample_id, [tok] * r.max_new_tokens, [-1.0] * r.max_new_tokens, r.version,
+                    admitted_at=time.time())))
             conn.send((-2, True, replies, []))
-        else:
-            conn.send((msg_id, True, 0, []))
+            continue
+        result: Any = 0
+        if command == "bind":
+            result = (None, None, {})
+        elif command == "accumulate":
+            result = {"rows": float(len(payload[1]))} if payload else {}
+        elif command == "step":
+            result = ({}, blob)
+        elif command == "weights":
+            result = blob
+        elif command == "get_state":
+            result = ({}, {"version": 0})
+        conn.send((msg_id, True, result, []))
 
 
 async def _ipc_measure(samples_of: Callable[[int], list[Any]], wire: Any,
@@ -366,27 +410,25 @@ async def _ipc_measure(samples_of: Callable[[int], list[Any]], wire: Any,
     try:
         gx, gy = [], []
         for n in [1, 4, 16, 64]:
+            times = []
             for _ in range(reps):
                 reqs = [GenerationRequest(f"e{i}", "a", 0, [3] * 8, 4) for i in range(n)]
                 t0 = time.perf_counter()
                 await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
-                gx.append({"requests": n})
-                gy.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
+            gx.append({"requests": n})
+            gy.append(min(times))
         cx, cy = [], []
-        for rows in [0, 4, 16, 64]:
-            payload = samples_of(rows) if rows else None
+        payloads = [samples_of(rows) if rows else None for rows in [0, 4, 16, 64]]
+        for command, payload in [("accumulate", p) for p in payloads] + [("load_weights", wire)]:
             nbytes = len(pickle.dumps(payload))
+            times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                await proxy.call("accumulate", payload)
-                cx.append({"bytes": nbytes})
-                cy.append(time.perf_counter() - t0)
-        nbytes = len(pickle.dumps(wire))
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            await proxy.call("load_weights", wire)
+                await proxy.call(command, payload)
+                times.append(time.perf_counter() - t0)
             cx.append({"bytes": nbytes})
-            cy.append(time.perf_counter() - t0)
+            cy.append(min(times))
     finally:
         await proxy.stop()
     return {"ipc_generate": fit_linear(["1", "requests"], gx, gy),
@@ -487,7 +529,7 @@ def measure_lengths(cfg: Any, task: Any, models: dict[str, Any]
 
 
 # --- the profiler ----------------------------------------------------------------------------
-def profile_local(cfg: Any, task: Any, *, reps: int = 3, ipc: bool = True,
+def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
                   parent: bool = True, log: Callable[[str], None] | None = None) -> LocalProfile:
     """Measure `cfg`'s agents on this machine (see the module docstring)."""
     import torch
@@ -497,6 +539,8 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 3, ipc: bool = True,
 
     log = log or (lambda s: None)
     started = time.perf_counter()
+    log("machine load: other runnable work, in CPUs")
+    external = measure_external_load()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.runtime.torch_threads)
     try:
@@ -537,25 +581,90 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 3, ipc: bool = True,
             wire = publish_form(weights_of(models[first]), first, 1)
             ipc_fits = asyncio.run(_ipc_measure(
                 lambda n: (first, _samples(n, p, o, vocab, 0, "ipc", None)), wire, reps))
-        parent_s = 0.0
+        parent_s = (0.0, 0.0)
         if parent:
-            log("orchestrator overhead per request (zero-cost pools, real time)")
+            log("orchestrator overhead per request and training call (zero-cost workers, "
+                "real time)")
             parent_s = measure_parent_overhead(cfg, task, agents)
     finally:
         torch.set_num_threads(threads)
-    return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s,
-                        machine_info(), time.perf_counter() - started)
+    machine = machine_info()
+    machine["external_load"] = external
+    return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
+                        machine, time.perf_counter() - started, parent_s[1])
 
 
-def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]) -> float:
-    """Wall seconds per generate request of the production orchestrator and pools with every
-    worker answering at no cost: the parent's own CPU time, which virtual time leaves out."""
-    from flexmarl.sim.local_mirror import run_mirror
+def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]
+                            ) -> tuple[float, float]:
+    """The parent's own CPU time, which virtual time leaves out: the production orchestrator and
+    pools (`LocalRolloutPool`, `LocalTrainPool`, `WorkerProxy` with its reader and sender
+    threads) run one sync iteration in real time against spawned echo workers that answer at
+    once (`echo_worker_main`). Returns this process's CPU seconds per generate request (the
+    rollout phase) and per training command (the rest); message latency is not in it (the
+    `ipc_*` fits), nor the echo workers' own time."""
+    return asyncio.run(_parent_measure(cfg, task, agents))
 
-    zero = LocalProfile(cfg.name, cfg.runtime.torch_threads,
-                        {a: AgentProfile({}, p.output_lengths, p.prompt_lengths, p.stops,
-                                         p.weights_bytes)
-                         for a, p in agents.items()}, {}, 0.0)
-    t0 = time.perf_counter()
-    res = run_mirror(cfg, task, zero, iterations=1, virtual=False)
-    return (time.perf_counter() - t0) / max(1, res.requests)
+
+async def _parent_measure(cfg: Any, task: Any, agents: dict[str, AgentProfile]
+                          ) -> tuple[float, float]:
+    from flexmarl.orchestrator.joint import JointOrchestrator
+    from flexmarl.rollout.balancer import Balancer
+    from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, WorkerProxy
+    from flexmarl.sim.local_mirror import mirror_config
+    from flexmarl.telemetry.recorder import Telemetry
+
+    rt = cfg.runtime
+    trainable = [a for a in cfg.agents if cfg.agents[a].trainable]
+    nbytes = max((p.weights_bytes for p in agents.values()), default=0)
+    sink = _NullSpans()
+    rollout_w = [WorkerProxy("rollout", i, echo_worker_main, nbytes, sink)
+                 for i in range(rt.rollout_workers)]
+    train_w = [WorkerProxy("train", i, echo_worker_main, nbytes, sink)
+               for i in range(max(1, min(rt.train_workers, len(trainable))))]
+    counts = {"requests": 0, "calls": 0}
+    for w in train_w:
+        call = w.call
+
+        async def counted(command: str, payload: Any, call: Any = call) -> Any:
+            counts["calls"] += 1
+            return await call(command, payload)
+
+        w.call = counted  # type: ignore[method-assign]
+    await asyncio.gather(*(w.start() for w in rollout_w + train_w))
+    try:
+        best = (float("inf"), float("inf"))
+        one = mirror_config(cfg, 1, "sync")
+        for _ in range(3):  # the quietest of three runs
+            balancer = Balancer(list(cfg.agents), rt.rollout_workers, cfg.rollout.balance)
+            rollout = LocalRolloutPool(rollout_w, balancer)
+            train = LocalTrainPool(train_w)
+            counts.update(requests=0, calls=0)
+            generate = rollout.generate
+
+            async def gen(request: Any, priority: tuple, generate: Any = generate) -> Any:
+                counts["requests"] += 1
+                return await generate(request, priority)
+
+            rollout.generate = gen  # type: ignore[method-assign]
+            marks: list[float] = []
+            end = rollout.end_iteration
+
+            def ended(k: int, stats: Any, end: Any = end, marks: list = marks) -> Any:
+                marks.append(time.process_time())
+                return end(k, stats)
+
+            rollout.end_iteration = ended  # type: ignore[method-assign]
+            orch = JointOrchestrator(one, task, rollout, train, Telemetry(None))
+            # version 0 is published before the rollout: count it with the training calls
+            counts.update(calls=0)
+            t0 = time.process_time()  # this process's CPU time, all its threads
+            await orch.run()
+            t1 = time.process_time()
+            roll_cpu = marks[0] - t0 if marks else 0.0
+            per_request = roll_cpu / max(1, counts["requests"])
+            per_call = max(0.0, t1 - t0 - roll_cpu) / max(1, counts["calls"])
+            if per_request + per_call < sum(best):
+                best = (per_request, per_call)
+    finally:
+        await asyncio.gather(*(w.stop() for w in rollout_w + train_w), return_exceptions=True)
+    return best
