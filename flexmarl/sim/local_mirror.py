@@ -317,6 +317,10 @@ class SimRolloutWorker(_Common):
                 s.generated += 1
                 (finished if s.generated >= s.out_len else still).append(s)
             self.running[agent] = still
+        if finished or new:  # the loop's own work: the newcomers' messages, the replies
+            over = p.fits.get("replica_overhead") if p is not None else None
+            if over is not None:
+                cost += max(0.0, over(requests=len(new)))
         await self.cpu.run(cost)
         now = loop.time()
         if finished:

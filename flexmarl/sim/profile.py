@@ -35,6 +35,7 @@ The profile is JSON (`LocalProfile.save` / `load`), written next to the run.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import pickle
@@ -183,27 +184,34 @@ def machine_info() -> dict[str, Any]:
             "loadavg": [round(x, 2) for x in load]}
 
 
-def _spin(seconds: float) -> float:
-    """Busy-loop for `seconds` of wall time; the CPU seconds this process got meanwhile."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    x = 0
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(10_000):
-            x += 1
-    return time.process_time() - c0
+_SPIN = """
+import sys, time
+seconds = float(sys.argv[1])
+start = float(sys.argv[2])
+while time.time() < start:
+    time.sleep(0.001)
+c0, t0 = time.process_time(), time.perf_counter()
+x = 0
+while time.perf_counter() - t0 < seconds:
+    for _ in range(10000):
+        x += 1
+print(time.process_time() - c0)
+"""
 
 
 def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> float:
     """How many CPUs' worth of other work is runnable on this machine right now: `cpus` spinning
-    processes get `capacity` CPU-seconds per second between them; under processor sharing with
-    E other runnable tasks, capacity = cpus * cpus / (cpus + E)."""
-    import multiprocessing as mp
+    processes (plain interpreters, started together) get `capacity` CPU-seconds per second
+    between them; under processor sharing with E other runnable tasks,
+    capacity = cpus * cpus / (cpus + E)."""
+    import subprocess
+    import sys
 
     cpus = cpus or os.cpu_count() or 1
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(cpus) as pool:
-        pool.map(_spin, [0.05] * cpus)  # the children are up
-        got = pool.map(_spin, [seconds] * cpus)
+    start = time.time() + 0.3
+    procs = [subprocess.Popen([sys.executable, "-S", "-c", _SPIN, str(seconds), str(start)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(cpus)]
+    got = [float(p.communicate()[0].strip() or 0.0) for p in procs]
     capacity = max(1e-6, sum(got) / seconds)
     return max(0.0, cpus * cpus / capacity - cpus)
 
@@ -440,6 +448,62 @@ class _NullSpans:
         pass
 
 
+class _Spans:
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+
+    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
+        self.spans.append((start, end))
+
+
+async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                           allowed: dict[str, list[int] | None], reps: int) -> Fit:
+    """A real rollout replica process (`rollout_worker_main`, the config's models) serving
+    batches of requests: its busy time (the spans it reports) beyond what the engine fits
+    predict is the worker loop's own work (messages, queues, replies), per reply and per
+    request."""
+    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.runtime.local.runtime import WorkerProxy
+    from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main
+
+    rt = cfg.runtime
+    names = list(agents)
+    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
+                      rt.deterministic, cfg.rollout.max_batch_seqs,
+                      heartbeat_s=rt.heartbeat_interval_s)
+    sink = _Spans()
+    proxy = WorkerProxy("rollout", 0, rollout_worker_main, spec, sink)
+    await proxy.start()
+    rng = np.random.default_rng(1)
+    ids = itertools.count()
+    xs, ys = [], []
+    max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
+    try:
+        for agent in names:
+            prof = agents[agent]
+            p = max(1, round(statistics.median(prof.prompt_lengths or [8])))
+            out = max(1, round(statistics.median(prof.output_lengths or [1])))
+            for n in _grid(max_seqs, [1, 8, max_seqs]):
+                best = float("inf")
+                for _ in range(reps + 1):
+                    reqs = [GenerationRequest(f"r{next(ids)}", agent, 0,
+                                              rng.integers(3, vocab, size=p).tolist(), out,
+                                              allowed.get(agent)) for _ in range(n)]
+                    sink.spans.clear()
+                    await asyncio.gather(*(proxy.submit(r, (0, i, 0))
+                                           for i, r in enumerate(reqs)))
+                    busy = sum(e - s for s, e in sink.spans)
+                    best = min(best, busy)
+                fits = prof.fits
+                engine = fits["prefill"](seqs=n, tokens=n * p) + sum(
+                    fits["decode"](seqs=n, tokens=n * (p + t + 1)) for t in range(1, out))
+                xs.append({"requests": n})
+                ys.append(max(0.0, best - engine))
+    finally:
+        await proxy.stop()
+    return fit_linear(["1", "requests"], xs, ys)
+
+
 # --- lengths from a short real rollout --------------------------------------------------------
 class _InProcessRollout:
     """The config's models behind one in-process continuous batch each (the real engine); used
@@ -581,6 +645,10 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
             wire = publish_form(weights_of(models[first]), first, 1)
             ipc_fits = asyncio.run(_ipc_measure(
                 lambda n: (first, _samples(n, p, o, vocab, 0, "ipc", None)), wire, reps))
+            log("a real rollout replica: the worker loop's own work")
+            replica = asyncio.run(_replica_measure(cfg, vocab, max_len, agents, allowed, reps))
+            for prof in agents.values():
+                prof.fits["replica_overhead"] = replica
         parent_s = (0.0, 0.0)
         if parent:
             log("orchestrator overhead per request and training call (zero-cost workers, "
@@ -668,3 +736,62 @@ async def _parent_measure(cfg: Any, task: Any, agents: dict[str, AgentProfile]
     finally:
         await asyncio.gather(*(w.stop() for w in rollout_w + train_w), return_exceptions=True)
     return best
+
+
+# --- the profile behind the simulator's CostModel interface ------------------------------------
+class ProfiledCostModel:
+    """`sim.cost.CostModel`'s interface backed by a `LocalProfile`, for `SimRuntime(wl, features,
+    cost=ProfiledCostModel(profile))`: a workload model's `name` is the profiled agent's name.
+    Durations are this machine's (one CPU process per replica / slot: `tp` and `n_accel` must be
+    1), so a sim workload built from a local config can be timed with measured costs. The
+    calibration itself runs on `sim.local_mirror`, which also mirrors the local runtime's
+    worker layout and message costs."""
+
+    def __init__(self, profile: LocalProfile, max_num_seqs: int = 64) -> None:
+        self.profile = profile
+        self.max_num_seqs = max_num_seqs
+
+    def _fits(self, model: Any) -> dict[str, Fit]:
+        try:
+            return self.profile.agents[model.name].fits
+        except KeyError:
+            raise KeyError(f"profile {self.profile.config!r} has no agent {model.name!r} "
+                           f"(profiled: {', '.join(self.profile.agents)})") from None
+
+    def _get(self, model: Any, name: str, **x: float) -> float:
+        fit = self._fits(model).get(name)
+        return max(0.0, fit(**x)) if fit is not None else 0.0
+
+    def prefill_time(self, model: Any, tp: int, prompt_tokens: float) -> float:
+        return self._get(model, "prefill", seqs=1, tokens=prompt_tokens)
+
+    def decode_step_time(self, model: Any, tp: int, batch: int, kv_tokens: float) -> float:
+        return self._get(model, "decode", seqs=batch, tokens=kv_tokens + batch)
+
+    def train_compute_time(self, model: Any, n_accel: int, tokens: float) -> float:
+        mb = max(1, round(tokens / max(1, self._mean_tokens(model))))
+        return self._get(model, "accumulate", rows=mb, tokens=tokens)
+
+    def _mean_tokens(self, model: Any) -> float:
+        p = self.profile.agents[model.name]
+        prompts = p.prompt_lengths or [1]
+        outs = p.output_lengths or [1]
+        return statistics.mean(prompts) + statistics.mean(outs)
+
+    def optimizer_step_time(self, model: Any, n_accel: int) -> float:
+        return self._get(model, "step")
+
+    def weight_transfer_time(self, model: Any, *, inter_node: bool, links: int = 1) -> float:
+        return self._get(model, "load_weights")
+
+    def min_train_accelerators(self, model: Any) -> int:
+        return 1
+
+    def engine_sleep_time(self, model: Any, tp: int, *, kv_bytes: float = 0.0) -> float:
+        return 0.0
+
+    def engine_wake_time(self, model: Any, tp: int, *, kv_bytes: float = 0.0) -> float:
+        return 0.0
+
+    def train_state_swap_time(self, model: Any, n_accel: int) -> float:
+        return self._get(model, "swap_out") + self._get(model, "swap_in")
