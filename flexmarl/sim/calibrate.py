@@ -70,7 +70,7 @@ def run_real(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], float]:
 def calibrate(config: str | Path, overrides: list[str] | None = None, iterations: int = 5,
               out: str | Path | None = None, profile: str | Path | None = None,
               modes: tuple[str, ...] = ("sync", "async"),
-              log: Any = print) -> list[CalibrationRow]:
+              log: Any = print, reps: int = 5) -> list[CalibrationRow]:
     from flexmarl.orchestrator.run import prepare
 
     cfg = load_config(config, overrides)
@@ -85,7 +85,7 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
     else:
         log(f"profiling {cfg.name} on this machine (torch_threads={cfg.runtime.torch_threads})")
         t0 = time.perf_counter()
-        prof = profile_local(cfg, task, log=lambda s: log(f"  {s}"))
+        prof = profile_local(cfg, task, reps=reps, log=lambda s: log(f"  {s}"))
         log(f"profile: {prof.save(out / 'profile.json')} ({time.perf_counter() - t0:.1f} s)")
     rows: list[CalibrationRow] = []
     sims: dict[str, MirrorResult] = {}
