@@ -40,8 +40,7 @@ class CalibrationRow:
     measured_steady_s: float  # iterations after the first
     simulated_steady_s: float
     real_wall_s: float  # the real run's wall time, worker start-up included
-    external_load: float = 0.0  # other runnable work (CPUs) measured just before the real run
-    simulated_at_profile_load_s: float = 0.0  # the same simulation at the profile's load
+    external_load: float = 0.0  # other runnable work (CPUs) measured around the real run
 
     @property
     def error(self) -> float:
@@ -56,8 +55,7 @@ class CalibrationRow:
                 "simulated_s_per_iteration": self.simulated_s, "error": self.error,
                 "within_25pct": self.within, "measured_steady_s": self.measured_steady_s,
                 "simulated_steady_s": self.simulated_steady_s, "real_wall_s": self.real_wall_s,
-                "external_load": self.external_load,
-                "simulated_at_profile_load_s": self.simulated_at_profile_load_s}
+                "external_load": self.external_load}
 
 
 def run_real(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], float]:
@@ -98,14 +96,12 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         records, wall = run_real(mcfg, out / f"real-{mode}")
         external = (external + measure_external_load()) / 2  # before and after the run
         loads[f"after_{mode}"] = machine_info()["loadavg"]
-        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode, external=external)
-        at_profile = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
+        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
         sims[mode] = sim
         mean, steady = per_iteration(records)
         rows.append(CalibrationRow(mode, mean, sim.per_iteration_s, steady,
-                                   sim.steady_per_iteration_s, wall, external,
-                                   at_profile.per_iteration_s))
-    print_table(cfg.name, rows, iterations, loads)
+                                   sim.steady_per_iteration_s, wall, external))
+    print_table(cfg.name, rows, iterations, loads, prof.machine.get("external_load", 0.0))
     (out / "calibration.json").write_text(json.dumps({
         "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
         "machine": machine_info(), "loadavg": loads, "profile": str(out / "profile.json"),
@@ -117,7 +113,7 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
 
 
 def print_table(name: str, rows: list[CalibrationRow], iterations: int,
-                loads: dict[str, Any]) -> None:
+                loads: dict[str, Any], profile_load: float = 0.0) -> None:
     print(f"calibration of {name}: {iterations} iterations on this machine "
           f"({os.cpu_count()} CPUs, load average {loads})")
     print(f"{'mode':<7}{'measured s/it':>15}{'simulated s/it':>16}{'error':>9}"
@@ -127,6 +123,6 @@ def print_table(name: str, rows: list[CalibrationRow], iterations: int,
               f"{'yes' if r.within else 'NO':>12}{r.external_load:>12.2f}"
               f"   {r.measured_steady_s:.3f} / {r.simulated_steady_s:.3f}")
     print("(s/it = makespan / iterations, from the runs' time_s; steady leaves out the first "
-          "iteration; other load = CPUs' worth of other runnable work measured around the real "
-          "run, which the simulation shares the CPUs with; the error is reported, not "
+          "iteration; other load = CPUs' worth of other users' runnable work measured around "
+          f"the real run (the profile saw {profile_load:.1f}); the error is reported, not "
           "enforced)")

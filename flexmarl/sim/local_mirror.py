@@ -19,7 +19,8 @@ The orchestrator's own CPU time (`parent_per_request_s` per generate request,
 `parent_per_train_call_s` per training command) is work of a serial parent process. All
 processes' work shares the machine's CPUs (`CpuShare`, processor sharing on
 `profile.machine["cpus"]` cores): on a 2-core machine, a replica, a training slot and the
-parent busy at once each run at 2/3 speed. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
+parent busy at once each run at 2/3 speed. Other users' load is in the profiled (median)
+costs, as measured. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
 config's. The task is the real one: prompts come from its prompt builders, and outputs are
 tokens drawn from each request's allowed tokens with the profile's lengths.
 """
@@ -454,9 +455,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
                virtual: bool = True, cores: float | None = None,
                external: float | None = None) -> MirrorResult:
-    """Run the production orchestrator on the mirrored local runtime. `cores` / `external`
-    override the profile's CPU count and other load (CPUs' worth of runnable work measured
-    when profiling, see `profile.measure_external_load`); `virtual=False` runs in real time."""
+    """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
+    profile's CPU count; `external` adds CPUs' worth of other runnable work beyond what the
+    profile saw (see `profile.measure_external_load`); `virtual=False` runs in real time."""
     from flexmarl.orchestrator.joint import JointOrchestrator
     from flexmarl.runtime.sim.clock import run_virtual
     from flexmarl.telemetry.recorder import Telemetry
@@ -478,9 +479,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         telemetry.spans = spans
         max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
         machine = profile.machine
-        cpu = CpuShare(cores or machine.get("cpus") or 1,
-                       machine.get("external_load", 0.0) if external is None else external,
-                       machine.get("external_load", 0.0))
+        # the profiled costs are typical costs at the profile's load (medians): other load is
+        # already in them, so by default only this run's own processes share the CPUs
+        cpu = CpuShare(cores or machine.get("cpus") or 1, external or 0.0)
         parent = ParentProcess(cpu, profile)
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, cfg.rollout.max_batch_tokens,
                                      telemetry, cpu, parent) for i in range(rt.rollout_workers)]

@@ -217,15 +217,23 @@ def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> floa
 
 
 # --- measurement helpers ----------------------------------------------------------------------
+# How repeated timings of one point are summarised: the median is the typical cost at the
+# machine's current load (what a run sees next to the same load); "min" the least-disturbed one.
+STATISTIC = "median"
+
+
+def _stat(xs: Sequence[float]) -> float:
+    return float(min(xs) if STATISTIC == "min" else statistics.median(xs))
+
+
 def _timed(fn: Callable[[], Any], reps: int = 5) -> float:
-    """Shortest wall time of `fn` over `reps` runs (after the caller's warm-up): on a shared
-    machine, preemption only ever adds time, so the minimum is the steadiest estimate."""
+    """`_stat` of the wall times of `fn` over `reps` runs (after the caller's warm-up)."""
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return min(out)
+    return _stat(out)
 
 
 def _grid(upper: int, points: Sequence[int]) -> list[int]:
@@ -263,7 +271,7 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
                 times.append(time.perf_counter() - t0)
                 engine.reset()
             px.append({"seqs": n, "tokens": n * w})
-            py.append(min(times))
+            py.append(_stat(times))
             engine.admit(requests(n, w))
             engine.step()  # the first step after admission: not a steady one
             steps = []
@@ -272,7 +280,7 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
                 engine.step()
                 steps.append(time.perf_counter() - t0)
             dx.append({"seqs": n, "tokens": n * (w + 2 + reps / 2)})
-            dy.append(min(steps))
+            dy.append(_stat(steps))
             engine.reset()
     return {"prefill": fit_linear(["1", "seqs", "tokens"], px, py),
             "decode": fit_linear(["1", "seqs", "tokens"], dx, dy)}
@@ -322,7 +330,7 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                 trainer.accumulate(batch)
                 times.append(time.perf_counter() - t0)
             ax.append({"rows": rows, "tokens": rows * (p + r)})
-            ay.append(min(times))
+            ay.append(_stat(times))
             t0 = time.perf_counter()
             trainer.step()
             publish_form(trainer.weights(), agent, trainer.version)
@@ -341,11 +349,11 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
         slot, spare = spare, slot
     return {
         "accumulate": fit_linear(["1", "rows", "tokens"], ax, ay),
-        "step": constant(steps, "min"),
+        "step": constant(steps, STATISTIC),
         "weights": constant([weights_s]),
         "get_state": constant([state_s]),
-        "swap_out": constant(outs, "min"),
-        "swap_in": constant(ins, "min"),
+        "swap_out": constant(outs, STATISTIC),
+        "swap_in": constant(ins, STATISTIC),
         "build": constant([build_s]),
     }
 
@@ -425,7 +433,7 @@ async def _ipc_measure(samples_of: Callable[[int], list[Any]], wire: Any,
                 await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
                 times.append(time.perf_counter() - t0)
             gx.append({"requests": n})
-            gy.append(min(times))
+            gy.append(_stat(times))
         cx, cy = [], []
         payloads = [samples_of(rows) if rows else None for rows in [0, 4, 16, 64]]
         for command, payload in [("accumulate", p) for p in payloads] + [("load_weights", wire)]:
@@ -436,7 +444,7 @@ async def _ipc_measure(samples_of: Callable[[int], list[Any]], wire: Any,
                 await proxy.call(command, payload)
                 times.append(time.perf_counter() - t0)
             cx.append({"bytes": nbytes})
-            cy.append(min(times))
+            cy.append(_stat(times))
     finally:
         await proxy.stop()
     return {"ipc_generate": fit_linear(["1", "requests"], gx, gy),
@@ -484,7 +492,7 @@ async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str,
             p = max(1, round(statistics.median(prof.prompt_lengths or [8])))
             out = max(1, round(statistics.median(prof.output_lengths or [1])))
             for n in _grid(max_seqs, [1, 8, max_seqs]):
-                best = float("inf")
+                busy_times = []
                 for _ in range(reps + 1):
                     reqs = [GenerationRequest(f"r{next(ids)}", agent, 0,
                                               rng.integers(3, vocab, size=p).tolist(), out,
@@ -492,8 +500,8 @@ async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str,
                     sink.spans.clear()
                     await asyncio.gather(*(proxy.submit(r, (0, i, 0))
                                            for i, r in enumerate(reqs)))
-                    busy = sum(e - s for s, e in sink.spans)
-                    best = min(best, busy)
+                    busy_times.append(sum(e - s for s, e in sink.spans))
+                best = _stat(busy_times[1:])  # the first batch warms the replica up
                 fits = prof.fits
                 engine = fits["prefill"](seqs=n, tokens=n * p) + sum(
                     fits["decode"](seqs=n, tokens=n * (p + t + 1)) for t in range(1, out))
