@@ -84,6 +84,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    if args.profile_local:
+        from flexmarl.sim.calibrate import calibrate
+
+        calibrate(args.workload, args.set, iterations=args.iterations or 5, out=args.out,
+                  profile=args.profile)
+        return 0
     from flexmarl.sim.simulate import simulate
     from flexmarl.sim.workload import WorkloadError
 
@@ -127,13 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_bench)
     m = sub.add_parser("simulate", help="the real orchestrator on a simulated cluster, with "
                                          "baselines side by side")
-    m.add_argument("workload", help="workload YAML (see examples/sim/)")
+    m.add_argument("workload", help="workload YAML (see examples/sim/); with --profile-local, a "
+                                    "run config (e.g. examples/relay_chain.yaml)")
     m.add_argument("--baseline", action="append", default=[],
                    help="system to compare (marti-like, sync-disaggregated, flexmarl-sync, "
                         "flexmarl-static-balance, flexmarl-static-alloc); repeatable")
     m.add_argument("--iterations", type=int, default=None)
     m.add_argument("--out", default=None)
     m.add_argument("--no-pictures", action="store_true")
+    m.add_argument("--profile-local", action="store_true",
+                   help="calibration: profile this machine for the run config, run it for real "
+                        "(sync and async, --iterations, default 5) and simulate it; prints "
+                        "measured vs simulated s/iteration")
+    m.add_argument("--profile", metavar="JSON", help="with --profile-local: reuse this profile")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --profile-local: override a config field")
     m.set_defaults(fn=_simulate)
     s = sub.add_parser("serve-model", help="serve a checkpoint on an OpenAI-compatible "
                                             "/v1/completions endpoint (token ids, log-probs)")

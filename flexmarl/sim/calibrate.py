@@ -1,0 +1,128 @@
+"""`flexmarl simulate --profile-local CONFIG`: the simulator against this machine.
+
+1. profile the config's agents on this machine (`sim.profile`; the profile JSON is written to
+   OUT/profile.json, and `--profile FILE` reuses one);
+2. run the real config on the local runtime for N iterations, `pipeline.mode=sync` and then
+   `async` (OUT/real-sync, OUT/real-async: the usual run folders);
+3. simulate the same config, both modes, on the mirrored local runtime (`sim.local_mirror`);
+4. print measured vs simulated seconds per iteration (makespan / N, from the runs' `time_s`)
+   and the relative error, and write OUT/calibration.json.
+
+The error is reported, not enforced: timing on a shared machine is noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flexmarl.config.schema import RunConfig, load_config
+from flexmarl.sim.local_mirror import MirrorResult, mirror_config, per_iteration, run_mirror
+from flexmarl.sim.profile import (
+    LocalProfile,
+    machine_info,
+    measure_external_load,
+    profile_local,
+)
+
+TOLERANCE = 0.25  # issue 6, item 6: within 25% of the measured local makespan
+
+
+@dataclass
+class CalibrationRow:
+    mode: str
+    measured_s: float  # seconds per iteration, whole run (makespan / N)
+    simulated_s: float
+    measured_steady_s: float  # iterations after the first
+    simulated_steady_s: float
+    real_wall_s: float  # the real run's wall time, worker start-up included
+    external_load: float = 0.0  # other runnable work (CPUs) measured around the real run
+
+    @property
+    def error(self) -> float:
+        return (self.simulated_s - self.measured_s) / self.measured_s if self.measured_s else 0.0
+
+    @property
+    def within(self) -> bool:
+        return abs(self.error) <= TOLERANCE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "measured_s_per_iteration": self.measured_s,
+                "simulated_s_per_iteration": self.simulated_s, "error": self.error,
+                "within_25pct": self.within, "measured_steady_s": self.measured_steady_s,
+                "simulated_steady_s": self.simulated_steady_s, "real_wall_s": self.real_wall_s,
+                "external_load": self.external_load}
+
+
+def run_real(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], float]:
+    from flexmarl.orchestrator.run import train
+
+    result = train(cfg, out)
+    return result.records, result.wall_s
+
+
+def calibrate(config: str | Path, overrides: list[str] | None = None, iterations: int = 5,
+              out: str | Path | None = None, profile: str | Path | None = None,
+              modes: tuple[str, ...] = ("sync", "async"),
+              log: Any = print, reps: int = 5) -> list[CalibrationRow]:
+    from flexmarl.orchestrator.run import prepare
+
+    cfg = load_config(config, overrides)
+    if cfg.runtime.kind != "local":
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
+    task = prepare(cfg)
+    out = Path(out or Path("runs") / "calibrate" / cfg.name)
+    out.mkdir(parents=True, exist_ok=True)
+    if profile is not None:
+        prof = LocalProfile.load(profile)
+        log(f"profile: {profile} (reused)")
+    else:
+        log(f"profiling {cfg.name} on this machine (torch_threads={cfg.runtime.torch_threads})")
+        t0 = time.perf_counter()
+        prof = profile_local(cfg, task, reps=reps, log=lambda s: log(f"  {s}"))
+        log(f"profile: {prof.save(out / 'profile.json')} ({time.perf_counter() - t0:.1f} s)")
+    rows: list[CalibrationRow] = []
+    sims: dict[str, MirrorResult] = {}
+    loads = {"before": machine_info()["loadavg"]}
+    for mode in modes:
+        mcfg = mirror_config(cfg, iterations, mode)
+        log(f"real run: {cfg.name}, pipeline.mode={mode}, {iterations} iterations "
+            f"-> {out / f'real-{mode}'}")
+        external = measure_external_load()
+        records, wall = run_real(mcfg, out / f"real-{mode}")
+        external = (external + measure_external_load()) / 2  # before and after the run
+        loads[f"after_{mode}"] = machine_info()["loadavg"]
+        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
+        sims[mode] = sim
+        mean, steady = per_iteration(records)
+        rows.append(CalibrationRow(mode, mean, sim.per_iteration_s, steady,
+                                   sim.steady_per_iteration_s, wall, external))
+    print_table(cfg.name, rows, iterations, loads, prof.machine.get("external_load", 0.0))
+    (out / "calibration.json").write_text(json.dumps({
+        "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
+        "machine": machine_info(), "loadavg": loads, "profile": str(out / "profile.json"),
+        "rows": [r.to_dict() for r in rows],
+        "simulated_records": {m: s.records for m, s in sims.items()},
+    }, indent=2, default=str))
+    log(f"calibration: {out / 'calibration.json'}")
+    return rows
+
+
+def print_table(name: str, rows: list[CalibrationRow], iterations: int,
+                loads: dict[str, Any], profile_load: float = 0.0) -> None:
+    print(f"calibration of {name}: {iterations} iterations on this machine "
+          f"({os.cpu_count()} CPUs, load average {loads})")
+    print(f"{'mode':<7}{'measured s/it':>15}{'simulated s/it':>16}{'error':>9}"
+          f"{'within 25%':>12}{'other load':>12}   steady s/it (meas / sim)")
+    for r in rows:
+        print(f"{r.mode:<7}{r.measured_s:>15.3f}{r.simulated_s:>16.3f}{r.error:>+9.1%}"
+              f"{'yes' if r.within else 'NO':>12}{r.external_load:>12.2f}"
+              f"   {r.measured_steady_s:.3f} / {r.simulated_steady_s:.3f}")
+    print("(s/it = makespan / iterations, from the runs' time_s; steady leaves out the first "
+          "iteration; other load = CPUs' worth of other users' runnable work measured around "
+          f"the real run (the profile saw {profile_load:.1f}); the error is reported, not "
+          "enforced)")

@@ -1,0 +1,518 @@
+"""The local runtime in virtual time, with a measured `LocalProfile` as its cost model.
+
+The production `LocalRolloutPool` (with the production `Balancer`) and `LocalTrainPool` (with
+the production `SlotAllocator`) drive simulated worker processes that keep the protocol of
+`runtime.local.workers`:
+
+- `SimRolloutWorker` mirrors `rollout_worker_main`: one process hosting every local agent's
+  model, one continuous batch per model (`rollout.max_batch_seqs` sequences, 1 in
+  deterministic mode; `rollout.max_batch_tokens` KV budget); models with work take turns, one
+  `admit` (prefill of the newcomers, by priority) plus one `step` per turn; finished sequences
+  are answered after each turn; weights load only into an idle model (deferred otherwise);
+- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order; `bind`
+  swaps the resident agent out and the new one in (a first binding builds the trainer);
+- with `runtime.max_worker_restarts > 0` the pools keep the supervisor's restart points (a
+  `get_state` after every step, and one per agent before the run), as the local runtime does.
+
+Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
+The orchestrator's own CPU time (`parent_per_request_s` per generate request,
+`parent_per_train_call_s` per training command) is work of a serial parent process. All
+processes' work shares the machine's CPUs (`CpuShare`, processor sharing on
+`profile.machine["cpus"]` cores): on a 2-core machine, a replica, a training slot and the
+parent busy at once each run at 2/3 speed. Other users' load is in the profiled (median)
+costs, as measured. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
+config's. The task is the real one: prompts come from its prompt builders, and outputs are
+tokens drawn from each request's allowed tokens with the profile's lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import pickle
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from flexmarl.config.schema import RunConfig
+from flexmarl.policy.model import approx_params, stable_seed
+from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.balancer import Balancer
+from flexmarl.runtime.base import WorkerLost
+from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
+from flexmarl.sim.profile import AgentProfile, LocalProfile
+
+
+class CpuShare:
+    """Processor sharing: the busy work of the simulated processes (replicas, training slots,
+    the parent) on `cores` CPUs next to `external` CPUs' worth of other runnable work; with n
+    busy processes each progresses at min(1, cores / (n + external)) (each process is one
+    torch thread, as `runtime.torch_threads: 1` runs). Profiled costs were measured by one
+    busy process under `profiled_external`, so they are scaled back to an idle machine first."""
+
+    def __init__(self, cores: float, external: float = 0.0,
+                 profiled_external: float = 0.0) -> None:
+        self.cores = max(1.0, float(cores))
+        self.external = max(0.0, float(external))
+        self.solo = min(1.0, self.cores / (1.0 + max(0.0, float(profiled_external))))
+        self.jobs: dict[int, list[Any]] = {}  # id -> [remaining work (s), future]
+        self.last: float | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self.busy_s = 0.0
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / (len(self.jobs) + self.external)) if self.jobs else 1.0
+
+    def _advance(self, now: float) -> None:
+        if self.last is not None and self.jobs:
+            done = (now - self.last) * self._rate()
+            for job in self.jobs.values():
+                job[0] -= done
+        self.last = now
+
+    def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        for key in [k for k, j in self.jobs.items() if j[0] <= 1e-9]:
+            fut = self.jobs.pop(key)[1]
+            if not fut.done():
+                fut.set_result(None)
+        if self.jobs:
+            left = min(j[0] for j in self.jobs.values())
+            self.handle = loop.call_later(left / self._rate(), self._tick)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.handle = None
+        self._advance(loop.time())
+        self._reschedule(loop)
+
+    async def run(self, seconds: float) -> None:
+        """`seconds` of one process's CPU work, stretched by the sharing."""
+        if seconds <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        fut = loop.create_future()
+        self.jobs[id(fut)] = [seconds * self.solo, fut]
+        self.busy_s += seconds * self.solo
+        self._reschedule(loop)
+        try:
+            await fut
+        finally:
+            if self.jobs.pop(id(fut), None) is not None:  # cancelled while running
+                self._advance(loop.time())
+                self._reschedule(loop)
+
+
+class ParentProcess:
+    """The orchestrator's own process: its per-request and per-training-call work, one piece
+    at a time, on the shared CPUs."""
+
+    def __init__(self, cpu: CpuShare, profile: LocalProfile) -> None:
+        self.cpu = cpu
+        self.profile = profile
+        self.lock = asyncio.Lock()
+
+    async def work(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        async with self.lock:
+            await self.cpu.run(seconds)
+
+
+def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
+    if p is None or name not in p.fits:
+        return 0.0
+    return max(0.0, p.fits[name](**x))
+
+
+class _Common:
+    def __init__(self, pool: str, index: int, profile: LocalProfile, sink: Any,
+                 cpu: CpuShare, parent: ParentProcess) -> None:
+        self.pool, self.index = pool, index
+        self.profile = profile
+        self.sink = sink
+        self.cpu, self.parent = cpu, parent
+        self.calls = 0
+        self._pending: set[asyncio.Task] = set()
+        self.alive = True
+        self.stopping = False
+        self.outstanding_tokens = 0
+
+    def _ipc(self, name: str, **x: float) -> float:
+        fit = self.profile.ipc.get(name)
+        return max(0.0, fit(**x)) / 2 if fit is not None else 0.0
+
+    def _later(self, delay: float, fut: asyncio.Future, value: Any) -> None:
+        def done() -> None:
+            if not fut.done():
+                fut.set_result(value)
+
+        asyncio.get_running_loop().call_later(delay, done)
+
+    async def stop(self, timeout: float = 0.0) -> None:
+        self.alive = False
+
+
+@dataclass
+class _Seq:
+    sub: asyncio.Future
+    request: GenerationRequest
+    out_len: int
+    admitted: float
+    generated: int = 0
+
+    @property
+    def width(self) -> int:
+        return len(self.request.prompt) + self.generated
+
+    @property
+    def budget(self) -> int:
+        return len(self.request.prompt) + self.request.max_new_tokens
+
+
+class SimRolloutWorker(_Common):
+    """One rollout replica process of the local runtime, in virtual time."""
+
+    def __init__(self, index: int, agents: list[str], profile: LocalProfile, max_seqs: int,
+                 max_tokens: int, sink: Any, cpu: CpuShare, parent: ParentProcess) -> None:
+        super().__init__("rollout", index, profile, sink, cpu, parent)
+        self.agents = agents
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.versions = dict.fromkeys(agents, 0)
+        self.waiting: dict[str, list[tuple[asyncio.Future, GenerationRequest, tuple]]] = {
+            a: [] for a in agents}
+        self.running: dict[str, list[_Seq]] = {a: [] for a in agents}
+        self.loads: dict[str, tuple[asyncio.Future, int]] = {}
+        self.wake = asyncio.Event()
+        self._outbox: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
+        self._turn = itertools.count()
+        self.task = asyncio.ensure_future(self._run())
+
+    # --- the parent's side (WorkerProxy's interface) -----------------------------------------
+    def submit(self, request: GenerationRequest, priority: tuple) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._outbox:
+            loop.call_soon(self._flush)
+        self._outbox.append((fut, request, priority))
+        return fut
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        task = asyncio.ensure_future(self._send(batch))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _send(self, batch: list) -> None:
+        self.calls += len(batch)
+        await self.parent.work(self.profile.parent_per_request_s * len(batch))
+        await asyncio.sleep(self._ipc("ipc_generate", requests=len(batch)))
+        for fut, request, priority in batch:
+            self.waiting[request.agent].append((fut, request, priority))
+        self.wake.set()
+        for fut, request, priority in batch:
+            self.waiting[request.agent].append((fut, request, priority))
+        self.wake.set()
+
+    async def call(self, command: str, payload: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if command == "load_weights":
+            agent, version, _ = payload
+            nbytes = self.profile.agents[agent].weights_bytes
+            await asyncio.sleep(self._ipc("ipc_call", bytes=nbytes))
+            self.loads[agent] = (fut, version)
+            self.wake.set()
+            return await fut
+        if command == "stop":
+            self.task.cancel()
+            return None
+        raise ValueError(f"simulated rollout worker: unknown command {command!r}")
+
+    async def stop(self, timeout: float = 0.0) -> None:
+        self.alive = False
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    # --- the worker's loop -------------------------------------------------------------------
+    def _out_len(self, request: GenerationRequest) -> int:
+        p = self.profile.agents.get(request.agent)
+        cap = request.max_new_tokens
+        if p is None or not request.stop_tokens or not p.output_lengths:
+            return cap  # no stop token: the engine decodes exactly max_new_tokens
+        rng = np.random.default_rng(stable_seed(0, "len", request.sample_id, request.version))
+        return int(min(cap, p.output_lengths[int(rng.integers(len(p.output_lengths)))]))
+
+    def _servable(self, agent: str) -> bool:
+        return any(r.version == self.versions[agent] for _, r, _ in self.waiting[agent])
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            for agent in list(self.loads):
+                if not self.running[agent]:
+                    fut, version = self.loads.pop(agent)
+                    t0 = loop.time()
+                    await self.cpu.run(_cost(self.profile.agents.get(agent), "load_weights"))
+                    self.versions[agent] = version
+                    self.sink.span("rollout", self.index, t0, loop.time(), f"load:{agent}")
+                    self._later(self._ipc("ipc_call", bytes=0), fut, version)
+            for agent, queue in self.waiting.items():  # older than the replica: never served
+                stale = [item for item in queue if item[1].version < self.versions[agent]]
+                for item in stale:
+                    queue.remove(item)
+                    item[0].set_exception(WorkerLost(f"stale request {item[1].sample_id}"))
+            candidates = [a for a in self.agents if self.running[a] or self._servable(a)]
+            if not candidates:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            agent = candidates[next(self._turn) % len(candidates)]
+            await self._turn_of(agent)
+
+    def _fits(self, agent: str, request: GenerationRequest, already: int, extra: int) -> bool:
+        active = len(self.running[agent])
+        if active + already >= self.max_seqs:
+            return False
+        used = sum(s.budget for s in self.running[agent]) + extra
+        need = len(request.prompt) + request.max_new_tokens
+        return used + need <= self.max_tokens or (active + already) == 0
+
+    async def _turn_of(self, agent: str) -> None:
+        loop = asyncio.get_running_loop()
+        p = self.profile.agents.get(agent)
+        queue = sorted(self.waiting[agent], key=lambda item: item[2])
+        take, tokens = [], 0
+        for item in queue:
+            r = item[1]
+            if r.version != self.versions[agent] or not self._fits(agent, r, len(take), tokens):
+                continue
+            take.append(item)
+            tokens += len(r.prompt) + r.max_new_tokens
+        if take:
+            chosen = {id(item) for item in take}
+            self.waiting[agent] = [i for i in self.waiting[agent] if id(i) not in chosen]
+        t0 = loop.time()
+        cost = 0.0
+        new = [_Seq(fut, r, self._out_len(r), t0) for fut, r, _ in take]
+        finished: list[_Seq] = []
+        if new:
+            width = max(len(s.request.prompt) for s in new)
+            cost += _cost(p, "prefill", seqs=len(new), tokens=len(new) * width)
+            for s in new:  # admission samples each newcomer's first token
+                if s.out_len > 0:
+                    s.generated = 1
+                (finished if s.generated >= s.out_len else self.running[agent]).append(s)
+        batch = self.running[agent]
+        if batch:
+            width = max(s.width for s in batch)
+            cost += _cost(p, "decode", seqs=len(batch), tokens=len(batch) * (width + 1))
+            still = []
+            for s in batch:
+                s.generated += 1
+                (finished if s.generated >= s.out_len else still).append(s)
+            self.running[agent] = still
+        if finished or new:  # the loop's own work: the newcomers' messages, the replies
+            over = p.fits.get("replica_overhead") if p is not None else None
+            if over is not None:
+                cost += max(0.0, over(requests=len(new)))
+        await self.cpu.run(cost)
+        now = loop.time()
+        if finished:
+            self.sink.span("rollout", self.index, t0, now, f"gen:{agent}")
+            delay = self._ipc("ipc_generate", requests=len(finished))
+            for s in finished:
+                self._later(delay, s.sub, self._result(s, now))
+
+    def _result(self, s: _Seq, now: float) -> GenerationResult:
+        r = s.request
+        rng = np.random.default_rng(stable_seed(r.seed, "tok", r.sample_id, r.version))
+        pool = r.allowed_tokens or [3]
+        tokens = [int(t) for t in rng.choice(pool, size=s.out_len)] if s.out_len else []
+        if r.stop_tokens and tokens and s.out_len < r.max_new_tokens:
+            tokens[-1] = r.stop_tokens[0]
+        return GenerationResult(r.sample_id, tokens, [-1.0] * len(tokens), r.version,
+                                admitted_at=s.admitted, finished_at=now)
+
+
+class SimTrainWorker(_Common):
+    """One training slot process of the local runtime, in virtual time: one command at a time."""
+
+    def __init__(self, index: int, profile: LocalProfile, sink: Any, cpu: CpuShare,
+                 parent: ParentProcess) -> None:
+        super().__init__("train", index, profile, sink, cpu, parent)
+        self.lock = asyncio.Lock()  # FIFO: the pipe's order
+        self.resident: str | None = None
+        self.built: set[str] = set()
+        self.versions: dict[str, int] = defaultdict(int)
+
+    def _payload_bytes(self, command: str, payload: Any) -> int:
+        if command in ("accumulate",):
+            return len(pickle.dumps(payload))
+        if command in ("step", "weights", "get_state"):
+            return 0
+        return 256
+
+    async def call(self, command: str, payload: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if command == "stop":
+            return None
+        self.calls += 1
+        await self.parent.work(self.profile.parent_per_train_call_s)
+        await asyncio.sleep(self._ipc("ipc_call", bytes=self._payload_bytes(command, payload)))
+        async with self.lock:
+            t0 = loop.time()
+            result, cost, reply_bytes, agent = self._run(command, payload)
+            await self.cpu.run(cost)
+            self.sink.span("train", self.index, t0, loop.time(), f"{command}:{agent}")
+        await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
+        return result
+
+    def _run(self, command: str, payload: Any) -> tuple[Any, float, int, str]:
+        prof = self.profile.agents
+        if command == "bind":
+            agent, incoming = payload
+            cost, out_agent, out_state, reply = 0.0, None, None, 0
+            if self.resident is not None and self.resident != agent:
+                out_agent = self.resident
+                cost += _cost(prof.get(out_agent), "swap_out")
+                out_state = ("host", out_agent)
+                reply = 3 * prof[out_agent].weights_bytes  # weights + two Adam moments
+            timings: dict[str, float] = {}
+            if self.resident != agent:
+                first = incoming is None and agent not in self.built
+                cost += _cost(prof.get(agent), "build" if first else "swap_in")
+                self.built.add(agent)
+                timings["swap_in_s"] = 0.0
+            self.resident = agent
+            return (out_agent, out_state, timings), cost, reply, agent
+        if command == "accumulate":
+            agent, samples = payload
+            width = max((len(s.prompt) + len(s.response) for s in samples), default=0)
+            cost = _cost(prof.get(agent), "accumulate", rows=len(samples),
+                         tokens=len(samples) * width) if samples else 0.0
+            return {"rows": float(len(samples))}, cost, 64, agent
+        if command in ("step", "weights"):
+            agent = payload
+            if command == "step":
+                self.versions[agent] += 1
+            marker = {"agent": agent, "version": self.versions[agent]}
+            metrics: dict[str, float] = {}
+            return ((metrics, marker) if command == "step" else marker,
+                    _cost(prof.get(agent), command), prof[agent].weights_bytes, agent)
+        if command == "get_state":
+            agent = payload
+            return (({}, {"version": self.versions[agent]}), _cost(prof.get(agent), "get_state"),
+                    3 * prof[agent].weights_bytes, agent)
+        if command == "set_state":
+            agent, _, meta = payload
+            self.versions[agent] = int(meta.get("version", self.versions[agent]))
+            return self.versions[agent], _cost(prof.get(agent), "swap_in"), 64, agent
+        if command == "save":
+            return str(payload[1]), 0.0, 64, payload[0]
+        raise ValueError(f"simulated training worker: unknown command {command!r}")
+
+
+@dataclass
+class MirrorResult:
+    records: list[dict[str, Any]]
+    requests: int
+    makespan_s: float
+    per_iteration_s: float
+    steady_per_iteration_s: float
+    real_s: float
+    spans: list[Any]
+    train_calls: int = 0
+
+
+def per_iteration(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """(mean s/iteration over the run, mean over iterations after the first) from `time_s`."""
+    if not records:
+        return 0.0, 0.0
+    times = [float(r["time_s"]) for r in records]
+    mean = times[-1] / len(times)
+    steady = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else mean
+    return mean, steady
+
+
+def mirror_config(cfg: RunConfig, iterations: int | None = None,
+                  mode: str | None = None) -> RunConfig:
+    update: dict[str, Any] = {}
+    if iterations is not None:
+        update["train"] = cfg.train.model_copy(update={"iterations": iterations})
+    if mode is not None:
+        update["pipeline"] = cfg.pipeline.model_copy(update={"mode": mode})
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
+               iterations: int | None = None, mode: str | None = None,
+               virtual: bool = True, cores: float | None = None,
+               external: float | None = None) -> MirrorResult:
+    """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
+    profile's CPU count; `external` adds CPUs' worth of other runnable work beyond what the
+    profile saw (see `profile.measure_external_load`); `virtual=False` runs in real time."""
+    from flexmarl.orchestrator.joint import JointOrchestrator
+    from flexmarl.runtime.sim.clock import run_virtual
+    from flexmarl.telemetry.recorder import Telemetry
+
+    cfg = mirror_config(cfg, iterations, mode)
+    rt = cfg.runtime
+    agents = list(cfg.agents)
+    trainable = [a for a in agents if cfg.agents[a].trainable]
+    local = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
+    if len(local) != len(agents):
+        raise ValueError("--profile-local: agents served by an external endpoint cannot be "
+                         "profiled on this machine")
+    workers: list[_Common] = []
+    spans: list[Any] = []
+
+    async def main() -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        telemetry = Telemetry(None, clock=loop.time)
+        telemetry.spans = spans
+        max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
+        machine = profile.machine
+        # the profiled costs are typical costs at the profile's load (medians): other load is
+        # already in them, so by default only this run's own processes share the CPUs
+        cpu = CpuShare(cores or machine.get("cpus") or 1, external or 0.0)
+        parent = ParentProcess(cpu, profile)
+        rworkers = [SimRolloutWorker(i, local, profile, max_seqs, cfg.rollout.max_batch_tokens,
+                                     telemetry, cpu, parent) for i in range(rt.rollout_workers)]
+        tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent)
+                    for i in range(max(1, min(rt.train_workers, len(trainable))))]
+        workers.extend(rworkers + tworkers)
+        costs = {a: float(approx_params(cfg.agents[a].model, task.vocab_size)) for a in local}
+        balancer = Balancer(local, rt.rollout_workers, cfg.rollout.balance, costs)
+        rollout = LocalRolloutPool(rworkers, balancer)  # type: ignore[arg-type]
+        train = LocalTrainPool(tworkers)  # type: ignore[arg-type]
+        try:
+            if rt.max_worker_restarts > 0:  # the supervisor's restart points, as in the runtime
+
+                async def never_lost(*_: Any) -> None:
+                    raise WorkerLost("simulated workers are never lost")
+
+                train.on_lost = never_lost
+                rollout.on_lost = never_lost
+                for agent in trainable:
+                    train.saved_state[agent] = await train.get_state(agent)
+            orch = JointOrchestrator(cfg, task, rollout, train, telemetry)
+            return await orch.run()
+        finally:
+            for w in rworkers:
+                await w.stop()
+
+    started = time.perf_counter()
+    records = run_virtual(main()) if virtual else asyncio.run(main())
+    real = time.perf_counter() - started
+    mean, steady = per_iteration(records)
+    makespan = float(records[-1]["time_s"]) if records else 0.0
+    requests = sum(w.calls for w in workers if w.pool == "rollout")
+    train_calls = sum(w.calls for w in workers if w.pool == "train")
+    return MirrorResult(records, requests, makespan, mean, steady, real, spans, train_calls)

@@ -1,0 +1,182 @@
+"""The local profiler's fits and JSON, the mirrored local runtime, and --profile-local end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from flexmarl.config.schema import config_from_dict
+from flexmarl.graph.task import load_task
+from flexmarl.runtime.sim.clock import run_virtual
+from flexmarl.sim.local_mirror import CpuShare, run_mirror
+from flexmarl.sim.profile import (
+    AgentProfile,
+    Fit,
+    LocalProfile,
+    ProfiledCostModel,
+    constant,
+    fit_linear,
+)
+
+MODEL = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2}
+
+
+def tiny_config(**over):
+    data = {
+        "name": "tiny_relay",
+        "seed": 0,
+        "task": {"builder": "flexmarl.tasks.referential:build_relay_chain",
+                 "options": {"num_objects": 4, "num_candidates": 2, "message_length": 1,
+                             "relay_length": 2, "num_symbols": 4}},
+        "agents": {a: {"model": MODEL} for a in ("speaker", "relay", "listener")},
+        "train": {"iterations": 2, "inputs_per_iteration": 4, "group_size": 2,
+                  "micro_batch_size": 4},
+        "pipeline": {"mode": "sync"},
+        "rollout": {"max_batch_seqs": 8},
+        "runtime": {"kind": "local", "rollout_workers": 1, "train_workers": 1,
+                    "torch_threads": 1},
+    }
+    data.update(over)
+    return config_from_dict(data, "tiny")
+
+
+def test_fit_recovers_known_constants():
+    rng = np.random.default_rng(0)
+    xs, ys = [], []
+    for seqs in [1, 2, 4, 8, 16, 32]:
+        for width in [1, 4, 16, 64]:
+            x = {"seqs": seqs, "tokens": seqs * width}
+            xs.append(x)
+            ys.append(0.002 + 3e-5 * seqs + 1e-6 * x["tokens"] + rng.normal(0, 1e-7))
+    fit = fit_linear(["1", "seqs", "tokens"], xs, ys)
+    assert fit.coef["1"] == pytest.approx(0.002, rel=1e-2)
+    assert fit.coef["seqs"] == pytest.approx(3e-5, rel=2e-2)
+    assert fit.coef["tokens"] == pytest.approx(1e-6, rel=2e-2)
+    assert fit(seqs=10, tokens=100) == pytest.approx(0.002 + 3e-4 + 1e-4, rel=1e-2)
+    assert fit.n == len(ys) and fit.rmse < 1e-6
+
+
+def test_fit_drops_a_negative_term_and_refits():
+    xs = [{"rows": r, "tokens": t} for r in (1, 2, 4, 8) for t in (10, 40, 160)]
+    # the cost shrinks with rows: impossible for work, so `rows` goes and the rest is refitted
+    ys = [0.01 + 2e-5 * x["tokens"] - 1e-4 * x["rows"] for x in xs]
+    fit = fit_linear(["1", "rows", "tokens"], xs, ys)
+    assert fit.coef["rows"] == 0.0
+    assert all(c >= 0 for c in fit.coef.values())
+    assert fit.coef["tokens"] > 0
+    assert constant([3.0, 1.0, 2.0]).coef == {"1": 2.0}
+    assert constant([3.0, 1.0, 2.0], "min").coef == {"1": 1.0}
+
+
+def _synthetic_profile(scale: float = 1.0) -> LocalProfile:
+    fits = {
+        "prefill": Fit(["1", "seqs", "tokens"], {"1": 2e-3 * scale, "seqs": 1e-4 * scale,
+                                                "tokens": 1e-5 * scale}),
+        "decode": Fit(["1", "seqs", "tokens"], {"1": 2e-3 * scale, "seqs": 2e-5 * scale,
+                                               "tokens": 0.0}),
+        "load_weights": constant([1e-3 * scale]),
+        "accumulate": Fit(["1", "rows", "tokens"], {"1": 5e-3 * scale, "rows": 0.0,
+                                                   "tokens": 2e-5 * scale}),
+        "step": constant([3e-3 * scale]),
+        "weights": constant([5e-4 * scale]),
+        "get_state": constant([1e-3 * scale]),
+        "swap_out": constant([2e-3 * scale]),
+        "swap_in": constant([1e-2 * scale]),
+        "build": constant([1e-2 * scale]),
+        "replica_overhead": Fit(["1", "requests"], {"1": 5e-4 * scale, "requests": 2e-5}),
+    }
+    agents = {a: AgentProfile(dict(fits), [1, 2], [4, 5], False, 40_000)
+              for a in ("speaker", "relay", "listener")}
+    ipc = {"ipc_generate": Fit(["1", "requests"], {"1": 2e-4, "requests": 1e-5}),
+           "ipc_call": Fit(["1", "bytes"], {"1": 3e-4, "bytes": 1e-9})}
+    return LocalProfile("tiny_relay", 1, agents, ipc, 7e-5, {"cpus": 2, "external_load": 0.0},
+                        1.0, 4e-4)
+
+
+def test_profile_json_round_trips(tmp_path):
+    prof = _synthetic_profile()
+    path = prof.save(tmp_path / "run" / "profile.json")
+    back = LocalProfile.load(path)
+    assert back.to_dict() == prof.to_dict()
+    assert back.agents["relay"].fits["decode"](seqs=4, tokens=40) == pytest.approx(
+        prof.agents["relay"].fits["decode"](seqs=4, tokens=40))
+    data = prof.to_dict()
+    data["version"] = 99
+    with pytest.raises(ValueError, match="version"):
+        LocalProfile.from_dict(data)
+
+
+def test_cpu_share_is_processor_sharing():
+    async def two_jobs(cores: float, external: float) -> float:
+        cpu = CpuShare(cores, external)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(cpu.run(1.0), cpu.run(1.0))
+        return loop.time()
+
+    assert run_virtual(two_jobs(1, 0)) == pytest.approx(2.0)
+    assert run_virtual(two_jobs(2, 0)) == pytest.approx(1.0)
+    assert run_virtual(two_jobs(2, 1)) == pytest.approx(1.5)  # 2 CPUs for 3 runnable tasks
+
+
+def test_mirror_simulates_the_local_runtime_both_modes():
+    cfg = tiny_config()
+    task = load_task(cfg.task.builder, cfg.task.options)
+    prof = _synthetic_profile()
+    runs = {m: run_mirror(cfg, task, prof, mode=m) for m in ("sync", "async")}
+    for mode, res in runs.items():
+        assert len(res.records) == 2, mode
+        assert res.per_iteration_s > 0
+        assert res.requests == 2 * 4 * 2 * 3  # iterations x inputs x group x nodes
+        # one slot for three agents: they take turns, swapping (the production allocator)
+        assert any(s.label.startswith("bind:") for s in res.spans)
+    again = run_mirror(cfg, task, prof, mode="sync")
+    assert again.per_iteration_s == runs["sync"].per_iteration_s  # deterministic
+    slower = run_mirror(cfg, task, _synthetic_profile(scale=2.0), mode="sync")
+    assert slower.per_iteration_s > runs["sync"].per_iteration_s
+    # more training slots: fewer swaps
+    three = tiny_config(runtime={"kind": "local", "rollout_workers": 1, "train_workers": 3})
+    spread = run_mirror(three, task, prof, mode="sync")
+    assert sum(s.label.startswith("bind:") for s in spread.spans) < sum(
+        s.label.startswith("bind:") for s in runs["sync"].spans)
+
+
+def test_profiled_cost_model_interface():
+    from flexmarl.sim.cost import ModelSpec
+
+    cost = ProfiledCostModel(_synthetic_profile())
+    relay = ModelSpec(name="relay", params=1e5, layers=1, hidden=16, kv_heads=2, head_dim=8)
+    assert cost.prefill_time(relay, 1, 10) == pytest.approx(2e-3 + 1e-4 + 1e-4)
+    assert cost.decode_step_time(relay, 1, 4, 40) > cost.decode_step_time(relay, 1, 1, 10)
+    assert cost.optimizer_step_time(relay, 1) == pytest.approx(3e-3)
+    with pytest.raises(KeyError, match="no agent"):
+        cost.prefill_time(ModelSpec(name="other", params=1e5, layers=1, hidden=16,
+                                    kv_heads=2, head_dim=8), 1, 10)
+
+
+@pytest.mark.slow
+def test_profile_local_end_to_end(tmp_path, capsys):
+    """Profiles a tiny config, runs it for real in both modes, simulates it, prints the table.
+    (The 25% target is reported by the command, not asserted: timing here is shared.)"""
+    import yaml
+
+    from flexmarl.cli.main import main
+    from flexmarl.sim.profile import LocalProfile as Profile
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config().model_dump(mode="json")))
+    out = tmp_path / "cal"
+    assert main(["simulate", "--profile-local", str(config), "--iterations", "2",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "measured s/it" in text and "simulated s/it" in text
+    lines = [line.split() for line in text.splitlines() if line.split()[:1] in (["sync"],
+                                                                               ["async"])]
+    assert [row[0] for row in lines] == ["sync", "async"]
+    prof = Profile.load(out / "profile.json")
+    assert set(prof.agents) == {"speaker", "relay", "listener"}
+    assert prof.agents["relay"].fits["decode"].coef["1"] > 0
+    assert (out / "calibration.json").exists()
+    assert (out / "real-sync" / "metrics.jsonl").exists()
+    assert (out / "real-async" / "metrics.jsonl").exists()
