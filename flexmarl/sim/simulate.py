@@ -106,32 +106,55 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None) ->
 def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> float:
     """max(critical path of one iteration, total work / total capacity), per iteration.
 
-    The critical path is the slowest episode's dependency chain with every node served alone
-    on an idle engine, plus the slowest agent's optimizer step and weight publication; the
-    work is the busy accelerator-seconds of this very run.
+    The critical path is that of the on-policy pipeline's steady state, so it bounds pipelined
+    and synchronous systems alike: agent a's nodes of iteration k+1 need a's version k+1, which
+    needs all of a's rows of iteration k. So each iteration lasts at least, for every agent a,
+    the longest dependency chain of one episode from the start of one of a's nodes to the end
+    of one of a's nodes (every node served alone on an idle engine), plus a's optimizer step
+    (on the whole cluster) and weight publication. The work is the busy accelerator-seconds of
+    this very run.
     """
     node_of = {turn: name for name, turn in orch.turns.items()}
     episodes: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     for sid, lat in rt.solo_latency.items():
         input_id, turn, traj = parse_sample_id(sid)
         episodes[(input_id, traj)][node_of[turn]] = lat
-    chain = 0.0
-    for lats in episodes.values():
-        finish: dict[str, float] = {}
-        for name in orch.order:
-            if name in lats:
-                node = orch.graph.nodes[name]
-                start = max((finish.get(i, 0.0) for i in node.inputs), default=0.0)
-                finish[name] = start + lats[name]
-        chain = max(chain, max(finish.values(), default=0.0))
-    tail = 0.0
-    for agent in rt.trainable:
-        spec = rt.wl.agent(agent)
-        tail = max(tail, rt.cost.optimizer_step_time(spec.model, rt.train_alloc[agent])
-                   + rt.cost.weight_transfer_time(spec.model, inter_node=True, links=spec.tp))
-    critical = chain / 1.0 + tail
+    by_iteration: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for (input_id, _), lats in episodes.items():
+        by_iteration[input_id.split("-")[0]].append(lats)
+    cycles = [_cycle(rt, orch, eps) for eps in by_iteration.values()]
+    # the makespan is at least the sum of the iterations' cycles
+    critical = sum(cycles) / max(1, len(cycles))
     work = rt.busy_accel_seconds() / rt.total / iterations
     return max(critical, work)
+
+
+def _cycle(rt: SimRuntime, orch: JointOrchestrator, episodes: list[dict[str, float]]) -> float:
+    """The shortest time one iteration can take, from its episodes' solo node latencies."""
+    agent_of = {name: orch.graph.nodes[name].agent for name in orch.order}
+    inputs = {name: orch.graph.nodes[name].inputs for name in orch.order}
+    critical = 0.0
+    for agent in rt.trainable:
+        spec = rt.wl.agent(agent)
+        step = (rt.cost.optimizer_step_time(spec.model, rt.total)
+                + rt.cost.weight_transfer_time(spec.model, inter_node=True, links=spec.tp))
+        chain = 0.0
+        for lats in episodes:
+            # longest path ending at each node that starts at one of the agent's nodes
+            from_agent: dict[str, float] = {}
+            for name in orch.order:
+                if name not in lats:
+                    continue
+                before = max((from_agent[i] for i in inputs[name] if i in from_agent),
+                             default=None)
+                if agent_of[name] == agent:
+                    before = max(before or 0.0, 0.0)
+                if before is not None:
+                    from_agent[name] = before + lats[name]
+                    if agent_of[name] == agent:
+                        chain = max(chain, from_agent[name])
+        critical = max(critical, chain + step)
+    return critical
 
 
 def write_trace(result: SimResult, path: Path) -> Path:
