@@ -583,7 +583,12 @@ class JointOrchestrator:
             pending.append(task)
             # Iteration k+1 only needs k's rollout to be complete: every agent's version k+1
             # depends on all of k's rows, so starting earlier could not run anything sooner.
-            await self.iterations_ready(k)
+            ready = asyncio.ensure_future(self.iterations_ready(k))
+            await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                ready.cancel()  # the rollout failed (e.g. bad task input): fail the run
+                raise task.exception()  # type: ignore[misc]
+            await ready
         await asyncio.gather(*pending)
 
     async def iterations_ready(self, k: int) -> None:

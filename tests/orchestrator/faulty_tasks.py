@@ -24,3 +24,17 @@ def cyclic(**options):
     g.node("listen", agent="listener", inputs=["speak"], prompt=lambda c: NodePrompt([1], 1))
     task.graph = g
     return task
+
+
+def short_inputs_from_iteration_one(**options):
+    """sample_inputs returns one input too few from its second call on."""
+    task = build_referential_game(**options)
+    inner = task.sample_inputs
+    calls = []
+
+    def sample_inputs(rng, n):
+        calls.append(n)
+        return inner(rng, n) if len(calls) == 1 else inner(rng, n)[:-1]
+
+    task.sample_inputs = sample_inputs
+    return task

@@ -88,3 +88,15 @@ def test_examples_learn_well_above_chance(tmp_path, example, iterations, thresho
     chance = 1 / cfg.task.options["num_candidates"]
     assert first < chance + 0.15
     assert last >= threshold, f"success {last:.3f} after {iterations} iterations"
+
+
+def test_async_run_fails_clearly_when_the_task_returns_too_few_inputs(tmp_path):
+    """A wrong input count in a later iteration fails the run (it used to hang)."""
+    from flexmarl.graph.meg import GraphError
+
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "task.builder=tests.orchestrator.faulty_tasks:short_inputs_from_iteration_one",
+        "train.iterations=3", "train.inputs_per_iteration=8", "pipeline.mode=async",
+    ])
+    with pytest.raises(GraphError, match="task returned 7 inputs, expected 8"):
+        train(cfg, tmp_path / "run")
