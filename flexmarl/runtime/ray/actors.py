@@ -195,8 +195,8 @@ class TrainWorker:
         from flexmarl.runtime.ray.store import samples_from_rows
 
         t0 = time.time()
-        rows = ray.get(table.take_ready.remote(version, max_rows, step, expected_vector,
-                                               sample_ids, replay))
+        rows = ray.get(table.serve.remote(version, max_rows, step, expected_vector,
+                                          sample_ids, replay))
         samples = samples_from_rows(rows)
         t1 = time.time()
         result = self._trainer(agent).accumulate(samples)

@@ -430,6 +430,7 @@ class RayRuntime:
         self.train_actors: list[_Actor] = []
         self.tables: dict[str, Any] = {}  # agent -> its AgentTableActor handle
         self.table_where: dict[str, dict[str, Any]] = {}
+        self.store: RayExperienceStore | None = None  # made by make_store, for the run
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in self.agents}
         self.rollout = RayRolloutPool(
             self.rollout_actors,
@@ -492,7 +493,8 @@ class RayRuntime:
         """The run's experience store: the driver's facade over the per-agent table actors."""
         if not self.tables:
             raise RayRuntimeError("the Ray runtime's store exists once the runtime is started")
-        return RayExperienceStore(self.tables)
+        self.store = RayExperienceStore(self.tables)
+        return self.store
 
     async def start(self) -> None:
         import ray

@@ -161,6 +161,16 @@ class AgentTableActor:
         `sample_ids` in that order), exactly once; the reply holds small fields by value and
         payloads as ObjectRefs. `replay`: a restarted trainer re-accumulating a micro-batch
         its lost predecessor took may also get rows consumed by this same `step` again."""
+        return expand(self.serve(version, max_rows, step, expected_vector, sample_ids, replay))
+
+    def serve(
+        self, version: int, max_rows: int, step: int,
+        expected_vector: dict[str, int] | None = None,
+        sample_ids: list[str] | None = None, replay: bool = False,
+    ) -> dict[str, Any]:
+        """`take_ready` in compact form for trainers: each payload object is listed once in
+        `objects` and rows name it by index (64 rows of one block would otherwise serialise
+        64 nested references; see `expand`)."""
         if sample_ids is None:
             ids = sorted(self.table.ids_with(Status.READY, version))[:max_rows]
         else:
@@ -176,16 +186,19 @@ class AgentTableActor:
                 continue
             check_row(row, self.agent, version, expected_vector)
         out = []
+        objects: dict[str, tuple[int, Any]] = {}  # object hex -> (index, ObjectRef)
         for row in rows:
             if row.status is not Status.CONSUMED:
                 self.table.transition(row.sample_id, Status.CONSUMED)
                 row.consumed_by_step = step
-            out.append({
-                **{k: getattr(row, k) for k in ROW_FIELDS},
-                "data": dict(row.data),
-                "refs": {name: ref.key for name, ref in row.refs.items()},
-            })
-        return out
+            refs = {}
+            for name, ref in row.refs.items():
+                obj, i = ref.key if isinstance(ref.key, tuple) else (ref.key, None)
+                index = objects.setdefault(obj.hex(), (len(objects), obj))[0]
+                refs[name] = (index, i)
+            out.append({**{k: getattr(row, k) for k in ROW_FIELDS},
+                        "data": dict(row.data), "refs": refs})
+        return {"rows": out, "objects": [obj for _, obj in objects.values()]}
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row held, with its status and payload references (inspection, tests)."""
@@ -206,6 +219,13 @@ class AgentTableActor:
         return {s.value: self.table.count(s) for s in Status}
 
 
+def expand(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """`serve`'s compact form -> rows whose refs are ObjectRef or (ObjectRef, i) again."""
+    objects = batch["objects"]
+    return [{**r, "refs": {name: objects[k] if i is None else (objects[k], i)
+                           for name, (k, i) in r["refs"].items()}} for r in batch["rows"]]
+
+
 def fetch_payloads(refs: list[Any]) -> list[np.ndarray]:
     """Resolve payload references (ObjectRef or (ObjectRef, i)), fetching each object once."""
     import ray
@@ -219,11 +239,20 @@ def fetch_payloads(refs: list[Any]) -> list[np.ndarray]:
             for r in refs]
 
 
-def samples_from_rows(rows: list[dict[str, Any]]) -> list[Any]:
-    """Trainer-side: fetch the micro-batch's log-probs from the object store, build Samples."""
+def samples_from_rows(rows: list[dict[str, Any]] | dict[str, Any]) -> list[Any]:
+    """Trainer-side: fetch the micro-batch's log-probs from the object store (each object once,
+    in one `ray.get`), build Samples. `rows`: `take_ready`'s rows or `serve`'s compact form."""
+    import ray
+
     from flexmarl.training.trainer import Sample  # torch: only where a trainer runs
 
-    logprobs = fetch_payloads([r["refs"]["logprobs"] for r in rows])
+    if isinstance(rows, dict):
+        values = ray.get(rows["objects"]) if rows["objects"] else []
+        rows = rows["rows"]
+        logprobs = [values[k] if i is None else values[k][i]
+                    for k, i in (r["refs"]["logprobs"] for r in rows)]
+    else:
+        logprobs = fetch_payloads([r["refs"]["logprobs"] for r in rows])
     return [
         Sample(
             sample_id=r["sample_id"], prompt=r["data"]["prompt"], response=r["data"]["response"],

@@ -94,3 +94,59 @@ def test_experience_store_with_ray_payloads(ray_head):
             raise AssertionError("a freed payload must not be served")
     finally:
         ray.shutdown()
+
+
+def test_live_run_keeps_rows_in_table_actors_and_payloads_in_the_object_store(tmp_path, ray_head):
+    """A real referential-game run on Ray: every agent's rows live in its table actor, their
+    log-probs are blocks in the object store that the replicas made, the trainer pulls each
+    micro-batch from the table actor by id, and the driver never resolves a payload."""
+    from flexmarl.orchestrator.run import train
+    from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
+
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=2",
+        "train.inputs_per_iteration=4", "train.group_size=4", "train.micro_batch_size=8",
+    ])
+    seen: dict[str, list] = {"speaker": [], "listener": []}
+    state: dict = {}
+
+    def hook(runtime):
+        state["runtime"] = runtime
+        pool = runtime.train
+        original = pool.accumulate
+
+        async def accumulate(agent, batch):
+            table = runtime.tables[agent]
+            # Ordered after the store's writes (one caller, one actor): the rows are in.
+            rows = {r["sample_id"]: r for r in await table.rows.remote()}
+            mirror = {sid: runtime.store.table(agent).get(sid) for sid in batch.sample_ids}
+            seen[agent].append((batch, table, rows, mirror))
+            return await original(agent, batch)
+
+        pool.accumulate = accumulate
+
+    result = train(cfg, tmp_path / "run", on_runtime=hook)
+    runtime = state["runtime"]
+    store = runtime.store
+    assert isinstance(store, RayExperienceStore)
+    assert store.payload_fetches == 0 and store.snapshot_fetches == 0
+    placement = result.placement
+    assert sorted(placement["tables"]) == ["listener", "speaker"]
+    assert all(w["pid"] > 0 and w["actor_id"] for w in placement["tables"].values())
+    for agent, calls in seen.items():
+        assert len(calls) == 2 * 2  # 2 iterations x 16 rows / 8 per micro-batch
+        for batch, table, rows, mirror in calls:
+            assert isinstance(batch, RayMicroBatch) and len(batch) == 8
+            assert batch.table._actor_id == table._actor_id  # served by this agent's table
+            for sid in batch.sample_ids:
+                row = rows[sid]
+                assert row["status"] == "ready" and row["policy_version"] == batch.version
+                block, i = row["refs"]["logprobs"]
+                assert isinstance(block, ray.ObjectRef) and isinstance(i, int)
+                # the driver's mirror holds the same reference and no payload bytes
+                key = mirror[sid].refs["logprobs"].key
+                assert key[0].hex() == block.hex() and key[1] == i
+                assert not any(isinstance(v, np.ndarray) for v in mirror[sid].data.values())
+        trained = sum(1 for sid, _, _ in result.audit[agent])
+        assert trained == 2 * 16 and result.store_stats[agent]["consumed"] == 32
+    assert not ray.is_initialized()
