@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,21 @@ class _NullSink:
 def bundle_of(b: RayBundle) -> dict[str, float]:
     out = {"CPU": b.cpus, "GPU": b.gpus, **b.resources}
     return {k: v for k, v in out.items() if v > 0}
+
+
+def _object_lost(exc: BaseException) -> bool:
+    """Whether a call failed because an argument's object is gone (its owner died)."""
+    import ray
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.ObjectLostError):
+            return True
+        cause = getattr(seen, "cause", None)  # RayTaskError wraps the remote exception
+        if isinstance(cause, ray.exceptions.ObjectLostError):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 class ActorLost(WorkerLost):
@@ -94,6 +110,7 @@ class RayRolloutPool:
         # The last weights published per agent: what a restarted replica must load.
         self.latest: dict[str, tuple[int, Any]] = {}
         self.supervisor: RaySupervisor | None = None
+        self.refetch: Callable[[str], Awaitable[RayWeights]] | None = None
 
     @property
     def n_workers(self) -> int:
@@ -157,21 +174,37 @@ class RayRolloutPool:
                 fut.set_exception(WorkerError(f"rollout worker {actor.index}: {result}"))
 
     async def publish(self, agent: str, version: int, weights: Any) -> None:
+        """Every replica loads `version`. Weights are objects of the trainer that made them: if
+        it died before the replicas fetched them, they are taken again from its restored
+        successor (`refetch`, the train pool's `weights`: the same version) and loaded."""
         import ray
 
         ref = weights.ref if isinstance(weights, RayWeights) else ray.put(weights)
-        self.latest[agent] = (version, ref)
-        # A top-level ObjectRef argument: each replica fetches it from the object store.
-        replies = await asyncio.gather(
-            *(a.call("load_weights", agent, version, ref) for a in self.actors),
-            return_exceptions=True,
-        )
-        for actor, reply in zip(self.actors, replies, strict=True):
-            if isinstance(reply, ActorLost) and self.supervisor is not None:
-                continue  # its restart loads `latest`
-            if isinstance(reply, BaseException):
-                raise reply
-            actor.spans(reply[1])
+        while True:
+            self.latest[agent] = (version, ref)
+            # A top-level ObjectRef argument: each replica fetches it from the object store.
+            replies = await asyncio.gather(
+                *(a.call("load_weights", agent, version, ref) for a in self.actors),
+                return_exceptions=True,
+            )
+            lost_object = False
+            for actor, reply in zip(self.actors, replies, strict=True):
+                if isinstance(reply, ActorLost) and self.supervisor is not None:
+                    continue  # its restart loads `latest`
+                if isinstance(reply, BaseException):
+                    if self.refetch is not None and _object_lost(reply):
+                        lost_object = True
+                        continue
+                    raise reply
+                actor.spans(reply[1])
+            if not lost_object:
+                return
+            assert self.refetch is not None
+            if self.supervisor is not None:
+                self.supervisor._event("weights_refetched", agent=agent, version=version)
+            ref = (await self.refetch(agent)).ref
+            if self.latest[agent][0] == version:  # a restart may have refreshed it already
+                self.latest[agent] = (version, ref)
 
 
 class RayTrainPool:
@@ -438,6 +471,8 @@ class RayRuntime:
         self.train = RayTrainPool(self.train_actors, self.binding)
         self.supervisor = RaySupervisor(self) if rt.max_worker_restarts > 0 else None
         self.rollout.supervisor = self.train.supervisor = self.supervisor
+        if self.supervisor is not None:
+            self.rollout.refetch = self.train.weights
 
     def _spec(self, names: list[str]) -> WorkerSpec:
         rt = self.cfg.runtime

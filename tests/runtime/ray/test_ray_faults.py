@@ -4,6 +4,7 @@ ends equal to the local fault-free reference, every row trained on exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -73,6 +74,38 @@ def test_trainer_actor_sigkilled_mid_iteration_is_restarted_and_restored(tmp_pat
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "train", state["pid"])
+
+
+@pytest.mark.slow
+def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head,
+                                                               reference):  # noqa: F811
+    """The new weights are the dead trainer's objects: the replicas get them again from its
+    restored successor (or had fetched them already), and the run ends equal."""
+    cfg = _ray_config(ray_head)
+    state = {"steps": 0, "pid": None}
+
+    def hook(runtime):
+        pool = runtime.train
+        original = pool.step
+
+        async def step(agent):
+            out = await original(agent)
+            state["steps"] += 1
+            if state["steps"] == 3:  # iteration 1's first step, before it is published
+                state["pid"] = pool.actors[0].where["pid"]
+                os.kill(state["pid"], signal.SIGKILL)
+                while os.path.exists(f"/proc/{state['pid']}"):  # gone, and Ray knows it
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+            return out
+
+        pool.step = step
+
+    out = tmp_path / "run"
+    result = train(cfg, out, on_runtime=hook)
+    _check(result, out, reference, cfg, "train", state["pid"])
+    assert [(e["agent"], e["version"]) for e in events(out, "weights_refetched")] == [
+        ("speaker", 2)]
 
 
 @pytest.mark.slow
