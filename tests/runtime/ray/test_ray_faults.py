@@ -104,8 +104,8 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "train", state["pid"])
-    assert [(e["agent"], e["version"]) for e in events(out, "weights_refetched")] == [
-        ("speaker", 2)]
+    (refetched,) = events(out, "weights_refetched")  # the 3rd step: iteration 1's first
+    assert refetched["version"] == 2 and refetched["agent"] in ("speaker", "listener")
 
 
 @pytest.mark.slow
