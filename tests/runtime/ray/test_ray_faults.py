@@ -30,7 +30,7 @@ def _ray_config(address: str, *extra: str):
     return config(*RAY, f"runtime.address={address}", *extra)
 
 
-@pytest.mark.slow  # two Ray runs
+@pytest.mark.slow  # two Ray runs: ~30 s on the shared 2-core machine
 def test_stop_at_a_boundary_then_resume_on_ray_equals_uninterrupted(tmp_path, ray_head,
                                                                     reference):  # noqa: F811
     out = tmp_path / "run"
@@ -51,7 +51,6 @@ def test_stop_at_a_boundary_then_resume_on_ray_equals_uninterrupted(tmp_path, ra
     assert_rows_exactly_once(result.audit, result.consumed, cfg)
 
 
-@pytest.mark.slow  # most of it the restarted actor importing torch
 def test_trainer_actor_sigkilled_mid_iteration_is_restarted_and_restored(tmp_path, ray_head,
                                                                          reference):  # noqa: F811
     cfg = _ray_config(ray_head)
@@ -76,7 +75,6 @@ def test_trainer_actor_sigkilled_mid_iteration_is_restarted_and_restored(tmp_pat
     _check(result, out, reference, cfg, "train", state["pid"])
 
 
-@pytest.mark.slow
 def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head,
                                                                reference):  # noqa: F811
     """The new weights are the dead trainer's objects: the replicas get them again from its
@@ -108,7 +106,6 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
     assert refetched["version"] == 2 and refetched["agent"] in ("speaker", "listener")
 
 
-@pytest.mark.slow
 def test_rollout_actor_sigkilled_mid_iteration_is_restarted(tmp_path, ray_head,
                                                             reference):  # noqa: F811
     cfg = _ray_config(ray_head)
