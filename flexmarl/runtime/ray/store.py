@@ -127,8 +127,10 @@ class AgentTableActor:
 
         return [ray.put(value)]
 
-    def apply(self, ops: list[tuple]) -> int:
-        """The driver's writes of one event-loop tick, in order (see `RayExperienceStore`)."""
+    def apply(self, ops: list[tuple], objects: list[Any] | None = None) -> int:
+        """The driver's writes of one event-loop tick, in order (see `RayExperienceStore`).
+        "generated" ops name their payloads as (index into `objects`, row or None): a tick's
+        rows share a few blocks, each then deserialised once."""
         for op in ops:
             kind = op[0]
             if kind == "add":
@@ -137,7 +139,9 @@ class AgentTableActor:
                 _, sid, data, refs = op
                 row = self.table.transition(sid, Status.GENERATED)
                 row.data.update(data)
-                row.refs.update({name: TensorRef(ref, (), "") for name, ref in refs.items()})
+                for name, (k, i) in refs.items():
+                    obj = (objects or [])[k]
+                    row.refs[name] = TensorRef(obj if i is None else (obj, i), (), "")
             elif kind == "rewarded":
                 self.table.transition(op[1], Status.REWARDED).data["reward"] = float(op[2])
             elif kind == "ready":
@@ -324,7 +328,15 @@ class RayExperienceStore(ExperienceStore):
         for agent, ops in self._ops.items():
             if ops:
                 self._ops[agent] = []
-                ref = self.actors[agent].apply.remote(ops)
+                objects: dict[str, tuple[int, Any]] = {}
+                for j, op in enumerate(ops):
+                    if op[0] == "generated":
+                        refs = {}
+                        for name, key in op[3].items():
+                            obj, i = key if isinstance(key, tuple) else (key, None)
+                            refs[name] = (objects.setdefault(obj.hex(), (len(objects), obj))[0], i)
+                        ops[j] = (*op[:3], refs)
+                ref = self.actors[agent].apply.remote(ops, [o for _, o in objects.values()])
                 self._last_apply[agent] = ref
                 self._unchecked.append((agent, ref))
 
