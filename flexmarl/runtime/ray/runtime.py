@@ -329,7 +329,9 @@ class RaySupervisor:
     the restart, the others wait for it. A rollout replica reloads every agent's latest
     weights (its requests are then re-sent); a trainer gets each of its agents' restart point
     and replays the micro-batches accumulated since. Each failure and recovery is a
-    `worker_failed` / `worker_recovered` event in metrics.jsonl and the trace.
+    `worker_failed` / `worker_recovered` event in metrics.jsonl and the trace. An actor Ray
+    reports unavailable (`ActorUnavailableError`, a `RayActorError`) is replaced the same way:
+    its state can be restored exactly, so killing it is safe.
     """
 
     def __init__(self, runtime: RayRuntime) -> None:
