@@ -35,12 +35,12 @@ from flexmarl.store.experience import (
     ExperienceStore,
     Row,
     Status,
+    TensorRef,
     make_sample_id,
     parse_sample_id,
 )
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import algorithms
-from flexmarl.training.trainer import Sample
 
 
 class EpisodeFailure(RuntimeError):
@@ -120,9 +120,11 @@ class JointOrchestrator:
         on_iteration: Callable[[dict[str, Any]], None] | None = None,
         save_checkpoint: SaveCheckpoint | None = None,
         resume: Any = None,
+        store: ExperienceStore | None = None,
     ) -> None:
         """`save_checkpoint` writes a generation every `train.checkpoint_every` iterations and
-        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left."""
+        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left;
+        `store` is the runtime's experience store (default: an in-process one)."""
         self.cfg = cfg
         self.task = task
         self.graph = task.graph
@@ -138,7 +140,9 @@ class JointOrchestrator:
         self.trainable = [a for a in self.agents if cfg.agents[a].trainable]
         # Trainers wait for whole groups (`_maybe_group_ready` wakes them), not for every
         # store change: a wake-up per row would cost each trainer a scan per generated row.
-        self.store = ExperienceStore(self.agents)
+        # The runtime may bring its own store (Ray: one table actor per agent) with the same
+        # interface; the orchestrator is the same code either way.
+        self.store = store if store is not None else ExperienceStore(self.agents)
         self.versions = dict.fromkeys(self.agents, 0)
         self._gates: dict[tuple[str, int], asyncio.Event] = {}
         self._changed: dict[str, asyncio.Event] = {}
@@ -246,7 +250,8 @@ class JointOrchestrator:
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
                  "allowed": prompt.allowed_tokens, "temperature": request.temperature},
-                {"logprobs": np.asarray(result.logprobs, dtype=np.float32)},
+                {"logprobs": result.logprobs if isinstance(result.logprobs, TensorRef)
+                 else np.asarray(result.logprobs, dtype=np.float32)},
             )
             ctx.outputs[name] = result.tokens
             done[name].set_result(True)
@@ -445,18 +450,6 @@ class JointOrchestrator:
         return it
 
     # --- training ----------------------------------------------------------------------------
-    def _samples(self, rows: list[Row]) -> list[Sample]:
-        return [
-            Sample(
-                sample_id=r.sample_id, prompt=r.data["prompt"], response=r.data["response"],
-                old_logprobs=self.store.fetch(r, "logprobs").tolist(),
-                advantage=r.data["advantage"], allowed=r.data["allowed"],
-                temperature=r.data["temperature"], policy_version=r.policy_version,
-                reward=r.data["reward"],
-            )
-            for r in rows
-        ]
-
     async def train_iteration(self, agent: str, k: int) -> None:
         """Consume agent's rows of version k in canonical micro-batches, then step.
 
@@ -507,7 +500,7 @@ class JointOrchestrator:
                                          sample_ids=ids)
             self.consumed[agent][k].extend(r.sample_id for r in rows)
             self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
-            await self.train.accumulate(agent, self._samples(rows))
+            await self.train.accumulate(agent, self.store.micro_batch(agent, rows))
             self.store.release(rows)
         await self._capture_idle.wait()  # a checkpoint is reading trainer states: do not step
         metrics, weights = await self.train.step(agent)

@@ -129,8 +129,10 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
     try:
         telemetry.event("placement", **runtime.placement())
         manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
+        make_store = getattr(runtime, "make_store", None)  # Ray: per-agent table actors
         orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
-                                 save_checkpoint=manager.save, resume=ckpt)
+                                 save_checkpoint=manager.save, resume=ckpt,
+                                 store=make_store() if make_store is not None else None)
         for sig in (signal.SIGTERM, signal.SIGINT):  # checkpoint at the next boundary, stop
             try:
                 loop.add_signal_handler(sig, orch.request_stop)

@@ -215,16 +215,21 @@ class ExperienceStore:
     def set_generated(
         self, agent: str, sample_id: str, data: dict[str, Any], arrays: dict[str, np.ndarray]
     ) -> Row:
+        """`arrays` values are arrays to store, or `TensorRef`s a producer already stored (a
+        Ray rollout replica puts its payloads into the object store itself)."""
         row = self.table(agent).transition(sample_id, Status.GENERATED)
         row.data.update(data)
         for name, array in arrays.items():
-            row.refs[name] = self.objects.put(array)
+            row.refs[name] = array if isinstance(array, TensorRef) else self._put(agent, array)
         stat = self._generation.setdefault((agent, row.iteration), GenerationStats())
         stat.rows += 1
         stat.prompt_tokens += len(data.get("prompt", ()))
         stat.response_tokens += len(data.get("response", ()))
         self._notify(agent)
         return row
+
+    def _put(self, agent: str, array: np.ndarray) -> TensorRef:
+        return self.objects.put(array)
 
     def generation_stats(self, iteration: int) -> dict[str, GenerationStats]:
         """Per agent: rows generated in `iteration` and their prompt / response token counts,
@@ -287,6 +292,22 @@ class ExperienceStore:
 
     def fetch(self, row: Row, name: str) -> np.ndarray:
         return self.objects.get(row.refs[name])
+
+    def micro_batch(self, agent: str, rows: list[Row]) -> Any:
+        """What the train pool's `accumulate` gets for rows just taken: here plain `Sample`s
+        with their payloads fetched; a distributed store hands over a reference instead."""
+        from flexmarl.training.trainer import Sample  # torch: only once training starts
+
+        return [
+            Sample(
+                sample_id=r.sample_id, prompt=r.data["prompt"], response=r.data["response"],
+                old_logprobs=self.fetch(r, "logprobs").tolist(),
+                advantage=r.data["advantage"], allowed=r.data["allowed"],
+                temperature=r.data["temperature"], policy_version=r.policy_version,
+                reward=r.data["reward"],
+            )
+            for r in rows
+        ]
 
     def release(self, rows: Iterable[Row]) -> None:
         """Free the payloads of rows already trained on."""

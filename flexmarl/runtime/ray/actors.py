@@ -4,6 +4,10 @@ They reuse the local workers' pieces (model building, `policy.sampling.generate`
 `training.trainer.AgentTrainer`) and differ only in transport: calls are actor methods, weights
 arrive as ObjectRefs resolved from the object store on the replica's node, never via the driver.
 Every reply carries the `(start, end, label)` spans of the work it covers, as locally.
+
+`owners` maps each agent to its table actor: objects that must outlive the actor that made them
+(a replica's log-prob blocks, a trainer's restart point) are handed to it (`adopt`), so it owns
+them and they survive the replica or trainer being killed and restarted.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from flexmarl.runtime.local.workers import WorkerSpec, _error, _setup_torch, from_numpy, to_numpy
+from flexmarl.runtime.local.workers import (
+    WorkerSpec,
+    _error,
+    _setup_torch,
+    from_numpy,
+    state_to_numpy,
+    to_numpy,
+)
 
 Span = tuple[float, float, str]
 
@@ -42,12 +53,13 @@ class RolloutReplica:
     so the next batch sees everything that queued up meanwhile (as the local replica does).
     """
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None) -> None:
         _setup_torch(spec)
         from flexmarl.config.schema import RunConfig
         from flexmarl.policy.model import build_model
 
         self.spec = spec
+        self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
         self.models = {
             a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed)
@@ -114,6 +126,7 @@ class RolloutReplica:
                     self._compute, generate, self.models[agent], requests
                 )
                 self.spans.append((t0, time.time(), f"gen:{agent}:{len(requests)}"))
+                await self._store_payloads(agent, results)
                 replies = [(True, r) for r in results]
             except Exception as exc:  # noqa: BLE001 - reported to the driver per request
                 replies = [(False, _error(exc))] * len(chosen)
@@ -121,15 +134,32 @@ class RolloutReplica:
                 if not item[3].done():
                     item[3].set_result(reply)
 
+    async def _store_payloads(self, agent: str, results: list) -> None:
+        """Put the batch's log-probs into the object store as one block owned by the agent's
+        table actor; each result then carries `TensorRef((block, i))`, so the driver only ever
+        sees the reference and the trainer fetches the bytes."""
+        owner = self.owners.get(agent)
+        if owner is None or not results:
+            return
+        import numpy as np
+
+        from flexmarl.store.experience import TensorRef
+
+        arrays = [np.asarray(r.logprobs, dtype=np.float32) for r in results]
+        (block,) = await owner.adopt.remote(arrays)
+        for i, (r, a) in enumerate(zip(results, arrays, strict=True)):
+            r.logprobs = TensorRef((block, i), tuple(a.shape), "float32")
+
 
 class TrainWorker:
     """Holds the trainers of the agents bound to it; weights leave it as one ray.put each."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None) -> None:
         _setup_torch(spec)
         from flexmarl.config.schema import RunConfig
         from flexmarl.training.trainer import AgentTrainer
 
+        self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
         self.trainers = {
             a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed)
@@ -152,16 +182,21 @@ class TrainWorker:
         return result, [(t0, time.time(), f"acc:{agent}:{len(samples)}")]
 
     def accumulate_from_table(
-        self, agent: str, table: Any, version: int, max_rows: int, step: int
+        self, agent: str, table: Any, version: int, max_rows: int, step: int,
+        expected_vector: dict[str, int] | None = None, sample_ids: list[str] | None = None,
+        replay: bool = False, after: Any = None,
     ) -> tuple[dict[str, float], list[Span]]:
         """Pull a micro-batch from the agent's table actor and fetch its payloads by reference:
-        the driver hands over only the table handle."""
+        the driver hands over only the table handle and the rows' ids. `after` (an ObjectRef
+        of the driver's last write to the table, resolved by Ray before this runs) orders the
+        pull after it."""
         import ray
 
         from flexmarl.runtime.ray.store import samples_from_rows
 
         t0 = time.time()
-        rows = ray.get(table.take_ready.remote(version, max_rows, step))
+        rows = ray.get(table.serve.remote(version, max_rows, step, expected_vector,
+                                          sample_ids, replay))
         samples = samples_from_rows(rows)
         t1 = time.time()
         result = self._trainer(agent).accumulate(samples)
@@ -171,7 +206,39 @@ class TrainWorker:
     def _weights_ref(self, agent: str) -> Any:
         import ray
 
+        # Owned by this actor (publication stays one copy); after a restart the supervisor
+        # re-publishes `latest` from the restored trainer.
         return ray.put(to_numpy(self._trainer(agent).weights()))
+
+    def get_state(self, agent: str) -> tuple[tuple[dict, dict], list[Span]]:
+        """The trainer's full state (weights, AdamW moments, RNG, version), as checkpoints and
+        the local runtime hold it; a restart point for a lost actor."""
+        t0 = time.time()
+        state = state_to_numpy(self._trainer(agent).get_state())
+        return state, [(t0, time.time(), f"state:{agent}")]
+
+    def restart_point(self, agent: str) -> tuple[list, list[Span]]:
+        """The full state into the object store, owned by the agent's table actor: what a
+        successor of this actor restores if it dies. Nested in a list: the driver keeps the
+        reference only."""
+        import ray
+
+        t0 = time.time()
+        state = state_to_numpy(self._trainer(agent).get_state())
+        owner = self.owners.get(agent)
+        if owner is None:
+            raise RuntimeError(f"agent {agent!r}: no table actor to keep its restart point")
+        (ref,) = ray.get(owner.adopt.remote(state))
+        return [ref], [(t0, time.time(), f"keep:{agent}")]
+
+    def restore_point(self, agent: str, state: tuple[dict, dict]) -> tuple[int, list[Span]]:
+        """`state`: a `restart_point` (Ray resolves the reference before this runs)."""
+        return self.set_state(agent, *state)
+
+    def set_state(self, agent: str, arrays: dict, meta: dict) -> tuple[int, list[Span]]:
+        t0 = time.time()
+        self._trainer(agent).set_state(arrays, meta)
+        return int(meta["version"]), [(t0, time.time(), f"restore:{agent}")]
 
     def step(self, agent: str) -> tuple[dict[str, float], list, list[Span]]:
         t0 = time.time()

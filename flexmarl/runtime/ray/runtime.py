@@ -13,6 +13,8 @@ import asyncio
 import math
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,10 @@ from flexmarl.config.schema import RayBundle, RunConfig
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, WorkerError
+from flexmarl.runtime.base import SpanSink, WorkerError, WorkerLost
 from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
+from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
 from flexmarl.training.trainer import Sample
 
 
@@ -45,13 +48,38 @@ def bundle_of(b: RayBundle) -> dict[str, float]:
     return {k: v for k, v in out.items() if v > 0}
 
 
+def _object_lost(exc: BaseException) -> bool:
+    """Whether a call failed because an argument's object is gone (its owner died)."""
+    import ray
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.ObjectLostError):
+            return True
+        cause = getattr(seen, "cause", None)  # RayTaskError wraps the remote exception
+        if isinstance(cause, ray.exceptions.ObjectLostError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+class ActorLost(WorkerLost):
+    """A call failed because its actor died (`ray.exceptions.RayActorError`): which actor, and
+    which incarnation of it, so concurrent callers trigger one restart, not one each."""
+
+    def __init__(self, actor: _Actor, generation: int, message: str) -> None:
+        super().__init__(message)
+        self.actor, self.generation = actor, generation
+
+
 class _Actor:
-    """Driver side of one actor: awaits calls, turns Ray failures into WorkerError, forwards
-    the spans each reply carries."""
+    """Driver side of one actor: awaits calls, turns Ray failures into WorkerError (a dead
+    actor: ActorLost), forwards the spans each reply carries. A restart swaps `handle`."""
 
     def __init__(self, pool: str, index: int, handle: Any, sink: SpanSink) -> None:
         self.pool, self.index, self.handle, self.sink = pool, index, handle, sink
         self.where: dict[str, Any] = {}
+        self.generation = 0  # incarnation: bumped by each restart
         self.outstanding_tokens = 0
         self.outbox: list[tuple[GenerationRequest, tuple, asyncio.Future]] = []
 
@@ -62,8 +90,12 @@ class _Actor:
     async def call(self, method: str, *args: Any) -> Any:
         import ray
 
+        handle, generation = self.handle, self.generation
         try:
-            return await getattr(self.handle, method).remote(*args)
+            return await getattr(handle, method).remote(*args)
+        except ray.exceptions.RayActorError as exc:
+            raise ActorLost(self, generation, f"{self.pool} worker {self.index} lost "
+                            f"({method}): {exc}") from exc
         except ray.exceptions.RayError as exc:
             raise WorkerError(f"{self.pool} worker {self.index} ({method}): {exc}") from exc
 
@@ -75,12 +107,27 @@ class RayRolloutPool:
     def __init__(self, actors: list[_Actor], balancer: Balancer) -> None:
         self.actors = actors  # filled by RayRuntime.start
         self.balancer = balancer
+        # The last weights published per agent: what a restarted replica must load.
+        self.latest: dict[str, tuple[int, Any]] = {}
+        self.supervisor: RaySupervisor | None = None
+        self.refetch: Callable[[str], Awaitable[RayWeights]] | None = None
 
     @property
     def n_workers(self) -> int:
         return len(self.actors)
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
+        """Dispatch; a request whose replica died goes again once it is restarted (sampling
+        is keyed by (seed, sample_id, version): the re-run produces the same tokens)."""
+        while True:
+            try:
+                return await self._dispatch(request, priority)
+            except ActorLost as lost:
+                if self.supervisor is None:
+                    raise
+                await self.supervisor.recover(lost)
+
+    async def _dispatch(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         cost = self.balancer.expected_cost(request.agent, len(request.prompt),
                                            request.max_new_tokens)
         index = self.balancer.pick(request.agent, [a.outstanding_tokens for a in self.actors])
@@ -127,23 +174,54 @@ class RayRolloutPool:
                 fut.set_exception(WorkerError(f"rollout worker {actor.index}: {result}"))
 
     async def publish(self, agent: str, version: int, weights: Any) -> None:
+        """Every replica loads `version`. Weights are objects of the trainer that made them: if
+        it died before the replicas fetched them, they are taken again from its restored
+        successor (`refetch`, the train pool's `weights`: the same version) and loaded."""
         import ray
 
         ref = weights.ref if isinstance(weights, RayWeights) else ray.put(weights)
-        # A top-level ObjectRef argument: each replica fetches it from the object store.
-        replies = await asyncio.gather(
-            *(a.call("load_weights", agent, version, ref) for a in self.actors)
-        )
-        for actor, (_, spans) in zip(self.actors, replies, strict=True):
-            actor.spans(spans)
+        while True:
+            self.latest[agent] = (version, ref)
+            # A top-level ObjectRef argument: each replica fetches it from the object store.
+            replies = await asyncio.gather(
+                *(a.call("load_weights", agent, version, ref) for a in self.actors),
+                return_exceptions=True,
+            )
+            lost_object = False
+            for actor, reply in zip(self.actors, replies, strict=True):
+                if isinstance(reply, ActorLost) and self.supervisor is not None:
+                    continue  # its restart loads `latest`
+                if isinstance(reply, BaseException):
+                    if self.refetch is not None and _object_lost(reply):
+                        lost_object = True
+                        continue
+                    raise reply
+                actor.spans(reply[1])
+            if not lost_object:
+                return
+            assert self.refetch is not None
+            if self.supervisor is not None:
+                self.supervisor._event("weights_refetched", agent=agent, version=version)
+            ref = (await self.refetch(agent)).ref
+            if self.latest[agent][0] == version:  # a restart may have refreshed it already
+                self.latest[agent] = (version, ref)
 
 
 class RayTrainPool:
-    """Training actors; each trainable agent is bound to one of them (round robin)."""
+    """Training actors; each trainable agent is bound to one of them (round robin).
+
+    With a supervisor, a recovery journal as on the local runtime: each agent's restart point
+    (its full state after its last step, put into the object store by the trainer and owned by
+    the agent's table actor, so it never travels through the driver) and the micro-batches
+    accumulated since, so a restarted actor resumes exactly there: no row lost, none counted
+    twice in a gradient."""
 
     def __init__(self, actors: list[_Actor], binding: dict[str, int]) -> None:
         self.actors = actors  # filled by RayRuntime.start
         self.binding = binding
+        self.supervisor: RaySupervisor | None = None
+        self.saved_state: dict[str, Any] = {}  # agent -> ObjectRef of its restart point
+        self.journal: dict[str, list[Any]] = defaultdict(list)
 
     @property
     def n_workers(self) -> int:
@@ -152,33 +230,203 @@ class RayTrainPool:
     def _actor(self, agent: str) -> _Actor:
         return self.actors[self.binding[agent]]
 
-    async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
-        actor = self._actor(agent)
-        result, spans = await actor.call("accumulate", agent, samples)
-        actor.spans(spans)
-        return result
+    async def _call(self, agent: str, method: str, *args: Any) -> Any:
+        """One call on the agent's actor, again on its restarted successor if it died."""
+        while True:
+            actor = self._actor(agent)
+            try:
+                out = await actor.call(method, *args)
+            except ActorLost as lost:
+                if self.supervisor is None:
+                    raise
+                await self.supervisor.recover(lost)
+                continue
+            result, spans = out
+            actor.spans(spans)
+            return result
+
+    async def accumulate(self, agent: str, batch: RayMicroBatch | list[Sample]
+                         ) -> dict[str, float]:
+        """A `RayMicroBatch` is pulled by the trainer actor from the agent's table actor (the
+        driver sends ids, not rows); a list of samples travels by value."""
+        replay = False
+        while True:
+            actor = self._actor(agent)
+            try:
+                result, spans = await self._send_batch(actor, agent, batch, replay)
+            except ActorLost as lost:
+                if self.supervisor is None:
+                    raise
+                await self.supervisor.recover(lost)
+                replay = True  # its predecessor may have taken the rows from the table
+                continue
+            actor.spans(spans)
+            if self.supervisor is not None:
+                self.journal[agent].append(batch)
+            return result
+
+    @staticmethod
+    async def _send_batch(actor: _Actor, agent: str, batch: Any, replay: bool) -> Any:
+        if isinstance(batch, RayMicroBatch):
+            return await actor.call(
+                "accumulate_from_table", agent, batch.table, batch.version, len(batch),
+                batch.step, batch.expected_vector, list(batch.sample_ids), replay,
+                None if replay else batch.after)
+        return await actor.call("accumulate", agent, batch)
 
     async def step(self, agent: str) -> tuple[dict[str, float], RayWeights]:
-        actor = self._actor(agent)
-        metrics, (ref,), spans = await actor.call("step", agent)
-        actor.spans(spans)
-        return metrics, RayWeights(ref)
+        while True:
+            actor = self._actor(agent)
+            try:
+                metrics, (ref,), spans = await actor.call("step", agent)
+                actor.spans(spans)
+                if self.supervisor is None:
+                    return metrics, RayWeights(ref)
+                (state,), spans = await actor.call("restart_point", agent)
+            except ActorLost as lost:  # lost with the step: restore, replay, step again
+                if self.supervisor is None:
+                    raise
+                await self.supervisor.recover(lost)
+                continue
+            actor.spans(spans)
+            self.saved_state[agent] = state
+            self.journal[agent] = []
+            return metrics, RayWeights(ref)
 
     async def weights(self, agent: str) -> RayWeights:
-        actor = self._actor(agent)
-        (ref,), spans = await actor.call("weights", agent)
-        actor.spans(spans)
+        (ref,) = await self._call(agent, "weights", agent)
         return RayWeights(ref)
 
+    async def get_state(self, agent: str) -> tuple[dict, dict]:
+        """By value: a checkpoint is written on the driver."""
+        return await self._call(agent, "get_state", agent)
+
+    async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
+        arrays, meta = state
+        await self._call(agent, "set_state", agent, arrays, meta)
+        if self.supervisor is not None:
+            await self.keep_restart_point(agent)
+
+    async def keep_restart_point(self, agent: str) -> None:
+        (ref,) = await self._call(agent, "restart_point", agent)
+        self.saved_state[agent] = ref
+        self.journal[agent] = []
+
     async def save(self, agent: str, directory: str) -> str:
-        actor = self._actor(agent)
-        files, spans = await actor.call("save", agent)
-        actor.spans(spans)
+        files = await self._call(agent, "save", agent)
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
             (out / name).write_bytes(data)
         return str(out)
+
+
+class RaySupervisor:
+    """Restarts a dead actor in its own placement-group bundle and restores it, up to
+    `runtime.max_worker_restarts` restarts per run (then the run fails, naming the actor).
+
+    Ray reports the death (`RayActorError`) to every call in flight; the first caller starts
+    the restart, the others wait for it. A rollout replica reloads every agent's latest
+    weights (its requests are then re-sent); a trainer gets each of its agents' restart point
+    and replays the micro-batches accumulated since. Each failure and recovery is a
+    `worker_failed` / `worker_recovered` event in metrics.jsonl and the trace. An actor Ray
+    reports unavailable (`ActorUnavailableError`, a `RayActorError`) is replaced the same way:
+    its state can be restored exactly, so killing it is safe.
+    """
+
+    def __init__(self, runtime: RayRuntime) -> None:
+        self.rt = runtime
+        self.max_restarts = runtime.cfg.runtime.max_worker_restarts
+        self.restarts = 0
+        self.failures: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self._tasks: dict[tuple[str, int], tuple[int, asyncio.Future]] = {}
+
+    def _event(self, name: str, **fields: Any) -> None:
+        fault = getattr(self.rt.sink, "fault", None)
+        if fault is not None:
+            fault(name, **fields)
+
+    async def recover(self, lost: ActorLost) -> None:
+        """Return once `lost.actor` runs again (restarted by this call or a concurrent one)."""
+        actor = lost.actor
+        if actor.generation != lost.generation:
+            return  # already restarted since that call was sent
+        key = (actor.pool, actor.index)
+        entry = self._tasks.get(key)
+        if entry is None or entry[0] != lost.generation:
+            info = {"pool": actor.pool, "worker": actor.index, "pid": actor.where.get("pid"),
+                    "reason": str(lost.__cause__ or lost)[:300]}
+            self.failures.append(info)
+            self._event("worker_failed", **info)
+            entry = (lost.generation, asyncio.ensure_future(self._restart(actor)))
+            self._tasks[key] = entry
+        await asyncio.shield(entry[1])
+
+    async def _restart(self, actor: _Actor) -> None:
+        import ray
+
+        died_at = time.monotonic()
+        try:
+            ray.kill(actor.handle, no_restart=True)  # already dead: frees nothing twice
+        except Exception:  # noqa: BLE001
+            pass
+        while True:
+            if self.restarts >= self.max_restarts:
+                reason = (f"{actor.pool} worker {actor.index} lost and "
+                          f"runtime.max_worker_restarts={self.max_restarts} restarts are used up")
+                self._event("worker_unrecoverable", pool=actor.pool, worker=actor.index,
+                            reason=reason)
+                raise WorkerError(reason)
+            self.restarts += 1
+            handle = self.rt.new_actor(actor.pool, actor.index)
+            fresh = _Actor(actor.pool, actor.index, handle, actor.sink)
+            try:
+                fresh.where = await fresh.call("where")
+                if actor.pool == "rollout":
+                    await self._load_latest(fresh)
+                else:
+                    await self._restore_trainers(fresh)
+            except ActorLost:
+                continue
+            # Swap the incarnation in place: the pools hold the same _Actor objects.
+            actor.handle, actor.where = fresh.handle, fresh.where
+            actor.generation += 1
+            info = {"pool": actor.pool, "worker": actor.index, "pid": actor.where.get("pid"),
+                    "recovery_s": time.monotonic() - died_at, "restarts": self.restarts}
+            self.recoveries.append(info)
+            self._event("worker_recovered", **info)
+            return
+
+    async def _load_latest(self, fresh: _Actor) -> None:
+        """Every agent's latest weights, until no newer version was published meanwhile."""
+        loaded: dict[str, int] = {}
+        while True:
+            todo = {a: vr for a, vr in self.rt.rollout.latest.items() if loaded.get(a) != vr[0]}
+            if not todo:
+                return
+            for agent, (version, ref) in todo.items():
+                _, spans = await fresh.call("load_weights", agent, version, ref)
+                fresh.spans(spans)
+                loaded[agent] = version
+
+    async def _restore_trainers(self, fresh: _Actor) -> None:
+        pool = self.rt.train
+        for agent, index in pool.binding.items():
+            if index != fresh.index:
+                continue
+            version, spans = await fresh.call("restore_point", agent, pool.saved_state[agent])
+            fresh.spans(spans)
+            for batch in pool.journal[agent]:
+                _, spans = await pool._send_batch(fresh, agent, batch, True)
+                fresh.spans(spans)
+            # The published weights were the lost actor's objects: the restored trainer holds
+            # the same weights (its state after the step that made them), so they are put again.
+            latest = self.rt.rollout.latest.get(agent)
+            if latest is not None and latest[0] == version:
+                (ref,), spans = await fresh.call("weights", agent)
+                fresh.spans(spans)
+                self.rt.rollout.latest[agent] = (latest[0], ref)
 
 
 class RayRuntime:
@@ -215,11 +463,18 @@ class RayRuntime:
         self.groups: dict[str, Any] = {}
         self.rollout_actors: list[_Actor] = []
         self.train_actors: list[_Actor] = []
+        self.tables: dict[str, Any] = {}  # agent -> its AgentTableActor handle
+        self.table_where: dict[str, dict[str, Any]] = {}
+        self.store: RayExperienceStore | None = None  # made by make_store, for the run
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in self.agents}
         self.rollout = RayRolloutPool(
             self.rollout_actors,
             Balancer(self.agents, rt.rollout_workers, cfg.rollout.balance, costs))
         self.train = RayTrainPool(self.train_actors, self.binding)
+        self.supervisor = RaySupervisor(self) if rt.max_worker_restarts > 0 else None
+        self.rollout.supervisor = self.train.supervisor = self.supervisor
+        if self.supervisor is not None:
+            self.rollout.refetch = self.train.weights
 
     def _spec(self, names: list[str]) -> WorkerSpec:
         rt = self.cfg.runtime
@@ -257,30 +512,55 @@ class RayRuntime:
             "max_restarts": 0,
         }
 
-    async def start(self) -> None:
+    def new_actor(self, pool: str, index: int) -> Any:
+        """Create worker `index` of `pool` in its placement-group bundle (also on a restart)."""
         import ray
 
         from flexmarl.runtime.ray.actors import RolloutReplica, TrainWorker
 
+        options = self._actor_options(pool, self.groups[pool], index)
+        if pool == "rollout":
+            return ray.remote(RolloutReplica).options(**options).remote(
+                self._spec(self.agents), self.tables)
+        names = [a for a, j in self.binding.items() if j == index]
+        return ray.remote(TrainWorker).options(**options).remote(
+            self._spec(names), {a: self.tables[a] for a in names})
+
+    def make_store(self) -> RayExperienceStore:
+        """The run's experience store: the driver's facade over the per-agent table actors."""
+        if not self.tables:
+            raise RayRuntimeError("the Ray runtime's store exists once the runtime is started")
+        self.store = RayExperienceStore(self.tables)
+        return self.store
+
+    async def start(self) -> None:
+        import ray
+
+        from flexmarl.runtime.ray.store import AgentTableActor
+
         self.session.start()
         try:
-            rollout_pg = await self._group("rollout")
-            train_pg = await self._group("train")
-            replica_cls = ray.remote(RolloutReplica)
-            train_cls = ray.remote(TrainWorker)
+            # One table actor per agent: light (numpy only, no CPU reserved), so Ray may
+            # place it on any node; it owns the agent's payloads and published weights.
+            table_cls = ray.remote(AgentTableActor)
+            for agent in self.agents:
+                self.tables[agent] = table_cls.options(num_cpus=0, max_restarts=0).remote(agent)
+            await self._group("rollout")
+            await self._group("train")
             for i in range(self.sizes["rollout"]):
-                handle = replica_cls.options(**self._actor_options("rollout", rollout_pg, i)
-                                             ).remote(self._spec(self.agents))
-                self.rollout_actors.append(_Actor("rollout", i, handle, self.sink))
+                self.rollout_actors.append(
+                    _Actor("rollout", i, self.new_actor("rollout", i), self.sink))
             for i in range(self.n_train):
-                names = [a for a, j in self.binding.items() if j == i]
-                handle = train_cls.options(**self._actor_options("train", train_pg, i)
-                                           ).remote(self._spec(names))
-                self.train_actors.append(_Actor("train", i, handle, self.sink))
+                self.train_actors.append(_Actor("train", i, self.new_actor("train", i), self.sink))
             actors = self.rollout_actors + self.train_actors
             places = await asyncio.gather(*(a.call("where") for a in actors))
             for actor, place in zip(actors, places, strict=True):
                 actor.where = place
+            tables = await asyncio.gather(*(t.where.remote() for t in self.tables.values()))
+            self.table_where = dict(zip(self.tables, tables, strict=True))
+            if self.supervisor is not None:  # restart points: the trainers' states now
+                for agent in self.binding:
+                    await self.train.keep_restart_point(agent)
         except BaseException:
             await self.stop()
             raise
@@ -297,6 +577,9 @@ class RayRuntime:
                 lines.append(f"ray: {pool}[{w['worker']}] actor {w['actor_id'][:12]} on node "
                              f"{w['node_id'][:12]} ({w['ip']}) pid {w['pid']} "
                              f"bundle {w['bundle']}{agents}")
+        for agent, w in placement["tables"].items():
+            lines.append(f"ray: table[{agent}] actor {w['actor_id'][:12]} on node "
+                         f"{w['node_id'][:12]} ({w['ip']}) pid {w['pid']}")
         print("\n".join(lines), file=sys.stderr, flush=True)
         log = getattr(self.sink, "log", None)
         if log is not None:
@@ -310,9 +593,10 @@ class RayRuntime:
         import ray
 
         if ray.is_initialized():
-            for actor in self.rollout_actors + self.train_actors:
+            handles = [a.handle for a in self.rollout_actors + self.train_actors]
+            for handle in [*handles, *self.tables.values()]:
                 try:
-                    ray.kill(actor.handle, no_restart=True)
+                    ray.kill(handle, no_restart=True)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
             from ray.util.placement_group import remove_placement_group
@@ -325,6 +609,7 @@ class RayRuntime:
         self.groups.clear()
         self.rollout_actors.clear()
         self.train_actors.clear()
+        self.tables.clear()
         self.session.stop()
 
     def placement(self) -> dict[str, Any]:
@@ -343,4 +628,5 @@ class RayRuntime:
             "ray": self.session.info(),
             "rollout": pool("rollout", self.rollout_actors),
             "train": pool("train", self.train_actors),
+            "tables": {a: dict(w) for a, w in self.table_where.items()},
         }

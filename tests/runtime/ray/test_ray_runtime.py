@@ -110,10 +110,11 @@ def test_unreachable_address_fails_fast_with_the_setting_named(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_actor_killed_mid_run_fails_the_run_and_shuts_down(tmp_path, ray_head):
-    """A real fault: the train actor's process is SIGKILLed after iteration 0."""
+    """A real fault with restarts off: the train actor's process is SIGKILLed after
+    iteration 0 and the run fails, naming the actor (restarts: test_ray_faults.py)."""
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
         "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=20",
-        "train.inputs_per_iteration=8", "pipeline.mode=sync",
+        "train.inputs_per_iteration=8", "pipeline.mode=sync", "runtime.max_worker_restarts=0",
     ])
     metrics = tmp_path / "run" / "metrics.jsonl"
 

@@ -94,3 +94,130 @@ def test_experience_store_with_ray_payloads(ray_head):
             raise AssertionError("a freed payload must not be served")
     finally:
         ray.shutdown()
+
+
+def test_live_run_keeps_rows_in_table_actors_and_payloads_in_the_object_store(tmp_path, ray_head):
+    """A real referential-game run on Ray: every agent's rows live in its table actor, their
+    log-probs are blocks in the object store that the replicas made, the trainer pulls each
+    micro-batch from the table actor by id, and the driver never resolves a payload."""
+    from flexmarl.orchestrator.run import train
+    from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
+
+    cfg = load_config(EXAMPLES / "referential_game.yaml", [
+        "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=2",
+        "train.inputs_per_iteration=4", "train.group_size=4", "train.micro_batch_size=8",
+    ])
+    seen: dict[str, list] = {"speaker": [], "listener": []}
+    state: dict = {}
+
+    def hook(runtime):
+        state["runtime"] = runtime
+        pool = runtime.train
+        original = pool.accumulate
+
+        async def accumulate(agent, batch):
+            table = runtime.tables[agent]
+            # Ordered after the store's writes (one caller, one actor): the rows are in.
+            rows = {r["sample_id"]: r for r in await table.rows.remote()}
+            mirror = {sid: runtime.store.table(agent).get(sid) for sid in batch.sample_ids}
+            seen[agent].append((batch, table, rows, mirror))
+            return await original(agent, batch)
+
+        pool.accumulate = accumulate
+
+    result = train(cfg, tmp_path / "run", on_runtime=hook)
+    runtime = state["runtime"]
+    store = runtime.store
+    assert isinstance(store, RayExperienceStore)
+    assert store.payload_fetches == 0 and store.snapshot_fetches == 0
+    placement = result.placement
+    assert sorted(placement["tables"]) == ["listener", "speaker"]
+    assert all(w["pid"] > 0 and w["actor_id"] for w in placement["tables"].values())
+    for agent, calls in seen.items():
+        assert len(calls) == 2 * 2  # 2 iterations x 16 rows / 8 per micro-batch
+        for batch, table, rows, mirror in calls:
+            assert isinstance(batch, RayMicroBatch) and len(batch) == 8
+            assert batch.table._actor_id == table._actor_id  # served by this agent's table
+            for sid in batch.sample_ids:
+                row = rows[sid]
+                assert row["status"] == "ready" and row["policy_version"] == batch.version
+                block, i = row["refs"]["logprobs"]
+                assert isinstance(block, ray.ObjectRef) and isinstance(i, int)
+                # the driver's mirror holds the same reference and no payload bytes
+                key = mirror[sid].refs["logprobs"].key
+                assert key[0].hex() == block.hex() and key[1] == i
+                assert not any(isinstance(v, np.ndarray) for v in mirror[sid].data.values())
+        trained = sum(1 for sid, _, _ in result.audit[agent])
+        assert trained == 2 * 16 and result.store_stats[agent]["consumed"] == 32
+    assert not ray.is_initialized()
+
+
+def test_table_actor_replays_a_micro_batch_only_into_the_step_that_took_it(ray_head):
+    """A trainer lost after pulling a micro-batch: its successor may pull the same rows again
+    for the same step (its restored state never summed them), never for another step."""
+    import pytest
+
+    ray.init(address=ray_head, log_to_driver=False)
+    try:
+        table = ray.remote(AgentTableActor).options(num_cpus=0).remote("speaker")
+        producer = ray.remote(Producer).options(num_cpus=0).remote()
+        ray.get(producer.fill.remote(table, "speaker", 16))
+        ids = sorted(r["sample_id"] for r in ray.get(table.rows.remote()))
+        first = ray.get(table.take_ready.remote(0, 8, 0, None, ids[:8]))
+        again = ray.get(table.take_ready.remote(0, 8, 0, None, ids[:8], True))
+        assert [r["sample_id"] for r in again] == [r["sample_id"] for r in first] == ids[:8]
+        assert again[0]["refs"]["logprobs"][0].hex() == first[0]["refs"]["logprobs"][0].hex()
+        with pytest.raises(ray.exceptions.RayTaskError, match="consumed by step 0"):
+            ray.get(table.take_ready.remote(0, 8, 1, None, ids[:8], True))
+        with pytest.raises(ray.exceptions.RayTaskError, match="is consumed, not ready"):
+            ray.get(table.take_ready.remote(0, 8, 0, None, ids[:8]))
+        # rows the lost trainer never pulled are consumed by the replay itself
+        mixed = ray.get(table.serve.remote(0, 8, 0, None, ids[4:12], True))
+        assert [r["sample_id"] for r in mixed["rows"]] == ids[4:12]
+        assert len(mixed["objects"]) == 1  # 8 rows of one block: one reference
+        assert ray.get(table.counts.remote())["consumed"] == 12
+    finally:
+        ray.shutdown()
+
+
+def test_ray_store_facade_mirrors_the_table_actors_and_checks_on_the_driver(ray_head):
+    """Without an event loop the facade writes through; its mirror refuses what the contract
+    forbids before anything reaches an actor, and the micro-batch names the rows by id."""
+    import pytest
+
+    from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
+    from flexmarl.store.experience import ConsistencyError
+
+    ray.init(address=ray_head, log_to_driver=False)
+    try:
+        table = ray.remote(AgentTableActor).options(num_cpus=0).remote("a")
+        store = RayExperienceStore({"a": table})
+        for j in range(3):
+            sid = f"0-{j}_0_0"
+            store.add(Row(sample_id=sid, agent="a", node="n", input_id=f"0-{j}", turn=0,
+                          trajectory_id=0, iteration=0, policy_version=0,
+                          version_vector={"a": 0}))
+            store.set_generated("a", sid, {"prompt": [1], "response": [2, 3], "allowed": None,
+                                           "temperature": 1.0},
+                                {"logprobs": np.array([-1.0, -float(j)], dtype=np.float32)})
+            store.set_rewarded("a", sid, float(j))
+        store.set_ready("a", "0-0_0_0", 0.5)
+        store.set_ready("a", "0-1_0_0", -0.5)
+        with pytest.raises(ConsistencyError, match="0-2_0_0 is rewarded, not ready"):
+            store.take_ready("a", 0, 3, step=0, sample_ids=["0-2_0_0"])
+        rows = store.take_ready("a", 0, 2, step=0, sample_ids=["0-1_0_0", "0-0_0_0"])
+        batch = store.micro_batch("a", rows)
+        assert isinstance(batch, RayMicroBatch) and batch.sample_ids == ("0-1_0_0", "0-0_0_0")
+        served = ray.get(table.serve.remote(0, 2, 0, {"a": 0}, list(batch.sample_ids)))
+        assert [r["data"]["advantage"] for r in served["rows"]] == [-0.5, 0.5]
+        values = ray.get(served["objects"])
+        assert [values[k].tolist() for k, _ in (r["refs"]["logprobs"] for r in served["rows"])
+                ] == [[-1.0, -1.0], [-1.0, 0.0]]
+        assert store.payload_fetches == 0
+        store.evict("a", 0)
+        store.check(wait=True)
+        assert ray.get(table.counts.remote()) == {**dict.fromkeys(
+            ("pending", "generated", "ready", "consumed", "failed"), 0), "rewarded": 1}
+        assert store.stats()["a"]["consumed"] == 2
+    finally:
+        ray.shutdown()

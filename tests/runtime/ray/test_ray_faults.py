@@ -1,0 +1,143 @@
+"""Checkpoints, resume and actor restarts on a real Ray head (loopback, 2 CPUs): a run stopped
+at a boundary and resumed, or one whose trainer or rollout actor is SIGKILLed mid-iteration,
+ends equal to the local fault-free reference, every row trained on exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import ray
+
+from flexmarl.orchestrator.joint import RunInterrupted
+from flexmarl.orchestrator.run import train
+from tests.faults.conftest import (
+    assert_final_equal,
+    assert_rows_exactly_once,
+    config,
+    events,
+    reference,  # noqa: F401 - the session fixture: the local fault-free run
+)
+
+# Two replicas and a trainer on the 2-CPU head: replicas take half a CPU each.
+RAY = ["runtime.kind=ray", "runtime.ray.rollout_bundle.cpus=0.5"]
+REQUESTS_PER_ITERATION = 4 * 8 * 2  # inputs x group x nodes
+
+
+def _ray_config(address: str, *extra: str):
+    return config(*RAY, f"runtime.address={address}", *extra)
+
+
+@pytest.mark.slow  # two Ray runs: ~30 s on the shared 2-core machine
+def test_stop_at_a_boundary_then_resume_on_ray_equals_uninterrupted(tmp_path, ray_head,
+                                                                    reference):  # noqa: F811
+    out = tmp_path / "run"
+    cfg = _ray_config(ray_head)
+
+    def stop_after_first(record):
+        if record["iteration"] == 0:  # as SIGTERM does: checkpoint at this boundary, stop
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(RunInterrupted) as stopped:
+        train(cfg, out, on_iteration=stop_after_first)
+    assert stopped.value.checkpoint and stopped.value.checkpoint.endswith("gen-000001")
+    assert not ray.is_initialized()
+    result = train(cfg, out, resume=out)
+    assert events(out, "resumed")[0]["completed"] == 1
+    assert len(result.records) == cfg.train.iterations
+    assert_final_equal(out, reference)
+    assert_rows_exactly_once(result.audit, result.consumed, cfg)
+
+
+def test_trainer_actor_sigkilled_mid_iteration_is_restarted_and_restored(tmp_path, ray_head,
+                                                                         reference):  # noqa: F811
+    cfg = _ray_config(ray_head)
+    state = {"n": 0, "pid": None}
+
+    def hook(runtime):
+        pool = runtime.train
+        original = pool.accumulate
+
+        async def accumulate(agent, batch):
+            out = await original(agent, batch)
+            state["n"] += 1
+            if state["n"] == 4 + 1:  # iteration 1, after its first micro-batch was summed
+                state["pid"] = pool.actors[0].where["pid"]
+                os.kill(state["pid"], signal.SIGKILL)
+            return out
+
+        pool.accumulate = accumulate
+
+    out = tmp_path / "run"
+    result = train(cfg, out, on_runtime=hook)
+    _check(result, out, reference, cfg, "train", state["pid"])
+
+
+def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head,
+                                                               reference):  # noqa: F811
+    """The new weights are the dead trainer's objects: the replicas get them again from its
+    restored successor (or had fetched them already), and the run ends equal."""
+    cfg = _ray_config(ray_head)
+    state = {"steps": 0, "pid": None}
+
+    def hook(runtime):
+        pool = runtime.train
+        original = pool.step
+
+        async def step(agent):
+            out = await original(agent)
+            state["steps"] += 1
+            if state["steps"] == 3:  # iteration 1's first step, before it is published
+                state["pid"] = pool.actors[0].where["pid"]
+                os.kill(state["pid"], signal.SIGKILL)
+                while os.path.exists(f"/proc/{state['pid']}"):  # gone, and Ray knows it
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+            return out
+
+        pool.step = step
+
+    out = tmp_path / "run"
+    result = train(cfg, out, on_runtime=hook)
+    _check(result, out, reference, cfg, "train", state["pid"])
+    (refetched,) = events(out, "weights_refetched")  # the 3rd step: iteration 1's first
+    assert refetched["version"] == 2 and refetched["agent"] in ("speaker", "listener")
+
+
+def test_rollout_actor_sigkilled_mid_iteration_is_restarted(tmp_path, ray_head,
+                                                            reference):  # noqa: F811
+    cfg = _ray_config(ray_head)
+    state = {"n": 0, "pid": None}
+
+    def hook(runtime):
+        pool = runtime.rollout
+        original = pool.generate
+
+        async def generate(request, priority):
+            state["n"] += 1
+            if state["n"] == REQUESTS_PER_ITERATION + 20:
+                state["pid"] = pool.actors[0].where["pid"]
+                os.kill(state["pid"], signal.SIGKILL)
+            return await original(request, priority)
+
+        pool.generate = generate
+
+    out = tmp_path / "run"
+    result = train(cfg, out, on_runtime=hook)
+    _check(result, out, reference, cfg, "rollout", state["pid"])
+
+
+def _check(result, out, reference, cfg, pool: str, pid: int) -> None:  # noqa: F811
+    assert not ray.is_initialized()
+    assert_rows_exactly_once(result.audit, result.consumed, cfg)
+    assert all(r["episodes/failed"] == 0 for r in result.records)
+    failed, recovered = events(out, "worker_failed"), events(out, "worker_recovered")
+    assert len(failed) == 1 and failed[0]["pool"] == pool and failed[0]["pid"] == pid
+    assert len(recovered) == 1 and recovered[0]["pool"] == pool
+    assert recovered[0]["recovery_s"] > 0 and recovered[0]["pid"] != pid
+    assert [f["pool"] for f in result.faults["failures"]] == [pool]
+    assert len(result.faults["recoveries"]) == 1
+    assert '"worker_recovered"' in (out / "trace.json").read_text()
+    assert_final_equal(out, reference)
