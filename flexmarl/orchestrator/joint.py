@@ -561,9 +561,17 @@ class JointOrchestrator:
         iterations = self.cfg.train.iterations
         first = self.start_iteration
         if self.cfg.pipeline.mode == "sync":
+            # Time-shared training slots (fewer than agents): train agent after agent, so each
+            # state is swapped in once per iteration instead of on every micro-batch.
+            slots = getattr(self.train, "slots", None)
+            one_by_one = slots is not None and slots < len(self.trainable)
             for k in range(first, iterations):
                 await self.rollout_iteration(k)
-                await asyncio.gather(*(self.train_iteration(a, k) for a in self.trainable))
+                if one_by_one:
+                    for a in self.trainable:
+                        await self.train_iteration(a, k)
+                else:
+                    await asyncio.gather(*(self.train_iteration(a, k) for a in self.trainable))
                 self._finish_iteration(k)
         else:
             await asyncio.gather(self._async_rollouts(first, iterations),

@@ -288,6 +288,7 @@ class LocalTrainPool:
     def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
         self.n_workers = len(workers)
+        self.slots = len(workers)  # agents time-share them when fewer than agents
         self.allocator = SlotAllocator(len(workers))
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
         self.swap_seconds = 0.0
