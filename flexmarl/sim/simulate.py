@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -258,7 +257,3 @@ def simulate(path: str | Path, systems: list[str] | None = None, iterations: int
         if pictures:
             print(f"gantt: {write_gantt(results, out / 'gantt.png')}")
     return results
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0

@@ -24,9 +24,6 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import allot_replicas
 from flexmarl.sim.cost import CostModel, keyed_uniform
@@ -320,21 +317,6 @@ class SimRuntime:
             step = cost.decode_step_time(a.model, a.tp, 64, 64 * (a.prompt_length.mean + 256))
             out[a.name] = tokens * step * a.tp / 64
         return out
-
-    def critical_path_estimate(self) -> float:
-        """Longest chain of one episode with tail-length (p99) outputs, each node alone on an
-        idle engine: no rollout, however many replicas it gets, finishes sooner."""
-        wl, cost = self.wl, self.cost
-        rng = np.random.default_rng(stable_seed(wl.seed, "p99"))
-        finish: dict[str, float] = {}
-        for node in wl.episode_nodes():
-            a = wl.agent(node.agent)
-            out = float(np.quantile(a.output_length.sample(rng, 2000), 0.99))
-            prompt = a.prompt_length.mean
-            lat = cost.prefill_time(a.model, a.tp, prompt) + out * cost.decode_step_time(
-                a.model, a.tp, 1, prompt + out / 2)
-            finish[node.id] = max((finish[i] for i in node.inputs), default=0.0) + lat
-        return max(finish.values(), default=0.0)
 
     def _train_demand(self) -> dict[str, float]:
         wl, cost = self.wl, self.cost
