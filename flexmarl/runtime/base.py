@@ -6,6 +6,7 @@ training pool (accumulate, step, save); where those run is the runtime's busines
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,3 +59,17 @@ class Runtime(Protocol):
     async def stop(self) -> None: ...
 
     def placement(self) -> dict[str, Any]: ...
+
+
+async def load_latest(latest: Mapping[str, tuple[int, Any]],
+                      load: Callable[[str, int, Any], Awaitable[None]]) -> None:
+    """Load every agent's latest (version, weights) into a restarted replica, again for any
+    agent that published a newer version meanwhile, until it holds the newest of all."""
+    loaded: dict[str, int] = {}
+    while True:
+        todo = {a: vw for a, vw in latest.items() if loaded.get(a) != vw[0]}
+        if not todo:
+            return
+        for agent, (version, weights) in todo.items():
+            await load(agent, version, weights)
+            loaded[agent] = version

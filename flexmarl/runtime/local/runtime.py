@@ -22,7 +22,7 @@ from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, Weights, WorkerError, WorkerLost
+from flexmarl.runtime.base import SpanSink, Weights, WorkerError, WorkerLost, load_latest
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
     WorkerSpec,
@@ -566,15 +566,10 @@ class Supervisor:
             return
 
     async def _load_latest(self, new: WorkerProxy) -> None:
-        """Publish every agent's latest weights, until no newer version arrived meanwhile."""
-        loaded: dict[str, int] = {}
-        while True:
-            todo = {a: vw for a, vw in self.rt.rollout.latest.items() if loaded.get(a) != vw[0]}
-            if not todo:
-                return
-            for agent, (version, weights) in todo.items():
-                await new.call("load_weights", (agent, version, weights))
-                loaded[agent] = version
+        async def load(agent: str, version: int, weights: Any) -> None:
+            await new.call("load_weights", (agent, version, weights))
+
+        await load_latest(self.rt.rollout.latest, load)
 
     async def _restore_trainers(self, new: WorkerProxy) -> None:
         pool = self.rt.train

@@ -23,7 +23,7 @@ from flexmarl.config.schema import RayBundle, RunConfig
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, WorkerError, WorkerLost
+from flexmarl.runtime.base import SpanSink, WorkerError, WorkerLost, load_latest
 from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
 from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
@@ -399,16 +399,11 @@ class RaySupervisor:
             return
 
     async def _load_latest(self, fresh: _Actor) -> None:
-        """Every agent's latest weights, until no newer version was published meanwhile."""
-        loaded: dict[str, int] = {}
-        while True:
-            todo = {a: vr for a, vr in self.rt.rollout.latest.items() if loaded.get(a) != vr[0]}
-            if not todo:
-                return
-            for agent, (version, ref) in todo.items():
-                _, spans = await fresh.call("load_weights", agent, version, ref)
-                fresh.spans(spans)
-                loaded[agent] = version
+        async def load(agent: str, version: int, ref: Any) -> None:
+            _, spans = await fresh.call("load_weights", agent, version, ref)
+            fresh.spans(spans)
+
+        await load_latest(self.rt.rollout.latest, load)
 
     async def _restore_trainers(self, fresh: _Actor) -> None:
         pool = self.rt.train
