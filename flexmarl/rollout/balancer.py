@@ -13,7 +13,7 @@ dealt round robin whatever their length.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +47,101 @@ def allot_replicas(
         replicas[best] += 1
         budget -= units[best]
     return replicas
+
+
+@dataclass(frozen=True)
+class Allotment:
+    """One step of `latency_allotments`: replicas per agent, the accelerators they take and
+    the predicted critical path of one iteration's rollout with them."""
+
+    replicas: dict[str, int]
+    accelerators: int
+    critical_path_s: float
+    typical_path_s: float = 0.0  # the same path without any tail: a typical episode's length
+    # when each agent's first node starts in a typical episode
+    first_start_s: dict[str, float] = field(default_factory=dict)
+
+
+def latency_allotments(
+    nodes: Sequence[tuple[str, str, Sequence[str]]],
+    phase_time: Callable[[str, int], tuple[float, float]],
+    capacity: int,
+    units: Mapping[str, int] | None = None,
+) -> list[Allotment]:
+    """Replica allotments that shorten one iteration's critical path, one replica at a time.
+
+    Why: proportional-to-tokens allotment (`allot_replicas`) is right when rollout is
+    throughput-bound. Multi-agent rollouts are often latency-bound instead: the graph chains
+    agents, so an iteration lasts as long as its slowest episode's path through the graph, and
+    a long-tailed agent's slowest sequence decodes at the speed of the batch it shares.
+
+    `phase_time(agent, r)` gives, for one iteration's requests of that agent served on r
+    replicas, the mean and the largest time from submission to completion (from a cost model
+    or from measurements). The predicted path is the longest path through one episode's
+    `nodes` (id, agent, input ids; topological) with every node taking its agent's mean
+    time, plus the largest tail (largest - mean) of any agent on it: requests finish at
+    different times, so one episode meets one agent's slowest request, not every agent's.
+    Each step gives one more replica to the agent whose replica shortens the path the most
+    per accelerator (parallel branches, where one replica alone cannot shorten the path, go
+    by the mean node time). It stops when no replica helps or the capacity is used. Every
+    step is returned, so the caller can trade rollout capacity against training capacity.
+    """
+    agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
+    units = dict(units or dict.fromkeys(agents, 1))
+    calls = {a: sum(1 for _, agent, _ in nodes if agent == a) for a in agents}
+    memo: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def d(agent: str, r: int) -> tuple[float, float]:
+        key = (agent, r)
+        if key not in memo:
+            memo[key] = phase_time(agent, r)
+        return memo[key]
+
+    def typical(replicas: Mapping[str, int]) -> tuple[float, dict[str, float]]:
+        end: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for node, agent, inputs in nodes:
+            start = max((end[i] for i in inputs if i in end), default=0.0)
+            first[agent] = min(first.get(agent, start), start)
+            end[node] = start + d(agent, replicas[agent])[0]
+        return max(end.values(), default=0.0), first
+
+    def path(replicas: Mapping[str, int]) -> float:
+        tail = max(d(a, replicas[a])[1] - d(a, replicas[a])[0] for a in agents)
+        return typical(replicas)[0] + tail
+
+    def allotment(replicas: Mapping[str, int], used: int) -> Allotment:
+        mean, first = typical(replicas)
+        return Allotment(dict(replicas), used, path(replicas), mean, first)
+
+    def objective(replicas: Mapping[str, int]) -> float:
+        spread = sum(calls[a] * d(a, replicas[a])[0] for a in agents) / max(1, sum(calls.values()))
+        return path(replicas) + 0.1 * spread
+
+    replicas = dict.fromkeys(agents, 1)
+    used = sum(units[a] for a in agents)
+    if used > capacity:
+        raise ValueError(f"rollout capacity {capacity} cannot hold one replica of every agent "
+                         f"(needs {used})")
+    steps = [allotment(replicas, used)]
+    current = objective(replicas)
+    while True:
+        best, best_gain, best_value = None, 0.0, current
+        for a in agents:
+            if used + units[a] > capacity:
+                continue
+            replicas[a] += 1
+            value = objective(replicas)
+            replicas[a] -= 1
+            gain = (current - value) / units[a]
+            if gain > best_gain:  # ties: the first agent in graph order
+                best, best_gain, best_value = a, gain, value
+        if best is None or best_gain <= 1e-9 * max(current, 1.0):
+            return steps
+        replicas[best] += 1
+        used += units[best]
+        current = best_value
+        steps.append(allotment(replicas, used))
 
 
 def share_replicas(demand: Mapping[str, float], n_replicas: int) -> dict[str, list[int]]:

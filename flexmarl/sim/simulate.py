@@ -71,7 +71,7 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None) ->
     async def main():
         loop = asyncio.get_running_loop()
         telemetry = Telemetry(None, clock=loop.time)
-        rt = SimRuntime(wl, features)
+        rt = SimRuntime(wl, features, mode=mode)
         await rt.start()
         try:
             orch = JointOrchestrator(cfg, task, rt.rollout, rt.train, telemetry)

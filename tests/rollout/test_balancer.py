@@ -1,9 +1,12 @@
 """Hierarchical load balancing: allotment follows demand, dispatch follows outstanding tokens."""
 
+import pytest
+
 from flexmarl.rollout.balancer import (
     Balancer,
     allot_replicas,
     equal_split,
+    latency_allotments,
     share_replicas,
 )
 from flexmarl.store.experience import GenerationStats
@@ -66,3 +69,52 @@ def test_replanning_reacts_to_a_demand_shift():
     # static never moves
     static = Balancer(["a", "b", "c", "d"], 4, mode="static")
     assert static.replan(1, demand).replicas == {"a": [0], "b": [1], "c": [2], "d": [3]}
+
+
+# --- critical-path allotment --------------------------------------------------------------------
+def _throughput_bound(work):
+    """phase_time for agents whose phase takes work / replicas (mean and last alike)."""
+    return lambda agent, r: (work[agent] / r, work[agent] / r)
+
+
+def test_latency_allotment_follows_the_critical_path_hand_computed():
+    # chain a -> b, a's phase 1/r s, b's 4/r s, 6 replicas: 1/ra + 4/rb is smallest at (2, 4)
+    nodes = [("a@1", "a", ()), ("b@1", "b", ("a@1",))]
+    steps = latency_allotments(nodes, _throughput_bound({"a": 1.0, "b": 4.0}), 6)
+    assert steps[0].replicas == {"a": 1, "b": 1} and steps[0].critical_path_s == 5.0
+    assert steps[-1].replicas == {"a": 2, "b": 4} and steps[-1].accelerators == 6
+    assert steps[-1].critical_path_s == pytest.approx(1 / 2 + 4 / 4)
+    assert [s.accelerators for s in steps] == list(range(2, 7))  # one replica per step
+    paths = [s.critical_path_s for s in steps]
+    assert paths == sorted(paths, reverse=True)
+    assert steps[-1].first_start_s == {"a": 0.0, "b": 0.5}
+
+
+def test_latency_allotment_grows_parallel_branches_together_and_counts_units():
+    # a hub feeding two equal leaves: adding to one leaf alone does not shorten the path, yet
+    # both leaves must grow; the hub's replica takes 4 accelerators
+    nodes = [("h", "hub", ()), ("l1", "leaf1", ("h",)), ("l2", "leaf2", ("h",))]
+    steps = latency_allotments(nodes, _throughput_bound({"hub": 0.01, "leaf1": 2.0,
+                                                        "leaf2": 2.0}), 4 + 6,
+                               units={"hub": 4, "leaf1": 1, "leaf2": 1})
+    assert steps[-1].replicas == {"hub": 1, "leaf1": 3, "leaf2": 3}
+    assert steps[-1].accelerators == 10
+
+
+def test_latency_allotment_stops_when_no_replica_helps_and_one_tail_counts_once():
+    # b's slowest request takes 10 s however many replicas it has, its mean phase stops
+    # shrinking at 4 replicas (latency-bound), and a's phase does not shrink at all
+    def phase(agent, r):
+        return (1.0, 1.0) if agent == "a" else (max(0.5, 2.0 / r), 10.0)
+
+    nodes = [("a@1", "a", ()), ("b@1", "b", ("a@1",)), ("b@2", "b", ("b@1",))]
+    steps = latency_allotments(nodes, phase, 100)
+    # the rest of the capacity is left for training
+    last = steps[-1]
+    assert last.replicas == {"a": 1, "b": 4} and last.accelerators == 5
+    rb = last.replicas["b"]
+    # a typical episode: a, then b twice; one tail (b's slowest request) on top, not two
+    assert last.typical_path_s == pytest.approx(1.0 + 2 * 2.0 / rb)
+    assert last.critical_path_s == pytest.approx(last.typical_path_s + 10.0 - 2.0 / rb)
+    with pytest.raises(ValueError, match="cannot hold one replica of every agent"):
+        latency_allotments(nodes, phase, 1)

@@ -10,7 +10,8 @@ Resource plans (which accelerators serve which agent) are computed here from the
   splits replicas equally;
 - intra-agent: `hierarchical` sends a request to the replica with the least outstanding
   tokens, `static` deals requests round robin (fixed equal chunks);
-- training allocation: `agent_centric` binds accelerators in proportion to training load,
+- training allocation: `agent_centric` binds accelerators so that every agent's training
+  takes about as long (min-max over measured load),
   `static` splits them equally; `sequential_training` trains one agent at a time.
 """
 
@@ -24,8 +25,10 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.rollout.balancer import allot_replicas
+from flexmarl.rollout.balancer import allot_replicas, latency_allotments
 from flexmarl.sim.cost import CostModel, keyed_uniform
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
@@ -53,19 +56,18 @@ class BusySpan:
     accelerators: int
 
 
-def largest_remainder(weights: dict[str, float], total: int, minimum: dict[str, int]) -> dict[str, int]:
-    """Split `total` units in proportion to `weights`, each at least `minimum[name]`."""
+def balanced_split(load: dict[str, float], total: int, minimum: dict[str, int]) -> dict[str, int]:
+    """Split `total` units so that the slowest agent's load / units is as small as possible,
+    each agent getting at least `minimum[name]`: one unit at a time to the agent whose load
+    per unit is the largest (proportional shares would leave an agent with a large memory
+    minimum over-served and the others waiting on it)."""
     out = dict(minimum)
-    left = total - sum(out.values())
-    if left <= 0:
-        return out
-    wsum = sum(weights.values()) or 1.0
-    shares = {k: left * w / wsum for k, w in weights.items()}
-    for k, s in shares.items():
-        out[k] += int(math.floor(s))
-    rest = total - sum(out.values())
-    for k in sorted(shares, key=lambda k: shares[k] - math.floor(shares[k]), reverse=True)[:rest]:
+    heap = [(-load[k] / out[k], k) for k in out]
+    heapq.heapify(heap)
+    for _ in range(total - sum(out.values())):
+        _, k = heapq.heappop(heap)
         out[k] += 1
+        heapq.heappush(heap, (-load[k] / out[k], k))
     return out
 
 
@@ -219,6 +221,8 @@ class SimRolloutPool:
         loop = rt.loop
         fut = loop.create_future()
         p = len(request.prompt)
+        rt._lengths[request.agent].append(out_len)
+        rt._prompts[request.agent].append(p)
         seq = _Seq(p, out_len, fut, loop.time(), request)
         # the request's latency alone on an idle engine: a term of the critical path
         rt.solo_latency[request.sample_id] = (
@@ -270,9 +274,13 @@ class SimTrainPool:
 class SimRuntime:
     """Plans resources for a workload and serves the orchestrator's pool calls in virtual time."""
 
-    def __init__(self, wl: Workload, features: SimFeatures, cost: CostModel | None = None):
+    def __init__(self, wl: Workload, features: SimFeatures, cost: CostModel | None = None,
+                 mode: str = "async"):
+        """`mode` is the orchestrator's pipeline mode: the planner predicts an iteration as
+        rollout and training overlapped (`async`) or one after the other (`sync`)."""
         self.wl = wl
         self.features = features
+        self.mode = mode
         self.cost = cost or wl.cost_model()
         self.total = wl.cluster.total_accelerators
         self.spans: list[BusySpan] = []
@@ -294,8 +302,13 @@ class SimRuntime:
         self.work: dict[str, dict[str, float]] = {"rollout": defaultdict(float),
                                                   "train": defaultdict(float)}
         self._rollouts_done = 0
-        self._last_work: tuple[dict[str, float], dict[str, tuple[float, int]]] = ({}, {})
-        self._train_measured: dict[str, float] = {}
+        self._last_work: dict[str, float] = {}
+        # per agent: busy training accelerator-seconds and the tokens they trained
+        self._train_cost: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        # output and prompt lengths of each agent's requests since the last plan
+        self._lengths: dict[str, list[int]] = defaultdict(list)
+        self._prompts: dict[str, list[int]] = defaultdict(list)
+        self._nodes = [(n.id, n.agent, n.inputs) for n in wl.episode_nodes()]
         self.plan_resources()
 
     @property
@@ -318,15 +331,26 @@ class SimRuntime:
             out[a.name] = tokens * step * a.tp / 64
         return out
 
-    def _train_demand(self) -> dict[str, float]:
+    def _train_demand(self, measured: bool) -> dict[str, float]:
+        """Accelerator-seconds of training each agent needs per iteration: its rows' tokens
+        (the last iteration's requests once measured) x its training cost per token (measured
+        busy accelerator-seconds per trained token once it has trained, else the cost model's
+        6 x params / (peak x MFU)). Per token, not per step: the cost stays the same whatever
+        number of accelerators did the work, so the measurement does not follow the plan."""
         wl, cost = self.wl, self.cost
         out = {}
         for a in wl.agents:
             if not a.trainable:
                 continue
-            calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
-            tokens = calls * (a.prompt_length.mean + a.output_length.mean)
-            out[a.name] = cost.train_compute_time(a.model, 1, tokens)
+            if measured and self._lengths.get(a.name):
+                tokens = float(sum(self._lengths[a.name]) + sum(self._prompts[a.name]))
+            else:
+                calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
+                tokens = calls * (a.prompt_length.mean + a.output_length.mean)
+            spent, trained = self._train_cost[a.name]
+            rate = (spent / trained if measured and trained > 0
+                    else cost.train_compute_time(a.model, 1, 1.0))
+            out[a.name] = rate * tokens
         return out
 
     def _colocated_groups(self) -> dict[str, int]:
@@ -346,40 +370,25 @@ class SimRuntime:
                 f"accelerators and needs {sum(out.values())}, but the cluster has {self.total}")
         return out
 
-    def _measured_demand(self) -> tuple[dict[str, float], dict[str, float]] | None:
-        """Busy accelerator-seconds each agent's rollout took in the iteration that just
-        finished, and each agent's training per optimizer step since the last plan: the
-        measured load that agent-centric allocation and hierarchical balancing follow."""
-        roll_now = dict(self.work["rollout"])
-        train_now = {a: (self.work["train"].get(a, 0.0), self.train.versions[a])
-                     for a in self.trainable}
-        last_roll, last_train = self._last_work
-        self._last_work = (roll_now, train_now)
-        roll = {a.name: roll_now.get(a.name, 0.0) - last_roll.get(a.name, 0.0)
-                for a in self.wl.agents}
-        train = {}
-        for a, (work, steps) in train_now.items():
-            work0, steps0 = last_train.get(a, (0.0, 0))
-            if steps == steps0:  # no step since the last plan: keep that measurement
-                if a not in self._train_measured:
-                    return None
-                train[a] = self._train_measured[a]
-            else:
-                train[a] = (work - work0) / (steps - steps0)
-        self._train_measured = train
-        return roll, train
+    def _measured_rollout(self) -> dict[str, float]:
+        """Busy accelerator-seconds each agent's rollout took since the last plan."""
+        now = dict(self.work["rollout"])
+        last, self._last_work = self._last_work, now
+        return {a.name: now.get(a.name, 0.0) - last.get(a.name, 0.0) for a in self.wl.agents}
 
     def plan_resources(self, measured: bool = False) -> None:
         wl, f = self.wl, self.features
-        roll_d, train_d = self._rollout_demand(measured), self._train_demand()
-        if measured and (m := self._measured_demand()) is not None:
-            roll_d, train_d = m
+        roll_d = self._measured_rollout() if measured else self._rollout_demand(False)
+        train_d = self._train_demand(measured)
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
             self.groups = self._colocated_groups()
             roll_acc = train_acc = sum(self.groups.values())
             replicas = {a.name: self.groups[a.name] // a.tp for a in wl.agents}
             train_alloc = {a: self.groups[a] for a in self.trainable}
+        elif f.balance == "hierarchical":
+            replicas, roll_acc, train_alloc = self._plan_critical_path(measured, train_d, mins)
+            train_acc = self.total - roll_acc
         else:
             need_train = sum(mins.values())
             need_roll = sum(a.tp for a in wl.agents)
@@ -388,22 +397,87 @@ class SimRuntime:
             roll_acc = min(self.total - need_train, max(need_roll, round(self.total * share)))
             train_acc = self.total - roll_acc
             units = {a.name: a.tp for a in wl.agents}
-            # the production balancer's inter-agent allotment, in whole replicas of tp
-            replicas = allot_replicas(
-                roll_d, roll_acc, "hierarchical" if f.balance == "hierarchical" else "static",
-                units)
-            if f.sequential_training:
-                train_alloc = dict.fromkeys(self.trainable, train_acc)
-            elif f.allocation == "agent_centric":
-                train_alloc = largest_remainder(train_d, train_acc, mins)
-            else:
-                equal = train_acc // max(1, len(self.trainable))
-                train_alloc = {a: max(mins[a], equal) for a in self.trainable}
+            # the production balancer's equal split, in whole replicas of tp
+            replicas = allot_replicas(roll_d, roll_acc, "static", units)
+            train_alloc = self._train_split(train_d, train_acc, mins)
         self.roll_acc, self.train_acc = roll_acc, train_acc
         self.train_alloc = train_alloc
         self._resize_replicas(replicas)
+        self._lengths.clear()
+        self._prompts.clear()
         self.plans.append({"rollout_accelerators": roll_acc, "train_accelerators": train_acc,
                            "replicas": dict(replicas), "train": dict(train_alloc)})
+
+    def _train_split(self, train_d: dict[str, float], train_acc: int,
+                     mins: dict[str, int]) -> dict[str, int]:
+        """Training accelerators per agent: in proportion to training load (agent-centric),
+        equal shares (static), or all of them in turn (sequential)."""
+        f = self.features
+        if f.sequential_training:
+            return dict.fromkeys(self.trainable, train_acc)
+        if f.allocation == "agent_centric":
+            return balanced_split(train_d, train_acc, mins)
+        equal = train_acc // max(1, len(self.trainable))
+        return {a: max(mins[a], equal) for a in self.trainable}
+
+    def _phases(self, measured: bool) -> dict[str, tuple[np.ndarray, int]]:
+        """Per agent, one round's output lengths (longest first) and the mean prompt length:
+        the last iteration's requests once measured, else quantiles of the workload's
+        distributions for every call of the full graph."""
+        wl = self.wl
+        out = {}
+        for a in wl.agents:
+            rounds = len(wl.agent_rounds(a.name))
+            lengths = self._lengths.get(a.name) if measured else None
+            if lengths:
+                ordered = np.sort(np.asarray(lengths, dtype=np.int64))[::-1][::rounds]
+                prompt = round(float(np.mean(self._prompts[a.name])))
+            else:
+                n = wl.episodes_per_iteration * wl.copies_per_round(a.name)
+                ordered = np.array([max(1, a.output_length.draw(1 - (i + 0.5) / n))
+                                    for i in range(n)], dtype=np.int64)
+                ordered[::-1].sort()
+                prompt = round(a.prompt_length.mean)
+            out[a.name] = (ordered, prompt)
+        return out
+
+    def _plan_critical_path(self, measured: bool, train_d: dict[str, float],
+                            mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
+        """Hierarchical balancing: the production balancer's critical-path allotment over the
+        episode graph, with phase times from the cost model on the (measured) lengths; the
+        rollout/training split is the step of that allotment whose predicted iteration is
+        shortest: the rollout path plus whatever training delays the next iteration's nodes
+        when pipelined, plus the slowest agent's training when synchronous."""
+        wl, cost = self.wl, self.cost
+        phases = self._phases(measured)
+
+        def phase_time(agent: str, r: int) -> tuple[float, float]:
+            lengths, prompt = phases[agent]
+            spec = wl.agent(agent)
+            timing = cost.generation_timing(spec.model, spec.tp, prompt, lengths[::r])
+            return float(timing.finish_s.mean()), timing.total_s
+
+        units = {a.name: a.tp for a in wl.agents}
+        steps = latency_allotments(self._nodes, phase_time, self.total - sum(mins.values()),
+                                   units)
+        best: tuple[float, dict[str, int], int, dict[str, int]] | None = None
+        for step in steps:
+            alloc = self._train_split(train_d, self.total - step.accelerators, mins)
+            train_s = {a: train_d[a] / alloc[a] for a in self.trainable}
+            path = step.critical_path_s
+            if self.mode == "sync":
+                cycle = path + max(train_s.values(), default=0.0)
+            else:
+                # rows are ready when their episodes end (from about a typical episode's
+                # length on); agent a's nodes of the next iteration, which start once this
+                # rollout is over plus a's offset in the graph, wait for its training
+                cycle = path + max((max(0.0, step.typical_path_s + t - path
+                                        - step.first_start_s[a]) for a, t in train_s.items()),
+                                   default=0.0)
+            if best is None or cycle < best[0]:
+                best = (cycle, step.replicas, step.accelerators, alloc)
+        assert best is not None
+        return best[1], best[2], best[3]
 
     def _resize_replicas(self, replicas: dict[str, int]) -> None:
         for agent, n in replicas.items():
@@ -466,6 +540,8 @@ class SimRuntime:
             self.spans.append(BusySpan(f"train/{agent}", "train", agent, kind, t0, loop.time(),
                                        n))
             self.work["train"][agent] += (loop.time() - t0) * n
+            self._train_cost[agent][0] += (loop.time() - t0) * n
+            self._train_cost[agent][1] += tokens
 
     async def publish(self, agent: str, version: int) -> None:
         loop = self.loop
