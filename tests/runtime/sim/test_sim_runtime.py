@@ -100,3 +100,21 @@ def test_marti_like_gives_each_agent_its_own_devices_and_trains_one_agent_at_a_t
         assert not any(r.agent == t.agent and _overlap(r, t) for r in roll)
         # ... and agents train one after another
         assert not any(o.agent != t.agent and _overlap(o, t) for o in train)
+
+
+def test_hierarchical_balancing_plans_the_critical_path_and_beats_the_equal_split():
+    """planner (72B) -> coder (7B, Pareto tail) <-> reviewer (1.5B): the equal split gives the
+    72B planner as many replicas as the 1.5B reviewer; the critical-path plan gives the coder,
+    whose tail is on every episode's path, the most, and finishes iterations sooner."""
+    wl = load_workload(WORKLOAD.parent / "planner_coder_reviewer.yaml")
+    flex = simulate_system(wl, "flexmarl", iterations=2)
+    static = simulate_system(wl, "flexmarl-static-balance", iterations=2)
+    plan = flex.runtime.plans[-1]["replicas"]
+    assert plan["coder"] > plan["reviewer"] and plan["coder"] > plan["planner"]
+    assert flex.makespan_s < static.makespan_s
+    # the split leaves every trainer at least its memory minimum, and uses the whole cluster
+    rt = flex.runtime
+    for agent, n in rt.plans[-1]["train"].items():
+        assert n >= rt.cost.min_train_accelerators(wl.agent(agent).model)
+    assert rt.roll_acc + rt.train_acc == rt.total
+    assert sum(plan[a] * wl.agent(a).tp for a in plan) <= rt.roll_acc
