@@ -1,18 +1,23 @@
 """The simulated runtime: rollout replicas and trainers that `await` what the cost model
 predicts, on the virtual clock. The orchestrator driving them is the production one.
 
-Resource plans (which accelerators serve which agent) are computed here from the workload:
-- rollout/training split: in proportion to estimated rollout vs training work (disaggregated),
-  or colocated (the MARTI-like baseline): every agent owns an equal share of the cluster, on
+Resource plans (which accelerators serve which agent) are computed here from the workload,
+re-planned between iterations from what was measured (lengths, prompts, busy time per token):
+- hierarchical balancing: the production balancer's `latency_allotments` gives replicas one
+  at a time to the agent that shortens one iteration's critical path through the episode graph
+  the most (phase times from the cost model on the last iteration's lengths); the
+  rollout/training split is the step of that sequence whose predicted iteration is shortest
+  (rollout path plus the training that delays the next iteration's nodes when pipelined, plus
+  the slowest agent's training when synchronous);
+- `static` balancing splits the rollout accelerators in proportion to estimated (then
+  measured busy) rollout vs training work and deals replicas equally to agents;
+- colocated (the MARTI-like baseline): every agent owns an equal share of the cluster, on
   which its engines and its trainer take turns (engines sleep while it trains);
-- inter-agent rollout balance: `hierarchical` gives each agent replicas in proportion to its
-  demand (tokens x per-token cost), re-planned each iteration from measured tokens; `static`
-  splits replicas equally;
 - intra-agent: `hierarchical` sends a request to the replica with the least outstanding
   tokens, `static` deals requests round robin (fixed equal chunks);
 - training allocation: `agent_centric` binds accelerators so that every agent's training
-  takes about as long (min-max over measured load),
-  `static` splits them equally; `sequential_training` trains one agent at a time.
+  takes about as long (min-max over its measured cost per token x its tokens), `static` splits
+  them equally; `sequential_training` trains one agent at a time.
 """
 
 from __future__ import annotations
@@ -318,14 +323,15 @@ class SimRuntime:
         return self._loop
 
     # --- planning ------------------------------------------------------------------------
-    def _rollout_demand(self, measured: bool) -> dict[str, float]:
-        """Accelerator-seconds per iteration each agent's rollout needs (cost x tokens)."""
+    def _rollout_demand(self) -> dict[str, float]:
+        """Estimated accelerator-seconds per iteration of each agent's rollout (cost x
+        tokens), before anything is measured: the equal-split baselines' rollout/training
+        split follows it."""
         wl, cost = self.wl, self.cost
         out = {}
         for a in wl.agents:
             calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
-            tokens = (self.tokens[a.name] / max(1, len(self.plans)) if measured and self.tokens
-                      else calls * a.output_length.mean)
+            tokens = calls * a.output_length.mean
             # per-token cost at a typical batch of 64 sequences
             step = cost.decode_step_time(a.model, a.tp, 64, 64 * (a.prompt_length.mean + 256))
             out[a.name] = tokens * step * a.tp / 64
@@ -378,7 +384,7 @@ class SimRuntime:
 
     def plan_resources(self, measured: bool = False) -> None:
         wl, f = self.wl, self.features
-        roll_d = self._measured_rollout() if measured else self._rollout_demand(False)
+        roll_d = self._measured_rollout() if measured else self._rollout_demand()
         train_d = self._train_demand(measured)
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
