@@ -107,11 +107,11 @@ def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> flo
 
     The critical path is that of the on-policy pipeline's steady state, so it bounds pipelined
     and synchronous systems alike: agent a's nodes of iteration k+1 need a's version k+1, which
-    needs all of a's rows of iteration k. So each iteration lasts at least, for every agent a,
-    the longest dependency chain of one episode from the start of one of a's nodes to the end
-    of one of a's nodes (every node served alone on an idle engine), plus a's optimizer step
-    (on the whole cluster) and weight publication. The work is the busy accelerator-seconds of
-    this very run.
+    needs all of a's rows of iteration k rewarded, which happens when their episodes end. So
+    each iteration lasts at least, for every agent a, the longest dependency chain of one
+    episode from the start of one of a's nodes to the end of that episode (every node served
+    alone on an idle engine), plus a's optimizer step (on the whole cluster) and weight
+    publication. The work is the busy accelerator-seconds of this very run.
     """
     node_of = {turn: name for name, turn in orch.turns.items()}
     episodes: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
@@ -131,28 +131,26 @@ def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> flo
 def _cycle(rt: SimRuntime, orch: JointOrchestrator, episodes: list[dict[str, float]]) -> float:
     """The shortest time one iteration can take, from its episodes' solo node latencies."""
     agent_of = {name: orch.graph.nodes[name].agent for name in orch.order}
-    inputs = {name: orch.graph.nodes[name].inputs for name in orch.order}
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for name in orch.order:
+        for i in orch.graph.nodes[name].inputs:
+            consumers[i].append(name)
+    # per agent, the longest path of one episode from the start of one of its nodes to the
+    # episode's end: its rows are rewarded (so trainable) only when their episode is over
+    chain: dict[str, float] = defaultdict(float)
+    for lats in episodes:
+        to_end: dict[str, float] = {}
+        for name in reversed(orch.order):
+            if name in lats:
+                to_end[name] = lats[name] + max(
+                    (to_end[c] for c in consumers[name] if c in to_end), default=0.0)
+                chain[agent_of[name]] = max(chain[agent_of[name]], to_end[name])
     critical = 0.0
     for agent in rt.trainable:
         spec = rt.wl.agent(agent)
         step = (rt.cost.optimizer_step_time(spec.model, rt.total)
                 + rt.cost.weight_transfer_time(spec.model, inter_node=True, links=spec.tp))
-        chain = 0.0
-        for lats in episodes:
-            # longest path ending at each node that starts at one of the agent's nodes
-            from_agent: dict[str, float] = {}
-            for name in orch.order:
-                if name not in lats:
-                    continue
-                before = max((from_agent[i] for i in inputs[name] if i in from_agent),
-                             default=None)
-                if agent_of[name] == agent:
-                    before = max(before or 0.0, 0.0)
-                if before is not None:
-                    from_agent[name] = before + lats[name]
-                    if agent_of[name] == agent:
-                        chain = max(chain, from_agent[name])
-        critical = max(critical, chain + step)
+        critical = max(critical, chain[agent] + step)
     return critical
 
 
