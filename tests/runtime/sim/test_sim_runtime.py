@@ -118,3 +118,28 @@ def test_hierarchical_balancing_plans_the_critical_path_and_beats_the_equal_spli
         assert n >= rt.cost.min_train_accelerators(wl.agent(agent).model)
     assert rt.roll_acc + rt.train_acc == rt.total
     assert sum(plan[a] * wl.agent(a).tp for a in plan) <= rt.roll_acc
+
+
+def test_lower_bound_runs_each_agents_chain_to_the_end_of_the_episode(wl):
+    """solver -> verifier -> solver -> verifier: the solver's rows are rewarded when the
+    verifier's last node is done, so one iteration lasts at least an episode's whole solo
+    path plus the solver's step and publication, whatever the system."""
+    from collections import defaultdict
+
+    from flexmarl.sim.simulate import _cycle, lower_bound
+    from flexmarl.store.experience import parse_sample_id
+
+    res = simulate_system(wl, "flexmarl", iterations=1)
+    rt, orch = res.runtime, res.orchestrator
+    node_of = {turn: name for name, turn in orch.turns.items()}
+    episodes = defaultdict(dict)
+    for sid, lat in rt.solo_latency.items():
+        input_id, turn, traj = parse_sample_id(sid)
+        episodes[(input_id, traj)][node_of[turn]] = lat
+    assert {len(e) for e in episodes.values()} == {4}  # a chain of four nodes
+    longest = max(sum(e.values()) for e in episodes.values())
+    solver = wl.agent("solver")
+    step = (rt.cost.optimizer_step_time(solver.model, rt.total)
+            + rt.cost.weight_transfer_time(solver.model, inter_node=True, links=solver.tp))
+    assert _cycle(rt, orch, list(episodes.values())) == pytest.approx(longest + step)
+    assert lower_bound(rt, orch, 1) <= res.per_iteration_s
