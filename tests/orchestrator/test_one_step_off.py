@@ -38,7 +38,7 @@ def _instrument(submitted: dict, stepped: dict):
 def test_one_step_off_trains_each_row_once_one_version_stale_and_overlaps(tmp_path):
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
         "pipeline.mode=one_step_off", "train.iterations=3", "train.inputs_per_iteration=4",
-        "train.micro_batch_size=16"])
+        "train.group_size=4", "train.micro_batch_size=8"])
     assert cfg.pipeline.max_staleness == 1
     submitted: dict[int, float] = {}
     stepped: dict[str, list[float]] = defaultdict(list)
@@ -46,7 +46,7 @@ def test_one_step_off_trains_each_row_once_one_version_stale_and_overlaps(tmp_pa
     _assert_exactly_once(result, cfg)
     for agent, trail in result.audit.items():
         assert {(v, s) for _, v, s in trail} == {(0, 0), (0, 1), (1, 2)}, agent
-        assert len(trail) == 3 * 4 * 8
+        assert len(trail) == 3 * 4 * 4
     assert sorted(submitted) == [0, 1, 2]
     # iteration 1 is generated with version 0: it starts before any agent's step 0 is done
     for agent, times in stepped.items():
