@@ -230,7 +230,15 @@ class TrainConfig(Strict):
 
 
 class PipelineConfig(Strict):
-    mode: Literal["sync", "async"] = "async"
+    # sync: roll out iteration k, then train on it; async: micro-batch pipeline, on-policy;
+    # one_step_off: iteration k is generated with the weights of step k-2 (version k-1), so
+    # iteration k+1's rollout overlaps step k (verl's / AReaL's one-step off-policy async)
+    mode: Literal["sync", "async", "one_step_off"] = "async"
+
+    @property
+    def max_staleness(self) -> int:
+        """How many versions older than the trainer a row may be: 1 in one_step_off."""
+        return 1 if self.mode == "one_step_off" else 0
 
 
 class RolloutConfig(Strict):
@@ -350,6 +358,12 @@ class RunConfig(Strict):
                 if agent.trainable:
                     raise ValueError(f"agents.{name}.backend: the openai backend serves frozen "
                                      f"agents only; set agents.{name}.trainable: false")
+        if self.pipeline.mode == "one_step_off" and self.train.checkpoint_every is not None:
+            # a boundary of one_step_off has iteration k+1 in flight on version k weights, which
+            # no trainer holds any more: a resume could not regenerate it
+            raise ValueError("train.checkpoint_every: checkpoints are not supported with "
+                             "pipeline.mode=one_step_off; unset train.checkpoint_every or use "
+                             "pipeline.mode=async")
         return self
 
 

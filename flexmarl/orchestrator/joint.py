@@ -7,9 +7,18 @@ Pipelines (DESIGN.md section 5):
 - `sync`: roll out iteration k completely, then train every agent on it, then publish;
 - `async`: agent a's trainer consumes a's ready micro-batches of iteration k as they appear
   (accumulating gradients), steps when k's rows are all in, publishes version k+1; a's nodes of
-  iteration k+1 start as soon as their inputs and a's version k+1 exist.
-Both obey the consistency contract: agent a's step k trains on exactly the rows a generated
-with version k, in episodes whose version vector is iteration k's, each row once.
+  iteration k+1 start as soon as their inputs and a's version k+1 exist;
+- `one_step_off`: one-step off-policy async (verl's / AReaL's, applied per agent): iteration k
+  is generated with every trainable agent at version max(0, k-1), so iteration k+1's rollout
+  (version k) overlaps step k. The driver is async's: k+1's rollout starts once k's is done,
+  trainers consume k's micro-batches as they appear; step k publishes version k+1 to the
+  replicas only once iteration k+1's rollout is done (a replica serves one version per agent),
+  which is when iteration k+2 needs it. The trainers accept rows one version older than
+  themselves (`pipeline.max_staleness` = 1); the loss's ratio against the recorded behaviour
+  log-probs is the off-policy correction. Checkpoints are not supported in this mode.
+All obey the consistency contract: agent a's step k trains on exactly the rows of iteration k,
+each once, generated with a's entry of iteration k's version vector (k on-policy, max(0, k-1)
+one step off), in episodes whose version vector is iteration k's.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.config.schema import CreditConfig, RunConfig
+from flexmarl.config.schema import ConfigError, CreditConfig, RunConfig
 from flexmarl.errors import UserError
 from flexmarl.graph.meg import EpisodeContext, GraphError, NodePrompt
 from flexmarl.graph.task import Task
@@ -166,13 +175,26 @@ class JointOrchestrator:
         self._stop_requests = 0
         self._stop = asyncio.Event()
         self._restored: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        # one_step_off: how many versions the rollout lags training, and per agent the weights
+        # of its last step, held until the iteration generated with the previous version is done
+        self.staleness = cfg.pipeline.max_staleness
+        self._held: dict[str, tuple[int, Weights]] = {}
+        if self.staleness:
+            if resume is not None:
+                raise ConfigError(f"resume {getattr(resume, 'path', resume)}: checkpoints are "
+                                  "not supported with pipeline.mode=one_step_off")
+            # no boundary has a resumable state (iteration k+1 is in flight on version k
+            # weights no trainer holds): a stop request stops at once, without a checkpoint
+            self.save_checkpoint = None
         if resume is not None:
             self._load_position(resume)
 
     # --- versions and notifications ----------------------------------------------------------
     def vector(self, iteration: int) -> dict[str, int]:
-        """The version vector of iteration k: every trainable agent at k, frozen ones at 0."""
-        return {a: (iteration if a in self.trainable else 0) for a in self.agents}
+        """The version vector of iteration k: every trainable agent at k (at max(0, k-1) in
+        one_step_off), frozen ones at 0."""
+        v = max(0, iteration - self.staleness)
+        return {a: (v if a in self.trainable else 0) for a in self.agents}
 
     def _gate(self, agent: str, version: int) -> asyncio.Event:
         key = (agent, version)
@@ -496,8 +518,10 @@ class JointOrchestrator:
             ]
             if not ids:
                 continue
-            rows = self.store.take_ready(agent, k, len(ids), step=k, expected_vector=vector,
-                                         sample_ids=ids)
+            # the iteration's policy version of this agent, and the step, separately (they
+            # differ in one_step_off: step k trains rows of version max(0, k-1))
+            rows = self.store.take_ready(agent, vector[agent], len(ids), step=k,
+                                         expected_vector=vector, sample_ids=ids)
             self.consumed[agent][k].extend(r.sample_id for r in rows)
             self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
             await self.train.accumulate(agent, self.store.micro_batch(agent, rows))
@@ -518,9 +542,20 @@ class JointOrchestrator:
         elif metrics.get("skipped"):
             self.telemetry.event("step_skipped", agent=agent, iteration=k)
         it.trained[agent] = metrics
-        await self._publish(agent, k + 1, weights)
-        self.store.evict(agent, k)
+        if self.staleness and k + 1 < self.cfg.train.iterations:
+            # one_step_off: iteration k+1 is being generated with version k; the trainer loop
+            # publishes k+1 once that rollout is done (`_publish_held`)
+            self._held[agent] = (k + 1, weights)
+        else:
+            await self._publish(agent, k + 1, weights)
+        self.store.evict(agent, vector[agent])
         it.train_done[agent] = self.telemetry.now()
+
+    async def _publish_held(self, agent: str, version: int, weights: Weights) -> None:
+        """one_step_off: publish the version the last step made once the iteration generated
+        with its predecessor (iteration `version`) is rolled out."""
+        await self.iterations_ready(version)
+        await self._publish(agent, version, weights)
 
     async def _publish(self, agent: str, version: int, weights: Weights) -> None:
         await self.rollout.publish(agent, version, weights)
@@ -584,6 +619,8 @@ class JointOrchestrator:
             pending.append(task)
             # Iteration k+1 only needs k's rollout to be complete: every agent's version k+1
             # depends on all of k's rows, so starting earlier could not run anything sooner.
+            # (one_step_off: k+1 needs version k only, but one iteration in flight beyond the
+            # one in training is the mode's bound on staleness and on the store.)
             ready = asyncio.ensure_future(self.iterations_ready(k))
             await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
             if task.done() and not task.cancelled() and task.exception() is not None:
@@ -602,7 +639,12 @@ class JointOrchestrator:
             for k in range(first, iterations):
                 while k not in self.iterations:
                     await asyncio.sleep(0.001)
-                await self.train_iteration(agent, k)
+                held = self._held.pop(agent, None)
+                if held is not None:  # one_step_off: version k goes out after k's rollout
+                    await asyncio.gather(self.train_iteration(agent, k),
+                                         self._publish_held(agent, *held))
+                else:
+                    await self.train_iteration(agent, k)
                 self._maybe_finish(k)
 
         await asyncio.gather(*(trainer(a) for a in self.trainable))

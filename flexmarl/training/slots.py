@@ -26,7 +26,8 @@ class TrainSlot:
 
     def _build(self, agent: str) -> AgentTrainer:
         return AgentTrainer(agent, self.cfg.agents[agent], self.vocab_size, self.max_seq_len,
-                            self.cfg.seed, total_steps=self.cfg.train.iterations)
+                            self.cfg.seed, total_steps=self.cfg.train.iterations,
+                            max_staleness=self.cfg.pipeline.max_staleness)
 
     def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire

@@ -45,7 +45,8 @@ def test_bad_override(tmp_path):
     p = _write(tmp_path, "task: {builder: a:b}\nagents: {x: {}}\n")
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(p, ["pipeline.mode"])
-    with pytest.raises(ConfigError, match=r"pipeline\.mode: Input should be 'sync' or 'async'"):
+    with pytest.raises(ConfigError, match=r"pipeline\.mode: Input should be 'sync', 'async' or "
+                                          r"'one_step_off'"):
         load_config(p, ["pipeline.mode=sometimes"])
 
 

@@ -108,3 +108,31 @@ def test_credit_team_node_and_discounted_upstream_share():
     # a node that did not run (branch ended) gives no share
     assert assign_credit(0.0, {"a": 0.0, "b": 1.0}, down,
                          CreditConfig(upstream_discount=0.5))["a"] == 0.5
+
+
+def test_trainer_accepts_rows_up_to_max_staleness_old_and_rejects_older():
+    from flexmarl.training.trainer import TrainingError
+
+    def rows(version, n=2):
+        return [Sample(f"{version}-{i}_0_0", [1, 3, 2, OBJECTS[i]], [SYMBOLS[i]], [-2.0], 1.0,
+                       SYMBOLS, 1.0, version) for i in range(n)]
+
+    cfg = _agent("grpo")
+    strict = AgentTrainer("a", cfg, VOCAB, 16, run_seed=0)
+    strict.accumulate(rows(0))
+    strict.step()  # version 1: only version 1 rows from now on
+    with pytest.raises(TrainingError, match=r"from version 0 offered to trainer at version 1 "
+                                            r"\(accepts only version 1\)"):
+        strict.accumulate(rows(0))
+
+    stale = AgentTrainer("a", cfg, VOCAB, 16, run_seed=0, max_staleness=1)
+    for _ in range(2):  # one_step_off: steps 0 and 1 both train version 0 rows
+        assert stale.accumulate(rows(0))["rows"] == 2.0
+        stale.step()
+    assert stale.version == 2
+    stale.accumulate(rows(1))  # one version stale: fine
+    with pytest.raises(TrainingError, match=r"from version 0 offered to trainer at version 2 "
+                                            r"\(accepts versions 1..2, max_staleness=1\)"):
+        stale.accumulate(rows(0))
+    with pytest.raises(TrainingError, match="from version 3"):  # never from the future
+        stale.accumulate(rows(3))

@@ -162,7 +162,8 @@ class TrainWorker:
         self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
         self.trainers = {
-            a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed)
+            a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed,
+                            max_staleness=cfg.pipeline.max_staleness)
             for a in spec.agents
         }
 

@@ -188,7 +188,7 @@ class AgentTableActor:
                         f"{row.policy_version}) was consumed by step {row.consumed_by_step}; "
                         f"it cannot be replayed into step {step}")
                 continue
-            check_row(row, self.agent, version, expected_vector)
+            check_row(row, self.agent, version, expected_vector, step)
         out = []
         objects: dict[str, tuple[int, Any]] = {}  # object hex -> (index, ObjectRef)
         for row in rows:

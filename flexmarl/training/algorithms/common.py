@@ -19,7 +19,8 @@ METRICS = ("loss/policy", "loss/value", "kl", "entropy", "clip_frac")
 @dataclass
 class LossInputs:
     logp: torch.Tensor  # [B, R] log-probs of the response tokens under the current weights
-    old_logp: torch.Tensor  # [B, R] recorded at generation (same weights when on-policy)
+    old_logp: torch.Tensor  # [B, R] behaviour log-probs recorded at generation (the trainer's
+    # weights when on-policy, one version older in one_step_off: see policy_loss)
     mask: torch.Tensor  # [B, R]
     advantages: torch.Tensor  # [B] sequence advantages from the orchestrator (GRPO)
     rewards: torch.Tensor  # [B] the rows' scalar rewards (PPO, REINFORCE++)
@@ -70,7 +71,15 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
 def policy_loss(
     inp: LossInputs, token_adv: torch.Tensor, cfg, step: int
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with per-token advantages, plus KL (loss mode) and entropy bonus."""
+    """Clipped surrogate with per-token advantages, plus KL (loss mode) and entropy bonus.
+
+    The ratio is pi_theta / pi_behaviour with `old_logp` the log-probs recorded when the row
+    was generated, not recomputed under the trainer's weights before the step. On-policy the
+    two coincide (ratio 1 at the first forward); in `pipeline.mode: one_step_off` a row comes
+    from the version one step older than the trainer, and this clipped ratio is exactly the
+    importance correction of one-step off-policy PPO/GRPO (grpo, ppo and reinforce_pp all use
+    this function).
+    """
     mask = inp.mask
     ratio = torch.exp(inp.logp - inp.old_logp)
     surr1 = ratio * token_adv
