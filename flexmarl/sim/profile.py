@@ -208,6 +208,43 @@ print(time.process_time() - c0)
 """
 
 
+def _machine_busy_s() -> float | None:
+    """CPU-seconds the whole machine has spent busy (all CPUs, from /proc/stat); None where
+    there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
+
+
+def _own_cpu_s() -> float:
+    """CPU-seconds of this process and its joined children (the run's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """Other users' CPU work while a block runs: the machine's busy CPU time (/proc/stat) less
+    this process tree's own, over the wall time, in CPUs (`with OtherLoad() as load: ...;
+    load.cpus`). Unlike the spinning probe before and after (`measure_external_load`) it sees
+    load that comes and goes during the run. 0.0 where /proc/stat is missing."""
+
+    def __enter__(self) -> OtherLoad:
+        self.cpus = 0.0
+        self._t0, self._busy0, self._own0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        busy, wall = _machine_busy_s(), time.perf_counter() - self._t0
+        if busy is None or self._busy0 is None or wall <= 0:
+            return
+        other = (busy - self._busy0) - (_own_cpu_s() - self._own0)
+        self.cpus = max(0.0, other / wall)
+
+
 def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> float:
     """How many CPUs' worth of other work is runnable on this machine right now: `cpus` spinning
     processes (plain interpreters, started together) get `capacity` CPU-seconds per second
