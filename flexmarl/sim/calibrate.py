@@ -24,6 +24,7 @@ from flexmarl.config.schema import RunConfig, load_config
 from flexmarl.sim.local_mirror import MirrorResult, mirror_config, per_iteration, run_mirror
 from flexmarl.sim.profile import (
     LocalProfile,
+    OtherLoad,
     machine_info,
     measure_external_load,
     profile_local,
@@ -92,10 +93,14 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         mcfg = mirror_config(cfg, iterations, mode)
         log(f"real run: {cfg.name}, pipeline.mode={mode}, {iterations} iterations "
             f"-> {out / f'real-{mode}'}")
-        external = measure_external_load()
-        records, wall = run_real(mcfg, out / f"real-{mode}")
-        external = (external + measure_external_load()) / 2  # before and after the run
+        probe = measure_external_load()
+        with OtherLoad() as during:
+            records, wall = run_real(mcfg, out / f"real-{mode}")
+        probe = (probe + measure_external_load()) / 2  # before and after the run
+        external = max(probe, during.cpus)
         loads[f"after_{mode}"] = machine_info()["loadavg"]
+        # the profiled costs already hold the load they were measured under: the other load
+        # is reported (a row is only trustworthy when it is near 0), not simulated
         sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
         sims[mode] = sim
         mean, steady = per_iteration(records)
@@ -123,6 +128,7 @@ def print_table(name: str, rows: list[CalibrationRow], iterations: int,
               f"{'yes' if r.within else 'NO':>12}{r.external_load:>12.2f}"
               f"   {r.measured_steady_s:.3f} / {r.simulated_steady_s:.3f}")
     print("(s/it = makespan / iterations, from the runs' time_s; steady leaves out the first "
-          "iteration; other load = CPUs' worth of other users' runnable work measured around "
-          f"the real run (the profile saw {profile_load:.1f}); the error is reported, not "
+          "iteration; other load = CPUs' worth of other users' work during the real run "
+          f"(/proc/stat less this run's own CPU time, or the spinning probe before and after "
+          f"if higher; the profile's probe saw {profile_load:.1f}); the error is reported, not "
           "enforced)")

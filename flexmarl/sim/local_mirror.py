@@ -145,8 +145,16 @@ class _Common:
         self.outstanding_tokens = 0
 
     def _ipc(self, name: str, **x: float) -> float:
+        """One direction of a message. `ipc_generate` round trips carried n requests out and
+        n replies back: half of it. `ipc_call` round trips carried the payload one way and a
+        small reply back: half the fixed part, and all of the per-byte part."""
         fit = self.profile.ipc.get(name)
-        return max(0.0, fit(**x)) / 2 if fit is not None else 0.0
+        if fit is None:
+            return 0.0
+        if name != "ipc_call":
+            return max(0.0, fit(**x)) / 2
+        fixed = fit.coef.get("1", 0.0)
+        return max(0.0, fixed / 2 + fit(**x) - fixed)
 
     def _later(self, delay: float, fut: asyncio.Future, value: Any) -> None:
         def done() -> None:
@@ -213,9 +221,6 @@ class SimRolloutWorker(_Common):
         self.calls += len(batch)
         await self.parent.work(self.profile.parent_per_request_s * len(batch))
         await asyncio.sleep(self._ipc("ipc_generate", requests=len(batch)))
-        for fut, request, priority in batch:
-            self.waiting[request.agent].append((fut, request, priority))
-        self.wake.set()
         for fut, request, priority in batch:
             self.waiting[request.agent].append((fut, request, priority))
         self.wake.set()
@@ -322,10 +327,10 @@ class SimRolloutWorker(_Common):
             over = p.fits.get("replica_overhead") if p is not None else None
             if over is not None:
                 cost += max(0.0, over(requests=len(new)))
-        await self.cpu.run(cost)
+        await self.cpu.run(cost * self.profile.scale("rollout"))
         now = loop.time()
+        self.sink.span("rollout", self.index, t0, now, f"gen:{agent}")  # busy, as the real one
         if finished:
-            self.sink.span("rollout", self.index, t0, now, f"gen:{agent}")
             delay = self._ipc("ipc_generate", requests=len(finished))
             for s in finished:
                 self._later(delay, s.sub, self._result(s, now))
@@ -357,6 +362,8 @@ class SimTrainWorker(_Common):
             return len(pickle.dumps(payload))
         if command in ("step", "weights", "get_state"):
             return 0
+        if command == "bind" and payload[1] is not None:  # the state swapped in
+            return 3 * self.profile.agents[payload[0]].weights_bytes  # weights + Adam moments
         return 256
 
     async def call(self, command: str, payload: Any) -> Any:
@@ -369,7 +376,7 @@ class SimTrainWorker(_Common):
         async with self.lock:
             t0 = loop.time()
             result, cost, reply_bytes, agent = self._run(command, payload)
-            await self.cpu.run(cost)
+            await self.cpu.run(cost * self.profile.scale(f"train_{command}"))
             self.sink.span("train", self.index, t0, loop.time(), f"{command}:{agent}")
         await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
         return result

@@ -127,6 +127,13 @@ class LocalProfile:
     machine: dict[str, Any] = field(default_factory=dict)
     measured_s: float = 0.0
     parent_per_train_call_s: float = 0.0
+    # worker scale: measured cost in the run's own worker processes, in the run's order of
+    # work (agents interleaved, states swapped, payloads over the pipe), over the in-process
+    # fits' prediction; by command (`bind`, `accumulate`, `step`; `rollout`: a replica's turn)
+    worker_scale: dict[str, float] = field(default_factory=dict)
+
+    def scale(self, kind: str) -> float:
+        return float(self.worker_scale.get(kind, 1.0))
 
     def agent(self, name: str) -> AgentProfile:
         return self.agents[name]
@@ -140,6 +147,7 @@ class LocalProfile:
             "measured_s": self.measured_s,
             "parent_per_request_s": self.parent_per_request_s,
             "parent_per_train_call_s": self.parent_per_train_call_s,
+            "worker_scale": dict(self.worker_scale),
             "ipc": {k: f.to_dict() for k, f in self.ipc.items()},
             "agents": {a: {"fits": {k: f.to_dict() for k, f in p.fits.items()},
                            "output_lengths": list(p.output_lengths),
@@ -162,7 +170,8 @@ class LocalProfile:
         return cls(d["config"], int(d["torch_threads"]), agents,
                    {k: Fit.from_dict(f) for k, f in d["ipc"].items()},
                    float(d.get("parent_per_request_s", 0.0)), dict(d.get("machine", {})),
-                   float(d.get("measured_s", 0.0)), float(d.get("parent_per_train_call_s", 0.0)))
+                   float(d.get("measured_s", 0.0)), float(d.get("parent_per_train_call_s", 0.0)),
+                   {k: float(v) for k, v in d.get("worker_scale", {}).items()})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -197,6 +206,43 @@ while time.perf_counter() - t0 < seconds:
         x += 1
 print(time.process_time() - c0)
 """
+
+
+def _machine_busy_s() -> float | None:
+    """CPU-seconds the whole machine has spent busy (all CPUs, from /proc/stat); None where
+    there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
+
+
+def _own_cpu_s() -> float:
+    """CPU-seconds of this process and its joined children (the run's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """Other users' CPU work while a block runs: the machine's busy CPU time (/proc/stat) less
+    this process tree's own, over the wall time, in CPUs (`with OtherLoad() as load: ...;
+    load.cpus`). Unlike the spinning probe before and after (`measure_external_load`) it sees
+    load that comes and goes during the run. 0.0 where /proc/stat is missing."""
+
+    def __enter__(self) -> OtherLoad:
+        self.cpus = 0.0
+        self._t0, self._busy0, self._own0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        busy, wall = _machine_busy_s(), time.perf_counter() - self._t0
+        if busy is None or self._busy0 is None or wall <= 0:
+            return
+        other = (busy - self._busy0) - (_own_cpu_s() - self._own0)
+        self.cpus = max(0.0, other / wall)
 
 
 def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> float:
@@ -512,6 +558,135 @@ async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str,
     return fit_linear(["1", "requests"], xs, ys)
 
 
+def _ratio(measured: Sequence[float], predicted: Sequence[float]) -> float:
+    """Measured over predicted, as a median of per-round ratios (1.0 without data)."""
+    ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
+    return _stat(ratios) if ratios else 1.0
+
+
+async def _replica_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                         allowed: dict[str, list[int] | None], reps: int) -> float:
+    """A real rollout replica serving every agent at once, as in a run (the models take turns):
+    its busy time over what the fits (`prefill`, `decode`, `replica_overhead`) predict for the
+    same work. The fits were measured one model at a time, in hot loops; a replica whose
+    models alternate runs slower than that (caches hold the other models' weights)."""
+    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.runtime.local.runtime import WorkerProxy
+    from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main
+
+    rt = cfg.runtime
+    names = list(agents)
+    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
+                      rt.deterministic, cfg.rollout.max_batch_seqs,
+                      heartbeat_s=rt.heartbeat_interval_s)
+    sink = _Spans()
+    proxy = WorkerProxy("rollout", 0, rollout_worker_main, spec, sink)
+    await proxy.start()
+    rng = np.random.default_rng(2)
+    ids = itertools.count()
+    n = max(1, min(1 if rt.deterministic else cfg.rollout.max_batch_seqs, 32))
+    measured, predicted = [], []
+    try:
+        for rep in range(reps + 1):
+            reqs, expect = [], 0.0
+            for agent in names:
+                prof = agents[agent]
+                p = max(1, round(statistics.median(prof.prompt_lengths or [8])))
+                out = max(1, round(statistics.median(prof.output_lengths or [1])))
+                reqs += [GenerationRequest(f"s{next(ids)}", agent, 0,
+                                           rng.integers(3, vocab, size=p).tolist(), out,
+                                           allowed.get(agent)) for _ in range(n)]
+                fits = prof.fits
+                expect += fits["prefill"](seqs=n, tokens=n * p) + sum(
+                    fits["decode"](seqs=n, tokens=n * (p + t + 1)) for t in range(1, out))
+                if "replica_overhead" in fits:  # as the mirror: admission and last turn
+                    over = fits["replica_overhead"]
+                    expect += over(requests=n) + (over(requests=0) if out > 2 else 0.0)
+            sink.spans.clear()
+            await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
+            if rep:  # the first round warms the replica up
+                measured.append(sum(e - s for s, e in sink.spans))
+                predicted.append(expect)
+    finally:
+        await proxy.stop()
+    return _ratio(measured, predicted)
+
+
+async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                       allowed: dict[str, list[int] | None], reps: int) -> dict[str, float]:
+    """A real training worker (`train_worker_main`) given the run's commands in the run's
+    order: micro-batches of the trainable agents in turn (each `bind` swaps the resident out
+    and the next agent in when agents share the slot), samples over the pipe, then every
+    agent's `step`. Per command kind, the spans it reports over what the in-process fits
+    (`swap_out` + `swap_in`, `accumulate`, `step`) predict."""
+    from flexmarl.runtime.local.runtime import WorkerProxy
+    from flexmarl.runtime.local.workers import WorkerSpec, train_worker_main
+
+    rt = cfg.runtime
+    trainable = [a for a in agents if cfg.agents[a].trainable]
+    if not trainable:
+        return {}
+    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, trainable, rt.torch_threads,
+                      rt.deterministic, cfg.rollout.max_batch_seqs,
+                      heartbeat_s=rt.heartbeat_interval_s)
+    labels: list[tuple[str, float]] = []
+
+    class Sink:
+        def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
+            labels.append((label.split(":")[0], end - start))
+
+    proxy = WorkerProxy("train", 0, train_worker_main, spec, Sink())
+    await proxy.start()
+    rows = max(1, cfg.train.micro_batch_size)
+    swapped: dict[str, Any] = {}
+    versions = dict.fromkeys(trainable, 0)
+    tags = itertools.count()
+    kinds = {"swap": "bind", "acc": "accumulate", "step": "step"}
+    measured: dict[str, list[float]] = defaultdict(list)
+    predicted: dict[str, list[float]] = defaultdict(list)
+    try:
+        for rep in range(reps + 1):
+            want: dict[str, float] = defaultdict(float)
+            labels.clear()
+            for _ in range(2):  # two micro-batches per agent per round, agents in turn
+                for agent in trainable:
+                    fits = agents[agent].fits
+                    out_agent, out_state, _ = await proxy.call(
+                        "bind", (agent, swapped.pop(agent, None)))
+                    if out_agent is not None:
+                        swapped[out_agent] = out_state
+                    if len(trainable) > 1:
+                        want["bind"] += fits["swap_out"]() + fits["swap_in"]()
+                    p = max(1, round(statistics.mean(agents[agent].prompt_lengths or [8])))
+                    o = max(1, round(statistics.mean(agents[agent].output_lengths or [1])))
+                    batch = _samples(rows, p, o, vocab, versions[agent], f"t{next(tags)}",
+                                     allowed.get(agent))
+                    await proxy.call("accumulate", (agent, batch))
+                    want["accumulate"] += fits["accumulate"](rows=rows, tokens=rows * (p + o))
+            for agent in trainable:
+                out_agent, out_state, _ = await proxy.call(
+                    "bind", (agent, swapped.pop(agent, None)))
+                if out_agent is not None:
+                    swapped[out_agent] = out_state
+                if len(trainable) > 1:
+                    want["bind"] += agents[agent].fits["swap_out"]() + \
+                        agents[agent].fits["swap_in"]()
+                await proxy.call("step", agent)
+                versions[agent] += 1
+                want["step"] += agents[agent].fits["step"]()
+            if rep:  # the first round builds the trainers
+                got: dict[str, float] = defaultdict(float)
+                for label, d in labels:
+                    if label in kinds:
+                        got[kinds[label]] += d
+                for kind, value in want.items():
+                    measured[kind].append(got[kind])
+                    predicted[kind].append(value)
+    finally:
+        await proxy.stop()
+    return {f"train_{k}": _ratio(measured[k], predicted[k]) for k in measured}
+
+
 # --- lengths from a short real rollout --------------------------------------------------------
 class _InProcessRollout:
     """The config's models behind one in-process continuous batch each (the real engine); used
@@ -645,6 +820,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
             agents[agent] = AgentProfile(dict(cache[key]), outs[:2048], prompts[:2048],
                                          any(s for _, _, s in seen), nbytes)
         ipc_fits: dict[str, Fit] = {}
+        scale: dict[str, float] = {}
         if ipc:
             log("message round trips through a spawned worker")
             first = next(iter(models))
@@ -657,6 +833,11 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
             replica = asyncio.run(_replica_measure(cfg, vocab, max_len, agents, allowed, reps))
             for prof in agents.values():
                 prof.fits["replica_overhead"] = replica
+            log("the run's order of work in real workers: agents interleaved")
+            scale["rollout"] = asyncio.run(_replica_scale(cfg, vocab, max_len, agents, allowed,
+                                                          reps))
+            scale.update(asyncio.run(_train_scale(cfg, vocab, max_len, agents, allowed, reps)))
+            log("worker scale: " + ", ".join(f"{k} x{v:.2f}" for k, v in scale.items()))
         parent_s = (0.0, 0.0)
         if parent:
             log("orchestrator overhead per request and training call (zero-cost workers, "
@@ -667,7 +848,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
     machine = machine_info()
     machine["external_load"] = external
     return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
-                        machine, time.perf_counter() - started, parent_s[1])
+                        machine, time.perf_counter() - started, parent_s[1], scale)
 
 
 def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]

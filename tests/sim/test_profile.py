@@ -180,3 +180,64 @@ def test_profile_local_end_to_end(tmp_path, capsys):
     assert (out / "calibration.json").exists()
     assert (out / "real-sync" / "metrics.jsonl").exists()
     assert (out / "real-async" / "metrics.jsonl").exists()
+
+
+def _span_sums(res) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in res.spans:
+        kind = s.label.split(":")[0]
+        out[kind] = out.get(kind, 0.0) + s.end - s.start
+    return out
+
+
+def test_mirror_serves_each_request_once_and_counts_every_busy_turn():
+    cfg = tiny_config()
+    task = load_task(cfg.task.builder, cfg.task.options)
+    res = run_mirror(cfg, task, _synthetic_profile(), mode="sync")
+    # relay_length 2: the relay's requests take one turn (admission + one decode step), the
+    # 1-token nodes one turn: 3 agents x 2 iterations, each batch of 8 in one turn
+    gens = [s for s in res.spans if s.label.startswith("gen:")]
+    assert len(gens) == 3 * 2
+    assert all(s.end > s.start for s in gens)
+
+
+def test_worker_scale_stretches_that_commands_work_in_virtual_time():
+    cfg = tiny_config()
+    task = load_task(cfg.task.builder, cfg.task.options)
+    base = _synthetic_profile()
+    scaled = _synthetic_profile()
+    scaled.worker_scale = {"train_accumulate": 2.0, "rollout": 3.0}
+    a, b = (_span_sums(run_mirror(cfg, task, p, mode="sync")) for p in (base, scaled))
+    # sync: nothing else is busy while the slot accumulates or the replica decodes (the
+    # parent waits), so the spans stretch by exactly the factor; other commands do not
+    assert b["accumulate"] == pytest.approx(2.0 * a["accumulate"], rel=1e-6)
+    assert b["gen"] == pytest.approx(3.0 * a["gen"], rel=1e-6)
+    assert b["step"] == pytest.approx(a["step"], rel=1e-6)
+    assert LocalProfile.from_dict(scaled.to_dict()).scale("rollout") == 3.0
+    assert base.scale("train_bind") == 1.0  # not measured: the fits as they are
+
+
+def test_ipc_one_way_costs():
+    from flexmarl.sim.local_mirror import SimTrainWorker
+
+    prof = _synthetic_profile()
+    w = SimTrainWorker(0, prof, None, None, None)  # type: ignore[arg-type]
+    # a call's payload travels one way: half the fixed round trip, all of the per-byte cost
+    assert w._ipc("ipc_call", bytes=1e6) == pytest.approx(1.5e-4 + 1e-3)
+    # generate round trips carried requests out and replies back: half of all of it
+    assert w._ipc("ipc_generate", requests=10) == pytest.approx((2e-4 + 1e-4) / 2)
+    # a bind carrying a swapped-out state back in: weights and two Adam moments
+    assert w._payload_bytes("bind", ("relay", ("host", b""))) == 3 * 40_000
+    assert w._payload_bytes("bind", ("relay", None)) == 256
+
+
+def test_other_load_is_in_cpus_and_leaves_out_this_process():
+    import time as _time
+
+    from flexmarl.sim.profile import OtherLoad
+
+    with OtherLoad() as load:
+        t0 = _time.perf_counter()
+        while _time.perf_counter() - t0 < 0.3:  # our own busy work is not other load
+            pass
+    assert 0.0 <= load.cpus <= 2.5  # 2 CPUs here; others' work may come and go
