@@ -26,7 +26,7 @@ import asyncio
 import heapq
 import math
 import operator
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,7 @@ class _Seq:
     future: asyncio.Future
     enqueued: float
     request: GenerationRequest
+    priority: tuple = ()
     admitted: float = 0.0
 
 
@@ -104,7 +105,9 @@ class SimReplica:
         self.tp = tp
         self.model = runtime.wl.agent(agent).model
         self.lane = f"rollout/{agent}/{index}"
-        self.waiting: deque[_Seq] = deque()
+        # admitted in the orchestrator's priority order (iteration, input, trajectory), as the
+        # production replica does: earlier inputs' groups complete first
+        self.waiting: list[tuple[tuple, int, _Seq]] = []
         self.running: list[tuple[int, int, _Seq]] = []  # heap: (finish step, order, seq)
         self.step = 0  # decode steps this engine has run
         self.kv = 0  # KV tokens held by the running batch
@@ -119,7 +122,8 @@ class SimReplica:
         self._interruptible = False
 
     def submit(self, seq: _Seq) -> None:
-        self.waiting.append(seq)
+        heapq.heappush(self.waiting, (seq.priority, self._order, seq))
+        self._order += 1
         self.outstanding_tokens += seq.out_len + seq.prompt
         if self.state == "idle":
             self._next()
@@ -150,9 +154,9 @@ class SimReplica:
         if self.waiting and len(self.running) < self.cap:
             admit: list[_Seq] = []
             while (self.waiting and len(self.running) + len(admit) < self.cap
-                   and (self.reserved + self.waiting[0].prompt + self.waiting[0].out_len
+                   and (self.reserved + self.waiting[0][2].prompt + self.waiting[0][2].out_len
                         <= self.kv_cap or not (self.running or admit))):
-                seq = self.waiting.popleft()
+                seq = heapq.heappop(self.waiting)[2]
                 self.reserved += seq.prompt + seq.out_len
                 admit.append(seq)
             if admit:
@@ -228,7 +232,7 @@ class SimRolloutPool:
         p = len(request.prompt)
         rt._lengths[request.agent].append(out_len)
         rt._prompts[request.agent].append(p)
-        seq = _Seq(p, out_len, fut, loop.time(), request)
+        seq = _Seq(p, out_len, fut, loop.time(), request, priority)
         # the request's latency alone on an idle engine: a term of the critical path
         rt.solo_latency[request.sample_id] = (
             rt.cost.prefill_time(spec.model, spec.tp, p)

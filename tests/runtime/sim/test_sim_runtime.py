@@ -143,3 +143,34 @@ def test_lower_bound_runs_each_agents_chain_to_the_end_of_the_episode(wl):
             + rt.cost.weight_transfer_time(solver.model, inter_node=True, links=solver.tp))
     assert _cycle(rt, orch, list(episodes.values())) == pytest.approx(longest + step)
     assert lower_bound(rt, orch, 1) <= res.per_iteration_s
+
+
+def test_simulated_replicas_admit_waiting_requests_in_priority_order(wl):
+    """As the production replica does: with a full batch, the waiting request of the earliest
+    (iteration, input, trajectory) goes in next, whatever the order they arrived in."""
+    import asyncio
+    import dataclasses
+
+    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.runtime.sim.clock import run_virtual
+    from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
+
+    async def main():
+        rt = SimRuntime(wl, SimFeatures(balance="static"),
+                        cost=dataclasses.replace(wl.cost_model(), max_num_seqs=1))
+        await rt.start()
+        rt._resize_replicas({"solver": 1, "verifier": 1})
+        done = []
+
+        async def ask(i, priority):
+            request = GenerationRequest(f"0-{i}/0/0", "solver", 0, [1] * 16, 64)
+            await rt.rollout.generate(request, priority)
+            done.append(i)
+
+        # request 0 takes the only batch slot; 1..3 wait and go in by priority, not arrival
+        await asyncio.gather(ask(0, (0, 0, 0)), ask(1, (0, 9, 0)), ask(2, (0, 5, 0)),
+                             ask(3, (0, 7, 1)))
+        await rt.stop()
+        return done
+
+    assert run_virtual(main()) == [0, 2, 3, 1]
