@@ -21,7 +21,10 @@ and, through the real `WorkerProxy` and a spawned echo process speaking the work
 the message round trips of the local runtime (`ipc_generate`: a batch of `requests`;
 `ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Finally
 `parent_per_request_s`: the orchestrator's own CPU time per generate request, from running the
-production `JointOrchestrator` against zero-cost pools in real time.
+production `JointOrchestrator` against zero-cost pools in real time. Before all of it,
+`contention`: how fast each of k processes busy at once runs on this machine (spawned
+processes doing torch work of the config's model sizes, work done counted; see
+`measure_contention`), which the mirror's CPU sharing uses instead of cores / n.
 
 Each quantity is fitted by least squares to a small named linear model (`Fit`: a fixed
 overhead `1` plus per-sequence / per-token terms; negative coefficients are dropped and the fit
