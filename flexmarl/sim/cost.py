@@ -36,7 +36,6 @@ from pydantic import (
     model_validator,
 )
 
-from flexmarl.policy.model import stable_seed
 from flexmarl.sim.hardware import AcceleratorSpec, get_accelerator
 
 __all__ = [
@@ -205,6 +204,10 @@ _STD_NORMAL = statistics.NormalDist()
 
 def keyed_uniform(*parts: object) -> float:
     """A uniform number in (0, 1) that depends only on ``parts`` (stable across processes)."""
+    # imported here: `flexmarl.policy.model` pulls in transformers, which a process that only
+    # imports `flexmarl.sim` (the profiler's contention probes) should not pay for
+    from flexmarl.policy.model import stable_seed
+
     return (stable_seed(*parts) >> 10 | 1) / float(1 << 53)
 
 

@@ -17,10 +17,12 @@ the production `SlotAllocator`) drive simulated worker processes that keep the p
 Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
 The orchestrator's own CPU time (`parent_per_request_s` per generate request,
 `parent_per_train_call_s` per training command) is work of a serial parent process. All
-processes' work shares the machine's CPUs (`CpuShare`, processor sharing on
-`profile.machine["cpus"]` cores): on a 2-core machine, a replica, a training slot and the
-parent busy at once each run at 2/3 speed. Other users' load is in the profiled (median)
-costs, as measured. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
+processes' work shares the machine's CPUs (`CpuShare`): each of n busy processes runs at the
+speed the profiler measured for n processes busy at once (`LocalProfile.contention`, real torch
+work in spawned processes, so caches, memory bandwidth and shared cores count), or, for a
+profile without that curve, processor sharing on `profile.machine["cpus"]` cores (on a 2-core
+machine a replica, a training slot and the parent busy at once each run at 2/3 speed). Other
+users' load is in the profiled (median) costs and the curve, as measured. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
 config's. The task is the real one: prompts come from its prompt builders, and outputs are
 tokens drawn from each request's allowed tokens with the profile's lengths.
 """
@@ -48,23 +50,42 @@ from flexmarl.sim.profile import AgentProfile, LocalProfile
 
 class CpuShare:
     """Processor sharing: the busy work of the simulated processes (replicas, training slots,
-    the parent) on `cores` CPUs next to `external` CPUs' worth of other runnable work; with n
-    busy processes each progresses at min(1, cores / (n + external)) (each process is one
-    torch thread, as `runtime.torch_threads: 1` runs). Profiled costs were measured by one
-    busy process under `profiled_external`, so they are scaled back to an idle machine first."""
+    the parent) next to `external` CPUs' worth of other runnable work; with n busy processes
+    (n + external runnable) each progresses at `speed(n + external)`. With a measured
+    contention curve (`LocalProfile.contention`, `curve[k-1]` the speed of each of k busy
+    processes relative to one alone) that is the curve, linear between its points and, past
+    its last point K, the same total throughput shared (curve[K-1] * K / n); without one it is
+    processor sharing on `cores` CPUs, min(1, cores / n) (each process is one torch thread, as
+    `runtime.torch_threads: 1` runs). Profiled costs were measured by one busy process under
+    `profiled_external`, so they are scaled back to an idle machine first."""
 
     def __init__(self, cores: float, external: float = 0.0,
-                 profiled_external: float = 0.0) -> None:
+                 profiled_external: float = 0.0, curve: list[float] | None = None) -> None:
         self.cores = max(1.0, float(cores))
         self.external = max(0.0, float(external))
+        self.curve = [min(1.0, max(1e-3, float(v))) for v in (curve or [])]
         self.solo = min(1.0, self.cores / (1.0 + max(0.0, float(profiled_external))))
         self.jobs: dict[int, list[Any]] = {}  # id -> [remaining work (s), future]
         self.last: float | None = None
         self.handle: asyncio.TimerHandle | None = None
         self.busy_s = 0.0
 
+    def speed(self, n: float) -> float:
+        """How fast each of `n` runnable processes progresses (1.0: as fast as one alone)."""
+        if n <= 1.0:
+            return 1.0
+        if not self.curve:
+            return min(1.0, self.cores / n)
+        curve = [1.0, *self.curve[1:]]
+        last = len(curve)
+        if n >= last:
+            return curve[-1] * last / n
+        lo = int(n)  # 1 <= lo < last
+        frac = n - lo
+        return curve[lo - 1] * (1.0 - frac) + curve[lo] * frac
+
     def _rate(self) -> float:
-        return min(1.0, self.cores / (len(self.jobs) + self.external)) if self.jobs else 1.0
+        return self.speed(len(self.jobs) + self.external) if self.jobs else 1.0
 
     def _advance(self, now: float) -> None:
         if self.last is not None and self.jobs:
@@ -488,7 +509,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         machine = profile.machine
         # the profiled costs are typical costs at the profile's load (medians): other load is
         # already in them, so by default only this run's own processes share the CPUs
-        cpu = CpuShare(cores or machine.get("cpus") or 1, external or 0.0)
+        # the machine's measured speed with n busy processes, unless `cores` asks for another
+        cpu = CpuShare(cores or machine.get("cpus") or 1, external or 0.0,
+                       curve=None if cores else profile.contention)
         parent = ParentProcess(cpu, profile)
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, cfg.rollout.max_batch_tokens,
                                      telemetry, cpu, parent) for i in range(rt.rollout_workers)]

@@ -21,7 +21,10 @@ and, through the real `WorkerProxy` and a spawned echo process speaking the work
 the message round trips of the local runtime (`ipc_generate`: a batch of `requests`;
 `ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Finally
 `parent_per_request_s`: the orchestrator's own CPU time per generate request, from running the
-production `JointOrchestrator` against zero-cost pools in real time.
+production `JointOrchestrator` against zero-cost pools in real time. Before all of it,
+`contention`: how fast each of k processes busy at once runs on this machine (spawned
+processes doing torch work of the config's model sizes, work done counted; see
+`measure_contention`), which the mirror's CPU sharing uses instead of cores / n.
 
 Each quantity is fitted by least squares to a small named linear model (`Fit`: a fixed
 overhead `1` plus per-sequence / per-token terms; negative coefficients are dropped and the fit
@@ -131,6 +134,10 @@ class LocalProfile:
     # work (agents interleaved, states swapped, payloads over the pipe), over the in-process
     # fits' prediction; by command (`bind`, `accumulate`, `step`; `rollout`: a replica's turn)
     worker_scale: dict[str, float] = field(default_factory=dict)
+    # the machine's speed curve (`measure_contention`): contention[k-1] is how fast each of k
+    # busy processes runs, relative to one alone; empty (an older profile): processor sharing,
+    # cores / n
+    contention: list[float] = field(default_factory=list)
 
     def scale(self, kind: str) -> float:
         return float(self.worker_scale.get(kind, 1.0))
@@ -148,6 +155,7 @@ class LocalProfile:
             "parent_per_request_s": self.parent_per_request_s,
             "parent_per_train_call_s": self.parent_per_train_call_s,
             "worker_scale": dict(self.worker_scale),
+            "contention": list(self.contention),
             "ipc": {k: f.to_dict() for k, f in self.ipc.items()},
             "agents": {a: {"fits": {k: f.to_dict() for k, f in p.fits.items()},
                            "output_lengths": list(p.output_lengths),
@@ -171,7 +179,8 @@ class LocalProfile:
                    {k: Fit.from_dict(f) for k, f in d["ipc"].items()},
                    float(d.get("parent_per_request_s", 0.0)), dict(d.get("machine", {})),
                    float(d.get("measured_s", 0.0)), float(d.get("parent_per_train_call_s", 0.0)),
-                   {k: float(v) for k, v in d.get("worker_scale", {}).items()})
+                   {k: float(v) for k, v in d.get("worker_scale", {}).items()},
+                   [float(v) for v in d.get("contention", [])])
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -260,6 +269,116 @@ def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> floa
     got = [float(p.communicate()[0].strip() or 0.0) for p in procs]
     capacity = max(1e-6, sum(got) / seconds)
     return max(0.0, cpus * cpus / capacity - cpus)
+
+
+# --- contention: how fast each of k busy processes runs ---------------------------------------
+def _contention_worker(conn: Any, dims: dict[str, int], threads: int, rows: int,
+                       width: int) -> None:
+    """A spawned probe process (plain torch, `threads` threads): a stack shaped like the
+    config's model (per layer: attention projections h -> 4h, an MLP h -> 2i -> h; an LM head
+    h -> vocab) on `rows` x `width` tokens. On ("go", start, seconds) it waits for the
+    wall-clock `start`, then repeats one unit (a no-grad forward, as a rollout step, and a
+    forward + backward, as a micro-batch) for `seconds` and answers (units, elapsed)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    torch.manual_seed(0)
+    h, inter, vocab = dims["hidden"], dims["intermediate"], dims["vocab"]
+    layers: list[Any] = []
+    for _ in range(dims["layers"]):
+        layers += [torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h), torch.nn.Linear(
+            h, 2 * inter), torch.nn.SiLU(), torch.nn.Linear(2 * inter, h)]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(h, vocab))
+    x = torch.randn(rows * width, h)
+
+    def unit() -> None:
+        with torch.no_grad():
+            net(x)
+        net.zero_grad(set_to_none=True)
+        torch.log_softmax(net(x), -1).mean().backward()
+
+    for _ in range(3):  # warm-up
+        unit()
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] != "go":
+            return
+        _, start, seconds = msg
+        while time.time() < start:
+            time.sleep(0.0005)
+        t0, units = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            unit()
+            units += 1
+        conn.send((units, time.perf_counter() - t0))
+
+
+def measure_contention(cfg: Any, vocab: int, max_len: int, *, max_procs: int | None = None,
+                       reps: int = 5, seconds: float = 0.2) -> list[float]:
+    """This machine's speed curve: `curve[k-1]` is how fast each of k processes busy at once
+    runs, relative to one alone (`curve[0]` = 1). Work done is counted, not CPU time: k spawned
+    processes (multiprocessing spawn, as the local runtime's workers; `runtime.torch_threads`
+    each) run torch work shaped like the config's first model (`_contention_worker`: forward,
+    and forward + backward, of up to 8 rows x 16 tokens) for `seconds`, started together on a
+    wall-clock mark, and count the units they finish. k = 1 .. `max_procs` (default cpus + 1,
+    at least 2, at most 8), the levels interleaved round by round (k = 1, 2, 3, .. then again)
+    so that slow drifts of the machine's load hit every level alike; each level's speed is the
+    median over `reps` rounds of its mean per-process rate over the same round's k = 1 rate.
+    Two "CPUs" may be hyperthreads of one core or share caches and memory bandwidth, so two
+    busy processes may each run well below full speed, which processor sharing (`cores / n`)
+    does not see. Other users' load at the time is in the curve, as it is in the profiled
+    costs. Takes a few seconds (mostly the processes' start-up: torch, not transformers)."""
+    import multiprocessing as mp
+
+    cpus = os.cpu_count() or 1
+    k_max = max(2, max_procs or min(8, cpus + 1))
+    model = next(iter(cfg.agents.values())).model
+    dims = {"hidden": model.hidden_size, "intermediate": model.intermediate_size,
+            "layers": max(1, model.num_layers), "vocab": vocab}
+    rows = max(1, min(8, cfg.rollout.max_batch_seqs))
+    width = max(2, min(16, max_len))
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    try:
+        for _ in range(k_max):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_contention_worker, daemon=True,
+                            args=(child, dims, cfg.runtime.torch_threads, rows, width))
+            p.start()
+            conns.append(parent)
+            procs.append(p)
+        for c in conns:
+            if c.recv() != "ready":
+                raise RuntimeError("contention probe: a worker did not start")
+        ratios: dict[int, list[float]] = defaultdict(list)
+        for _ in range(reps):
+            solo = 0.0
+            for k in range(1, k_max + 1):
+                start = time.time() + 0.02
+                for c in conns[:k]:
+                    c.send(("go", start, seconds))
+                got = [c.recv() for c in conns[:k]]
+                rate = statistics.mean(u / max(e, 1e-9) for u, e in got)
+                if k == 1:
+                    solo = rate
+                ratios[k].append(rate / max(solo, 1e-9))
+    finally:
+        for c in conns:
+            try:
+                c.send(("stop",))
+            except (OSError, BrokenPipeError):
+                pass
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    return [1.0] + [round(min(1.0, statistics.median(ratios[k])), 4)
+                    for k in range(2, k_max + 1)]
 
 
 # --- measurement helpers ----------------------------------------------------------------------
@@ -788,6 +907,9 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
     started = time.perf_counter()
     log("machine load: other runnable work, in CPUs")
     external = measure_external_load()
+    log("contention: the speed of each of k busy processes (spawned, torch work)")
+    contention = measure_contention(cfg, task.vocab_size, task.max_seq_len, reps=reps)
+    log("contention: " + ", ".join(f"{k} busy x{v:.2f}" for k, v in enumerate(contention, 1)))
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.runtime.torch_threads)
     try:
@@ -848,7 +970,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
     machine = machine_info()
     machine["external_load"] = external
     return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
-                        machine, time.perf_counter() - started, parent_s[1], scale)
+                        machine, time.perf_counter() - started, parent_s[1], scale, contention)
 
 
 def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]

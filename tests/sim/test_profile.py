@@ -241,3 +241,59 @@ def test_other_load_is_in_cpus_and_leaves_out_this_process():
         while _time.perf_counter() - t0 < 0.3:  # our own busy work is not other load
             pass
     assert 0.0 <= load.cpus <= 2.5  # 2 CPUs here; others' work may come and go
+
+
+def test_cpu_share_follows_a_measured_contention_curve():
+    async def jobs(cpu: CpuShare, n: int) -> float:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(cpu.run(1.0) for _ in range(n)))
+        return loop.time()
+
+    # 2 cores, no curve: processor sharing, two busy processes each at full speed
+    assert run_virtual(jobs(CpuShare(2), 2)) == pytest.approx(1.0)
+    # a curve saying two busy processes each run at 50%: twice as long
+    half = [1.0, 0.5, 0.4]
+    assert run_virtual(jobs(CpuShare(2, curve=half), 2)) == pytest.approx(2.0)
+    assert run_virtual(jobs(CpuShare(2, curve=half), 3)) == pytest.approx(1 / 0.4)
+    assert run_virtual(jobs(CpuShare(2, curve=half), 1)) == pytest.approx(1.0)
+    cpu = CpuShare(2, curve=half)
+    assert cpu.speed(1.5) == pytest.approx(0.75)  # linear between the points
+    assert cpu.speed(6) == pytest.approx(0.4 * 3 / 6)  # past the curve: its throughput shared
+    assert CpuShare(2, curve=[]).speed(3) == pytest.approx(2 / 3)  # empty: cores / n
+
+
+def test_mirror_uses_the_profiles_contention_curve():
+    cfg = tiny_config(pipeline={"mode": "async"})
+    task = load_task(cfg.task.builder, cfg.task.options)
+    old = _synthetic_profile()  # no curve: an older profile, cores / n
+    flat = _synthetic_profile()
+    flat.contention = [1.0, 1.0, 2 / 3]  # what cores / n says on 2 CPUs
+    slow = _synthetic_profile()
+    slow.contention = [1.0, 0.5, 1 / 3]
+    a, b, c = (run_mirror(cfg, task, p) for p in (old, flat, slow))
+    assert b.makespan_s == pytest.approx(a.makespan_s, rel=1e-9)
+    # async overlaps the replica, the slot and the parent: contention slows the run down,
+    # by less than 2x (not everything overlaps)
+    assert a.makespan_s < c.makespan_s < 2.0 * a.makespan_s
+    # an explicit core count is a what-if: processor sharing, whatever the curve
+    assert run_mirror(cfg, task, slow, cores=2).makespan_s == pytest.approx(a.makespan_s)
+
+
+def test_profile_json_round_trips_the_contention_curve(tmp_path):
+    prof = _synthetic_profile()
+    prof.contention = [1.0, 0.62, 0.41]
+    back = LocalProfile.load(prof.save(tmp_path / "p.json"))
+    assert back.contention == [1.0, 0.62, 0.41]
+    data = prof.to_dict()
+    del data["contention"]  # a profile written before the curve existed
+    assert LocalProfile.from_dict(data).contention == []
+
+
+@pytest.mark.slow
+def test_contention_probe_runs_real_processes():
+    from flexmarl.sim.profile import measure_contention
+
+    cfg = tiny_config()
+    curve = measure_contention(cfg, 8, 16, max_procs=2, reps=1, seconds=0.05)
+    assert len(curve) == 2 and curve[0] == 1.0
+    assert 0.0 < curve[1] <= 1.0
