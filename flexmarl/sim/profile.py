@@ -629,6 +629,29 @@ class _Spans:
         self.spans.append((start, end))
 
 
+async def _start_replica(cfg: Any, vocab: int, max_len: int, names: list[str]) -> tuple:
+    """A real rollout replica process (`rollout_worker_main`) hosting `names`, and the sink
+    its busy spans go to."""
+    from flexmarl.runtime.local.runtime import WorkerProxy
+    from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main
+
+    rt = cfg.runtime
+    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
+                      rt.deterministic, cfg.rollout.max_batch_seqs,
+                      heartbeat_s=rt.heartbeat_interval_s)
+    sink = _Spans()
+    proxy = WorkerProxy("rollout", 0, rollout_worker_main, spec, sink)
+    await proxy.start()
+    return proxy, sink
+
+
+def _engine_time(prof: AgentProfile, n: int, prompt: int, out: int) -> float:
+    """What the engine fits predict for `n` requests of `prompt` tokens decoding `out`."""
+    fits = prof.fits
+    return fits["prefill"](seqs=n, tokens=n * prompt) + sum(
+        fits["decode"](seqs=n, tokens=n * (prompt + t + 1)) for t in range(1, out))
+
+
 async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
                            allowed: dict[str, list[int] | None], reps: int) -> Fit:
     """A real rollout replica process (`rollout_worker_main`, the config's models) serving
@@ -636,17 +659,10 @@ async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str,
     predict is the worker loop's own work (messages, queues, replies), per reply and per
     request."""
     from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.runtime.local.runtime import WorkerProxy
-    from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main
 
     rt = cfg.runtime
     names = list(agents)
-    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
-                      rt.deterministic, cfg.rollout.max_batch_seqs,
-                      heartbeat_s=rt.heartbeat_interval_s)
-    sink = _Spans()
-    proxy = WorkerProxy("rollout", 0, rollout_worker_main, spec, sink)
-    await proxy.start()
+    proxy, sink = await _start_replica(cfg, vocab, max_len, names)
     rng = np.random.default_rng(1)
     ids = itertools.count()
     xs, ys = [], []
@@ -667,9 +683,7 @@ async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str,
                                            for i, r in enumerate(reqs)))
                     busy_times.append(sum(e - s for s, e in sink.spans))
                 best = _stat(busy_times[1:])  # the first batch warms the replica up
-                fits = prof.fits
-                engine = fits["prefill"](seqs=n, tokens=n * p) + sum(
-                    fits["decode"](seqs=n, tokens=n * (p + t + 1)) for t in range(1, out))
+                engine = _engine_time(prof, n, p, out)
                 xs.append({"requests": n})
                 ys.append(max(0.0, best - engine))
     finally:
@@ -690,17 +704,10 @@ async def _replica_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
     same work. The fits were measured one model at a time, in hot loops; a replica whose
     models alternate runs slower than that (caches hold the other models' weights)."""
     from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.runtime.local.runtime import WorkerProxy
-    from flexmarl.runtime.local.workers import WorkerSpec, rollout_worker_main
 
     rt = cfg.runtime
     names = list(agents)
-    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
-                      rt.deterministic, cfg.rollout.max_batch_seqs,
-                      heartbeat_s=rt.heartbeat_interval_s)
-    sink = _Spans()
-    proxy = WorkerProxy("rollout", 0, rollout_worker_main, spec, sink)
-    await proxy.start()
+    proxy, sink = await _start_replica(cfg, vocab, max_len, names)
     rng = np.random.default_rng(2)
     ids = itertools.count()
     n = max(1, min(1 if rt.deterministic else cfg.rollout.max_batch_seqs, 32))
@@ -715,11 +722,9 @@ async def _replica_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
                 reqs += [GenerationRequest(f"s{next(ids)}", agent, 0,
                                            rng.integers(3, vocab, size=p).tolist(), out,
                                            allowed.get(agent)) for _ in range(n)]
-                fits = prof.fits
-                expect += fits["prefill"](seqs=n, tokens=n * p) + sum(
-                    fits["decode"](seqs=n, tokens=n * (p + t + 1)) for t in range(1, out))
-                if "replica_overhead" in fits:  # as the mirror: admission and last turn
-                    over = fits["replica_overhead"]
+                expect += _engine_time(prof, n, p, out)
+                if "replica_overhead" in prof.fits:  # as the mirror: admission and last turn
+                    over = prof.fits["replica_overhead"]
                     expect += over(requests=n) + (over(requests=0) if out > 2 else 0.0)
             sink.spans.clear()
             await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
