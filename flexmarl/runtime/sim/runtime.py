@@ -239,7 +239,6 @@ class SimRolloutPool:
             + out_len * rt.cost.decode_step_time(spec.model, spec.tp, 1, p + out_len / 2))
         self._pick(request.agent).submit(seq)
         await fut
-        rt.tokens[request.agent] += out_len
         rt.requests[request.sample_id] = (seq.enqueued, loop.time())
         return GenerationResult(request.sample_id, SyntheticTokens(out_len), [],  # type: ignore[arg-type]
                                 request.version, admitted_at=seq.admitted,
@@ -293,7 +292,6 @@ class SimRuntime:
         self.cost = cost or wl.cost_model()
         self.total = wl.cluster.total_accelerators
         self.spans: list[BusySpan] = []
-        self.tokens: dict[str, int] = defaultdict(int)
         self.queue_waits: dict[str, list[float]] = defaultdict(list)
         self.solo_latency: dict[str, float] = {}
         self.requests: dict[str, tuple[float, float]] = {}  # sample_id -> (submitted, done)
@@ -310,7 +308,6 @@ class SimRuntime:
         # busy accelerator-seconds so far, per pool and agent (measured load)
         self.work: dict[str, dict[str, float]] = {"rollout": defaultdict(float),
                                                   "train": defaultdict(float)}
-        self._rollouts_done = 0
         self._last_work: dict[str, float] = {}
         # per agent: busy training accelerator-seconds and the tokens they trained
         self._train_cost: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -388,7 +385,6 @@ class SimRuntime:
 
     def plan_resources(self, measured: bool = False) -> None:
         wl, f = self.wl, self.features
-        roll_d = self._measured_rollout() if measured else self._rollout_demand()
         train_d = self._train_demand(measured)
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
@@ -400,6 +396,8 @@ class SimRuntime:
             replicas, roll_acc, train_alloc = self._plan_critical_path(measured, train_d, mins)
             train_acc = self.total - roll_acc
         else:
+            # the equal-split baselines follow estimated, then measured busy, rollout work
+            roll_d = self._measured_rollout() if measured else self._rollout_demand()
             need_train = sum(mins.values())
             need_roll = sum(a.tp for a in wl.agents)
             # in proportion to estimated rollout vs training work
@@ -573,7 +571,6 @@ class SimRuntime:
     def replan(self) -> None:
         """Between iterations: hierarchical balancing and agent-centric allocation re-plan
         the pools from the measured load."""
-        self._rollouts_done += 1
         f = self.features
         if not f.colocated and (f.balance == "hierarchical" or f.allocation == "agent_centric"):
             self.plan_resources(measured=True)
