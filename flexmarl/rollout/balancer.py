@@ -106,13 +106,15 @@ def latency_allotments(
             end[node] = start + d(agent, replicas[agent])[0]
         return max(end.values(), default=0.0), first
 
+    def tail(replicas: Mapping[str, int]) -> float:
+        return max(d(a, replicas[a])[1] - d(a, replicas[a])[0] for a in agents)
+
     def path(replicas: Mapping[str, int]) -> float:
-        tail = max(d(a, replicas[a])[1] - d(a, replicas[a])[0] for a in agents)
-        return typical(replicas)[0] + tail
+        return typical(replicas)[0] + tail(replicas)
 
     def allotment(replicas: Mapping[str, int], used: int) -> Allotment:
         mean, first = typical(replicas)
-        return Allotment(dict(replicas), used, path(replicas), mean, first)
+        return Allotment(dict(replicas), used, mean + tail(replicas), mean, first)
 
     def objective(replicas: Mapping[str, int]) -> float:
         spread = sum(calls[a] * d(a, replicas[a])[0] for a in agents) / max(1, sum(calls.values()))
