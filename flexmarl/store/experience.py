@@ -62,6 +62,16 @@ def parse_sample_id(sample_id: str) -> tuple[str, int, int]:
         raise StoreError(f"malformed sample_id {sample_id!r}") from exc
 
 
+def sample_iteration(sample_id: str) -> int:
+    """The iteration a row was generated in (its input id is `{iteration}-{index}`)."""
+    input_id = parse_sample_id(sample_id)[0]
+    try:
+        return int(input_id.split("-", 1)[0])
+    except ValueError as exc:
+        raise StoreError(f"malformed sample_id {sample_id!r}: input id {input_id!r} does not "
+                         "start with an iteration") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class TensorRef:
     """A handle to an array held by an object store (in-memory locally, Ray's on a cluster)."""

@@ -4,16 +4,18 @@ An agent asks for a slot only when it has work (a ready micro-batch, a step, a w
 It gets, in order of preference: a free slot where it is already resident (no swap); a free
 empty slot; the free slot whose resident was used least recently (that resident is swapped
 out, with its accumulated gradients, and swapped back in later, exactly). Waiting agents are
-served first come, first served, so each agent's share of slot time follows its load (the
-number and size of its micro-batches). With at least as many slots as agents, every agent stays
+served in priority order, first come, first served within a priority. The pools pass
+(iteration, kind), so in a pipelined run an older iteration's work, which the next versions
+wait on, goes first; otherwise each agent's share of slot time follows its load (the number
+and size of its micro-batches). With at least as many slots as agents, every agent stays
 on its first slot and nothing is ever swapped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
-from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -36,7 +38,8 @@ class Lease:
 class SlotAllocator:
     n_slots: int
     slots: list[SlotInfo] = field(init=False)
-    waiting: deque = field(default_factory=deque)
+    # (priority, arrival, agent, future), kept sorted: served in this order
+    waiting: list[tuple[tuple, int, str, asyncio.Future]] = field(default_factory=list)
     swaps: int = 0
     # agent -> resolved once its evicted state has arrived where the runtime keeps it: a swap-in
     # of that agent on another slot must wait for it (runtime side: `state_arrived`)
@@ -83,9 +86,12 @@ class SlotAllocator:
             else:
                 fut.set_exception(error)
 
-    async def acquire(self, agent: str) -> Lease:
+    async def acquire(self, agent: str, priority: tuple = ()) -> Lease:
+        """A slot for one call of `agent`; lower `priority` first (the pools pass
+        (iteration, 0 for a step, 1 for a micro-batch)), arrival order within a priority."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.waiting.append((agent, fut))
+        bisect.insort(self.waiting, (tuple(priority), next(self._clock), agent, fut),
+                      key=lambda w: (w[0], w[1]))
         self._dispatch()
         return await fut
 
@@ -95,15 +101,13 @@ class SlotAllocator:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Serve waiters in arrival order; one whose home slot is busy does not block others."""
-        still: deque = deque()
-        while self.waiting:
-            agent, fut = self.waiting.popleft()
-            if fut.done():
-                continue
+        """Serve waiters in priority order; one whose home slot is busy does not block others."""
+        self.waiting = [w for w in self.waiting if not w[3].done()]  # cancelled meanwhile
+        still = []
+        for prio, order, agent, fut in self.waiting:
             lease = self._pick(agent)
             if lease is None:
-                still.append((agent, fut))
+                still.append((prio, order, agent, fut))
                 continue
             fut.set_result(self._take(agent, lease))
         self.waiting = still

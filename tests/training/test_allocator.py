@@ -75,3 +75,27 @@ def test_a_swap_in_waits_for_the_state_still_being_swapped_out():
         alloc.state_arrived("a")
         await asyncio.wait_for(waiter, 1)
     asyncio.run(run())
+
+
+def test_waiters_are_served_by_priority_then_arrival():
+    """An older iteration's work goes first: pipelined agents a step apart share slots."""
+    async def run():
+        alloc = SlotAllocator(1)
+        first = await alloc.acquire("x", (0, 1))
+        order = []
+
+        async def want(agent, priority):
+            lease = await alloc.acquire(agent, priority)
+            order.append(agent)
+            alloc.release(lease)
+
+        tasks = [asyncio.ensure_future(want(a, p)) for a, p in
+                 [("new_mb", (1, 1)), ("old_mb", (0, 1)), ("new_step", (1, 0)),
+                  ("old_mb_later", (0, 1))]]
+        await asyncio.sleep(0)
+        alloc.release(first)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run()) == ["old_mb", "old_mb_later", "new_step", "new_mb"]
+

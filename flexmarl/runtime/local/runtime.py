@@ -29,6 +29,7 @@ from flexmarl.runtime.local.workers import (
     rollout_worker_main,
     train_worker_main,
 )
+from flexmarl.store.experience import sample_iteration
 from flexmarl.training.allocator import SlotAllocator
 from flexmarl.training.trainer import Sample
 
@@ -298,17 +299,21 @@ class LocalTrainPool:
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
         self.saved_state: dict[str, tuple[dict, dict]] = {}
         self.journal: dict[str, list[list[Sample]]] = defaultdict(list)
+        # the iteration each agent is training on (its last micro-batch's): slot priority
+        self.iteration: dict[str, int] = {}
 
     @property
     def binding(self) -> dict[str, int]:
         """Which slot each resident agent is on right now."""
         return self.allocator.binding()
 
-    async def _call(self, agent: str, command: str, payload: Any, retry: bool = True) -> Any:
+    async def _call(self, agent: str, command: str, payload: Any, retry: bool = True,
+                    priority: tuple = ()) -> Any:
         """Run `command` on the slot bound to `agent` (binding, and swapping, on demand); a
-        slot lost meanwhile is restarted by the supervisor and the command runs again."""
+        slot lost meanwhile is restarted by the supervisor and the command runs again.
+        `priority`: the allocator serves lower first (an older iteration's work first)."""
         while True:
-            lease = await self.allocator.acquire(agent)
+            lease = await self.allocator.acquire(agent, priority)
             try:
                 worker = self.workers[lease.slot]
                 if lease.swap_in:
@@ -345,14 +350,18 @@ class LocalTrainPool:
             await self.on_lost(slot)
 
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
-        result = await self._call(agent, "accumulate", (agent, samples))
+        if samples:
+            self.iteration[agent] = sample_iteration(samples[0].sample_id)
+        result = await self._call(agent, "accumulate", (agent, samples),
+                                  priority=(self.iteration.get(agent, 0), 1))
         if self.on_lost is not None:
             self.journal[agent].append(samples)
         return result
 
     async def step(self, agent: str) -> tuple[dict[str, float], Weights]:
         while True:
-            out = await self._call(agent, "step", agent)
+            out = await self._call(agent, "step", agent,
+                                   priority=(self.iteration.get(agent, 0), 0))
             if self.on_lost is None:
                 return out
             try:  # the state after this step is the new restart point
