@@ -235,23 +235,100 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def _tree_cpu_s(root: int | None = None) -> float | None:
+    """CPU-seconds of process `root` (default: this one) and all its live descendants, each
+    with its reaped children's (/proc/PID/stat utime + stime + cutime + cstime); None where
+    there is no /proc."""
+    root = os.getpid() if root is None else root
+    tick = os.sysconf("SC_CLK_TCK") or 100
+    children: dict[int, list[int]] = defaultdict(list)
+    cpu: dict[int, float] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        pid = int(name)
+        children[int(fields[1])].append(pid)
+        cpu[pid] = sum(float(v) for v in fields[11:15]) / tick
+    if root not in cpu:
+        return None
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
 class OtherLoad:
     """Other users' CPU work while a block runs: the machine's busy CPU time (/proc/stat) less
     this process tree's own, over the wall time, in CPUs (`with OtherLoad() as load: ...;
     load.cpus`). Unlike the spinning probe before and after (`measure_external_load`) it sees
-    load that comes and goes during the run. 0.0 where /proc/stat is missing."""
+    load that comes and goes during the run. With `every` > 0 a thread also samples it every
+    `every` seconds (the tree's CPU time from /proc/PID/stat, live workers included) into
+    `series`: [(seconds since the start, other CPUs over the interval ending then), ...].
+    0.0 (and no series) where /proc/stat is missing."""
+
+    def __init__(self, every: float = 0.0) -> None:
+        self.every = every
+        self.series: list[tuple[float, float]] = []
 
     def __enter__(self) -> OtherLoad:
-        self.cpus = 0.0
-        self._t0, self._busy0, self._own0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
-        return self
+        return self.start()
 
     def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> OtherLoad:
+        import threading
+
+        self.cpus = 0.0
+        self.series = []
+        self._t0, self._busy0, self._own0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        self._stop = threading.Event()
+        self._thread = None
+        if self.every > 0 and self._busy0 is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        last = (0.0, _machine_busy_s(), _tree_cpu_s())
+        while not self._stop.wait(self.every):
+            now = (time.perf_counter() - self._t0, _machine_busy_s(), _tree_cpu_s())
+            if None in now or None in last or now[0] <= last[0]:
+                last = now
+                continue
+            other = (now[1] - last[1]) - (now[2] - last[2])  # type: ignore[operator]
+            self.series.append((round(now[0], 3), round(max(0.0, other / (now[0] - last[0])),
+                                                        3)))
+            last = now
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
         busy, wall = _machine_busy_s(), time.perf_counter() - self._t0
         if busy is None or self._busy0 is None or wall <= 0:
             return
         other = (busy - self._busy0) - (_own_cpu_s() - self._own0)
         self.cpus = max(0.0, other / wall)
+
+
+def profiled_load(machine: dict[str, Any]) -> float:
+    """The other load a profile was measured under, in CPUs: the larger of the spinning probe
+    before profiling (`external_load`) and other users' work during it (`other_load`, absent
+    from older profiles), as the calibration takes a real run's."""
+    return max(float(machine.get("external_load", 0.0) or 0.0),
+               float(machine.get("other_load", 0.0) or 0.0))
 
 
 def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> float:
@@ -912,6 +989,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
     started = time.perf_counter()
     log("machine load: other runnable work, in CPUs")
     external = measure_external_load()
+    during = OtherLoad().start()  # other users' work over the whole profiling
     log("contention: the speed of each of k busy processes (spawned, torch work)")
     contention = measure_contention(cfg, task.vocab_size, task.max_seq_len, reps=reps)
     log("contention: " + ", ".join(f"{k} busy x{v:.2f}" for k, v in enumerate(contention, 1)))
@@ -972,8 +1050,10 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5, ipc: bool = True,
             parent_s = measure_parent_overhead(cfg, task, agents)
     finally:
         torch.set_num_threads(threads)
+    during.stop()
     machine = machine_info()
     machine["external_load"] = external
+    machine["other_load"] = round(during.cpus, 3)
     return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
                         machine, time.perf_counter() - started, parent_s[1], scale, contention)
 
