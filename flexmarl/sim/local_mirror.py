@@ -22,18 +22,23 @@ speed the profiler measured for n processes busy at once (`LocalProfile.contenti
 work in spawned processes, so caches, memory bandwidth and shared cores count), or, for a
 profile without that curve, processor sharing on `profile.machine["cpus"]` cores (on a 2-core
 machine a replica, a training slot and the parent busy at once each run at 2/3 speed). Other
-users' load is in the profiled (median) costs and the curve, as measured. The worker layout (`runtime.rollout_workers`, `runtime.train_workers`) is the
-config's. The task is the real one: prompts come from its prompt builders, and outputs are
+users' load is in the profiled (median) costs and the curve, as measured; `run_mirror(...,
+external=...)` simulates a run that saw more or less of it than the profile did (`CpuShare`:
+the difference shifts where the curve is read, or speeds up the profiled costs where the run was
+quieter), and may follow a measured series of it in virtual time. The worker layout
+(`runtime.rollout_workers`, `runtime.train_workers`) is the config's. The task is the real one: prompts come from its prompt builders, and outputs are
 tokens drawn from each request's allowed tokens with the profile's lengths.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import pickle
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,26 +50,44 @@ from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
-from flexmarl.sim.profile import AgentProfile, LocalProfile
+from flexmarl.sim.profile import AgentProfile, LocalProfile, profiled_load
 
 
 class CpuShare:
     """Processor sharing: the busy work of the simulated processes (replicas, training slots,
-    the parent) next to `external` CPUs' worth of other runnable work; with n busy processes
-    (n + external runnable) each progresses at `speed(n + external)`. With a measured
-    contention curve (`LocalProfile.contention`, `curve[k-1]` the speed of each of k busy
-    processes relative to one alone) that is the curve, linear between its points and, past
-    its last point K, the same total throughput shared (curve[K-1] * K / n); without one it is
-    processor sharing on `cores` CPUs, min(1, cores / n) (each process is one torch thread, as
-    `runtime.torch_threads: 1` runs). Profiled costs were measured by one busy process under
-    `profiled_external`, so they are scaled back to an idle machine first."""
+    the parent) next to `external` CPUs' worth of other runnable work. `speed(k)` is how fast
+    each of k runnable processes progresses relative to one alone: with a measured contention
+    curve (`LocalProfile.contention`, `curve[k-1]` the speed of each of k busy processes
+    relative to one alone) that is the curve, linear between its points and, past its last
+    point K, the same total throughput shared (curve[K-1] * K / n); without one it is processor
+    sharing on `cores` CPUs, min(1, cores / n) (each process is one torch thread, as
+    `runtime.torch_threads: 1` runs).
 
-    def __init__(self, cores: float, external: float = 0.0,
+    Profiled costs (and the curve) were measured by the profile's own processes next to
+    `profiled_external` CPUs' worth of other work, and the simulated run has `external` next to
+    it: a number, or a piecewise-constant series `[(t, cpus), ...]` (from virtual time t on,
+    until the next point; before the first point its value). With n busy simulated processes
+    and E other runnable, each progresses at `rate(n, E)` relative to the profiled speed of one
+    process alone: the curve read at n + E - profiled_external (so equal loads cancel and the
+    curve is read as measured), or, where that is below one process (the run is quieter than the
+    profile), processor sharing's min(1, cores / (n + E)) over the profile's own
+    min(1, cores / (1 + profiled_external)), a speed-up over the profiled costs. Without a curve
+    it is processor sharing throughout: min(1, cores / (n + E)) over the same."""
+
+    def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
                  profiled_external: float = 0.0, curve: list[float] | None = None) -> None:
         self.cores = max(1.0, float(cores))
-        self.external = max(0.0, float(external))
+        if isinstance(external, (int, float)):
+            series = [(0.0, float(external))]
+        else:
+            series = sorted((float(t), float(v)) for t, v in external) or [(0.0, 0.0)]
+        self.times = [t for t, _ in series]
+        self.loads = [max(0.0, v) for _, v in series]
+        self.external = self.loads[0]
+        self.profiled_external = max(0.0, float(profiled_external))
         self.curve = [min(1.0, max(1e-3, float(v))) for v in (curve or [])]
-        self.solo = min(1.0, self.cores / (1.0 + max(0.0, float(profiled_external))))
+        # one profiled process alone ran at this speed of an idle machine's (processor sharing)
+        self.solo = min(1.0, self.cores / (1.0 + self.profiled_external))
         self.jobs: dict[int, list[Any]] = {}  # id -> [remaining work (s), future]
         self.last: float | None = None
         self.handle: asyncio.TimerHandle | None = None
@@ -84,8 +107,25 @@ class CpuShare:
         frac = n - lo
         return curve[lo - 1] * (1.0 - frac) + curve[lo] * frac
 
+    def rate(self, n: float, external: float | None = None) -> float:
+        """How fast each of `n` busy simulated processes progresses next to `external` other
+        runnable work (default: the current), relative to the profiled speed of one alone."""
+        e = self.external if external is None else max(0.0, external)
+        shifted = n + e - self.profiled_external
+        if self.curve and shifted >= 1.0:
+            return self.speed(shifted)
+        return min(1.0, self.cores / max(1.0, n + e)) / self.solo
+
+    def external_at(self, t: float) -> float:
+        """The other load at virtual time `t` (piecewise constant)."""
+        return self.loads[max(0, bisect.bisect_right(self.times, t + 1e-9) - 1)]
+
+    def _next_change(self, t: float) -> float | None:
+        i = bisect.bisect_right(self.times, t + 1e-9)
+        return self.times[i] if i < len(self.times) else None
+
     def _rate(self) -> float:
-        return self.speed(len(self.jobs) + self.external) if self.jobs else 1.0
+        return self.rate(len(self.jobs)) if self.jobs else 1.0
 
     def _advance(self, now: float) -> None:
         if self.last is not None and self.jobs:
@@ -93,6 +133,7 @@ class CpuShare:
             for job in self.jobs.values():
                 job[0] -= done
         self.last = now
+        self.external = self.external_at(now)
 
     def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.handle is not None:
@@ -103,8 +144,11 @@ class CpuShare:
             if not fut.done():
                 fut.set_result(None)
         if self.jobs:
-            left = min(j[0] for j in self.jobs.values())
-            self.handle = loop.call_later(left / self._rate(), self._tick)
+            left = min(j[0] for j in self.jobs.values()) / self._rate()
+            change = self._next_change(loop.time())  # the other load changes: a new rate
+            if change is not None:
+                left = min(left, max(0.0, change - loop.time()))
+            self.handle = loop.call_later(left, self._tick)
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
@@ -113,14 +157,14 @@ class CpuShare:
         self._reschedule(loop)
 
     async def run(self, seconds: float) -> None:
-        """`seconds` of one process's CPU work, stretched by the sharing."""
+        """`seconds` of one process's profiled CPU work, stretched (or shrunk) by the sharing."""
         if seconds <= 0:
             return
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
         fut = loop.create_future()
-        self.jobs[id(fut)] = [seconds * self.solo, fut]
-        self.busy_s += seconds * self.solo
+        self.jobs[id(fut)] = [seconds, fut]
+        self.busy_s += seconds
         self._reschedule(loop)
         try:
             await fut
@@ -482,10 +526,15 @@ def mirror_config(cfg: RunConfig, iterations: int | None = None,
 def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
                virtual: bool = True, cores: float | None = None,
-               external: float | None = None) -> MirrorResult:
+               external: float | Sequence[tuple[float, float]] | None = None,
+               profiled_external: float | None = None) -> MirrorResult:
     """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
-    profile's CPU count; `external` adds CPUs' worth of other runnable work beyond what the
-    profile saw (see `profile.measure_external_load`); `virtual=False` runs in real time."""
+    profile's CPU count; `external` is the simulated run's other runnable work in CPUs (a
+    number, or a series `[(virtual t, cpus), ...]`, see `CpuShare`) next to the
+    `profiled_external` the profile was measured under (default `profile.profiled_load`: its
+    probe, or other users' work during it, whichever is larger); with `external` None the run
+    sees the profile's load, and the profiled costs and curve are used as measured.
+    `virtual=False` runs in real time."""
     from flexmarl.orchestrator.joint import JointOrchestrator
     from flexmarl.runtime.sim.clock import run_virtual
     from flexmarl.telemetry.recorder import Telemetry
@@ -507,10 +556,17 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         telemetry.spans = spans
         max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
         machine = profile.machine
-        # the profiled costs are typical costs at the profile's load (medians): other load is
-        # already in them, so by default only this run's own processes share the CPUs
-        # the machine's measured speed with n busy processes, unless `cores` asks for another
-        cpu = CpuShare(cores or machine.get("cpus") or 1, external or 0.0,
+        # the profiled costs are typical costs at the profile's load (medians): without
+        # `external` only this run's own processes share the CPUs, at the machine's measured
+        # speed with n busy processes (unless `cores` asks for another core count); with it,
+        # the difference between the run's other load and the profile's is simulated
+        if external is None:
+            ext, prof_ext = 0.0, 0.0
+        else:
+            ext = external
+            prof_ext = (profiled_load(machine) if profiled_external is None
+                        else profiled_external)
+        cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
                        curve=None if cores else profile.contention)
         parent = ParentProcess(cpu, profile)
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, cfg.rollout.max_batch_tokens,
