@@ -4,9 +4,14 @@
    OUT/profile.json, and `--profile FILE` reuses one);
 2. run the real config on the local runtime for N iterations, `pipeline.mode=sync` and then
    `async` (OUT/real-sync, OUT/real-async: the usual run folders);
-3. simulate the same config, both modes, on the mirrored local runtime (`sim.local_mirror`);
+3. simulate the same config, both modes, on the mirrored local runtime (`sim.local_mirror`),
+   each with the other users' load its real run saw (`OtherLoad` during it, or the spinning
+   probe before and after, whichever is larger) next to the load the profile was measured
+   under (`profile.profiled_load`): load that changed between the profile and the run is
+   simulated (`CpuShare`);
 4. print measured vs simulated seconds per iteration (makespan / N, from the runs' `time_s`)
-   and the relative error, and write OUT/calibration.json.
+   and the relative error (and the simulation without the load correction), and write
+   OUT/calibration.json (`resimulate` reruns the mirror on its measurements).
 
 The error is reported, not enforced: timing on a shared machine is noisy.
 """
@@ -28,9 +33,11 @@ from flexmarl.sim.profile import (
     machine_info,
     measure_external_load,
     profile_local,
+    profiled_load,
 )
 
 TOLERANCE = 0.25  # issue 6, item 6: within 25% of the measured local makespan
+SAMPLE_S = 0.5  # the other load's series during a real run: one point every SAMPLE_S
 
 
 @dataclass
@@ -42,6 +49,8 @@ class CalibrationRow:
     simulated_steady_s: float
     real_wall_s: float  # the real run's wall time, worker start-up included
     external_load: float = 0.0  # other runnable work (CPUs) measured around the real run
+    simulated_unloaded_s: float = 0.0  # the mirror without the load correction (as profiled)
+    load_series: list[tuple[float, float]] | None = None  # (s since the run's start, CPUs)
 
     @property
     def error(self) -> float:
@@ -56,7 +65,14 @@ class CalibrationRow:
                 "simulated_s_per_iteration": self.simulated_s, "error": self.error,
                 "within_25pct": self.within, "measured_steady_s": self.measured_steady_s,
                 "simulated_steady_s": self.simulated_steady_s, "real_wall_s": self.real_wall_s,
-                "external_load": self.external_load}
+                "external_load": self.external_load,
+                "simulated_unloaded_s_per_iteration": self.simulated_unloaded_s,
+                "unloaded_error": self.unloaded_error, "load_series": self.load_series}
+
+    @property
+    def unloaded_error(self) -> float:
+        m = self.measured_s
+        return (self.simulated_unloaded_s - m) / m if m and self.simulated_unloaded_s else 0.0
 
 
 def run_real(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], float]:
@@ -89,28 +105,32 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
     rows: list[CalibrationRow] = []
     sims: dict[str, MirrorResult] = {}
     loads = {"before": machine_info()["loadavg"]}
+    prof_load = profiled_load(prof.machine)
     for mode in modes:
         mcfg = mirror_config(cfg, iterations, mode)
         log(f"real run: {cfg.name}, pipeline.mode={mode}, {iterations} iterations "
             f"-> {out / f'real-{mode}'}")
         probe = measure_external_load()
-        with OtherLoad() as during:
+        with OtherLoad(every=SAMPLE_S) as during:
             records, wall = run_real(mcfg, out / f"real-{mode}")
         probe = (probe + measure_external_load()) / 2  # before and after the run
         external = max(probe, during.cpus)
         loads[f"after_{mode}"] = machine_info()["loadavg"]
-        # the profiled costs already hold the load they were measured under: the other load
-        # is reported (a row is only trustworthy when it is near 0), not simulated
-        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
+        # the profiled costs hold the load they were measured under: the mirror simulates the
+        # run's other load next to the profile's (`CpuShare`), and without it for comparison
+        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode, external=external,
+                         profiled_external=prof_load)
+        plain = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
         sims[mode] = sim
         mean, steady = per_iteration(records)
         rows.append(CalibrationRow(mode, mean, sim.per_iteration_s, steady,
-                                   sim.steady_per_iteration_s, wall, external))
-    print_table(cfg.name, rows, iterations, loads, prof.machine.get("external_load", 0.0))
+                                   sim.steady_per_iteration_s, wall, external,
+                                   plain.per_iteration_s, list(during.series)))
+    print_table(cfg.name, rows, iterations, loads, prof_load)
     (out / "calibration.json").write_text(json.dumps({
         "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
         "machine": machine_info(), "loadavg": loads, "profile": str(out / "profile.json"),
-        "rows": [r.to_dict() for r in rows],
+        "profiled_load": prof_load, "rows": [r.to_dict() for r in rows],
         "simulated_records": {m: s.records for m, s in sims.items()},
     }, indent=2, default=str))
     log(f"calibration: {out / 'calibration.json'}")
@@ -122,13 +142,74 @@ def print_table(name: str, rows: list[CalibrationRow], iterations: int,
     print(f"calibration of {name}: {iterations} iterations on this machine "
           f"({os.cpu_count()} CPUs, load average {loads})")
     print(f"{'mode':<7}{'measured s/it':>15}{'simulated s/it':>16}{'error':>9}"
-          f"{'within 25%':>12}{'other load':>12}   steady s/it (meas / sim)")
+          f"{'within 25%':>12}{'other load':>12}{'as profiled':>13}   steady s/it (meas / sim)")
     for r in rows:
         print(f"{r.mode:<7}{r.measured_s:>15.3f}{r.simulated_s:>16.3f}{r.error:>+9.1%}"
               f"{'yes' if r.within else 'NO':>12}{r.external_load:>12.2f}"
+              f"{r.unloaded_error:>+13.1%}"
               f"   {r.measured_steady_s:.3f} / {r.simulated_steady_s:.3f}")
     print("(s/it = makespan / iterations, from the runs' time_s; steady leaves out the first "
           "iteration; other load = CPUs' worth of other users' work during the real run "
-          f"(/proc/stat less this run's own CPU time, or the spinning probe before and after "
-          f"if higher; the profile's probe saw {profile_load:.1f}); the error is reported, not "
+          "(/proc/stat less this run's own CPU time, or the spinning probe before and after "
+          f"if higher), simulated next to the profile's {profile_load:.2f}; as profiled = the "
+          "error without that (the profile's load throughout); the error is reported, not "
           "enforced)")
+
+
+def resimulate(calibration: str | Path, profile: str | Path | None = None,
+               external: str = "mean", log: Any = print) -> list[CalibrationRow]:
+    """Rerun the mirror on a calibration's measurements (OUT/calibration.json and its profile):
+    `external` "mean" simulates each run's mean other load, "series" its sampled series (mapped
+    onto the simulated run by the fraction of the real run elapsed), "none" the profile's load
+    throughout (no correction)."""
+    from flexmarl.orchestrator.run import prepare
+
+    data = json.loads(Path(calibration).read_text())
+    prof = LocalProfile.load(profile or data["profile"])
+    cfg = load_config(data["config"])
+    if cfg.runtime.kind != "local":
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
+    task = prepare(cfg)
+    n = int(data["iterations"])
+    prof_load = profiled_load(prof.machine)
+    rows = []
+    for row in data["rows"]:
+        mode, measured = row["mode"], float(row["measured_s_per_iteration"])
+        ext = float(row.get("external_load", 0.0))
+        plain = run_mirror(cfg, task, prof, iterations=n, mode=mode)
+        sim = plain
+        if external != "none":
+            sim = run_mirror(cfg, task, prof, iterations=n, mode=mode, external=ext,
+                             profiled_external=prof_load)
+        if external == "series" and row.get("load_series"):
+            series = series_in_virtual_time(row["load_series"], ext, measured * n,
+                                            float(row["real_wall_s"]), sim.makespan_s)
+            sim = run_mirror(cfg, task, prof, iterations=n, mode=mode, external=series,
+                             profiled_external=prof_load)
+        rows.append(CalibrationRow(mode, measured, sim.per_iteration_s,
+                                   float(row["measured_steady_s"]), sim.steady_per_iteration_s,
+                                   float(row["real_wall_s"]), ext, plain.per_iteration_s,
+                                   row.get("load_series")))
+    print_table(cfg.name, rows, n, data.get("loadavg", {}), prof_load)
+    return rows
+
+
+def series_in_virtual_time(series: list[Any], mean: float, makespan: float, wall: float,
+                           simulated: float) -> list[tuple[float, float]]:
+    """A real run's sampled other load (`OtherLoad.series`: seconds since the run's start, the
+    load over the interval ending then) as piecewise-constant points in the simulated run's
+    virtual time: the run's start-up (wall time before its iterations, wall - makespan) left
+    out, the rest mapped by the fraction of the iterations elapsed, and shifted so that its
+    time-weighted mean over the iterations is `mean` (which may also hold the spinning probe)."""
+    start = max(0.0, wall - makespan)
+    points, prev = [], 0.0
+    for t, v in series:
+        t0, t1, prev = prev, float(t), float(t)
+        lo, hi = max(t0, start), min(t1, start + makespan)
+        if hi > lo:  # the interval (t0, t1] overlaps the iterations
+            points.append(((lo - start) / makespan * simulated, float(v), hi - lo))
+    if not points:
+        return [(0.0, mean)]
+    seen = sum(v * w for _, v, w in points) / sum(w for _, _, w in points)
+    return [(0.0 if i == 0 else t, max(0.0, v + mean - seen))
+            for i, (t, v, _) in enumerate(points)]
