@@ -217,16 +217,24 @@ print(time.process_time() - c0)
 """
 
 
-def _machine_busy_s() -> float | None:
-    """CPU-seconds the whole machine has spent busy (all CPUs, from /proc/stat); None where
-    there is no /proc/stat."""
+def _machine_busy_s(niced: bool = True) -> float | None:
+    """CPU-seconds the whole machine has spent busy (all CPUs, from /proc/stat), with or
+    without the niced processes' (the `nice` column); None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
             fields = [float(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
+    left_out = idle if niced else idle + fields[1]
+    return (sum(fields[:8]) - left_out) / (os.sysconf("SC_CLK_TCK") or 100)
+
+
+def _peers_s() -> float | None:
+    """`_machine_busy_s` of the work that competes with this process as an equal: niced work
+    (nice > 0) yields to a process at nice 0 (CFS weight 110 against 1024 at nice 10), so it is
+    left out unless this process is niced too."""
+    return _machine_busy_s(niced=os.nice(0) > 0)
 
 
 def _own_cpu_s() -> float:
@@ -272,7 +280,9 @@ class OtherLoad:
     """Other users' CPU work while a block runs: the machine's busy CPU time (/proc/stat) less
     this process tree's own, over the wall time, in CPUs (`with OtherLoad() as load: ...;
     load.cpus`). Unlike the spinning probe before and after (`measure_external_load`) it sees
-    load that comes and goes during the run. With `every` > 0 a thread also samples it every
+    load that comes and goes during the run. Niced work (/proc/stat's `nice` column) hardly
+    competes with the run's processes at nice 0 and is left out of `cpus` (`niced` has it),
+    unless this process is niced itself. With `every` > 0 a thread also samples it every
     `every` seconds (the tree's CPU time from /proc/PID/stat, live workers included) into
     `series`: [(seconds since the start, other CPUs over the interval ending then), ...].
     0.0 (and no series) where /proc/stat is missing."""
@@ -290,9 +300,11 @@ class OtherLoad:
     def start(self) -> OtherLoad:
         import threading
 
-        self.cpus = 0.0
+        self.cpus = self.niced = 0.0
+        self.measured = False  # /proc/stat was read at both ends
         self.series = []
-        self._t0, self._busy0, self._own0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        self._t0, self._busy0, self._own0 = time.perf_counter(), _peers_s(), _own_cpu_s()
+        self._all0 = _machine_busy_s()
         self._stop = threading.Event()
         self._thread = None
         if self.every > 0 and self._busy0 is not None:
@@ -301,9 +313,9 @@ class OtherLoad:
         return self
 
     def _sample(self) -> None:
-        last = (0.0, _machine_busy_s(), _tree_cpu_s())
+        last = (0.0, _peers_s(), _tree_cpu_s())
         while not self._stop.wait(self.every):
-            now = (time.perf_counter() - self._t0, _machine_busy_s(), _tree_cpu_s())
+            now = (time.perf_counter() - self._t0, _peers_s(), _tree_cpu_s())
             if None in now or None in last or now[0] <= last[0]:
                 last = now
                 continue
@@ -316,19 +328,26 @@ class OtherLoad:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        busy, wall = _machine_busy_s(), time.perf_counter() - self._t0
-        if busy is None or self._busy0 is None or wall <= 0:
+        busy, wall = _peers_s(), time.perf_counter() - self._t0
+        every = _machine_busy_s()
+        if busy is None or self._busy0 is None or every is None or wall <= 0:
             return
         other = (busy - self._busy0) - (_own_cpu_s() - self._own0)
         self.cpus = max(0.0, other / wall)
+        self.measured = True
+        self.niced = max(0.0, ((every - self._all0) - (busy - self._busy0)) / wall)
 
 
 def profiled_load(machine: dict[str, Any]) -> float:
-    """The other load a profile was measured under, in CPUs: the larger of the spinning probe
-    before profiling (`external_load`) and other users' work during it (`other_load`, absent
-    from older profiles), as the calibration takes a real run's."""
-    return max(float(machine.get("external_load", 0.0) or 0.0),
-               float(machine.get("other_load", 0.0) or 0.0))
+    """The other load a profile was measured under, in CPUs: other users' work during the
+    profiling (`other_load`, the `OtherLoad` measure the calibration takes of a real run too),
+    or, for an older profile without it, the spinning probe before profiling (`external_load`).
+    The probe counts runnable work against spinners of its own and reads higher than the CPU
+    time others get next to busy work (one spinning process: 1.2 against 0.9 here), so the two
+    are not mixed."""
+    if machine.get("other_load") is not None:
+        return float(machine["other_load"])
+    return float(machine.get("external_load", 0.0) or 0.0)
 
 
 def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> float:
