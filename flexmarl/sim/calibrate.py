@@ -5,10 +5,11 @@
 2. run the real config on the local runtime for N iterations, `pipeline.mode=sync` and then
    `async` (OUT/real-sync, OUT/real-async: the usual run folders);
 3. simulate the same config, both modes, on the mirrored local runtime (`sim.local_mirror`),
-   each with the other users' load its real run saw (`OtherLoad` during it, or the spinning
-   probe before and after, whichever is larger) next to the load the profile was measured
-   under (`profile.profiled_load`): load that changed between the profile and the run is
-   simulated (`CpuShare`);
+   each with the other users' load its real run saw (`OtherLoad` during it: their CPU time
+   from /proc/stat, niced work left out) next to the load the profile was measured under, the
+   same measure over the profiling (`profile.profiled_load`): load that changed between the
+   profile and the run is simulated (`CpuShare`); the spinning probe before and after each run
+   is reported;
 4. print measured vs simulated seconds per iteration (makespan / N, from the runs' `time_s`)
    and the relative error (and the simulation without the load correction), and write
    OUT/calibration.json (`resimulate` reruns the mirror on its measurements).
@@ -48,9 +49,11 @@ class CalibrationRow:
     measured_steady_s: float  # iterations after the first
     simulated_steady_s: float
     real_wall_s: float  # the real run's wall time, worker start-up included
-    external_load: float = 0.0  # other runnable work (CPUs) measured around the real run
+    external_load: float = 0.0  # other users' work (CPUs) measured during the real run
+    probe_load: float = 0.0  # the spinning probe before and after it (reported)
     simulated_unloaded_s: float = 0.0  # the mirror without the load correction (as profiled)
     load_series: list[tuple[float, float]] | None = None  # (s since the run's start, CPUs)
+    niced_load: float = 0.0  # other users' niced work (CPUs), left out of external_load
 
     @property
     def error(self) -> float:
@@ -65,9 +68,10 @@ class CalibrationRow:
                 "simulated_s_per_iteration": self.simulated_s, "error": self.error,
                 "within_25pct": self.within, "measured_steady_s": self.measured_steady_s,
                 "simulated_steady_s": self.simulated_steady_s, "real_wall_s": self.real_wall_s,
-                "external_load": self.external_load,
+                "external_load": self.external_load, "probe_load": self.probe_load,
                 "simulated_unloaded_s_per_iteration": self.simulated_unloaded_s,
-                "unloaded_error": self.unloaded_error, "load_series": self.load_series}
+                "unloaded_error": self.unloaded_error, "load_series": self.load_series,
+                "niced_load": self.niced_load}
 
     @property
     def unloaded_error(self) -> float:
@@ -114,7 +118,9 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         with OtherLoad(every=SAMPLE_S) as during:
             records, wall = run_real(mcfg, out / f"real-{mode}")
         probe = (probe + measure_external_load()) / 2  # before and after the run
-        external = max(probe, during.cpus)
+        # others' CPU time during the run, as the profile's (`profiled_load`); the probe only
+        # where there is no /proc/stat
+        external = during.cpus if during.measured else probe
         loads[f"after_{mode}"] = machine_info()["loadavg"]
         # the profiled costs hold the load they were measured under: the mirror simulates the
         # run's other load next to the profile's (`CpuShare`), and without it for comparison
@@ -125,11 +131,12 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         mean, steady = per_iteration(records)
         rows.append(CalibrationRow(mode, mean, sim.per_iteration_s, steady,
                                    sim.steady_per_iteration_s, wall, external,
-                                   plain.per_iteration_s, list(during.series)))
+                                   probe_load=probe, simulated_unloaded_s=plain.per_iteration_s,
+                                   load_series=list(during.series), niced_load=during.niced))
     print_table(cfg.name, rows, iterations, loads, prof_load)
     (out / "calibration.json").write_text(json.dumps({
         "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
-        "machine": machine_info(), "loadavg": loads, "profile": str(out / "profile.json"),
+        "machine": machine_info(), "loadavg": loads, "profile": str(profile or out / "profile.json"),
         "profiled_load": prof_load, "rows": [r.to_dict() for r in rows],
         "simulated_records": {m: s.records for m, s in sims.items()},
     }, indent=2, default=str))
@@ -150,8 +157,8 @@ def print_table(name: str, rows: list[CalibrationRow], iterations: int,
               f"   {r.measured_steady_s:.3f} / {r.simulated_steady_s:.3f}")
     print("(s/it = makespan / iterations, from the runs' time_s; steady leaves out the first "
           "iteration; other load = CPUs' worth of other users' work during the real run "
-          "(/proc/stat less this run's own CPU time, or the spinning probe before and after "
-          f"if higher), simulated next to the profile's {profile_load:.2f}; as profiled = the "
+          "(/proc/stat less this run's own CPU time, niced work left out), simulated next to "
+          f"the profile's {profile_load:.2f}; as profiled = the "
           "error without that (the profile's load throughout); the error is reported, not "
           "enforced)")
 
@@ -188,8 +195,11 @@ def resimulate(calibration: str | Path, profile: str | Path | None = None,
                              profiled_external=prof_load)
         rows.append(CalibrationRow(mode, measured, sim.per_iteration_s,
                                    float(row["measured_steady_s"]), sim.steady_per_iteration_s,
-                                   float(row["real_wall_s"]), ext, plain.per_iteration_s,
-                                   row.get("load_series")))
+                                   float(row["real_wall_s"]), ext,
+                                   probe_load=float(row.get("probe_load", 0.0)),
+                                   simulated_unloaded_s=plain.per_iteration_s,
+                                   load_series=row.get("load_series"),
+                                   niced_load=float(row.get("niced_load", 0.0))))
     print_table(cfg.name, rows, n, data.get("loadavg", {}), prof_load)
     return rows
 

@@ -16,7 +16,6 @@ from flexmarl.runtime.sim.clock import run_virtual
 from flexmarl.sim.calibrate import series_in_virtual_time
 from flexmarl.sim.local_mirror import CpuShare, run_mirror
 from flexmarl.sim.profile import OtherLoad, _tree_cpu_s, profiled_load
-
 from tests.sim.test_profile import _synthetic_profile, tiny_config
 
 LOADED = [1.0, 0.67, 0.42]  # a curve measured next to one CPU's worth of other work, 2 CPUs
