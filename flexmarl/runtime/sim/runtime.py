@@ -27,7 +27,8 @@ import heapq
 import math
 import operator
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from flexmarl.rollout.balancer import allot_replicas, latency_allotments
 from flexmarl.sim.cost import CostModel, keyed_uniform
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
+from flexmarl.training.allocator import SlotAllocator
 from flexmarl.training.trainer import Sample
 
 
@@ -256,6 +258,23 @@ class SimRolloutPool:
 _OUTSTANDING = operator.attrgetter("outstanding_tokens")
 
 
+@dataclass
+class SharedSlots:
+    """Training slots that light agents time-share: `accelerators` each, bound by the
+    production allocator; `idle` is set while no call is in flight."""
+
+    members: tuple[str, ...]
+    accelerators: int
+    allocator: SlotAllocator
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def done(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self.idle.set()
+
+
 class SimTrainPool:
     def __init__(self, runtime: SimRuntime) -> None:
         self.rt = runtime
@@ -304,6 +323,12 @@ class SimRuntime:
         self.paused_replicas: dict[str, list[SimReplica]] = defaultdict(list)
         self._asleep: set[str] = set()  # colocated: agents whose engines sleep while they train
         self._train_locks: dict[str, asyncio.Lock] = {}
+        # time-shared training slots: (members, accelerators per slot, slots) of the plan, and
+        # the production allocator that binds the members to the slots
+        self._pool_plan: tuple[tuple[str, ...], int, int] | None = None
+        self.slot_pool: SharedSlots | None = None
+        self._handover: asyncio.Event | None = None  # set once the previous pool is idle
+        self._on_host: set[str] = set()  # shared agents whose training state was swapped out
         self._loop: asyncio.AbstractEventLoop | None = None
         # busy accelerator-seconds so far, per pool and agent (measured load)
         self.work: dict[str, dict[str, float]] = {"rollout": defaultdict(float),
@@ -386,6 +411,7 @@ class SimRuntime:
     def plan_resources(self, measured: bool = False) -> None:
         wl, f = self.wl, self.features
         train_d = self._train_demand(measured)
+        self._pool_plan = None
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
             self.groups = self._colocated_groups()
@@ -410,11 +436,33 @@ class SimRuntime:
             train_alloc = self._train_split(train_d, train_acc, mins)
         self.roll_acc, self.train_acc = roll_acc, train_acc
         self.train_alloc = train_alloc
+        self._bind_slot_pool()
         self._resize_replicas(replicas)
         self._lengths.clear()
         self._prompts.clear()
-        self.plans.append({"rollout_accelerators": roll_acc, "train_accelerators": train_acc,
-                           "replicas": dict(replicas), "train": dict(train_alloc)})
+        plan = {"rollout_accelerators": roll_acc, "train_accelerators": train_acc,
+                "replicas": dict(replicas), "train": dict(train_alloc)}
+        if self._pool_plan is not None:
+            members, g, slots = self._pool_plan
+            plan["shared_slots"] = {"agents": list(members), "slots": slots,
+                                    "accelerators_per_slot": g}
+        self.plans.append(plan)
+
+    def _bind_slot_pool(self) -> None:
+        """The plan's shared slots get a production `SlotAllocator`, kept across plans while
+        the members and the number of slots stay the same (residents stay bound). A new
+        pool starts once the previous one has finished its calls in flight, so a slot never
+        holds two agents; residents of the old pool count as resident (not swapped) there."""
+        old = self.slot_pool
+        if self._pool_plan is None:
+            self.slot_pool = None
+        else:
+            members, g, slots = self._pool_plan
+            if old is not None and (old.members, old.accelerators, old.allocator.n_slots) \
+                    == (members, g, slots):
+                return
+            self.slot_pool = SharedSlots(members, g, SlotAllocator(slots))
+        self._handover = old.idle if old is not None and old.in_flight else None
 
     def _train_split(self, train_d: dict[str, float], train_acc: int,
                      mins: dict[str, int]) -> dict[str, int]:
@@ -466,26 +514,89 @@ class SimRuntime:
             return float(timing.finish_s.mean()), timing.total_s
 
         units = {a.name: a.tp for a in wl.agents}
-        steps = latency_allotments(self._nodes, phase_time, self.total - sum(mins.values()),
-                                   units)
-        best: tuple[float, dict[str, int], int, dict[str, int]] | None = None
+        members, g = self._pool_candidates(train_d, mins)
+        # a shared pool of S slots frees (len(members) - S) x g accelerators for rollout
+        spare = (len(members) - 1) * g if members else 0
+        steps = latency_allotments(self._nodes, phase_time,
+                                   self.total - sum(mins.values()) + spare, units)
+        calls = self._train_calls()
+        best: tuple[float, dict[str, int], int, dict[str, int], int] | None = None
         for step in steps:
-            alloc = self._train_split(train_d, self.total - step.accelerators, mins)
-            train_s = {a: train_d[a] / alloc[a] for a in self.trainable}
-            path = step.critical_path_s
-            if self.mode == "sync":
-                cycle = path + max(train_s.values(), default=0.0)
-            else:
-                # rows are ready when their episodes end (from about a typical episode's
-                # length on); agent a's nodes of the next iteration, which start once this
-                # rollout is over plus a's offset in the graph, wait for its training
-                cycle = path + max((max(0.0, step.typical_path_s + t - path
-                                        - step.first_start_s[a]) for a, t in train_s.items()),
-                                   default=0.0)
-            if best is None or cycle < best[0]:
-                best = (cycle, step.replicas, step.accelerators, alloc)
+            budget = self.total - step.accelerators
+            for slots in range(len(members), 0, -1) if members else [0]:
+                shared = members if slots < len(members) else ()
+                if budget - (slots * g if shared else 0) < sum(
+                        mins[a] for a in self.trainable if a not in shared):
+                    continue
+                alloc, train_s = self._pooled_split(train_d, budget, mins, shared, g, slots,
+                                                    calls)
+                path = step.critical_path_s
+                if self.mode == "sync":
+                    cycle = path + max(train_s.values(), default=0.0)
+                else:
+                    # rows are ready when their episodes end (from about a typical episode's
+                    # length on); agent a's nodes of the next iteration, which start once this
+                    # rollout is over plus a's offset in the graph, wait for its training
+                    cycle = path + max((max(0.0, step.typical_path_s + t - path
+                                            - step.first_start_s[a])
+                                        for a, t in train_s.items()), default=0.0)
+                if best is None or cycle < best[0]:
+                    best = (cycle, step.replicas, step.accelerators, alloc,
+                            slots if shared else 0)
         assert best is not None
+        self._pool_plan = (tuple(members), g, best[4]) if best[4] else None
         return best[1], best[2], best[3]
+
+    def _pool_candidates(self, train_d: dict[str, float],
+                         mins: dict[str, int]) -> tuple[list[str], int]:
+        """Agents that may time-share training slots: the largest set of agents with the same
+        memory minimum g that the agent-centric split leaves at that minimum even with every
+        accelerator but the rollout's minimum (small, lightly loaded trainers)."""
+        f = self.features
+        if f.colocated or f.sequential_training or f.allocation != "agent_centric":
+            return [], 0
+        budget = self.total - sum(a.tp for a in self.wl.agents)
+        if budget < sum(mins.values()):
+            return [], 0
+        alloc = balanced_split(train_d, budget, mins)
+        by_g: dict[int, list[str]] = defaultdict(list)
+        for a in self.trainable:
+            if alloc[a] == mins[a]:
+                by_g[mins[a]].append(a)
+        if not by_g:
+            return [], 0
+        g, members = max(by_g.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+        return (members, g) if len(members) > 1 else ([], 0)
+
+    def _train_calls(self) -> dict[str, float]:
+        """Training calls (micro-batches and the step) each agent makes per iteration."""
+        wl = self.wl
+        mb = max(wl.rollout.group_size, wl.rollout.episodes_per_iteration // 32)
+        return {a: wl.calls_per_episode(a) * wl.episodes_per_iteration / mb + 1
+                for a in self.trainable}
+
+    def _pooled_split(self, train_d: dict[str, float], budget: int, mins: dict[str, int],
+                      shared: Sequence[str], g: int, slots: int,
+                      calls: dict[str, float]) -> tuple[dict[str, int], dict[str, float]]:
+        """Training accelerators per agent and each agent's predicted training time per
+        iteration, with `shared` agents time-sharing `slots` slots of g accelerators (each
+        holds g; the rest are split agent-centric). A shared agent's time is the pool's work,
+        swaps included (a call finds its state resident with odds slots / members), over its
+        slots, and at least its own work on g."""
+        own = [a for a in self.trainable if a not in shared]
+        rest = budget - (slots * g if shared else 0)
+        alloc = self._train_split({a: train_d[a] for a in own}, rest,
+                                  {a: mins[a] for a in own})
+        train_s = {a: train_d[a] / alloc[a] for a in own}
+        if shared:
+            miss = 1.0 - slots / len(shared)
+            swap = sum(calls[a] * miss * 2 * self.cost.train_state_swap_time(
+                self.wl.agent(a).model, g) for a in shared)
+            pooled = (sum(train_d[a] for a in shared) / g + swap) / slots
+            for a in shared:
+                alloc[a] = g
+                train_s[a] = max(pooled, train_d[a] / g)
+        return alloc, train_s
 
     def _resize_replicas(self, replicas: dict[str, int]) -> None:
         for agent, n in replicas.items():
@@ -540,16 +651,57 @@ class SimRuntime:
                 await asyncio.sleep(self.cost.engine_sleep_time(spec.model, spec.tp))
                 self.spans.append(BusySpan(f"train/{agent}", "overhead", agent, "sleep", t0,
                                            loop.time(), 0))
-            t0 = loop.time()
-            if kind == "train":
-                await asyncio.sleep(self.cost.train_compute_time(spec.model, n, tokens))
-            else:
-                await asyncio.sleep(self.cost.optimizer_step_time(spec.model, n))
-            self.spans.append(BusySpan(f"train/{agent}", "train", agent, kind, t0, loop.time(),
-                                       n))
-            self.work["train"][agent] += (loop.time() - t0) * n
-            self._train_cost[agent][0] += (loop.time() - t0) * n
-            self._train_cost[agent][1] += tokens
+            pool = self.slot_pool
+            if pool is None or agent not in pool.members:
+                await self._compute(agent, kind, tokens, n, f"train/{agent}")
+                return
+            if self._handover is not None:
+                await self._handover.wait()
+            g, alloc = pool.accelerators, pool.allocator
+            pool.in_flight += 1
+            pool.idle.clear()
+            try:
+                # the production allocator binds the agent to a slot, older iterations first
+                version = self.train.versions[agent]
+                lease = await alloc.acquire(agent, (version, 0 if kind == "step" else 1))
+            except BaseException:
+                pool.done()
+                raise
+            try:
+                lane = f"train/shared{g}/{lease.slot}"
+                if lease.evict is not None:
+                    try:
+                        await self._swap(lease.evict, g, lane, "swap_out")
+                        self._on_host.add(lease.evict)
+                    finally:
+                        alloc.state_arrived(lease.evict)
+                if lease.swap_in and agent in self._on_host:
+                    await alloc.wait_state(agent)  # evicted elsewhere a moment ago?
+                    await self._swap(agent, g, lane, "swap_in")
+                    self._on_host.discard(agent)
+                await self._compute(agent, kind, tokens, g, lane)
+            finally:
+                alloc.release(lease)
+                pool.done()
+
+    async def _swap(self, agent: str, n: int, lane: str, kind: str) -> None:
+        """Move `agent`'s sharded training state between its slot's devices and host."""
+        t0 = self.loop.time()
+        await asyncio.sleep(self.cost.train_state_swap_time(self.wl.agent(agent).model, n))
+        self.spans.append(BusySpan(lane, "overhead", agent, kind, t0, self.loop.time(), 0))
+
+    async def _compute(self, agent: str, kind: str, tokens: int, n: int, lane: str) -> None:
+        loop = self.loop
+        model = self.wl.agent(agent).model
+        t0 = loop.time()
+        if kind == "train":
+            await asyncio.sleep(self.cost.train_compute_time(model, n, tokens))
+        else:
+            await asyncio.sleep(self.cost.optimizer_step_time(model, n))
+        self.spans.append(BusySpan(lane, "train", agent, kind, t0, loop.time(), n))
+        self.work["train"][agent] += (loop.time() - t0) * n
+        self._train_cost[agent][0] += (loop.time() - t0) * n
+        self._train_cost[agent][1] += tokens
 
     async def publish(self, agent: str, version: int) -> None:
         loop = self.loop

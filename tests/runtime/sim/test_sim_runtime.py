@@ -174,3 +174,55 @@ def test_simulated_replicas_admit_waiting_requests_in_priority_order(wl):
         return done
 
     assert run_virtual(main()) == [0, 2, 3, 1]
+
+
+def test_small_trainers_time_share_slots_through_the_production_allocator():
+    """star_hub's eight 0.5B leaves are light trainers: the planner gives them fewer slots
+    than agents, and the production `SlotAllocator` binds them, swapping states in and out."""
+    from flexmarl.training.allocator import SlotAllocator
+
+    res = simulate_system(load_workload(WORKLOAD.parent / "star_hub.yaml"), "flexmarl",
+                          iterations=2)
+    rt = res.runtime
+    shared = rt.plans[-1]["shared_slots"]
+    pool = rt.slot_pool
+    members, g, alloc = pool.members, pool.accelerators, pool.allocator
+    assert isinstance(alloc, SlotAllocator) and list(members) == shared["agents"]
+    assert 1 <= shared["slots"] < len(members) and g == shared["accelerators_per_slot"]
+    assert all(rt.plans[-1]["train"][a] == g for a in members)
+    lanes = {s.lane for s in rt.spans if s.lane.startswith(f"train/shared{g}/")}
+    assert len(lanes) <= max(p.get("shared_slots", {}).get("slots", 0) for p in rt.plans)
+    for lane in lanes:  # one agent's work (or swap) at a time on a slot
+        spans = sorted((s for s in rt.spans if s.lane == lane), key=lambda s: s.start)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
+    for agent in members:  # and an agent's state on one slot at a time
+        spans = sorted((s for s in rt.spans if s.agent == agent and s.pool == "train"),
+                       key=lambda s: s.start)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
+        assert res.records[-1][f"agent/{agent}/policy_version"] == 2
+    outs = [s for s in rt.spans if s.kind == "swap_out"]
+    ins = [s for s in rt.spans if s.kind == "swap_in"]
+    assert alloc.swaps > 0 and len(outs) >= alloc.swaps and 0 < len(ins) <= len(outs)
+    # swaps cost time but no accelerator-seconds of useful work
+    assert all(s.accelerators == 0 and s.end > s.start for s in outs + ins)
+
+
+def test_planner_prices_fewer_slots_by_the_pools_work_and_its_swaps():
+    rt = simulate_system(load_workload(WORKLOAD.parent / "star_hub.yaml"), "flexmarl",
+                         iterations=1).runtime
+    train_d = rt._train_demand(False)
+    mins = {a: rt.cost.min_train_accelerators(rt.wl.agent(a).model) for a in rt.trainable}
+    members, g = rt._pool_candidates(train_d, mins)
+    assert len(members) >= 2 and "hub" not in members
+    calls = rt._train_calls()
+    budget = rt.total - 40
+    times = []
+    for slots in range(len(members), 0, -1):
+        alloc, train_s = rt._pooled_split(train_d, budget, mins, members, g, slots, calls)
+        assert sum(alloc.values()) == budget - slots * g + len(members) * g
+        times.append(train_s[members[0]])
+    # all slots: no swaps, and no slower than the agent's own work on g accelerators
+    first = members[0]
+    assert times[0] == pytest.approx(max(train_d[first] / g,
+                                         sum(train_d[a] for a in members) / g / len(members)))
+    assert times == sorted(times)  # fewer slots: longer
