@@ -17,7 +17,11 @@ re-planned between iterations from what was measured (lengths, prompts, busy tim
   tokens, `static` deals requests round robin (fixed equal chunks);
 - training allocation: `agent_centric` binds accelerators so that every agent's training
   takes about as long (min-max over its measured cost per token x its tokens), `static` splits
-  them equally; `sequential_training` trains one agent at a time.
+  them equally; `sequential_training` trains one agent at a time. With `agent_centric`, the
+  light trainers that split leaves at the same memory minimum may time-share fewer slots than
+  agents (the number of slots is part of the planned split, priced with its state swaps); the
+  production `SlotAllocator` binds them, and each eviction and swap-in costs
+  `train_state_swap_time`.
 """
 
 from __future__ import annotations
