@@ -66,10 +66,14 @@ class SimResult:
     orchestrator: JointOrchestrator
 
 
-def simulate_system(wl: Workload, system: str, iterations: int | None = None) -> SimResult:
+def simulate_system(wl: Workload, system: str, iterations: int | None = None,
+                    features: SimFeatures | None = None) -> SimResult:
+    """`features` replaces the system's simulated features (its pipeline mode and rollout
+    schedule stay), e.g. with `fixed_replicas` for a sweep over fixed splits."""
     if system not in SYSTEMS:
         raise ValueError(f"--baseline: unknown system {system!r} (known: {', '.join(SYSTEMS)})")
-    mode, schedule, features = SYSTEMS[system]
+    mode, schedule, features_of_system = SYSTEMS[system]
+    features = features or features_of_system
     cfg = workload_config(wl, mode=mode, schedule=schedule, iterations=iterations)
     task = workload_task(wl)
     started = time.perf_counter()

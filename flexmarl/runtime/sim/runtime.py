@@ -54,6 +54,10 @@ class SimFeatures:
     balance: str = "hierarchical"  # or "static"
     allocation: str = "agent_centric"  # or "static"
     sequential_training: bool = False  # agents trained one after another
+    # hierarchical only: pin these agents' rollout replicas (the rest as planned; training
+    # gets every other accelerator, agent-centric): an oracle sweep over fixed splits
+    # measures how far the planner's choice is from the best fixed one
+    fixed_replicas: dict[str, int] | None = None
 
 
 @dataclass
@@ -424,6 +428,8 @@ class SimRuntime:
             train_alloc = {a: self.groups[a] for a in self.trainable}
         elif f.balance == "hierarchical":
             replicas, roll_acc, train_alloc = self._plan_critical_path(measured, train_d, mins)
+            if f.fixed_replicas:
+                replicas, roll_acc, train_alloc = self._pin_replicas(replicas, train_d, mins)
             train_acc = self.total - roll_acc
         else:
             # the equal-split baselines follow estimated, then measured busy, rollout work
@@ -550,6 +556,27 @@ class SimRuntime:
         assert best is not None
         self._pool_plan = (tuple(members), g, best[4]) if best[4] else None
         return best[1], best[2], best[3]
+
+    def _pin_replicas(self, replicas: dict[str, int], train_d: dict[str, float],
+                      mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
+        """`fixed_replicas` over the planned replicas; training gets the rest, one slot per
+        agent (no time-shared slots)."""
+        pinned = dict(replicas)
+        for agent, n in (self.features.fixed_replicas or {}).items():
+            if agent not in pinned:
+                raise ValueError(f"fixed_replicas: no agent {agent!r} in workload "
+                                 f"{self.wl.name} (agents: {', '.join(pinned)})")
+            if n < 1:
+                raise ValueError(f"fixed_replicas.{agent}: needs at least 1 replica, got {n}")
+            pinned[agent] = n
+        roll_acc = sum(n * self.wl.agent(a).tp for a, n in pinned.items())
+        budget = self.total - roll_acc
+        if budget < sum(mins.values()):
+            raise ValueError(
+                f"fixed_replicas: {roll_acc} rollout accelerators leave {budget} for training, "
+                f"but the trainers need at least {sum(mins.values())}")
+        self._pool_plan = None
+        return pinned, roll_acc, balanced_split(train_d, budget, mins)
 
     def _pool_candidates(self, train_d: dict[str, float],
                          mins: dict[str, int]) -> tuple[list[str], int]:

@@ -226,3 +226,31 @@ def test_planner_prices_fewer_slots_by_the_pools_work_and_its_swaps():
     assert times[0] == pytest.approx(max(train_d[first] / g,
                                          sum(train_d[a] for a in members) / g / len(members)))
     assert times == sorted(times)  # fewer slots: longer
+
+
+def test_fixed_replicas_pin_the_rollout_and_give_training_the_rest(wl):
+    """The oracle sweep's fixed splits: pinned agents keep their replicas in every plan,
+    training gets every other accelerator, and an unknown agent or an impossible split is
+    refused by name."""
+    import dataclasses
+
+    from flexmarl.runtime.sim.runtime import SimRuntime
+
+    base = SYSTEMS["flexmarl"][2]
+    planned = SimRuntime(wl, base).plans[0]
+    agent = next(iter(planned["replicas"]))
+    pin = planned["replicas"][agent] + 1
+    res = simulate_system(wl, "flexmarl", 2,
+                          features=dataclasses.replace(base, fixed_replicas={agent: pin}))
+    plans = res.runtime.plans
+    assert len(plans) >= 2
+    for plan in plans:
+        assert plan["replicas"][agent] == pin
+        assert plan["train_accelerators"] == wl.cluster.total_accelerators - \
+            plan["rollout_accelerators"]
+        assert sum(plan["train"].values()) == plan["train_accelerators"]
+        assert "shared_slots" not in plan
+    with pytest.raises(ValueError, match="no agent 'nobody'"):
+        SimRuntime(wl, dataclasses.replace(base, fixed_replicas={"nobody": 1}))
+    with pytest.raises(ValueError, match="leave .* for training"):
+        SimRuntime(wl, dataclasses.replace(base, fixed_replicas={agent: 10_000}))
