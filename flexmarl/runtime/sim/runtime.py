@@ -59,6 +59,11 @@ class SimFeatures:
     # measures how far the planner's choice is from the best fixed one
     fixed_replicas: dict[str, int] | None = None
 
+    def __post_init__(self) -> None:
+        if self.fixed_replicas and (self.balance != "hierarchical" or self.colocated):
+            raise ValueError("fixed_replicas: needs balance 'hierarchical' and separate "
+                             f"pools (got balance {self.balance!r}, colocated {self.colocated})")
+
 
 @dataclass
 class BusySpan:
@@ -559,8 +564,8 @@ class SimRuntime:
 
     def _pin_replicas(self, replicas: dict[str, int], train_d: dict[str, float],
                       mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
-        """`fixed_replicas` over the planned replicas; training gets the rest, one slot per
-        agent (no time-shared slots)."""
+        """`fixed_replicas` over the planned replicas; training gets the rest, split as the
+        system splits it (no time-shared slots)."""
         pinned = dict(replicas)
         for agent, n in (self.features.fixed_replicas or {}).items():
             if agent not in pinned:
@@ -576,7 +581,7 @@ class SimRuntime:
                 f"fixed_replicas: {roll_acc} rollout accelerators leave {budget} for training, "
                 f"but the trainers need at least {sum(mins.values())}")
         self._pool_plan = None
-        return pinned, roll_acc, balanced_split(train_d, budget, mins)
+        return pinned, roll_acc, self._train_split(train_d, budget, mins)
 
     def _pool_candidates(self, train_d: dict[str, float],
                          mins: dict[str, int]) -> tuple[list[str], int]:

@@ -254,3 +254,5 @@ def test_fixed_replicas_pin_the_rollout_and_give_training_the_rest(wl):
         SimRuntime(wl, dataclasses.replace(base, fixed_replicas={"nobody": 1}))
     with pytest.raises(ValueError, match="leave .* for training"):
         SimRuntime(wl, dataclasses.replace(base, fixed_replicas={agent: 10_000}))
+    with pytest.raises(ValueError, match="fixed_replicas: needs balance 'hierarchical'"):
+        dataclasses.replace(SYSTEMS["flexmarl-static-balance"][2], fixed_replicas={agent: 1})
