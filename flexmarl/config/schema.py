@@ -49,6 +49,12 @@ class ModelConfig(Strict):
     # A safetensors file (or a directory holding model.safetensors) to initialise from, e.g. a
     # previous run's checkpoint; shapes must match this config.
     checkpoint: str | None = None
+    # Compute precision. auto: bfloat16 on a GPU that supports it, float32 on CPU. Rollout
+    # replicas hold the weights in this dtype; trainers keep float32 master weights and optimizer
+    # state and compute under autocast to it.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Recompute activations in the backward pass (less memory, about a third more compute).
+    gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _path_needed(self) -> ModelConfig:
@@ -243,9 +249,11 @@ class PipelineConfig(Strict):
 
 class RolloutConfig(Strict):
     # a replica's continuous batch: at most this many sequences, holding at most this many
-    # KV tokens (prompt + max_new_tokens each)
+    # KV tokens (prompt + max_new_tokens each). max_batch_tokens None: 65536 on CPU; on a GPU,
+    # what `kv_memory_fraction` of the device memory left after the weights holds.
     max_batch_seqs: int = Field(64, gt=0)
-    max_batch_tokens: int = Field(65536, gt=0)
+    max_batch_tokens: int | None = Field(None, gt=0)
+    kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     # hierarchical: capacity follows measured demand, requests go to the least-loaded replica
     # (in tokens); static: equal split and round robin, the peers' baseline
     balance: Literal["hierarchical", "static"] = "hierarchical"
@@ -295,8 +303,21 @@ class RayConfig(Strict):
         return value
 
 
+DeviceList = int | list[Annotated[int, Field(ge=0)]] | None
+
+
 class RuntimeConfig(Strict):
     kind: Literal["local", "sim", "ray"] = "local"
+    # Where models compute. auto: CUDA when this machine has a GPU, else the CPU.
+    devices: Literal["auto", "cpu", "cuda"] = "auto"
+    # The GPUs each pool owns (CUDA only): a list of device indices, or a count (taken in order,
+    # rollout first). None: the visible GPUs split between the pools, rollout first (both pools
+    # share the one GPU of a single-GPU machine). Workers of a pool are spread over its devices;
+    # each worker process sees only its own (CUDA_VISIBLE_DEVICES).
+    rollout_devices: DeviceList = None
+    train_devices: DeviceList = None
+    # Allow the two pools' device lists to overlap (colocation); off, an overlap is an error.
+    share_devices: bool = False
     rollout_workers: int = Field(1, gt=0)
     # training slots (devices; CPU worker processes on the local runtime), bound to agents on
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
@@ -330,6 +351,34 @@ class RuntimeConfig(Strict):
     heartbeat_misses: int = Field(3, gt=0)
     # Restarts of lost workers allowed per run before the run fails.
     max_worker_restarts: int = Field(10, ge=0)
+
+    @field_validator("rollout_devices", "train_devices")
+    @classmethod
+    def _device_list(cls, value: DeviceList) -> DeviceList:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"a device count must be > 0, got {value}")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty device list (leave the field out for the default)")
+            if len(set(value)) != len(value):
+                raise ValueError(f"device {value} lists an index twice")
+        return value
+
+    @model_validator(mode="after")
+    def _pools_apart(self) -> RuntimeConfig:
+        if self.devices == "cpu" and (self.rollout_devices is not None
+                                      or self.train_devices is not None):
+            raise ValueError("runtime.rollout_devices / train_devices: GPU indices, but "
+                             "runtime.devices is 'cpu'")
+        r, t = self.rollout_devices, self.train_devices
+        if isinstance(r, list) and isinstance(t, list) and not self.share_devices:
+            both = sorted(set(r) & set(t))
+            if both:
+                raise ValueError(
+                    f"runtime.rollout_devices {r} and runtime.train_devices {t} share "
+                    f"device(s) {both}: the pools are physically separate; give them disjoint "
+                    f"devices or set runtime.share_devices: true to colocate them")
+        return self
 
 
 class RunConfig(Strict):

@@ -161,6 +161,8 @@ class JointOrchestrator:
         # that "each row exactly once, by the step of its own version" is checked against.
         self.audit: dict[str, list[tuple[str, int, int]]] = {a: [] for a in self.agents}
         self.records: list[dict[str, Any]] = []
+        # more per-iteration metrics (GPU utilisation and memory): each called once per record
+        self.metric_sources: list[Callable[[], dict[str, Any]]] = []
         self._last_done = 0.0
         self._start = 0.0
         # --- reliability: checkpoints, resume, stop requests, skipped steps ---
@@ -801,6 +803,14 @@ class JointOrchestrator:
             "rollout/makespan_s": it.rollout_finished_at - it.started_at,
         }
         record.update(self._rollout_metrics(it))
+        for source in self.metric_sources:
+            record.update(source())
+        diffs = [it.trained[a] for a in self.trainable
+                 if "logprob_diff_mean" in it.trained.get(a, {})]
+        if diffs:  # rollout vs trainer log-probs of the same weights, over every agent
+            record["rollout/logprob_diff_mean"] = float(np.mean(
+                [d["logprob_diff_mean"] for d in diffs]))
+            record["rollout/logprob_diff_max"] = max(d["logprob_diff_max"] for d in diffs)
         for agent in self.agents:
             # fsum is exactly rounded, so the mean does not depend on the order in which
             # episodes finished (placement changes that order, never the rewards).

@@ -18,6 +18,7 @@ from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.recorder import Telemetry
 
 
@@ -139,9 +140,15 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                 handled.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
+        monitor = GpuMonitor.from_nvml(getattr(runtime, "pool_devices", lambda: {})())
+        if monitor.enabled:
+            orch.metric_sources.append(monitor.start().collect)
         if on_runtime is not None:
             on_runtime(runtime)
-        records = await orch.run()
+        try:
+            records = await orch.run()
+        finally:
+            monitor.stop()
         checkpoints = {}
         for agent in orch.trainable:
             path = out / "checkpoints" / "final" / agent

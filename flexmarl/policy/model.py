@@ -69,12 +69,18 @@ def _from_path(agent: str, cfg: ModelConfig, loader: Any) -> Any:
 
 
 def build_model(
-    agent: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int, run_seed: int
+    agent: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int, run_seed: int,
+    device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
-    """Same agent, config and seed give the same initial weights in every process."""
+    """Same agent, config and seed give the same initial weights in every process, on every
+    device: random weights are drawn on the CPU in float32, then moved and cast.
+
+    `dtype` None keeps float32 (a trainer's master weights); replicas pass the compute dtype."""
     cfg = _resolve(cfg)
     if cfg.kind == "path":
-        model = _from_path(agent, cfg, AutoModelForCausalLM.from_pretrained)
+        # loaded as float32 whatever the checkpoint holds (bf16, fp16); cast below
+        model = _from_path(agent, cfg, lambda path, **kw: AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, **kw))
     else:
         config = _llama_config(cfg, vocab_size, max_seq_len)
         seed = cfg.init_seed if cfg.init_seed is not None else stable_seed(run_seed, agent)
@@ -86,6 +92,7 @@ def build_model(
         tensors = load_file(str(_checkpoint_file(agent, cfg.checkpoint)))
         check_shapes(agent, cfg.checkpoint, {k: tuple(v.shape) for k, v in tensors.items()}, model)
         model.load_state_dict(tensors, strict=False)
+    model.to(device=torch.device(device), dtype=dtype or torch.float32)
     model.eval()
     return model
 
@@ -163,6 +170,14 @@ def check_shapes(
             )
 
 
-def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of the trainable weights, the unit of weight publication."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+def weights_of(model: torch.nn.Module, dtype: torch.dtype | None = None
+               ) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of the weights, the unit of weight publication; `dtype` casts
+    floating-point tensors (a replica computing in bf16 needs half the bytes of fp32 masters)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.detach()
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        out[k] = v.to("cpu", copy=True).contiguous()
+    return out

@@ -1,8 +1,11 @@
 """Batched generation with per-token log-probs, and the trainer's matching log-prob computation.
 
-Sampling is Gumbel-max with noise drawn from a generator keyed by (run seed, sample_id, policy
-version): a sequence's tokens do not depend on which other requests shared its batch, or on
-when the scheduler ran it. Log-probs are those of the (masked, tempered) distribution sampled.
+Sampling is Gumbel-max with noise that is a pure function of (the request's noise seed, the
+token's position in the response, the vocabulary index): the seed is keyed by (run seed,
+sample_id, policy version), so a sequence's tokens do not depend on which other requests shared
+its batch, on when the scheduler ran it, or on the device (the noise is computed on the device
+by a counter-based hash, with no per-sequence generator to copy from the host). Log-probs are
+those of the (masked, tempered) distribution sampled.
 """
 
 from __future__ import annotations
@@ -51,13 +54,56 @@ class GenerationResult:
     queue_s: float = 0.0  # time from submission to admission, filled in by the rollout pool
 
 
-def mask_row(vocab: int, allowed: list[int] | None) -> torch.Tensor:
-    mask = torch.zeros(vocab, dtype=torch.bool)
+def mask_row(vocab: int, allowed: list[int] | None,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     if allowed is None:
         mask[:] = True
     else:
-        mask[torch.as_tensor(allowed, dtype=torch.long)] = True
+        mask[torch.as_tensor(allowed, dtype=torch.long, device=device)] = True
     return mask
+
+
+# --- counter-based Gumbel noise --------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(x * m) mod 2**32 for int64 x in [0, 2**32), without signed overflow."""
+    lo, hi = m & 0xFFFF, m >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32): every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+_VOCAB_KEYS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _vocab_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (vocab, str(device))
+    if key not in _VOCAB_KEYS:
+        idx = torch.arange(vocab, dtype=torch.int64, device=device)
+        _VOCAB_KEYS[key] = _mix32(idx ^ 0x85EBCA6B)
+    return _VOCAB_KEYS[key]
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] for sequences with 63-bit noise `seeds` [B] at response
+    positions `steps` [B]: a pure function of (seed, step, token index), computed where the
+    tensors are, identical for a sequence alone or in any batch."""
+    s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
+    k = _mix32(_mul32(steps & _M32, 0x9E3779B1) ^ s_lo)
+    k = _mix32(k ^ s_hi)
+    h = _mix32(k.unsqueeze(1) ^ _vocab_keys(vocab, seeds.device).unsqueeze(0))
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
 
 
 def generate(
@@ -82,6 +128,15 @@ class TokenBatch:
     response_start: torch.Tensor  # [B] index of the first response token in input_ids
     allowed: torch.Tensor  # [B, V] bool
     temperature: torch.Tensor  # [B, 1]
+
+    def to(self, device: str | torch.device) -> TokenBatch:
+        """The same batch on `device` (non-blocking where the source is pinned)."""
+        dev = torch.device(device)
+        if self.input_ids.device == dev:
+            return self
+        return TokenBatch(*(t.to(dev, non_blocking=True) for t in (
+            self.input_ids, self.attention_mask, self.response_mask, self.response_tokens,
+            self.response_start, self.allowed, self.temperature)))
 
 
 def make_token_batch(
@@ -136,7 +191,8 @@ def response_forward(
     logits = out.logits.float()
     bsz, rwidth = batch.response_tokens.shape
     # logits at position t predict token t+1: response token j sits at start+j.
-    idx = (batch.response_start.unsqueeze(1) + torch.arange(rwidth).unsqueeze(0) - 1).clamp(
+    steps = torch.arange(rwidth, device=batch.response_start.device)
+    idx = (batch.response_start.unsqueeze(1) + steps.unsqueeze(0) - 1).clamp(
         0, width - 1
     )
     lidx = (idx - (width - logits.shape[1])).clamp(0, logits.shape[1] - 1)

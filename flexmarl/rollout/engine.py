@@ -6,6 +6,9 @@ finishes leaves the batch at once and its KV rows are dropped, so the batch stay
 long-tail generations run. Per-sequence state (position, Gumbel stream keyed by (seed,
 sample_id, version), token mask, temperature) lives with the sequence, so a sequence decodes to
 the same tokens and log-probs whether alone or inside any batch (up to float rounding).
+
+Everything per step stays on the model's device (KV cache, masks, noise, sampling, log-probs);
+one device-to-host copy per step brings back the chosen tokens and their log-probs.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ from flexmarl.policy.sampling import (
     PAD,
     GenerationRequest,
     GenerationResult,
+    gumbel_noise,
     mask_row,
     noise_seed_of,
 )
@@ -29,8 +32,8 @@ from flexmarl.policy.sampling import (
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    rng: np.random.Generator
-    mask: torch.Tensor
+    noise_seed: int
+    mask: torch.Tensor | None  # None: every token allowed
     next_pos: int
     admitted_at: float
     tokens: list[int] = field(default_factory=list)
@@ -62,6 +65,8 @@ class ContinuousBatcher:
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
         self.vocab = model.config.vocab_size
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
@@ -69,7 +74,7 @@ class ContinuousBatcher:
         self.cache = None
         self.attn: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
         self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
-        self._choice = torch.zeros(0, dtype=torch.long)  # sampled tokens not yet fed
+        self._choice = torch.zeros(0, dtype=torch.long, device=self.device)  # not yet fed
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -104,13 +109,16 @@ class ContinuousBatcher:
                 raise ValueError(f"request {r.sample_id}: empty prompt")
             input_ids[i, width - len(r.prompt):] = torch.as_tensor(r.prompt)
             attn[i, width - len(r.prompt):] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
         new = [
-            _Sequence(r, np.random.default_rng(noise_seed_of(r)),
-                      mask_row(self.vocab, r.allowed_tokens), len(r.prompt), now)
+            _Sequence(r, noise_seed_of(r),
+                      None if r.allowed_tokens is None
+                      else mask_row(self.vocab, r.allowed_tokens, self.device),
+                      len(r.prompt), now)
             for r in requests
         ]
         start = len(self.seqs)
@@ -120,7 +128,7 @@ class ContinuousBatcher:
     def _merge(self, new: list[_Sequence], cache, attn: torch.Tensor, logits: torch.Tensor):
         if self.cache is None or not self.seqs:
             self.seqs, self.cache, self.attn, self.logits = new, cache, attn, logits
-            self._choice = torch.zeros(0, dtype=torch.long)
+            self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
             return
         assert self.attn is not None
         width = max(self.attn.shape[1], attn.shape[1])
@@ -142,25 +150,32 @@ class ContinuousBatcher:
         """
         assert self.logits is not None
         seqs = self.seqs[start:]
+        dev = self.device
         temps = torch.tensor([s.request.temperature for s in seqs],
-                             dtype=torch.float32).unsqueeze(1)
-        masks = torch.stack([s.mask for s in seqs])
-        logits = self.logits  # the pending logits of sequences start:
-        logp = F.log_softmax((logits / temps).masked_fill(~masks, float("-inf")), dim=-1)
-        noise = torch.from_numpy(
-            np.stack([s.rng.gumbel(size=self.vocab) for s in seqs]).astype(np.float32))
-        choice = torch.argmax(logp + noise, dim=-1)
+                             dtype=torch.float32).unsqueeze(1).to(dev)
+        logits = self.logits / temps  # the pending logits of sequences start:
+        if any(s.mask is not None for s in seqs):
+            full = torch.ones(self.vocab, dtype=torch.bool, device=dev)
+            masks = torch.stack([full if s.mask is None else s.mask for s in seqs])
+            logits = logits.masked_fill(~masks, float("-inf"))
+        logp = F.log_softmax(logits, dim=-1)
+        seeds = torch.tensor([s.noise_seed for s in seqs], dtype=torch.int64).to(dev)
+        steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64).to(dev)
+        choice = torch.argmax(logp + gumbel_noise(seeds, steps, self.vocab), dim=-1)
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
         self.logits = None
+        # one device-to-host copy per step (tokens < 2**24 are exact in float64)
+        picked = torch.stack([choice.to(torch.float64), chosen.to(torch.float64)]).cpu()
+        tokens_host, logps_host = picked[0].tolist(), picked[1].tolist()
         finished = []
         for j, s in enumerate(seqs):
             if s.request.max_new_tokens <= 0:
                 finished.append(start + j)
                 continue
-            tok = int(choice[j])
+            tok = int(tokens_host[j])
             s.tokens.append(tok)
-            s.logprobs.append(float(chosen[j]))
+            s.logprobs.append(logps_host[j])
             if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens:
                 finished.append(start + j)
         results = [self._result(self.seqs[i]) for i in finished]
@@ -179,7 +194,7 @@ class ContinuousBatcher:
             self.seqs, self.cache, self.attn, self.logits = [], None, None, None
             return
         assert self.attn is not None
-        idx = torch.as_tensor(keep, dtype=torch.long)
+        idx = torch.as_tensor(keep, dtype=torch.long).to(self.device)
         self.seqs = [self.seqs[i] for i in keep]
         self._choice = self._choice[idx]
         attn = self.attn[idx]
@@ -197,8 +212,9 @@ class ContinuousBatcher:
             return []
         assert self.attn is not None
         bsz = len(self.seqs)
-        self.attn = torch.cat([self.attn, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
-        pos = torch.tensor([[s.next_pos] for s in self.seqs], dtype=torch.long)
+        self.attn = torch.cat(
+            [self.attn, torch.ones((bsz, 1), dtype=torch.long, device=self.device)], dim=1)
+        pos = torch.tensor([[s.next_pos] for s in self.seqs], dtype=torch.long).to(self.device)
         out = self.model(input_ids=self._choice.unsqueeze(1), attention_mask=self.attn,
                          position_ids=pos, cache=self.cache, use_cache=True)
         self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
@@ -234,4 +250,4 @@ class HFEngine(ContinuousBatcher):
     def reset(self) -> None:
         """Drop the running batch (after a failure); the model stays loaded."""
         self.seqs, self.cache, self.attn, self.logits = [], None, None, None
-        self._choice = torch.zeros(0, dtype=torch.long)
+        self._choice = torch.zeros(0, dtype=torch.long, device=self.device)

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
+from flexmarl.policy.device import Placement, plan_placements
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
@@ -410,20 +411,24 @@ class LocalRuntime:
             self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
             swap_dir = self._swap_tmp.name
 
-        def spec(names: list[str]) -> WorkerSpec:
+        def spec(names: list[str], placement: Placement) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
                               rt.deterministic, cfg.rollout.max_batch_seqs,
-                              heartbeat_s=rt.heartbeat_interval_s, swap_dir=swap_dir)
+                              heartbeat_s=rt.heartbeat_interval_s, swap_dir=swap_dir,
+                              placement=placement)
 
         # agents served by an external endpoint need no model in the replicas
         local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
+        n_train = max(1, min(rt.train_workers, len(trainable)))
+        # each worker process sees only its pool's devices (CUDA_VISIBLE_DEVICES)
+        rollout_at, train_at = plan_placements(rt, rt.rollout_workers, n_train)
+        self.placements = {"rollout": rollout_at, "train": train_at}
         self.rollout_workers = [
-            WorkerProxy("rollout", i, rollout_worker_main, spec(local_agents), sink)
+            WorkerProxy("rollout", i, rollout_worker_main, spec(local_agents, rollout_at[i]), sink)
             for i in range(rt.rollout_workers)
         ]
-        n_train = max(1, min(rt.train_workers, len(trainable)))
         self.train_workers = [
-            WorkerProxy("train", i, train_worker_main, spec(trainable), sink)
+            WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink)
             for i in range(n_train)
         ]
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
@@ -453,11 +458,21 @@ class LocalRuntime:
         if self._swap_tmp is not None:
             self._swap_tmp.cleanup()
 
+    def pool_devices(self) -> dict[str, list[int]]:
+        """The GPU indices each pool computes on (empty on the CPU)."""
+        return {pool: sorted({d for p in at for d in p.visible})
+                for pool, at in self.placements.items()}
+
     def placement(self) -> dict[str, Any]:
+        at = self.placements
         return {
-            "rollout": [{"worker": w.index, "pid": w.process.pid} for w in self.rollout_workers],
+            "rollout": [{"worker": w.index, "pid": w.process.pid,
+                         "device": at["rollout"][w.index].kind,
+                         "gpus": list(at["rollout"][w.index].visible)}
+                        for w in self.rollout_workers],
             "train": [
                 {"worker": w.index, "pid": w.process.pid,
+                 "device": at["train"][w.index].kind, "gpus": list(at["train"][w.index].visible),
                  "agents": [a for a, i in self.train.allocator.binding().items()
                             if i == w.index]}
                 for w in self.train_workers

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.policy.device import Placement
+
 
 @dataclass
 class WorkerSpec:
@@ -33,6 +35,7 @@ class WorkerSpec:
     max_batch_seqs: int = 64
     heartbeat_s: float = 2.0
     swap_dir: str | None = None  # training slots: where swapped-out states go (None: host)
+    placement: Placement = Placement()  # the device(s) this worker computes on
 
 
 HEARTBEAT = -3  # message id of a liveness beat: `(HEARTBEAT, True, time, [])`
@@ -80,6 +83,9 @@ def state_to_numpy(state: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict, 
 
 def _setup_torch(spec: WorkerSpec) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from flexmarl.policy.device import set_process_device
+
+    set_process_device(spec.placement)  # before any CUDA call: this worker sees its GPUs only
     import torch
 
     torch.set_num_threads(spec.torch_threads)
@@ -135,6 +141,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     engines = {}
     for a in spec.agents:
         engines[a] = make_engine(a, cfg, spec, max_seqs)
+    set_kv_budgets(engines, cfg)
     versions = dict.fromkeys(spec.agents, 0)
     waiting: dict[str, list[tuple[int, Any]]] = {a: [] for a in spec.agents}
     priorities: dict[int, tuple] = {}
@@ -238,7 +245,9 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
 
 def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
-    """The agent's inference engine on this replica: transformers (hf) or vLLM."""
+    """The agent's inference engine on this replica: transformers (hf) or vLLM. The hf model
+    sits on this process's device in the agent's compute dtype."""
+    from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS, compute_dtype, process_device
     from flexmarl.policy.model import build_model
     from flexmarl.rollout.engine import HFEngine
 
@@ -247,8 +256,22 @@ def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
         from flexmarl.rollout.backends.vllm import VLLMEngine
 
         return VLLMEngine(agent, acfg, max_seqs)
-    model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed)
-    return HFEngine(model, max_seqs, cfg.rollout.max_batch_tokens)
+    dev = process_device()
+    model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed, dev,
+                        compute_dtype(acfg.model.dtype, dev))
+    return HFEngine(model, max_seqs, cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS)
+
+
+def set_kv_budgets(engines: dict[str, Any], cfg: Any) -> None:
+    """Unless `rollout.max_batch_tokens` is set, each hf engine of a GPU replica gets an equal
+    share of `rollout.kv_memory_fraction` of the memory left once every model is loaded."""
+    from flexmarl.policy.device import kv_token_budget
+    from flexmarl.rollout.engine import HFEngine
+
+    hf = [e for e in engines.values() if isinstance(e, HFEngine)]
+    for engine in hf:
+        engine.max_tokens = kv_token_budget(cfg.rollout.max_batch_tokens, engine.model,
+                                            cfg.rollout.kv_memory_fraction / len(hf))
 
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:

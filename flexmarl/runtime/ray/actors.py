@@ -26,8 +26,8 @@ from flexmarl.runtime.local.workers import (
     _error,
     _setup_torch,
     from_numpy,
+    publish_form,
     state_to_numpy,
-    to_numpy,
 )
 
 Span = tuple[float, float, str]
@@ -56,13 +56,16 @@ class RolloutReplica:
     def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None) -> None:
         _setup_torch(spec)
         from flexmarl.config.schema import RunConfig
+        from flexmarl.policy.device import compute_dtype, process_device
         from flexmarl.policy.model import build_model
 
         self.spec = spec
         self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
+        dev = process_device()
         self.models = {
-            a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed)
+            a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed,
+                           dev, compute_dtype(cfg.agents[a].model.dtype, dev))
             for a in spec.agents
         }
         self.versions = dict.fromkeys(spec.agents, 0)
@@ -161,7 +164,7 @@ class TrainWorker:
 
         self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
-        self.trainers = {
+        self.trainers = {  # on this actor's device (set by _setup_torch)
             a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed,
                             max_staleness=cfg.pipeline.max_staleness)
             for a in spec.agents
@@ -209,7 +212,9 @@ class TrainWorker:
 
         # Owned by this actor (publication stays one copy); after a restart the supervisor
         # re-publishes `latest` from the restored trainer.
-        return ray.put(to_numpy(self._trainer(agent).weights()))
+        trainer = self._trainer(agent)
+        # the wire form carries any dtype (bf16/fp16 have no numpy equivalent)
+        return ray.put(publish_form(trainer.weights(), agent, trainer.version))
 
     def get_state(self, agent: str) -> tuple[tuple[dict, dict], list[Span]]:
         """The trainer's full state (weights, AdamW moments, RNG, version), as checkpoints and

@@ -471,10 +471,17 @@ class RayRuntime:
         if self.supervisor is not None:
             self.rollout.refetch = self.train.weights
 
-    def _spec(self, names: list[str]) -> WorkerSpec:
+    def _spec(self, names: list[str], pool: str) -> WorkerSpec:
+        """A worker whose bundle asks for GPUs computes on them (Ray sets the actor's
+        CUDA_VISIBLE_DEVICES), unless runtime.devices is cpu."""
+        from flexmarl.policy.device import Placement
+
         rt = self.cfg.runtime
+        gpus = self.bundles[pool].get("GPU", 0.0)
+        placement = Placement("cuda") if gpus > 0 and rt.devices != "cpu" else Placement()
         return WorkerSpec(self.config, self.vocab_size, self.max_seq_len, names,
-                          rt.torch_threads, rt.deterministic, self.cfg.rollout.max_batch_seqs)
+                          rt.torch_threads, rt.deterministic, self.cfg.rollout.max_batch_seqs,
+                          placement=placement)
 
     async def _group(self, pool: str) -> Any:
         import ray
@@ -516,10 +523,10 @@ class RayRuntime:
         options = self._actor_options(pool, self.groups[pool], index)
         if pool == "rollout":
             return ray.remote(RolloutReplica).options(**options).remote(
-                self._spec(self.agents), self.tables)
+                self._spec(self.agents, pool), self.tables)
         names = [a for a, j in self.binding.items() if j == index]
         return ray.remote(TrainWorker).options(**options).remote(
-            self._spec(names), {a: self.tables[a] for a in names})
+            self._spec(names, pool), {a: self.tables[a] for a in names})
 
     def make_store(self) -> RayExperienceStore:
         """The run's experience store: the driver's facade over the per-agent table actors."""

@@ -1,0 +1,411 @@
+"""The GPU check: one command, figures printed side by side, nothing downloaded.
+
+    python benchmarks/gpu_check.py            # on a GPU machine (about 4 minutes on one H200)
+    python benchmarks/gpu_check.py --small    # the same code paths on the CPU, tiny shapes
+
+Models are random-initialised Llama-shaped ones (the default: 24 layers, hidden 1024, about
+0.37B parameters, vocabulary 32000), so only torch, transformers, numpy, safetensors, pydantic,
+pyyaml, rich and msgpack are needed. It prints:
+1. rollout tokens/s of FlexMARL's continuous-batching engine against `model.generate` (static
+   batches) on the same long-tailed requests (output lengths varying 8x);
+2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW);
+3. swap MB/s of a full training state device <-> pinned host, and publication MB/s trainer ->
+   replica (the wire form a worker pipe carries, loaded into the replica's model);
+4. a short multi-agent run (relay chain) in sync and async on the device: s/iteration, their
+   ratio, NVML utilisation of the pools and the success rate at the start and at the end;
+5. `rollout/logprob_diff_mean` (rollout vs trainer log-probs of the same weights) in fp32/bf16.
+With $OUT set, the figures are also written to $OUT/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from flexmarl.bench.training import _batches  # noqa: E402
+from flexmarl.config.schema import AgentConfig, ModelConfig, load_config  # noqa: E402
+from flexmarl.policy.model import build_model  # noqa: E402
+from flexmarl.policy.sampling import GenerationRequest  # noqa: E402
+from flexmarl.rollout.engine import HFEngine  # noqa: E402
+from flexmarl.training import state as st  # noqa: E402
+from flexmarl.training.trainer import AgentTrainer, Sample  # noqa: E402
+
+MB = 1024 * 1024
+RESULTS: dict[str, Any] = {}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_cfg(small: bool, dtype: str = "auto") -> ModelConfig:
+    if small:
+        return ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                           dtype=dtype)
+    return ModelConfig(hidden_size=1024, intermediate_size=2816, num_layers=24, num_heads=16,
+                       dtype=dtype)
+
+
+def section(title: str) -> None:
+    print(f"\n== {title}", flush=True)
+
+
+# --- 1. rollout: engine vs generate ---------------------------------------------------------
+def long_tailed_requests(n: int, vocab: int, small: bool, seed: int = 0
+                         ) -> list[GenerationRequest]:
+    """Prompts of 32-128 tokens; output lengths log-normal, clipped to [L, 8L]."""
+    rng = np.random.default_rng(seed)
+    lo = 8 if small else 64
+    lengths = np.clip(np.exp(rng.normal(np.log(lo * 1.6), 0.7, size=n)), lo, 8 * lo).astype(int)
+    lengths[0], lengths[1] = lo, 8 * lo  # the full 8x spread is in the batch
+    out = []
+    for i, m in enumerate(lengths):
+        plen = int(rng.integers(8 if small else 32, 33 if small else 129))
+        out.append(GenerationRequest(f"r{i}", "bench", 0, rng.integers(3, vocab, plen).tolist(),
+                                     int(m), seed=seed))
+    return out
+
+
+def bench_rollout(device: torch.device, small: bool, vocab: int) -> None:
+    section("rollout: continuous-batching engine vs model.generate (same requests)")
+    from flexmarl.policy.device import compute_dtype
+
+    dtype = compute_dtype("auto", device)
+    model = build_model("bench", model_cfg(small), vocab, 2048, 0, device, dtype)
+    n, max_seqs = (24, 8) if small else (128, 64)
+    requests = long_tailed_requests(n, vocab, small)
+    useful = sum(r.max_new_tokens for r in requests)
+    lens = [r.max_new_tokens for r in requests]
+
+    def engine_run() -> float:
+        engine = HFEngine(model, max_seqs, 1 << 30)
+        sync(device)
+        t0 = time.perf_counter()
+        res = engine.run_to_completion(requests)
+        sync(device)
+        assert [len(r.tokens) for r in res] == lens
+        return time.perf_counter() - t0
+
+    def generate_run() -> float:
+        """Static batches of `max_seqs` in request order; each decodes to its longest."""
+        sync(device)
+        t0 = time.perf_counter()
+        for b in range(0, n, max_seqs):
+            batch = requests[b:b + max_seqs]
+            width = max(len(r.prompt) for r in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, r in enumerate(batch):
+                ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+                attn[i, width - len(r.prompt):] = 1
+            longest = max(r.max_new_tokens for r in batch)
+            model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                           max_new_tokens=longest, min_new_tokens=longest, do_sample=True,
+                           top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t0
+
+    engine_run(), generate_run()  # warm-up (kernels, allocator)
+    times: dict[str, list[float]] = {"engine": [], "generate": []}
+    for r in range(2):
+        for who in (("engine", "generate") if r % 2 == 0 else ("generate", "engine")):
+            times[who].append(engine_run() if who == "engine" else generate_run())
+    e, g = min(times["engine"]), min(times["generate"])
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, "
+          f"{n} requests, outputs {min(lens)}..{max(lens)} tokens (mean {np.mean(lens):.0f}), "
+          f"{max_seqs} sequences at a time")
+    print(f"{'':<22}{'s':>8}{'useful tok/s':>14}")
+    print(f"{'flexmarl engine':<22}{e:>8.2f}{useful / e:>14.0f}")
+    print(f"{'model.generate':<22}{g:>8.2f}{useful / g:>14.0f}")
+    print(f"engine / generate: {g / e:.2f}x  (target >= 2x)")
+    RESULTS["rollout"] = {"engine_tps": useful / e, "generate_tps": useful / g,
+                          "speedup": g / e, "requests": n, "max_seqs": max_seqs}
+    del model
+    gc.collect()
+
+
+# --- 2. trainer vs plain loop ---------------------------------------------------------------
+def _plain_step(model, opt, batches: list[list[Sample]], device, dtype) -> None:
+    rows = 0
+    for samples in batches:
+        seqs = [s.prompt + s.response for s in samples]
+        width = max(map(len, seqs))
+        rw = max(len(s.response) for s in samples)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        mask = torch.zeros((len(seqs), rw))
+        old = torch.zeros((len(seqs), rw))
+        pos = torch.zeros((len(seqs), rw), dtype=torch.long)
+        tgt = torch.zeros((len(seqs), rw), dtype=torch.long)
+        for i, s in enumerate(samples):
+            ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
+            attn[i, : len(seqs[i])] = 1
+            k = len(s.response)
+            mask[i, :k] = 1
+            old[i, :k] = torch.tensor(s.old_logprobs)
+            pos[i, :k] = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + k)
+            tgt[i, :k] = torch.tensor(s.response)
+        ids, attn, mask, old, pos, tgt = (t.to(device) for t in (ids, attn, mask, old, pos, tgt))
+        first = min(len(s.prompt) for s in samples) - 1
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
+                           logits_to_keep=width - first).logits.float()
+            picked = logits.gather(1, (pos - first).unsqueeze(-1).expand(-1, -1,
+                                                                         logits.shape[-1]))
+            logp = torch.log_softmax(picked, -1).gather(2, tgt.unsqueeze(-1)).squeeze(-1)
+        adv = torch.tensor([s.advantage for s in samples], device=device).unsqueeze(1)
+        ratio = torch.exp(logp - old)
+        pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+        loss = ((pg * mask).sum(-1) / mask.sum(-1)).sum()
+        loss.backward()
+        rows += len(samples)
+    params = [p for p in model.parameters() if p.grad is not None]
+    for p in params:
+        p.grad.mul_(1.0 / rows)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer:
+    section("training: AgentTrainer vs a plain PyTorch loop (same rows, autocast, AdamW)")
+    cfg = AgentConfig.model_validate({"model": model_cfg(small).model_dump(),
+                                      "algorithm": {"name": "grpo"},
+                                      "optim": {"lr": 1e-5, "max_grad_norm": 1.0}})
+    rows, prompt, response = (8, 16, 16) if small else (16, 128, 384)
+    n_micro = 2 if small else 4
+    batches = _batches(vocab, n_micro, rows, prompt, response)
+    trainer = AgentTrainer("bench", cfg, vocab, 1024, run_seed=0, total_steps=100,
+                           device=str(device))
+    plain = build_model("bench", cfg.model, vocab, 1024, 0, device)
+    plain.train()
+    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-5)
+    tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
+    times: dict[str, list[float]] = {"flexmarl": [], "plain": []}
+    rounds = 2 if small else 4
+    for r in range(rounds + 1):
+        for who in (("flexmarl", "plain") if r % 2 == 0 else ("plain", "flexmarl")):
+            sync(device)
+            t0 = time.perf_counter()
+            if who == "flexmarl":
+                for b in batches:
+                    trainer.accumulate([Sample(s.sample_id, s.prompt, s.response,
+                                               s.old_logprobs, s.advantage, s.allowed,
+                                               s.temperature, r) for s in b])
+                trainer.step()
+            else:
+                _plain_step(plain, opt, batches, device, trainer.compute_dtype)
+            sync(device)
+            if r > 0:
+                times[who].append(time.perf_counter() - t0)
+    f, p = statistics.median(times["flexmarl"]), statistics.median(times["plain"])
+    print(f"{n_micro} micro-batches x {rows} rows x {prompt}+{response} tokens, "
+          f"compute {trainer.compute_dtype}, fp32 master weights")
+    print(f"{'':<22}{'s/step':>8}{'tok/s':>10}")
+    print(f"{'flexmarl trainer':<22}{f:>8.3f}{tokens / f:>10.0f}")
+    print(f"{'plain loop':<22}{p:>8.3f}{tokens / p:>10.0f}")
+    print(f"trainer overhead: {100 * (f / p - 1):+.1f}%  (target <= +10%)")
+    if device.type == "cuda":
+        print(f"peak memory: {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB")
+    RESULTS["training"] = {"flexmarl_tps": tokens / f, "plain_tps": tokens / p,
+                           "overhead": f / p - 1}
+    del plain, opt
+    gc.collect()
+    return trainer
+
+
+# --- 3. swap and publication ----------------------------------------------------------------
+def bench_transfers(device: torch.device, small: bool, vocab: int, trainer: AgentTrainer
+                    ) -> None:
+    section("transfers: training-state swap and weight publication")
+    pin = device.type == "cuda"
+    captured = st.capture(trainer)
+    nbytes = captured.nbytes
+    res: dict[str, float] = {"state_mb": nbytes / MB}
+    for _ in range(2):  # the second round is measured (first touches allocator and pins)
+        sync(device)
+        t0 = time.perf_counter()
+        host = st.move(captured, st.Host(pin=pin))
+        sync(device)
+        t1 = time.perf_counter()
+        back = st.move(host, st.Device(str(device)))
+        sync(device)
+        t2 = time.perf_counter()
+        del back
+    st.restore(trainer, host.load())
+    sync(device)
+    t3 = time.perf_counter()
+    st.restore(trainer, host.load())
+    sync(device)
+    t4 = time.perf_counter()
+    res["d2h_mbs"] = nbytes / MB / (t1 - t0)
+    res["h2d_mbs"] = nbytes / MB / (t2 - t1)
+    res["restore_mbs"] = nbytes / MB / (t4 - t3)
+    print(f"training state (weights, AdamW moments, grads): {nbytes / MB:.0f} MB")
+    print(f"swap out device -> {'pinned ' if pin else ''}host: {res['d2h_mbs']:.0f} MB/s; "
+          f"swap in host -> device: {res['h2d_mbs']:.0f} MB/s; "
+          f"restore into the kept trainer: {res['restore_mbs']:.0f} MB/s")
+    del captured, host
+    gc.collect()
+    from flexmarl.policy.device import compute_dtype
+    from flexmarl.runtime.local.workers import from_numpy, publish_form
+
+    replica = HFEngine(build_model("bench", model_cfg(small), vocab, 1024, 0, device,
+                                   compute_dtype("auto", device)), 8, 1 << 20)
+    pub: list[float] = []
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        weights = trainer.weights()  # device -> host, in the compute dtype
+        wire = pickle.dumps(publish_form(weights, "bench", trainer.version), protocol=5)
+        replica.load_weights(from_numpy(pickle.loads(wire)))
+        sync(device)
+        pub.append(time.perf_counter() - t0)
+    pub_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+    res["publish_mb"] = pub_bytes / MB
+    res["publish_mbs"] = pub_bytes / MB / min(pub)
+    print(f"publication trainer -> replica ({pub_bytes / MB:.0f} MB in "
+          f"{next(iter(weights.values())).dtype}, through the pipe's wire form): "
+          f"{res['publish_mbs']:.0f} MB/s")
+    RESULTS["transfers"] = res
+    del replica
+    gc.collect()
+
+
+# --- 4. logprob mismatch --------------------------------------------------------------------
+def bench_logprob_diff(device: torch.device, small: bool, vocab: int) -> None:
+    section("rollout vs trainer log-probs of the same weights")
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            continue
+        cfg = AgentConfig.model_validate({"model": model_cfg(small, dtype).model_dump(),
+                                          "algorithm": {"name": "grpo"}})
+        trainer = AgentTrainer("lp", cfg, vocab, 1024, run_seed=0, total_steps=10,
+                               device=str(device))
+        replica = HFEngine(build_model("lp", cfg.model, vocab, 1024, 0, device,
+                                       trainer.compute_dtype), 16, 1 << 20)
+        replica.load_weights(trainer.weights())
+        requests = long_tailed_requests(16, vocab, small=True, seed=1)
+        results = replica.run_to_completion(requests)
+        samples = [Sample(r.sample_id, q.prompt, r.tokens, r.logprobs, 1.0, None, 1.0, 0)
+                   for q, r in zip(requests, results, strict=True)]
+        trainer.accumulate(samples)
+        metrics = trainer.step()
+        out[dtype] = (metrics["logprob_diff_mean"], metrics["logprob_diff_max"])
+        print(f"{dtype:<9} rollout/logprob_diff_mean {out[dtype][0]:.2e}   "
+              f"max {out[dtype][1]:.2e}")
+        del trainer, replica
+        gc.collect()
+    RESULTS["logprob_diff"] = out
+
+
+# --- 5. multi-agent run, sync vs async ------------------------------------------------------
+def bench_run(device: torch.device, iterations: int) -> None:
+    section("multi-agent run on the device: relay chain, sync vs async")
+    from flexmarl.orchestrator.run import train
+
+    rows = {}
+    base = Path(tempfile.mkdtemp(prefix="flexmarl-gpu-run-"))
+    for mode in ("sync", "async"):
+        cfg = load_config(str(ROOT / "examples/relay_chain.yaml"), [
+            f"pipeline.mode={mode}", f"train.iterations={iterations}",
+            f"runtime.devices={'cuda' if device.type == 'cuda' else 'cpu'}"])
+        t0 = time.perf_counter()
+        result = train(cfg, base / mode)
+        wall = time.perf_counter() - t0
+        recs = result.records
+        steady = recs[1:] or recs
+        k = max(1, len(recs) // 5)
+        row = {
+            "s_per_it": statistics.median(r["wall_s"] for r in steady),
+            "wall_s": wall,
+            "success_start": float(np.mean([r["task/success_rate"] for r in recs[:k]])),
+            "success_end": float(np.mean([r["task/success_rate"] for r in recs[-k:]])),
+            "rollout_busy": statistics.mean(r["pool/rollout/busy_frac"] for r in steady),
+            "train_busy": statistics.mean(r["pool/train/busy_frac"] for r in steady),
+            "gpu_util": {key.split("/")[1]: statistics.mean(r.get(key, 0.0) for r in steady)
+                         for key in recs[-1] if key.endswith("gpu_util")},
+            "logprob_diff_mean": statistics.mean(
+                r.get("rollout/logprob_diff_mean", float("nan")) for r in steady),
+            "placement": {p: [w.get("gpus") for w in result.placement[p]]
+                          for p in ("rollout", "train")},
+        }
+        rows[mode] = row
+    print(f"{iterations} iterations each; placement {rows['sync']['placement']}")
+    print(f"{'mode':<6}{'s/it':>8}{'rollout busy':>14}{'train busy':>12}{'gpu util':>22}"
+          f"{'success start->end':>22}{'lp diff':>10}")
+    for mode, r in rows.items():
+        util = " ".join(f"{p}={u:.2f}" for p, u in r["gpu_util"].items()) or "n/a"
+        print(f"{mode:<6}{r['s_per_it']:>8.3f}{r['rollout_busy']:>14.2f}{r['train_busy']:>12.2f}"
+              f"{util:>22}{r['success_start']:>11.3f} -> {r['success_end']:.3f}"
+              f"{r['logprob_diff_mean']:>10.1e}")
+    print(f"async/sync: {rows['async']['s_per_it'] / rows['sync']['s_per_it']:.3f}")
+    RESULTS["run"] = rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--only", default="rollout,training,transfers,logprob,run")
+    args = parser.parse_args()
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"flexmarl gpu check: torch {torch.__version__}, device {name}, "
+          f"{os.cpu_count()} CPU cores")
+    RESULTS["device"] = name
+    vocab = 256 if args.small else 32000
+    only = set(args.only.split(","))
+    t0 = time.perf_counter()
+    steps = [("rollout", lambda: bench_rollout(device, args.small, vocab))]
+    trainer_box: list[AgentTrainer] = []
+    steps.append(("training", lambda: trainer_box.append(
+        bench_trainer(device, args.small, vocab))))
+    steps.append(("transfers", lambda: trainer_box and bench_transfers(
+        device, args.small, vocab, trainer_box[0])))
+    steps.append(("logprob", lambda: bench_logprob_diff(device, args.small, vocab)))
+    steps.append(("run", lambda: bench_run(device, args.iterations)))
+    for key, fn in steps:
+        if key not in only:
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next figure
+            import traceback
+
+            traceback.print_exc()
+            RESULTS.setdefault("errors", {})[key] = repr(exc)
+        print(f"[{key}: {time.perf_counter() - t:.0f} s]", flush=True)
+        if key == "transfers":
+            trainer_box.clear()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(RESULTS, indent=2,
+                                                                        default=str))
+
+
+if __name__ == "__main__":
+    main()

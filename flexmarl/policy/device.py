@@ -1,0 +1,195 @@
+"""Placement and precision: which devices each pool owns, what each worker sees, which dtype.
+
+Every piece of FlexMARL computes through these few functions, so the same code runs on the
+CPU (CI, laptops) and on GPUs. A pool owns a list of GPU indices; its workers are spread over
+them, one device per worker, and each worker process is started with `CUDA_VISIBLE_DEVICES`
+set to its own device only, so a rollout replica cannot allocate on a training GPU and the
+reverse (the separation is physical, not a convention). Inside a worker the model lives on
+`cuda:0` (its only visible device) or on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from flexmarl.errors import UserError
+
+CPU_MAX_BATCH_TOKENS = 65536  # a replica's KV budget on the CPU, where memory is not the limit
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PlacementError(UserError, ValueError):
+    """The configured devices do not exist or do not fit the pools; names the field."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker computes: `kind` cpu or cuda, and the GPU indices it may see."""
+
+    kind: Literal["cpu", "cuda"] = "cpu"
+    visible: tuple[int, ...] = ()
+
+    @property
+    def device(self) -> str:
+        """The torch device inside the worker (its visible devices renumber from 0)."""
+        return "cuda:0" if self.kind == "cuda" else "cpu"
+
+    def env(self) -> dict[str, str]:
+        """Environment for the worker process; on CPU, hides every GPU."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.visible))
+                if self.kind == "cuda" else ""}
+
+    def apply(self) -> None:
+        """Set this process's visibility; call before the first CUDA call of the process.
+
+        A cuda placement with no indices keeps what the host set (Ray assigns a GPU actor's
+        devices itself)."""
+        if self.kind == "cuda" and not self.visible:
+            return
+        os.environ.update(self.env())
+
+
+def resolve_kind(devices: str, gpu_count: int | None = None) -> Literal["cpu", "cuda"]:
+    """`runtime.devices` to cpu or cuda; asking for cuda on a machine without one is an error."""
+    n = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if devices == "cpu":
+        return "cpu"
+    if devices == "cuda":
+        if n == 0:
+            raise PlacementError("runtime.devices is 'cuda' but no CUDA device is visible "
+                                 "(use 'auto' to fall back to the CPU)")
+        return "cuda"
+    return "cuda" if n > 0 else "cpu"
+
+
+def _pool_list(field: str, value: int | list[int] | None, start: int, gpu_count: int
+               ) -> list[int]:
+    if isinstance(value, list):
+        bad = [d for d in value if d >= gpu_count]
+        if bad:
+            raise PlacementError(f"runtime.{field}: device(s) {bad} do not exist "
+                                 f"({gpu_count} GPU(s) visible: 0..{gpu_count - 1})")
+        return list(value)
+    assert value is not None
+    if start + value > gpu_count:
+        raise PlacementError(f"runtime.{field}: {value} device(s) asked from index {start}, "
+                             f"but only {gpu_count} GPU(s) are visible")
+    return list(range(start, start + value))
+
+
+def pool_devices(rollout: int | list[int] | None, train: int | list[int] | None,
+                 gpu_count: int, share: bool = False) -> tuple[list[int], list[int]]:
+    """The GPU indices of the rollout pool and of the training pool.
+
+    Counts are taken in order, rollout first. Unset pools split the visible GPUs, rollout
+    first (rollout gets the extra one of an odd count); with one GPU both pools share it."""
+    if gpu_count <= 0:
+        raise PlacementError("no CUDA device is visible")
+    if rollout is None and train is None:
+        if gpu_count == 1:
+            return [0], [0]
+        half = (gpu_count + 1) // 2
+        return list(range(half)), list(range(half, gpu_count))
+    r = _pool_list("rollout_devices", rollout, 0, gpu_count) if rollout is not None else None
+    start = (max(r) + 1) if r else 0
+    t = _pool_list("train_devices", train, start if isinstance(train, int) else 0, gpu_count) \
+        if train is not None else None
+    if r is None:  # train given: rollout takes what is left, or shares when nothing is
+        assert t is not None
+        rest = [d for d in range(gpu_count) if d not in t]
+        r = rest or list(t)
+        if not rest and not share and gpu_count > 1:
+            raise PlacementError("runtime.train_devices takes every GPU; leave some for "
+                                 "rollout or set runtime.share_devices: true")
+    if t is None:
+        rest = [d for d in range(gpu_count) if d not in r]
+        t = rest or list(r)
+        if not rest and not share and gpu_count > 1:
+            raise PlacementError("runtime.rollout_devices takes every GPU; leave some for "
+                                 "training or set runtime.share_devices: true")
+    both = sorted(set(r) & set(t))
+    if both and not share and gpu_count > 1:
+        raise PlacementError(f"runtime.rollout_devices {r} and runtime.train_devices {t} share "
+                             f"device(s) {both}; set runtime.share_devices: true to colocate")
+    return r, t
+
+
+def worker_placements(kind: str, devices: list[int], n_workers: int) -> list[Placement]:
+    """One placement per worker of a pool: worker i on device devices[i % len(devices)]."""
+    if kind != "cuda":
+        return [Placement("cpu")] * n_workers
+    return [Placement("cuda", (devices[i % len(devices)],)) for i in range(n_workers)]
+
+
+def plan_placements(runtime_cfg, n_rollout: int, n_train: int, gpu_count: int | None = None
+                    ) -> tuple[list[Placement], list[Placement]]:
+    """Placements of every rollout and training worker from `runtime.*` settings."""
+    n = torch.cuda.device_count() if gpu_count is None else gpu_count
+    kind = resolve_kind(runtime_cfg.devices, n)
+    if kind == "cpu":
+        return worker_placements("cpu", [], n_rollout), worker_placements("cpu", [], n_train)
+    r, t = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
+                        runtime_cfg.share_devices)
+    return worker_placements("cuda", r, n_rollout), worker_placements("cuda", t, n_train)
+
+
+def compute_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """`model.dtype` on `device`: auto is bfloat16 on GPUs that support it, else float32."""
+    dev = torch.device(device)
+    if name != "auto":
+        return DTYPES[name]
+    if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV cache bytes one token takes in a transformers decoder (keys and values, all layers)."""
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def kv_token_budget(configured: int | None, model: torch.nn.Module, fraction: float) -> int:
+    """A replica's `max_batch_tokens`: the configured value, or on a GPU what `fraction` of the
+    device memory free after loading the weights holds (65536 on the CPU)."""
+    if configured is not None:
+        return configured
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return CPU_MAX_BATCH_TOKENS
+    free, _total = torch.cuda.mem_get_info(param.device)
+    per_token = kv_bytes_per_token(model.config, param.dtype)
+    # the prefill's activations and logits need room too: hence only a fraction of what is free
+    return max(1024, int(free * fraction) // max(per_token, 1))
+
+
+def memory_stats(device: str | torch.device) -> dict[str, float]:
+    """Allocated and peak memory of this process on `device`, in GB (empty on CPU)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return {}
+    return {"mem_allocated_gb": torch.cuda.memory_allocated(dev) / 1e9,
+            "mem_peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9}
+
+
+# --- the device of this process -------------------------------------------------------------
+_PROCESS_DEVICE = "cpu"
+
+
+def set_process_device(placement: Placement) -> None:
+    """Pin this worker process to its placement; models built afterwards default to it."""
+    global _PROCESS_DEVICE
+    placement.apply()
+    _PROCESS_DEVICE = placement.device
+
+
+def process_device() -> str:
+    """The device models of this process compute on (`cpu` unless a placement was set)."""
+    return _PROCESS_DEVICE
