@@ -13,6 +13,7 @@ one device-to-host copy per step brings back the chosen tokens and their log-pro
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -32,9 +33,7 @@ from flexmarl.policy.sampling import (
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    noise_seed: int
     mask: torch.Tensor | None  # None: every token allowed
-    next_pos: int
     admitted_at: float
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -43,6 +42,20 @@ class _Sequence:
     def budget(self) -> int:
         """KV tokens this sequence may come to hold (prompt + its output limit)."""
         return len(self.request.prompt) + self.request.max_new_tokens
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` from transformers 5.2x on,
+    `past_key_values` before. A wrong name is swallowed by **kwargs and every decode step would
+    silently run without its past, so it is looked up, never assumed."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{type(base).__name__}.forward takes neither `cache` nor "
+                    "`past_key_values`: not a transformers causal LM with a KV cache")
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -67,6 +80,7 @@ class ContinuousBatcher:
         self.model = model
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
+        self._cache_arg = cache_argument(model)
         self.vocab = model.config.vocab_size
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
@@ -75,6 +89,10 @@ class ContinuousBatcher:
         self.attn: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
         self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)  # not yet fed
+        # per running sequence, on the device (no host copies per step): noise seed, tokens
+        # sampled so far, position of the next fed token; and the temperature
+        self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
+        self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -110,26 +128,32 @@ class ContinuousBatcher:
             input_ids[i, width - len(r.prompt):] = torch.as_tensor(r.prompt)
             attn[i, width - len(r.prompt):] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        state = torch.tensor([[noise_seed_of(r), 0, len(r.prompt)] for r in requests],
+                             dtype=torch.long).to(self.device)
+        temps = torch.tensor([[r.temperature] for r in requests],
+                             dtype=torch.float32).to(self.device)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
         new = [
-            _Sequence(r, noise_seed_of(r),
-                      None if r.allowed_tokens is None
-                      else mask_row(self.vocab, r.allowed_tokens, self.device),
-                      len(r.prompt), now)
+            _Sequence(r, None if r.allowed_tokens is None
+                      else mask_row(self.vocab, r.allowed_tokens, self.device), now)
             for r in requests
         ]
         start = len(self.seqs)
-        self._merge(new, cache, attn, out.logits[:, -1, :].float())
+        self._merge(new, cache, attn, out.logits[:, -1, :].float(), state, temps)
         return self._sample(start)
 
-    def _merge(self, new: list[_Sequence], cache, attn: torch.Tensor, logits: torch.Tensor):
+    def _merge(self, new: list[_Sequence], cache, attn: torch.Tensor, logits: torch.Tensor,
+               state: torch.Tensor, temps: torch.Tensor) -> None:
         if self.cache is None or not self.seqs:
             self.seqs, self.cache, self.attn, self.logits = new, cache, attn, logits
             self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
+            self._state, self._temps = state, temps
             return
+        self._state = torch.cat([self._state, state])
+        self._temps = torch.cat([self._temps, temps])
         assert self.attn is not None
         width = max(self.attn.shape[1], attn.shape[1])
         for old_layer, new_layer in zip(self.cache.layers, cache.layers, strict=True):
@@ -151,17 +175,15 @@ class ContinuousBatcher:
         assert self.logits is not None
         seqs = self.seqs[start:]
         dev = self.device
-        temps = torch.tensor([s.request.temperature for s in seqs],
-                             dtype=torch.float32).unsqueeze(1).to(dev)
-        logits = self.logits / temps  # the pending logits of sequences start:
+        logits = self.logits / self._temps[start:]  # the pending logits of sequences start:
         if any(s.mask is not None for s in seqs):
             full = torch.ones(self.vocab, dtype=torch.bool, device=dev)
             masks = torch.stack([full if s.mask is None else s.mask for s in seqs])
             logits = logits.masked_fill(~masks, float("-inf"))
         logp = F.log_softmax(logits, dim=-1)
-        seeds = torch.tensor([s.noise_seed for s in seqs], dtype=torch.int64).to(dev)
-        steps = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64).to(dev)
-        choice = torch.argmax(logp + gumbel_noise(seeds, steps, self.vocab), dim=-1)
+        state = self._state[start:]
+        choice = torch.argmax(logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab), dim=-1)
+        self._state[start:, 1] += 1  # one more token sampled
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
         self.logits = None
@@ -192,11 +214,13 @@ class ContinuousBatcher:
     def _retire(self, keep: list[int]) -> None:
         if not keep:
             self.seqs, self.cache, self.attn, self.logits = [], None, None, None
+            self._state, self._temps = self._state[:0], self._temps[:0]
             return
         assert self.attn is not None
         idx = torch.as_tensor(keep, dtype=torch.long).to(self.device)
         self.seqs = [self.seqs[i] for i in keep]
         self._choice = self._choice[idx]
+        self._state, self._temps = self._state[idx], self._temps[idx]
         attn = self.attn[idx]
         # columns that now hold padding in every remaining row can go
         first = int((attn.sum(0) > 0).nonzero()[0]) if attn.sum() > 0 else 0
@@ -214,12 +238,11 @@ class ContinuousBatcher:
         bsz = len(self.seqs)
         self.attn = torch.cat(
             [self.attn, torch.ones((bsz, 1), dtype=torch.long, device=self.device)], dim=1)
-        pos = torch.tensor([[s.next_pos] for s in self.seqs], dtype=torch.long).to(self.device)
+        pos = self._state[:, 2:3].clone()
+        self._state[:, 2] += 1
         out = self.model(input_ids=self._choice.unsqueeze(1), attention_mask=self.attn,
-                         position_ids=pos, cache=self.cache, use_cache=True)
+                         position_ids=pos, use_cache=True, **{self._cache_arg: self.cache})
         self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
-        for s in self.seqs:
-            s.next_pos += 1
         self.logits = out.logits[:, -1, :].float()
         return self._sample()
 
@@ -251,3 +274,5 @@ class HFEngine(ContinuousBatcher):
         """Drop the running batch (after a failure); the model stays loaded."""
         self.seqs, self.cache, self.attn, self.logits = [], None, None, None
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._state = self._state[:0]
+        self._temps = self._temps[:0]

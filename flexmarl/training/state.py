@@ -106,11 +106,9 @@ def move(handle: StateHandle | TrainingState, to: Location) -> StateHandle:
     if isinstance(to, Device):
         return StateHandle(to, _to(state, torch.device(to.device)))
     if isinstance(to, Host):
-        moved = _to(state, torch.device("cpu"))
         if to.pin and torch.cuda.is_available():
-            moved = TrainingState({k: v.pin_memory() for k, v in moved.tensors.items()},
-                                  moved.meta)
-        return StateHandle(to, moved)
+            return StateHandle(to, _to_pinned(state))
+        return StateHandle(to, _to(state, torch.device("cpu")))
     if isinstance(to, Disk):
         _write_disk(state, to.path)
         return StateHandle(to, None)
@@ -125,6 +123,17 @@ def _to(state: TrainingState, device: torch.device) -> TrainingState:
         {k: v.detach().to(device, copy=True) for k, v in state.tensors.items()},
         json.loads(json.dumps(state.meta)),
     )
+
+
+def _to_pinned(state: TrainingState) -> TrainingState:
+    """Device -> page-locked host copies, queued asynchronously and awaited once (a pageable
+    copy followed by `pin_memory()` would copy twice and lock pages on the critical path)."""
+    out = {}
+    for k, v in state.tensors.items():
+        dst = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=True)
+        out[k] = dst.copy_(v.detach(), non_blocking=True)
+    torch.cuda.synchronize()
+    return TrainingState(out, json.loads(json.dumps(state.meta)))
 
 
 # --- disk -----------------------------------------------------------------------------------
