@@ -88,8 +88,13 @@ class AgentTrainer:
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
         base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
         if cfg.model.gradient_checkpointing:
-            base.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers renamed it (activation_) after 5.17, kwargs included
+            if hasattr(base, "activation_checkpointing_enable"):
+                base.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                base.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         self.vocab = base.config.vocab_size
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and cfg.lora is None:

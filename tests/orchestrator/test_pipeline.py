@@ -57,6 +57,13 @@ def test_async_run_consumes_each_row_once_by_its_own_version(tmp_path):
     result = train(cfg, tmp_path / "run")
     _assert_exactly_once(result, cfg)
     last = result.records[-1]
+    # rollout and trainer log-probs of the same weights agree (fp32 on the CPU), and every
+    # worker says where it computes
+    assert last["rollout/logprob_diff_mean"] < 1e-4
+    assert last["rollout/logprob_diff_max"] < 1e-3
+    for pool in ("rollout", "train"):
+        assert [w["device"] for w in result.placement[pool]] == ["cpu"] * len(
+            result.placement[pool])
     for agent in cfg.agents:
         assert last[f"agent/{agent}/policy_version"] == 4
     assert 0 < last["pool/rollout/busy_frac"] <= 1 and 0 < last["pool/train/busy_frac"] <= 1

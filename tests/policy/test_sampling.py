@@ -66,3 +66,24 @@ def test_stop_token_ends_sequence():
     res = generate(model, [req])[0]
     assert res.tokens[-1] == 10 or len(res.tokens) == 20
     assert 10 not in res.tokens[:-1]
+
+
+def test_gumbel_noise_is_a_pure_function_of_seed_step_and_token():
+    from flexmarl.policy.sampling import gumbel_noise
+
+    seeds = torch.tensor([7, (1 << 62) + 12345, 7], dtype=torch.int64)
+    steps = torch.tensor([0, 3, 1], dtype=torch.int64)
+    batch = gumbel_noise(seeds, steps, 5000)
+    for i in range(3):  # the same row alone as in the batch
+        assert torch.equal(gumbel_noise(seeds[i:i + 1], steps[i:i + 1], 5000)[0], batch[i])
+    assert not torch.equal(batch[0], batch[2])  # another step of the same sequence
+    flat = gumbel_noise(torch.arange(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64),
+                        5000).flatten().double()
+    # Gumbel(0, 1): mean is the Euler-Mascheroni constant, variance pi^2 / 6
+    assert abs(flat.mean().item() - 0.5772) < 0.01
+    assert abs(flat.var().item() - 1.6449) < 0.03
+    # the argmax is uniform over tokens (Gumbel-max of equal logits)
+    counts = torch.bincount(gumbel_noise(torch.arange(20000, dtype=torch.int64),
+                                         torch.zeros(20000, dtype=torch.int64), 8).argmax(1),
+                            minlength=8)
+    assert counts.min() > 2300 and counts.max() < 2700
