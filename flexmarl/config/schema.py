@@ -166,7 +166,7 @@ class OptimConfig(Strict):
 
 
 class BackendConfig(Strict):
-    """Where the agent's rollout requests are served (DESIGN.md section 6).
+    """Where the agent's rollout requests are served (docs/design.md section 6).
 
     `hf`: transformers inside the rollout pool's replicas (the default, CPU or GPU);
     `openai`: an OpenAI-compatible `/v1/completions` endpoint, for frozen agents and judges;

@@ -3,7 +3,7 @@
 Written once against `RolloutPool` / `TrainPool` and the running asyncio loop's clock, so it
 runs unchanged on the local, Ray and simulated runtimes.
 
-Pipelines (DESIGN.md section 5):
+Pipelines (docs/design.md section 5):
 - `sync`: roll out iteration k completely, then train every agent on it, then publish;
 - `async`: agent a's trainer consumes a's ready micro-batches of iteration k as they appear
   (accumulating gradients), steps when k's rows are all in, publishes version k+1; a's nodes of
@@ -759,7 +759,7 @@ class JointOrchestrator:
                 self._finish_iteration(k)
 
     def _rollout_metrics(self, it: IterationState) -> dict[str, Any]:
-        """Balance and latency of one iteration's rollout (DESIGN.md section 9 names)."""
+        """Balance and latency of one iteration's rollout (docs/design.md section 9 names)."""
         t0, t1 = it.started_at, it.rollout_finished_at
         span = max(t1 - t0, 1e-9)
         busy = self.telemetry.busy_by_worker("rollout", self.rollout.n_workers, t0, t1)

@@ -1,4 +1,4 @@
-"""Hierarchical load balancing of rollout (DESIGN.md section 6), shared by every runtime.
+"""Hierarchical load balancing of rollout (docs/design.md section 6), shared by every runtime.
 
 Two levels, as in the paper:
 - inter-agent: rollout capacity (replicas, or shares of one) is allotted to agents in

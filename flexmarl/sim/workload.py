@@ -5,7 +5,7 @@ agents (model, tensor parallelism, prompt and output lengths), the per-episode a
 the amount of rollout per iteration -- that users write in YAML and the sim runtime turns into
 simulated work. Validation happens at load time and names the file and the field at fault.
 
-The agent graph is unrolled into the per-episode node DAG of DESIGN.md sec. 3:
+The agent graph is unrolled into the per-episode node DAG of docs/design.md section 3:
 
 * the graph runs for ``graph.rounds`` rounds; an agent takes part in every round unless its
   ``rounds`` lists the ones it joins;

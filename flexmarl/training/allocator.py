@@ -1,4 +1,4 @@
-"""Agent-centric binding of training slots (DESIGN.md section 7), runtime-agnostic.
+"""Agent-centric binding of training slots (docs/design.md section 7), runtime-agnostic.
 
 An agent asks for a slot only when it has work (a ready micro-batch, a step, a weight read).
 It gets, in order of preference: a free slot where it is already resident (no swap); a free

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The metric names every algorithm reports (DESIGN.md section 9); the trainer adds grad_norm, lr.
+# The metric names every algorithm reports (docs/design.md section 9); the trainer adds
+# grad_norm, lr.
 METRICS = ("loss/policy", "loss/value", "kl", "entropy", "clip_frac")
 
 
