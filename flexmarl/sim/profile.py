@@ -983,7 +983,10 @@ def measure_lengths(cfg: Any, task: Any, models: dict[str, Any]
     })
 
     async def main() -> tuple[dict[str, list[tuple]], dict[str, list[int] | None]]:
-        engines = {a: HFEngine(m, cfg.rollout.max_batch_seqs, cfg.rollout.max_batch_tokens)
+        from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
+
+        kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
+        engines = {a: HFEngine(m, cfg.rollout.max_batch_seqs, kv_budget)
                    for a, m in models.items()}
         pool = _InProcessRollout(engines)
         try:
