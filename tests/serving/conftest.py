@@ -65,3 +65,21 @@ def server(toy_run):
     running = start(toy_run)
     yield running
     running.close()
+
+
+def post(url: str, body=None, data: bytes | None = None, headers: dict | None = None,
+         method: str = "POST") -> tuple[int, dict]:
+    """(status, JSON body) of one plain HTTP request (urllib: no client library involved)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    payload = data if data is not None else (json.dumps(body).encode() if body is not None
+                                             else None)
+    req = urllib.request.Request(url, data=payload, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
