@@ -6,6 +6,7 @@ Routes (all under the API key when one is set, except /health):
   POST /v1/chat/completions         messages through the agent's chat template
   POST /v1/completions              text or token ids
   POST /v1/episodes                 one episode of the run's graph with the served agents
+  POST /v1/feedback                 a reward for a captured response (with --capture)
   POST /v1/admin/reload             load new weights for one or all agents, without a restart
   GET  /v1/admin/versions           each agent's served version and the versions still running
 """
@@ -32,6 +33,7 @@ from flexmarl.serving.agents import (
     explicit_source,
     resolve_source,
 )
+from flexmarl.serving.capture import Capture, FeedbackError
 from flexmarl.serving.protocol import (
     ApiError,
     Limits,
@@ -68,12 +70,14 @@ class Service:
     """The served run: agents, their workers, limits, and reload."""
 
     def __init__(self, run: ServedRun, limits: Limits | None = None,
-                 api_key: str | None = None, max_batch_seqs: int | None = None) -> None:
+                 api_key: str | None = None, max_batch_seqs: int | None = None,
+                 capture: Capture | None = None) -> None:
         from flexmarl.policy.device import kv_token_budget
 
         self.run = run
         self.limits = limits or Limits()
         self.api_key = api_key
+        self.capture = capture
         self.workers: dict[str, AgentWorker] = {}
         rcfg = run.cfg.rollout
         for name, spec in run.agents.items():
@@ -87,6 +91,8 @@ class Service:
     def close(self) -> None:
         for w in self.workers.values():
             w.stop()
+        if self.capture is not None:
+            self.capture.close()
 
     @property
     def pending(self) -> int:
@@ -191,6 +197,11 @@ class Service:
                 full = spec.tokenizer.decode(tokens, skip_special_tokens=True)
         else:
             full = token_text(tokens)
+        if self.capture is not None and s.response_id is not None:
+            # durable before the response (or a stream's last chunk) is sent
+            await asyncio.to_thread(self.capture.record, s.response_id, spec.name,
+                                    version.describe(), s.endpoint, s.prompt, tokens, logprobs,
+                                    full, reason)
         yield Outcome(full, tokens, logprobs, reason, version)
 
     # --- reload ----------------------------------------------------------------------------------
@@ -403,6 +414,7 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
             raise bad("logprobs", "must be an integer in [0, 20]")
         s.logprobs = top is not None
         cid, created = f"cmpl-{s.request_id}", int(time.time())
+        s.response_id, s.endpoint = cid, "completions"
         gen = service.generate(s)
         first = await _first(gen)
 
@@ -463,6 +475,7 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
             raise bad("top_logprobs", "needs logprobs: true")
         s.logprobs = bool(want)
         cid, created = f"chatcmpl-{s.request_id}", int(time.time())
+        s.response_id, s.endpoint = cid, "chat.completions"
         gen = service.generate(s)
         first = await _first(gen)
         if not s.stream:
@@ -515,6 +528,26 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
         body = await body_of(request)
         return JSONResponse(await run_episode(service, body))
 
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> dict:
+        body = await body_of(request)
+        if service.capture is None:
+            raise ApiError(400, "feedback needs captured interactions: start the server with "
+                                "--capture DB", code="no_capture")
+        rid, reward, comment = body.get("id"), body.get("reward"), body.get("comment")
+        if not isinstance(rid, str) or not rid:
+            raise bad("id", "required: the id of a response this server returned")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not (
+                -1e6 <= reward <= 1e6):
+            raise bad("reward", f"must be a finite number, got {reward!r}")
+        if comment is not None and not isinstance(comment, str):
+            raise bad("comment", "must be a string")
+        try:
+            await asyncio.to_thread(service.capture.feedback, rid, float(reward), comment)
+        except FeedbackError as exc:
+            raise ApiError(exc.status, str(exc), "id") from None
+        return {"id": rid, "object": "feedback", "reward": float(reward)}
+
     @app.post("/v1/admin/reload")
     async def reload(request: Request) -> dict:
         body = await body_of(request)
@@ -544,13 +577,14 @@ def _too_large(service: Service) -> ApiError:
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, device: str = "auto", limits: Limits | None = None,
           watch_s: float | None = None, agents: list[str] | None = None,
-          max_batch_seqs: int | None = None) -> None:
+          max_batch_seqs: int | None = None, capture: str | Path | None = None) -> None:
     import uvicorn
 
     from flexmarl.serving.agents import load_run
 
     run = load_run(run_dir, device, agents)
-    service = Service(run, limits, api_key, max_batch_seqs)
+    service = Service(run, limits, api_key, max_batch_seqs,
+                      Capture(capture) if capture is not None else None)
     app = create_app(service, watch_s)
     names = ", ".join(f"{n} (v{s.version.number}: {s.version.source})"
                       for n, s in run.agents.items())

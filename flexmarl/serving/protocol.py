@@ -112,6 +112,8 @@ class Sampling:
     include_usage: bool = False
     token_ids_out: bool = False  # text as `token_id:N` (the prompt was ids / no tokenizer)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    response_id: str | None = None  # set: the interaction is captured under this id
+    endpoint: str = ""
 
 
 def common(body: dict, spec: AgentSpec, prompt: list[int], limits: Limits,
