@@ -577,12 +577,18 @@ def _too_large(service: Service) -> ApiError:
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, device: str = "auto", limits: Limits | None = None,
           watch_s: float | None = None, agents: list[str] | None = None,
-          max_batch_seqs: int | None = None, capture: str | Path | None = None) -> None:
+          max_batch_seqs: int | None = None, capture: str | Path | None = None,
+          torch_threads: int | None = None) -> None:
     import uvicorn
 
     from flexmarl.serving.agents import load_run
 
     run = load_run(run_dir, device, agents)
+    if run.device == "cpu":
+        import torch
+
+        # intra-op threads spinning between steps starve the HTTP thread of a CPU
+        torch.set_num_threads(torch_threads or run.cfg.runtime.torch_threads)
     service = Service(run, limits, api_key, max_batch_seqs,
                       Capture(capture) if capture is not None else None)
     app = create_app(service, watch_s)

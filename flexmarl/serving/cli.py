@@ -32,6 +32,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
                    help="requests queued or running before new ones get HTTP 429")
     s.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                    help="poll the run folder for newer weights and hot-reload them")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads on the CPU (default runtime.torch_threads of the run)")
     s.add_argument("--capture", default=None, metavar="DB",
                    help="record every served interaction durably (SQLite, WAL, fsync) before "
                         "answering; enables /v1/feedback")
@@ -64,5 +66,5 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_tokens=args.max_tokens, max_pending=args.max_pending)
     serve(rd, args.host, args.port, api_key=args.api_key or os.environ.get("FLEXMARL_API_KEY"),
           device=args.device, limits=limits, watch_s=args.watch, agents=args.agent,
-          max_batch_seqs=args.max_batch_seqs, capture=args.capture)
+          max_batch_seqs=args.max_batch_seqs, capture=args.capture, torch_threads=args.threads)
     return 0
