@@ -135,6 +135,14 @@ class Service:
         try:
             while True:
                 item = await inbox.get()
+                # a busy server coalesces the steps queued meanwhile: one chunk, not many
+                while item[0] == "tokens" and not inbox.empty():
+                    nxt = inbox.get_nowait()
+                    if nxt[0] != "tokens":
+                        yield item
+                        item = nxt
+                        break
+                    item = ("tokens", item[1] + nxt[1], item[2] + nxt[2], nxt[3])
                 if item[0] != "tokens":
                     finished = True
                 yield item

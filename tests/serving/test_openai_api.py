@@ -181,3 +181,30 @@ def test_episode_endpoint_runs_the_graph(server):
     assert ep["input"] == given and ep["success"] == (ep["nodes"]["listen"]["output"] == [8])
     status, bad = post(f"{server.url}/episodes", {"input": {"oops": 1}})
     assert status == 400 and "speak" in bad["error"]["message"]
+
+
+def test_the_projects_openai_backend_samples_what_a_local_replica_samples(server):
+    """`flexmarl serve` is a drop-in endpoint for `backend.kind: openai` (token ids, the
+    vLLM extensions allowed_token_ids / stop_token_ids, the noise seed)."""
+    import asyncio
+
+    from flexmarl.config.schema import BackendConfig
+    from flexmarl.rollout.backends.openai import OpenAIBackend
+
+    backend = OpenAIBackend("speaker", BackendConfig(kind="openai",
+                                                     url=server.url.removesuffix("/v1")))
+    reqs = [GenerationRequest(f"0-{i}_0_0", "speaker", 0, [1, 3, 2, 6 + i], 3,
+                              allowed_tokens=list(range(14, 22)), seed=0) for i in range(4)]
+
+    async def go():
+        return await asyncio.gather(*(backend.generate(r) for r in reqs))
+
+    try:
+        remote = asyncio.run(go())
+    finally:
+        backend.close()
+    model = server.service.run.agents["speaker"].model
+    for req, res in zip(reqs, remote, strict=True):
+        local = generate(model, [req])[0]
+        assert res.tokens == local.tokens and set(res.tokens) <= set(req.allowed_tokens)
+        assert res.logprobs == pytest.approx(local.logprobs, abs=1e-4)
