@@ -45,12 +45,12 @@ class Running:
         self.service.close()
 
 
-def start(run_dir, **service_kw) -> Running:
+def start(run_dir, watch_s: float | None = None, **service_kw) -> Running:
     from flexmarl.serving.agents import load_run
     from flexmarl.serving.app import Service, create_app
 
     service = Service(load_run(run_dir, "cpu"), **service_kw)
-    return Running(service, create_app(service))
+    return Running(service, create_app(service, watch_s))
 
 
 @pytest.fixture(scope="session")

@@ -140,3 +140,23 @@ def test_cli_serves_a_run(toy_run):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_watch_reloads_new_weights_in_the_run_folder(toy_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(toy_run, run)
+    running = start(run, watch_s=0.1)
+    try:
+        new_dir = tmp_path / "v2"
+        new_dir.mkdir()
+        save_llama(new_dir, running.service.run.agents["listener"].vocab, seed=99)
+        write_final(run, "listener", new_dir, policy_version=3)
+        deadline = time.time() + 30
+        while running.service.run.agents["listener"].version.number != 2:
+            assert time.time() < deadline, "the watcher did not reload"
+            time.sleep(0.05)
+        out = running.client().completions.create(model="listener", prompt="Hi", max_tokens=2)
+        assert out.model_extra["flexmarl"]["policy_version"] == 3
+        assert out.model_extra["flexmarl"]["source"] == "final"
+    finally:
+        running.close()
