@@ -208,3 +208,22 @@ def test_the_projects_openai_backend_samples_what_a_local_replica_samples(server
         local = generate(model, [req])[0]
         assert res.tokens == local.tokens and set(res.tokens) <= set(req.allowed_tokens)
         assert res.logprobs == pytest.approx(local.logprobs, abs=1e-4)
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(server, monkeypatch):
+    import time
+
+    worker = server.service.workers["listener"]
+    cancelled = []
+    cancel = worker.cancel
+    monkeypatch.setattr(worker, "cancel", lambda sid: (cancelled.append(sid), cancel(sid)))
+    stream = server.client().completions.create(
+        model="listener", prompt=[5, 9], stream=True, max_tokens=250, seed=9,
+        extra_body={"return_tokens_as_token_ids": True})  # no EOS: only the client ends it
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 20
+    while worker.pending:
+        assert time.time() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.05)
+    assert len(cancelled) == 1  # the server told the engine, rather than decoding to the end
