@@ -160,9 +160,17 @@ def test_invalid_requests_get_clear_4xx(server):
     assert e.status_code == 400 and "messages" in e.message
 
 
-def test_body_size_and_json_errors(server):
-    status, body = post(f"{server.url}/completions", data=b"x" * (2 << 20))
-    assert status == 413 and "--max-body-bytes" in body["error"]["message"]
+def test_body_size_and_json_errors(server, toy_run):
+    from flexmarl.serving.protocol import Limits
+    from tests.serving.conftest import start
+
+    # a small limit, so the whole body is in the socket before the early 413 comes back
+    small = start(toy_run, limits=Limits(max_body_bytes=1024))
+    try:
+        status, body = post(f"{small.url}/completions", data=b"x" * 4096)
+        assert status == 413 and "--max-body-bytes" in body["error"]["message"]
+    finally:
+        small.close()
     status, body = post(f"{server.url}/completions", data=b"{not json")
     assert status == 400 and "JSON" in body["error"]["message"]
 
