@@ -1,4 +1,4 @@
-"""`flexmarl` command line: train, bench, simulate, serve-model.
+"""`flexmarl` command line: train, bench, simulate, serve, serve-model.
 
 Errors a user can fix (config, graph, task, model) print one clear message and exit 2;
 nothing prints a traceback wall unless FLEXMARL_DEBUG=1.
@@ -113,6 +113,12 @@ def _serve_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from flexmarl.serving.cli import run_serve
+
+    return run_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--max-batch-seqs", type=int, default=32)
     s.set_defaults(fn=_serve_model)
+    from flexmarl.serving.cli import add_serve_parser
+
+    add_serve_parser(sub).set_defaults(fn=_serve)
     return parser
 
 
