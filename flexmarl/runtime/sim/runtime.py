@@ -93,7 +93,7 @@ def balanced_split(load: dict[str, float], total: int, minimum: dict[str, int]) 
     out = dict(minimum)
     heap = [(-load[k] / out[k], k) for k in out]
     heapq.heapify(heap)
-    for _ in range(total - sum(out.values())):
+    for _ in range(total - sum(out.values()) if heap else 0):  # nobody to give units to
         _, k = heapq.heappop(heap)
         out[k] += 1
         heapq.heappush(heap, (-load[k] / out[k], k))

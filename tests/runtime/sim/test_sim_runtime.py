@@ -289,3 +289,42 @@ def test_fixed_replicas_pin_the_rollout_and_give_training_the_rest(wl):
         SimRuntime(wl, dataclasses.replace(base, fixed_replicas={agent: 10_000}))
     with pytest.raises(ValueError, match="fixed_replicas: needs balance 'hierarchical'"):
         dataclasses.replace(SYSTEMS["flexmarl-static-balance"][2], fixed_replicas={agent: 1})
+
+
+def test_conditional_edges_skip_nodes_at_their_probability_and_every_system_sees_the_same():
+    from flexmarl.sim.workload import parse_workload
+
+    wl = parse_workload({
+        "name": "cond", "seed": 3, "iterations": 1,
+        "cluster": {"nodes": 1, "accelerators_per_node": 8, "accelerator": "H800"},
+        "agents": [{"name": n, "model": "0.5B", "prompt_length": 64,
+                    "output_length": {"kind": "uniform", "mean": 32, "spread": 0.5}}
+                   for n in ("router", "often", "rarely", "merge")],
+        "graph": {"edges": [{"src": "router", "dst": "often", "probability": 0.7},
+                            {"src": "router", "dst": "rarely", "probability": 0.2},
+                            {"src": "often", "dst": "merge"},
+                            {"src": "rarely", "dst": "merge"}]},
+        "rollout": {"prompts_per_iteration": 50, "group_size": 8},
+    })
+    runs = {}
+    for system in ("flexmarl", "marti"):
+        res = simulate_system(wl, system, iterations=1)
+        node_of = {turn: name for name, turn in res.orchestrator.turns.items()}
+        agent_of = {name: node.agent for name, node in res.orchestrator.graph.nodes.items()}
+        calls: dict[str, set] = {}
+        for sid in res.runtime.requests:
+            from flexmarl.store.experience import parse_sample_id
+
+            input_id, turn, traj = parse_sample_id(sid)
+            calls.setdefault(agent_of[node_of[turn]], set()).add((input_id, traj))
+        runs[system] = calls
+    n = 400
+    calls = runs["flexmarl"]
+    assert len(calls["router"]) == n
+    # binomial(400, p): 4 standard deviations either side
+    for agent, p in (("often", 0.7), ("rarely", 0.2), ("merge", 1 - 0.3 * 0.8)):
+        sd = (n * p * (1 - p)) ** 0.5
+        assert abs(len(calls[agent]) - n * p) < 4 * sd, (agent, len(calls[agent]))
+    # merge reads whichever specialists ran, and runs only when one did
+    assert calls["merge"] == calls["often"] | calls["rarely"]
+    assert runs["marti"] == calls  # keyed draws: the same episodes in every system
