@@ -41,6 +41,7 @@ from typing import Any
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.runtime.sim.clock import run_virtual
 from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
+from flexmarl.sim.cost import CostModel
 from flexmarl.sim.task import workload_config, workload_task
 from flexmarl.sim.workload import Workload, load_workload
 from flexmarl.store.experience import parse_sample_id
@@ -90,9 +91,11 @@ class SimResult:
 
 
 def simulate_system(wl: Workload, system: str, iterations: int | None = None,
-                    features: SimFeatures | None = None) -> SimResult:
+                    features: SimFeatures | None = None,
+                    cost: CostModel | None = None) -> SimResult:
     """`features` replaces the system's simulated features (its pipeline mode and rollout
-    schedule stay), e.g. with `fixed_replicas` for a sweep over fixed splits."""
+    schedule stay), e.g. with `fixed_replicas` for a sweep over fixed splits; `cost` replaces
+    the workload's cost model (e.g. another training MFU, for a sensitivity sweep)."""
     if system not in SYSTEMS:
         raise ValueError(f"--baseline: unknown system {system!r} (known: {', '.join(SYSTEMS)})")
     mode, schedule, features_of_system = SYSTEMS[system]
@@ -104,7 +107,7 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None,
     async def main():
         loop = asyncio.get_running_loop()
         telemetry = Telemetry(None, clock=loop.time)
-        rt = SimRuntime(wl, features, mode=mode)
+        rt = SimRuntime(wl, features, cost, mode=mode)
         await rt.start()
         try:
             orch = JointOrchestrator(cfg, task, rt.rollout, rt.train, telemetry)
