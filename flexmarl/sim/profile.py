@@ -1190,6 +1190,12 @@ class ProfiledCostModel:
         mb = max(1, round(tokens / max(1, self._mean_tokens(model))))
         return self._get(model, "accumulate", rows=mb, tokens=tokens)
 
+    def policy_forwards_time(self, model: Any, n_accel: int, tokens: float,
+                             passes: int) -> float:
+        # the profiled `accumulate` is what the local trainer measurably runs per micro-batch,
+        # whatever forward passes it includes: nothing to add
+        return 0.0
+
     def _mean_tokens(self, model: Any) -> float:
         p = self.profile.agents[model.name]
         prompts = p.prompt_lengths or [1]
