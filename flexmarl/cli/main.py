@@ -142,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("workload", help="workload YAML (see examples/sim/); with --profile-local, a "
                                     "run config (e.g. examples/relay_chain.yaml)")
     m.add_argument("--baseline", action="append", default=[],
-                   help="system to compare (marti-like, sync-disaggregated, one-step-off, "
-                        "flexmarl-sync, flexmarl-stage, flexmarl-static-balance, "
-                        "flexmarl-static-alloc); repeatable")
+                   help="system to compare (marti, marti-2025-05, mas-rl-like, "
+                        "sync-disaggregated, one-step-off, flexmarl-sync, flexmarl-stage, "
+                        "flexmarl-static-balance, flexmarl-static-alloc); repeatable")
     m.add_argument("--iterations", type=int, default=None)
     m.add_argument("--out", default=None)
     m.add_argument("--no-pictures", action="store_true")
