@@ -9,6 +9,10 @@ served in priority order, first come, first served within a priority. The pools 
 wait on, goes first; otherwise each agent's share of slot time follows its load (the number
 and size of its micro-batches). With at least as many slots as agents, every agent stays
 on its first slot and nothing is ever swapped.
+
+Slots are sticky: a pool that holds a lease runs the agent's queued calls under it, one after
+another, and asks `should_yield` between them; the holder yields only to an older iteration's
+work that could run on its slot, so an agent drains its queue with one swap-in at most.
 """
 
 from __future__ import annotations
@@ -111,6 +115,22 @@ class SlotAllocator:
                 continue
             fut.set_result(self._take(agent, lease))
         self.waiting = still
+
+    def should_yield(self, lease: Lease, priority: tuple = ()) -> bool:
+        """Whether the holder of `lease`, whose next queued call has `priority`, should give the
+        slot up now: only when an older iteration's work waits that this slot could serve (its
+        agent is resident nowhere, or here). Calls without an iteration (`()`: state reads,
+        weight reads, saves) count as the oldest."""
+        mine = tuple(priority)[:1]
+        home = {s.resident: s.index for s in self.slots if s.resident is not None}
+        for prio, _, agent, fut in self.waiting:
+            if fut.done():
+                continue
+            if tuple(prio)[:1] >= mine:
+                return False  # sorted: nobody older waits
+            if home.get(agent, lease.slot) == lease.slot:
+                return True
+        return False
 
     def binding(self) -> dict[str, int]:
         return {s.resident: s.index for s in self.slots if s.resident is not None}
