@@ -323,6 +323,9 @@ class LocalTrainPool:
         self.iteration: dict[str, int] = {}
         self._queues: dict[str, deque[_Job]] = defaultdict(deque)
         self._runners: dict[str, asyncio.Task] = {}
+        # micro-batches queued since the agent's last step, and in its last iteration
+        self._since_step: dict[str, int] = defaultdict(int)
+        self._per_iteration: dict[str, int] = {}
 
     @property
     def binding(self) -> dict[str, int]:
@@ -339,7 +342,26 @@ class LocalTrainPool:
         runner = self._runners.get(agent)
         if runner is None or runner.done():
             self._runners[agent] = asyncio.ensure_future(self._serve(agent))
+        else:  # it may be waiting for a slot until it has enough queued to be worth a swap
+            self.allocator.poke()
         return fut
+
+    def _may_swap(self, agent: str) -> bool:
+        """Whether `agent` has enough queued to be worth evicting another agent's state: its
+        step (then all of its iteration's remaining work is queued, and it runs to the step
+        in one go), any other call (state, weight reads: needed now), or half of the
+        micro-batches its last iteration had. So a trained agent is swapped in at most twice
+        per iteration (a session from the half-way mark on, and a last one up to its step),
+        instead of once per micro-batch whenever training keeps up with rollout."""
+        queued = 0
+        for job in self._queues[agent]:
+            if job.future.done():
+                continue
+            if job.commands[0][0] != "accumulate":
+                return True
+            queued += 1
+        per_iteration = self._per_iteration.get(agent)
+        return per_iteration is not None and queued >= max(1, (per_iteration + 1) // 2)
 
     async def _call(self, agent: str, command: str, payload: Any, retry: bool = True,
                     priority: tuple = ()) -> Any:
@@ -362,7 +384,8 @@ class LocalTrainPool:
             if queue[0].future.done():  # cancelled by its caller
                 queue.popleft()
                 continue
-            lease = await self.allocator.acquire(agent, queue[0].priority)
+            lease = await self.allocator.acquire(agent, queue[0].priority,
+                                                 lambda: self._may_swap(agent))
             lost: int | None = None
             try:
                 worker = self.workers[lease.slot]
@@ -428,6 +451,7 @@ class LocalTrainPool:
         run in order), which lets the agent keep its slot across them."""
         if samples:
             self.iteration[agent] = sample_iteration(samples[0].sample_id)
+        self._since_step[agent] += 1
 
         def journal(_: list[Any]) -> None:
             if self.on_lost is not None:
@@ -441,6 +465,7 @@ class LocalTrainPool:
         """The step and, with recovery on, the state after it (the new restart point), under
         one lease: a loss of either restores the last restart point, replays the journal and
         steps again."""
+        self._per_iteration[agent] = self._since_step.pop(agent, 0)
         commands: list[tuple[str, Any]] = [("step", agent)]
         if self.on_lost is not None:
             commands.append(("get_state", agent))

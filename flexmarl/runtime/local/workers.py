@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.runtime.heap import settle as settle_heap
+
 
 @dataclass
 class WorkerSpec:
@@ -136,6 +138,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     for a in spec.agents:
         engines[a] = make_engine(a, cfg, spec, max_seqs)
     versions = dict.fromkeys(spec.agents, 0)
+    settle_heap()
     waiting: dict[str, list[tuple[int, Any]]] = {a: [] for a in spec.agents}
     priorities: dict[int, tuple] = {}
     running_ids: dict[str, dict[str, int]] = {a: {} for a in spec.agents}  # sample_id -> sub_id
@@ -262,6 +265,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     cfg = RunConfig.model_validate(spec.config)
     slot = TrainSlot(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
     trainers = slot.trainers  # the resident trainer(s), by agent
+    settle_heap()
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
