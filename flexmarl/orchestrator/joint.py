@@ -686,6 +686,8 @@ class JointOrchestrator:
 
         await asyncio.gather(*(trainer(a) for a in self.trainable))
         for k in range(first, iterations):
+            # nothing trained (every agent frozen): an iteration is done with its rollout
+            await self.iterations_ready(k)
             self._maybe_finish(k)
 
     # --- checkpoints and resume --------------------------------------------------------------

@@ -30,7 +30,7 @@ from flexmarl.runtime.local.workers import (
     rollout_worker_main,
     train_worker_main,
 )
-from flexmarl.store.experience import sample_iteration
+from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training.allocator import SlotAllocator
 from flexmarl.training.trainer import Sample
 
@@ -319,8 +319,10 @@ class LocalTrainPool:
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
         self.saved_state: dict[str, tuple[dict, dict]] = {}
         self.journal: dict[str, list[list[Sample]]] = defaultdict(list)
-        # the iteration each agent is training on (its last micro-batch's): slot priority
+        # the iteration each agent is training on (its last micro-batch's) and its first turn
+        # in the graph: slot priority
         self.iteration: dict[str, int] = {}
+        self.turn: dict[str, int] = {}
         self._queues: dict[str, deque[_Job]] = defaultdict(deque)
         self._runners: dict[str, asyncio.Task] = {}
         # micro-batches queued since the agent's last step, and in its last iteration
@@ -446,11 +448,18 @@ class LocalTrainPool:
                 await worker.call("accumulate", (agent, samples))
         self.swap_seconds += timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
 
+    def _priority(self, agent: str, kind: int) -> tuple:
+        """Slot priority of the agent's next call: older iterations first, then agents earlier
+        in the graph (their rows' turn: the next iteration's episodes need their steps first),
+        then a step (0) before a micro-batch (1)."""
+        return (self.iteration.get(agent, 0), self.turn.get(agent, 0), kind)
+
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
         """Queue one micro-batch; callers may queue several before the first is done (they
         run in order), which lets the agent keep its slot across them."""
         if samples:
             self.iteration[agent] = sample_iteration(samples[0].sample_id)
+            self.turn[agent] = min(parse_sample_id(s.sample_id)[1] for s in samples)
         self._since_step[agent] += 1
 
         def journal(_: list[Any]) -> None:
@@ -458,7 +467,7 @@ class LocalTrainPool:
                 self.journal[agent].append(samples)
 
         (result,) = await self._submit(agent, [("accumulate", (agent, samples))],
-                                       (self.iteration.get(agent, 0), 1), on_done=journal)
+                                       self._priority(agent, 1), on_done=journal)
         return result
 
     async def step(self, agent: str) -> tuple[dict[str, float], Weights]:
@@ -475,7 +484,7 @@ class LocalTrainPool:
                 self.saved_state[agent] = results[1]
                 self.journal[agent] = []
 
-        results = await self._submit(agent, commands, (self.iteration.get(agent, 0), 0),
+        results = await self._submit(agent, commands, self._priority(agent, 0),
                                      on_done=restart_point)
         return results[0]
 
