@@ -75,7 +75,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from flexmarl.orchestrator.bench import bench_pipeline
+    from flexmarl.bench.pipeline import bench_pipeline
 
     if args.what != "pipeline":
         raise ConfigError(f"bench: unknown benchmark {args.what!r} (known: pipeline)")

@@ -156,6 +156,7 @@ class JointOrchestrator:
         self._gates: dict[tuple[str, int], asyncio.Event] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self.iterations: dict[int, IterationState] = {}
+        self._started: dict[int, asyncio.Event] = {}
         self.consumed: dict[str, dict[int, list[str]]] = {a: defaultdict(list) for a in self.agents}
         # (sample_id, policy_version, optimizer step) of every row trained on: the audit trail
         # that "each row exactly once, by the step of its own version" is checked against.
@@ -455,6 +456,7 @@ class JointOrchestrator:
         it = IterationState(index=k, episodes_total=n_inputs * group,
                             started_at=self.telemetry.now())
         self.iterations[k] = it
+        self._started_event(k).set()
         if self.cfg.rollout.schedule == "stage":
             levels = 1 + max(self.level.values(), default=0)
             it.stage_left = [0] * levels
@@ -484,6 +486,28 @@ class JointOrchestrator:
         go first, so training starts as early as possible.
         """
         it = self.iterations[k]
+        vector = self.vector(k)
+        taken: set[int] = set()
+        # Micro-batches are queued with the pool as they become ready, without waiting for the
+        # previous one: the pool runs an agent's calls in order, and an agent that holds a
+        # training slot drains what it has queued before yielding it (sticky slots).
+        # The step is queued right behind the last micro-batch, so the slot does not go to
+        # another agent in between.
+        queued: list[asyncio.Future] = []
+        try:
+            await self._queue_micro_batches(agent, k, it, taken, queued)
+            await self._capture_idle.wait()  # a checkpoint is reading trainer states: no step
+            step = asyncio.ensure_future(self.train.step(agent))
+            queued.append(step)
+            await asyncio.gather(*queued)
+        finally:
+            for fut in queued:
+                if not fut.done():
+                    fut.cancel()
+        await self._stepped(agent, k, it, vector, *step.result())
+
+    async def _queue_micro_batches(self, agent: str, k: int, it: IterationState,
+                                   taken: set[int], queued: list[asyncio.Future]) -> None:
         n_inputs = self.cfg.train.inputs_per_iteration
         nodes = [n for n in self.order if self.graph.nodes[n].agent == agent]
         per_group = max(1, self.cfg.train.group_size * len(nodes))
@@ -492,7 +516,6 @@ class JointOrchestrator:
         vector = self.vector(k)
         table = self.store.table(agent)
         canonical = self.cfg.runtime.deterministic or self.cfg.pipeline.mode == "sync"
-        taken: set[int] = set()
         while len(taken) < n_inputs:
             if canonical:  # fixed chunks in input order: the split never depends on timing
                 start = min(set(range(n_inputs)) - taken)
@@ -526,10 +549,18 @@ class JointOrchestrator:
                                          expected_vector=vector, sample_ids=ids)
             self.consumed[agent][k].extend(r.sample_id for r in rows)
             self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
-            await self.train.accumulate(agent, self.store.micro_batch(agent, rows))
-            self.store.release(rows)
-        await self._capture_idle.wait()  # a checkpoint is reading trainer states: do not step
-        metrics, weights = await self.train.step(agent)
+            for fut in queued:  # a failed micro-batch fails the iteration now
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    raise fut.exception()  # type: ignore[misc]
+            queued.append(asyncio.ensure_future(
+                self._accumulate(agent, rows, self.store.micro_batch(agent, rows))))
+
+    async def _accumulate(self, agent: str, rows: list[Row], batch: Any) -> None:
+        await self.train.accumulate(agent, batch)
+        self.store.release(rows)
+
+    async def _stepped(self, agent: str, k: int, it: IterationState, vector: dict[str, int],
+                       metrics: dict[str, float], weights: Weights) -> None:
         reason = metrics.pop("skip_reason", None)
         if reason is not None:
             self.skipped_steps += 1
@@ -631,16 +662,22 @@ class JointOrchestrator:
             await ready
         await asyncio.gather(*pending)
 
+    def _started_event(self, k: int) -> asyncio.Event:
+        """Set once iteration k's rollout has started (its `IterationState` exists)."""
+        if k not in self._started:
+            self._started[k] = asyncio.Event()
+            if k in self.iterations:
+                self._started[k].set()
+        return self._started[k]
+
     async def iterations_ready(self, k: int) -> None:
-        while k not in self.iterations:
-            await asyncio.sleep(0)
+        await self._started_event(k).wait()
         await self.iterations[k].rollout_done.wait()
 
     async def _async_trainers(self, first: int, iterations: int) -> None:
         async def trainer(agent: str) -> None:
             for k in range(first, iterations):
-                while k not in self.iterations:
-                    await asyncio.sleep(0.001)
+                await self._started_event(k).wait()
                 held = self._held.pop(agent, None)
                 if held is not None:  # one_step_off: version k goes out after k's rollout
                     await asyncio.gather(self.train_iteration(agent, k),
@@ -651,6 +688,8 @@ class JointOrchestrator:
 
         await asyncio.gather(*(trainer(a) for a in self.trainable))
         for k in range(first, iterations):
+            # nothing trained (every agent frozen): an iteration is done with its rollout
+            await self.iterations_ready(k)
             self._maybe_finish(k)
 
     # --- checkpoints and resume --------------------------------------------------------------
@@ -811,6 +850,11 @@ class JointOrchestrator:
             record["rollout/logprob_diff_mean"] = float(np.mean(
                 [d["logprob_diff_mean"] for d in diffs]))
             record["rollout/logprob_diff_max"] = max(d["logprob_diff_max"] for d in diffs)
+        # training-state swaps (a trainer bound to a slot it was not resident on) that ended
+        # in this iteration's window: agents time-sharing training slots
+        swaps = self.telemetry.labelled("train", "swap:", t0, now)
+        record["pool/train/swaps"] = sum(n for n, _ in swaps.values())
+        record["pool/train/swap_s"] = sum(secs for _, secs in swaps.values())
         for agent in self.agents:
             # fsum is exactly rounded, so the mean does not depend on the order in which
             # episodes finished (placement changes that order, never the rewards).
@@ -819,6 +863,8 @@ class JointOrchestrator:
                 math.fsum(rewards) / len(rewards) if rewards else 0.0)
             record[f"agent/{agent}/policy_version"] = self.versions[agent]
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
+            if agent in self.trainable:
+                record[f"agent/{agent}/swaps"] = swaps.get(agent, (0, 0.0))[0]
             for key, value in it.trained.get(agent, {}).items():
                 record[f"agent/{agent}/{key}"] = value
         if it.errors:

@@ -18,6 +18,7 @@ from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.runtime import heap
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.recorder import Telemetry
 
@@ -106,7 +107,8 @@ def train(
                         rows_restored=len(ckpt.rows))
     started = time.time()
     try:
-        result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
+        with heap.settled():  # the driver's event loop: no full walks of torch's heap
+            result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
     finally:
         telemetry.write_trace(out / "trace.json")
         telemetry.close()

@@ -204,7 +204,9 @@ def response_forward(
         picked = picked.masked_fill(~batch.allowed.unsqueeze(1), float("-inf"))
     logp_all = F.log_softmax(picked, dim=-1)
     logp = logp_all.gather(2, batch.response_tokens.unsqueeze(-1)).squeeze(-1)
-    logp = logp * batch.response_mask
+    # padding after a shorter response (token 0) may be a masked token, log-prob -inf: zero it
+    # by selection (-inf * 0 would be NaN, and poison the loss of the whole micro-batch)
+    logp = torch.where(batch.response_mask > 0, logp, torch.zeros((), dtype=logp.dtype))
     entropy = None
     if with_entropy:
         # a metric only (no gradient) unless the caller trains on it

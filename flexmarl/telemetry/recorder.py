@@ -78,6 +78,19 @@ class Telemetry:
                 out[s.worker] += min(s.end, t1) - max(s.start, t0)
         return out
 
+    def labelled(self, pool: str, prefix: str, t0: float, t1: float
+                 ) -> dict[str, tuple[int, float]]:
+        """Spans of `pool` whose label starts with `prefix` and that ended within (t0, t1]:
+        per agent (the label's second field), their count and their seconds."""
+        out: dict[str, tuple[int, float]] = {}
+        for s in self.spans:
+            if s.pool == pool and t0 < s.end <= t1 and s.label.startswith(prefix):
+                parts = s.label.split(":")
+                agent = parts[1] if len(parts) > 1 else ""
+                n, secs = out.get(agent, (0, 0.0))
+                out[agent] = (n + 1, secs + s.end - s.start)
+        return out
+
     def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float) -> float:
         if t1 <= t0 or n_workers <= 0:
             return 0.0

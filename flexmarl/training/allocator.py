@@ -9,6 +9,10 @@ served in priority order, first come, first served within a priority. The pools 
 wait on, goes first; otherwise each agent's share of slot time follows its load (the number
 and size of its micro-batches). With at least as many slots as agents, every agent stays
 on its first slot and nothing is ever swapped.
+
+Slots are sticky: a pool that holds a lease runs the agent's queued calls under it, one after
+another, and asks `should_yield` between them; the holder yields only to an older iteration's
+work that could run on its slot, so an agent drains its queue with one swap-in at most.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -34,12 +39,26 @@ class Lease:
     swap_in: bool  # the agent is not resident on the slot yet
 
 
+# Whether a waiting agent may evict another agent's state to get a slot, asked when it would
+# (see `SlotAllocator.acquire`); None: always.
+MaySwap = Callable[[], bool] | None
+
+
+@dataclass
+class _Waiter:
+    priority: tuple
+    order: int
+    agent: str
+    future: asyncio.Future
+    may_swap: MaySwap = None
+
+
 @dataclass
 class SlotAllocator:
     n_slots: int
     slots: list[SlotInfo] = field(init=False)
-    # (priority, arrival, agent, future), kept sorted: served in this order
-    waiting: list[tuple[tuple, int, str, asyncio.Future]] = field(default_factory=list)
+    # kept sorted by (priority, arrival): served in this order
+    waiting: list[_Waiter] = field(default_factory=list)
     swaps: int = 0
     # agent -> resolved once its evicted state has arrived where the runtime keeps it: a swap-in
     # of that agent on another slot must wait for it (runtime side: `state_arrived`)
@@ -49,7 +68,7 @@ class SlotAllocator:
     def __post_init__(self) -> None:
         self.slots = [SlotInfo(i) for i in range(self.n_slots)]
 
-    def _pick(self, agent: str) -> Lease | None:
+    def _pick(self, agent: str, may_swap: MaySwap = None) -> Lease | None:
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
@@ -59,6 +78,8 @@ class SlotAllocator:
         empty = [s for s in free if s.resident is None]
         if empty:
             return Lease(empty[0].index, None, True)
+        if may_swap is not None and not may_swap():
+            return None  # not worth a swap yet: it waits (`poke` asks again)
         victim = min(free, key=lambda s: s.last_used)
         return Lease(victim.index, victim.resident, True)
 
@@ -86,12 +107,16 @@ class SlotAllocator:
             else:
                 fut.set_exception(error)
 
-    async def acquire(self, agent: str, priority: tuple = ()) -> Lease:
+    async def acquire(self, agent: str, priority: tuple = (), may_swap: MaySwap = None) -> Lease:
         """A slot for one call of `agent`; lower `priority` first (the pools pass
-        (iteration, 0 for a step, 1 for a micro-batch)), arrival order within a priority."""
+        (iteration, 0 for a step, 1 for a micro-batch)), arrival order within a priority.
+        `may_swap`: asked whenever the agent could get a slot only by evicting another agent's
+        state; while it says no, the agent waits (a free slot may then stay idle), until a
+        `release` or `poke` finds it willing."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        bisect.insort(self.waiting, (tuple(priority), next(self._clock), agent, fut),
-                      key=lambda w: (w[0], w[1]))
+        bisect.insort(self.waiting, _Waiter(tuple(priority), next(self._clock), agent, fut,
+                                            may_swap),
+                      key=lambda w: (w.priority, w.order))
         self._dispatch()
         return await fut
 
@@ -100,17 +125,39 @@ class SlotAllocator:
         self.slots[lease.slot].last_used = next(self._clock)
         self._dispatch()
 
+    def poke(self) -> None:
+        """Something a waiter's `may_swap` depends on changed: serve again."""
+        self._dispatch()
+
     def _dispatch(self) -> None:
-        """Serve waiters in priority order; one whose home slot is busy does not block others."""
-        self.waiting = [w for w in self.waiting if not w[3].done()]  # cancelled meanwhile
+        """Serve waiters in priority order; one whose home slot is busy (or that does not want
+        to swap yet) does not block others."""
+        self.waiting = [w for w in self.waiting if not w.future.done()]  # cancelled meanwhile
         still = []
-        for prio, order, agent, fut in self.waiting:
-            lease = self._pick(agent)
+        for w in self.waiting:
+            lease = self._pick(w.agent, w.may_swap)
             if lease is None:
-                still.append((prio, order, agent, fut))
+                still.append(w)
                 continue
-            fut.set_result(self._take(agent, lease))
+            w.future.set_result(self._take(w.agent, lease))
         self.waiting = still
+
+    def should_yield(self, lease: Lease, priority: tuple = ()) -> bool:
+        """Whether the holder of `lease`, whose next queued call has `priority`, should give the
+        slot up now: only when an older iteration's work waits that this slot could serve (its
+        agent is resident nowhere, or here, and willing to swap). Calls without an iteration
+        (`()`: state reads, weight reads, saves) count as the oldest."""
+        mine = tuple(priority)[:1]
+        home = {s.resident: s.index for s in self.slots if s.resident is not None}
+        for w in self.waiting:
+            if w.future.done():
+                continue
+            if w.priority[:1] >= mine:
+                return False  # sorted: nobody older waits
+            if home.get(w.agent, lease.slot) == lease.slot and (
+                    w.may_swap is None or w.agent in home or w.may_swap()):
+                return True
+        return False
 
     def binding(self) -> dict[str, int]:
         return {s.resident: s.index for s in self.slots if s.resident is not None}

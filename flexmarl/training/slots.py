@@ -1,8 +1,10 @@
 """One training slot (a device, or a CPU worker here): hosts the trainer of whichever agent the
 allocator bound to it, and swaps states out and in through `training.state`.
 
-A trainer is built the first time its agent is bound anywhere (same config and seed give the
-same initial weights in every process); afterwards it only travels as a captured state.
+The trainer objects (model, optimizer) are built once per agent and process, the first time the
+agent is bound here, and kept: a swap-out captures the state (it leaves the slot as wire bytes
+or a disk file), a swap-in loads a state into the agent's kept trainer. Nothing is rebuilt on a
+swap. Same config and seed give the same initial weights in every process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ from flexmarl.training import state as st
 from flexmarl.training.trainer import AgentTrainer
 
 
+class SlotError(RuntimeError):
+    """A command for an agent that is not resident on this slot."""
+
+
+class _Resident(dict):
+    """`TrainSlot.trainers`: the resident trainer by agent, with a clear error for the others."""
+
+    def __missing__(self, agent: str) -> AgentTrainer:
+        raise SlotError(f"agent {agent!r} is not resident on this training slot")
+
+
 class TrainSlot:
     def __init__(self, cfg: RunConfig, vocab_size: int, max_seq_len: int,
                  swap_dir: str | None = None) -> None:
@@ -22,7 +35,9 @@ class TrainSlot:
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.swap_dir = swap_dir  # None: swapped states go to the caller's host memory
-        self.trainers: dict[str, AgentTrainer] = {}  # resident (at most one after a bind)
+        self.trainers: dict[str, AgentTrainer] = _Resident()  # resident (at most one)
+        # every trainer built in this process, resident or not: swap-ins load into these
+        self.kept: dict[str, AgentTrainer] = {}
 
     def _build(self, agent: str) -> AgentTrainer:
         return AgentTrainer(agent, self.cfg.agents[agent], self.vocab_size, self.max_seq_len,
@@ -31,13 +46,14 @@ class TrainSlot:
 
     def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
-        bytes or a disk path), then swap `agent` in from `incoming` (None: first binding)."""
+        bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
+        state, as built from its config)."""
         timings: dict[str, float] = {}
         out_agent, out_state = None, None
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
-            captured = st.capture(trainer, frozen=False)  # frozen base: rebuilt
+            captured = st.capture(trainer, frozen=False)  # frozen base: kept in the object
             if self.swap_dir is not None:
                 path = f"{self.swap_dir}/{resident}.safetensors"
                 st.move(captured, st.Disk(path))
@@ -47,10 +63,14 @@ class TrainSlot:
             out_agent = resident
             timings["swap_out_s"] = time.perf_counter() - t0
             timings["swap_bytes"] = float(captured.nbytes)
-            del trainer, captured
+            del captured
         if agent not in self.trainers:
             t0 = time.perf_counter()
-            trainer = self._build(agent)
+            trainer = self.kept.get(agent)
+            if incoming is None or trainer is None:
+                # first binding, or a restart point follows (`set_state`): a fresh trainer is
+                # exactly the initial state; built only then
+                trainer = self.kept[agent] = self._build(agent)
             if incoming is not None:
                 kind, payload = incoming
                 handle = st.StateHandle(st.Disk(payload)) if kind == "disk" else st.at(

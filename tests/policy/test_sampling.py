@@ -87,3 +87,19 @@ def test_gumbel_noise_is_a_pure_function_of_seed_step_and_token():
                                          torch.zeros(20000, dtype=torch.int64), 8).argmax(1),
                             minlength=8)
     assert counts.min() > 2300 and counts.max() < 2700
+
+
+def test_padding_after_shorter_responses_is_finite_with_restricted_tokens():
+    """Responses of different lengths under an allowed-token mask that excludes the padding
+    token: the padded positions count 0 (not NaN), and so do their gradients."""
+    model = _model()
+    reqs = [r for r in _requests() if r.allowed_tokens is not None]
+    res = generate(model, reqs)
+    assert len({len(r.tokens) for r in res}) > 1
+    batch = make_token_batch([r.prompt for r in reqs], [r.tokens for r in res],
+                             [r.allowed_tokens for r in reqs], [1.0] * len(reqs), 40)
+    logp, _ = response_logprobs(model, batch)
+    assert bool(torch.isfinite(logp).all())
+    assert float((logp * (1 - batch.response_mask)).abs().sum()) == 0.0
+    logp.sum().backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)

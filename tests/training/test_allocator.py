@@ -99,3 +99,49 @@ def test_waiters_are_served_by_priority_then_arrival():
 
     assert asyncio.run(run()) == ["old_mb", "old_mb_later", "new_step", "new_mb"]
 
+
+
+def test_a_waiter_evicts_another_agent_only_once_it_wants_to_swap():
+    """`may_swap` says whether a swap is worth it yet: until then the agent waits (the free slot
+    stays with its resident), and `poke` serves it once it is."""
+    async def run():
+        alloc = SlotAllocator(1)
+        a = await alloc.acquire("a", (0, 1))
+        alloc.release(a)
+        ready = {"b": False}
+        waiting_b = asyncio.ensure_future(alloc.acquire("b", (0, 1), lambda: ready["b"]))
+        await asyncio.sleep(0)
+        assert not waiting_b.done()  # free, but b does not want to evict a yet
+        a2 = await asyncio.wait_for(alloc.acquire("a", (0, 1)), 1)  # resident: no swap
+        assert (a2.evict, a2.swap_in) == (None, False)
+        alloc.release(a2)
+        ready["b"] = True
+        alloc.poke()
+        b = await asyncio.wait_for(waiting_b, 1)
+        assert (b.slot, b.evict) == (0, "a")
+        alloc.release(b)
+        return alloc.swaps
+
+    assert asyncio.run(run()) == 1
+
+
+def test_the_holder_yields_only_to_older_work_that_this_slot_can_serve():
+    async def run():
+        alloc = SlotAllocator(1)
+        lease = await alloc.acquire("a", (1, 1))
+        same = asyncio.ensure_future(alloc.acquire("b", (1, 1)))
+        await asyncio.sleep(0)
+        assert not alloc.should_yield(lease, (1, 1))  # same iteration: a drains its queue
+        unwilling = asyncio.ensure_future(alloc.acquire("c", (0, 1), lambda: False))
+        await asyncio.sleep(0)
+        assert not alloc.should_yield(lease, (1, 1))  # older, but not worth a swap yet
+        older = asyncio.ensure_future(alloc.acquire("d", (0, 0)))
+        await asyncio.sleep(0)
+        assert alloc.should_yield(lease, (1, 1))  # an older iteration's step waits
+        assert not alloc.should_yield(lease, ())  # a state read of a's own goes first
+        alloc.release(lease)
+        d = await asyncio.wait_for(older, 1)
+        assert d.evict == "a"
+        for fut in (same, unwilling):
+            fut.cancel()
+    asyncio.run(run())

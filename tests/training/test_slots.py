@@ -47,3 +47,26 @@ def test_sync_mode_with_one_slot_swaps_once_per_agent_and_iteration(tmp_path):
     # step, then the restart-point state read) plus the first weight reads; interleaving all
     # agents' micro-batches did 44 swaps in this run
     assert 2 <= result.placement["train_swaps"] <= 2 * 3 * 2 + 3
+
+
+def test_async_mode_with_one_slot_swaps_at_most_twice_per_agent_and_iteration(tmp_path):
+    """Sticky slots: an agent drains its queued micro-batches (and its step) in one go and is
+    swapped in only with enough queued, so async with one slot swaps each agent in at most
+    twice per iteration (it swapped on nearly every micro-batch before). Read from the metrics
+    the run writes; iteration 0 also holds the first bindings (weight reads at start)."""
+    import json
+
+    cfg = load_config(RELAY, ["pipeline.mode=async", "train.iterations=5",
+                              "train.inputs_per_iteration=16", "train.group_size=4",
+                              "train.micro_batch_size=8", "runtime.train_workers=1"])
+    result = train(cfg, tmp_path / "run")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "iteration" in r and "event" not in r]
+    assert len(records) == 5
+    for record in records[1:]:
+        per_agent = {a: record[f"agent/{a}/swaps"] for a in ("speaker", "relay", "listener")}
+        assert all(n <= 2 for n in per_agent.values()), (record["iteration"], per_agent)
+        assert record["pool/train/swaps"] == sum(per_agent.values())
+        assert record["pool/train/swap_s"] > 0.0
+    # 8 micro-batches per agent and iteration: one swap per micro-batch would be 8
+    assert result.placement["train_swaps_in"]["relay"] <= 2 * 5 + 2

@@ -13,8 +13,9 @@ import queue
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
@@ -30,7 +31,7 @@ from flexmarl.runtime.local.workers import (
     rollout_worker_main,
     train_worker_main,
 )
-from flexmarl.store.experience import sample_iteration
+from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training.allocator import SlotAllocator
 from flexmarl.training.trainer import Sample
 
@@ -283,9 +284,27 @@ class LocalRolloutPool:
         return plan.to_dict()
 
 
+@dataclass
+class _Job:
+    """Commands of one agent that run on its slot under one lease, one after another."""
+
+    commands: list[tuple[str, Any]]
+    priority: tuple
+    future: asyncio.Future
+    retry: bool = True
+    # runs synchronously when the job succeeded, before any later job of the agent starts
+    on_done: Callable[[list[Any]], None] | None = None
+
+
 class LocalTrainPool:
     """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
-    fewer slots than agents, agents time-share slots and their states are swapped."""
+    fewer slots than agents, agents time-share slots and their states are swapped.
+
+    Each agent's calls go through its own queue, served in order by one runner task: the runner
+    takes a lease for the call at the head and keeps it while the agent has calls queued
+    (sticky slots), unless the allocator says an older iteration's work waits for the slot.
+    The orchestrator queues an agent's micro-batches as they become ready, so an agent drains
+    them with one swap-in instead of one per micro-batch."""
 
     def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
@@ -294,96 +313,192 @@ class LocalTrainPool:
         self.allocator = SlotAllocator(len(workers))
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
         self.swap_seconds = 0.0
+        self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
         # Recovery journal, kept when `on_lost` is set: each agent's full trainer state after
         # its last step and the micro-batches accumulated since, so a restarted worker resumes
         # from exactly there and no row is lost or counted twice in a gradient.
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
         self.saved_state: dict[str, tuple[dict, dict]] = {}
         self.journal: dict[str, list[list[Sample]]] = defaultdict(list)
-        # the iteration each agent is training on (its last micro-batch's): slot priority
+        # the iteration each agent is training on (its last micro-batch's) and its first turn
+        # in the graph: slot priority
         self.iteration: dict[str, int] = {}
+        self.turn: dict[str, int] = {}
+        self._queues: dict[str, deque[_Job]] = defaultdict(deque)
+        self._runners: dict[str, asyncio.Task] = {}
+        # micro-batches queued since the agent's last step, and in its last iteration
+        self._since_step: dict[str, int] = defaultdict(int)
+        self._per_iteration: dict[str, int] = {}
 
     @property
     def binding(self) -> dict[str, int]:
         """Which slot each resident agent is on right now."""
         return self.allocator.binding()
 
+    def _submit(self, agent: str, commands: list[tuple[str, Any]], priority: tuple = (),
+                retry: bool = True,
+                on_done: Callable[[list[Any]], None] | None = None) -> asyncio.Future:
+        """Queue `commands` for `agent`; the future gets their results. Jobs of one agent run
+        in the order they were submitted."""
+        fut = asyncio.get_running_loop().create_future()
+        self._queues[agent].append(_Job(commands, tuple(priority), fut, retry, on_done))
+        runner = self._runners.get(agent)
+        if runner is None or runner.done():
+            self._runners[agent] = asyncio.ensure_future(self._serve(agent))
+        else:  # it may be waiting for a slot until it has enough queued to be worth a swap
+            self.allocator.poke()
+        return fut
+
+    def _may_swap(self, agent: str) -> bool:
+        """Whether `agent` has enough queued to be worth evicting another agent's state: its
+        step (then all of its iteration's remaining work is queued, and it runs to the step
+        in one go), any other call (state, weight reads: needed now), or half of the
+        micro-batches its last iteration had. So a trained agent is swapped in at most twice
+        per iteration (a session from the half-way mark on, and a last one up to its step),
+        instead of once per micro-batch whenever training keeps up with rollout."""
+        queued = 0
+        for job in self._queues[agent]:
+            if job.future.done():
+                continue
+            if job.commands[0][0] != "accumulate":
+                return True
+            queued += 1
+        per_iteration = self._per_iteration.get(agent)
+        return per_iteration is not None and queued >= max(1, (per_iteration + 1) // 2)
+
     async def _call(self, agent: str, command: str, payload: Any, retry: bool = True,
                     priority: tuple = ()) -> Any:
         """Run `command` on the slot bound to `agent` (binding, and swapping, on demand); a
         slot lost meanwhile is restarted by the supervisor and the command runs again.
         `priority`: the allocator serves lower first (an older iteration's work first)."""
-        while True:
-            lease = await self.allocator.acquire(agent, priority)
+        (result,) = await self._submit(agent, [(command, payload)], priority, retry)
+        return result
+
+    async def _serve(self, agent: str) -> None:
+        """The agent's runner: drain its queue, holding a slot across consecutive jobs."""
+        queue = self._queues[agent]
+
+        def fail_head(exc: BaseException) -> None:
+            job = queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(exc)
+
+        while queue:
+            if queue[0].future.done():  # cancelled by its caller
+                queue.popleft()
+                continue
+            lease = await self.allocator.acquire(agent, queue[0].priority,
+                                                 lambda: self._may_swap(agent))
+            lost: int | None = None
             try:
                 worker = self.workers[lease.slot]
                 if lease.swap_in:
-                    await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
-                    try:
-                        incoming = self.swapped.pop(agent, None)
-                        out_agent, out_state, timings = await worker.call(
-                            "bind", (agent, incoming))
-                    except BaseException as exc:
-                        if incoming is not None:  # not delivered: it is still the state
-                            self.swapped[agent] = incoming
-                        if lease.evict is not None:
-                            self.allocator.state_arrived(lease.evict, exc)
-                        raise
-                    if out_agent is not None:
-                        self.swapped[out_agent] = out_state
-                    if lease.evict is not None:
-                        self.allocator.state_arrived(lease.evict)
-                    if incoming is None and agent in self.saved_state:
-                        # its state went down with a slot (lost mid-swap): the restart point
-                        # after its last step, plus the micro-batches accumulated since
-                        await worker.call("set_state", (agent, *self.saved_state[agent]))
-                        for samples in self.journal[agent]:
-                            await worker.call("accumulate", (agent, samples))
-                    self.swap_seconds += (timings.get("swap_out_s", 0.0)
-                                          + timings.get("swap_in_s", 0.0))
-                return await worker.call(command, payload)
-            except WorkerLost:
-                if self.on_lost is None or not retry:
-                    raise
-                slot = lease.slot
+                    await self._swap_in(agent, lease, worker)
+                while queue:
+                    job = queue[0]
+                    if not job.future.done():
+                        results = [await worker.call(c, p) for c, p in job.commands]
+                        queue.popleft()
+                        if job.on_done is not None:  # it ran: the journal knows it
+                            job.on_done(results)
+                        if not job.future.done():  # (its caller may be gone)
+                            job.future.set_result(results)
+                    else:
+                        queue.popleft()
+                    if queue and self.allocator.should_yield(lease, queue[0].priority):
+                        break
+            except WorkerLost as exc:
+                if self.on_lost is not None and queue[0].retry:
+                    lost = lease.slot  # restart the slot, then run the head job again
+                else:
+                    fail_head(exc)
+            except Exception as exc:  # noqa: BLE001 - the job's caller gets it
+                fail_head(exc)
             finally:
                 self.allocator.release(lease)
-            await self.on_lost(slot)
+            if lost is not None:
+                assert self.on_lost is not None
+                try:
+                    await self.on_lost(lost)
+                except BaseException as exc:  # unrecoverable: fail everything queued
+                    while queue:
+                        fail_head(exc)
+                    raise
+
+    async def _swap_in(self, agent: str, lease: Any, worker: WorkerProxy) -> None:
+        await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
+        try:
+            incoming = self.swapped.pop(agent, None)
+            out_agent, out_state, timings = await worker.call("bind", (agent, incoming))
+        except BaseException as exc:
+            if incoming is not None:  # not delivered: it is still the state
+                self.swapped[agent] = incoming
+            if lease.evict is not None:
+                self.allocator.state_arrived(lease.evict, exc)
+            raise
+        if out_agent is not None:
+            self.swapped[out_agent] = out_state
+        if lease.evict is not None:
+            self.allocator.state_arrived(lease.evict)
+        self.swaps_in[agent] += 1
+        if incoming is None and agent in self.saved_state:
+            # its state went down with a slot (lost mid-swap): the restart point after its
+            # last step, plus the micro-batches accumulated since
+            await worker.call("set_state", (agent, *self.saved_state[agent]))
+            for samples in self.journal[agent]:
+                await worker.call("accumulate", (agent, samples))
+        self.swap_seconds += timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+
+    def _priority(self, agent: str, kind: int) -> tuple:
+        """Slot priority of the agent's next call: older iterations first, then agents earlier
+        in the graph (their rows' turn: the next iteration's episodes need their steps first),
+        then a step (0) before a micro-batch (1)."""
+        return (self.iteration.get(agent, 0), self.turn.get(agent, 0), kind)
 
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
+        """Queue one micro-batch; callers may queue several before the first is done (they
+        run in order), which lets the agent keep its slot across them."""
         if samples:
             self.iteration[agent] = sample_iteration(samples[0].sample_id)
-        result = await self._call(agent, "accumulate", (agent, samples),
-                                  priority=(self.iteration.get(agent, 0), 1))
-        if self.on_lost is not None:
-            self.journal[agent].append(samples)
+            self.turn[agent] = min(parse_sample_id(s.sample_id)[1] for s in samples)
+        self._since_step[agent] += 1
+
+        def journal(_: list[Any]) -> None:
+            if self.on_lost is not None:
+                self.journal[agent].append(samples)
+
+        (result,) = await self._submit(agent, [("accumulate", (agent, samples))],
+                                       self._priority(agent, 1), on_done=journal)
         return result
 
     async def step(self, agent: str) -> tuple[dict[str, float], Weights]:
-        while True:
-            out = await self._call(agent, "step", agent,
-                                   priority=(self.iteration.get(agent, 0), 0))
-            if self.on_lost is None:
-                return out
-            try:  # the state after this step is the new restart point
-                state = await self._call(agent, "get_state", agent, retry=False)
-            except WorkerLost:  # lost with the step: restore, replay the journal, step again
-                slot = self.binding.get(agent)
-                if slot is not None:
-                    await self.on_lost(slot)
-                continue
-            self.saved_state[agent] = state
-            self.journal[agent] = []
-            return out
+        """The step and, with recovery on, the state after it (the new restart point), under
+        one lease: a loss of either restores the last restart point, replays the journal and
+        steps again."""
+        self._per_iteration[agent] = self._since_step.pop(agent, 0)
+        commands: list[tuple[str, Any]] = [("step", agent)]
+        if self.on_lost is not None:
+            commands.append(("get_state", agent))
+
+        def restart_point(results: list[Any]) -> None:
+            if self.on_lost is not None:
+                self.saved_state[agent] = results[1]
+                self.journal[agent] = []
+
+        results = await self._submit(agent, commands, self._priority(agent, 0),
+                                     on_done=restart_point)
+        return results[0]
 
     async def get_state(self, agent: str) -> tuple[dict, dict]:
         return await self._call(agent, "get_state", agent)
 
     async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
-        await self._call(agent, "set_state", (agent, *state))
-        if self.on_lost is not None:
-            self.saved_state[agent] = state
-            self.journal[agent] = []
+        def restart_point(_: list[Any]) -> None:
+            if self.on_lost is not None:
+                self.saved_state[agent] = state
+                self.journal[agent] = []
+
+        await self._submit(agent, [("set_state", (agent, *state))], on_done=restart_point)
 
     async def weights(self, agent: str) -> Weights:
         return await self._call(agent, "weights", agent)
@@ -478,6 +593,8 @@ class LocalRuntime:
                 for w in self.train_workers
             ],
             "train_swaps": self.train.allocator.swaps,
+            "train_swaps_in": dict(self.train.swaps_in),
+            "train_swap_s": self.train.swap_seconds,
         }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.policy.device import Placement
+from flexmarl.runtime.heap import settle as settle_heap
 
 
 @dataclass
@@ -143,6 +144,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
         engines[a] = make_engine(a, cfg, spec, max_seqs)
     set_kv_budgets(engines, cfg)
     versions = dict.fromkeys(spec.agents, 0)
+    settle_heap()
     waiting: dict[str, list[tuple[int, Any]]] = {a: [] for a in spec.agents}
     priorities: dict[int, tuple] = {}
     running_ids: dict[str, dict[str, int]] = {a: {} for a in spec.agents}  # sample_id -> sub_id
@@ -285,6 +287,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     cfg = RunConfig.model_validate(spec.config)
     slot = TrainSlot(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
     trainers = slot.trainers  # the resident trainer(s), by agent
+    settle_heap()
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()

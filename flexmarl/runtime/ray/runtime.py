@@ -222,6 +222,7 @@ class RayTrainPool:
         self.supervisor: RaySupervisor | None = None
         self.saved_state: dict[str, Any] = {}  # agent -> ObjectRef of its restart point
         self.journal: dict[str, list[Any]] = defaultdict(list)
+        self._order: dict[str, asyncio.Lock] = {}
 
     @property
     def n_workers(self) -> int:
@@ -249,6 +250,13 @@ class RayTrainPool:
                          ) -> dict[str, float]:
         """A `RayMicroBatch` is pulled by the trainer actor from the agent's table actor (the
         driver sends ids, not rows); a list of samples travels by value."""
+        # the orchestrator may queue an agent's next micro-batch before this one is done: one
+        # at a time per agent, in call order (asyncio locks are first come, first served)
+        async with self._order.setdefault(agent, asyncio.Lock()):
+            return await self._accumulate(agent, batch)
+
+    async def _accumulate(self, agent: str, batch: RayMicroBatch | list[Sample]
+                          ) -> dict[str, float]:
         replay = False
         while True:
             actor = self._actor(agent)
@@ -275,6 +283,10 @@ class RayTrainPool:
         return await actor.call("accumulate", agent, batch)
 
     async def step(self, agent: str) -> tuple[dict[str, float], RayWeights]:
+        async with self._order.setdefault(agent, asyncio.Lock()):  # after queued micro-batches
+            return await self._step(agent)
+
+    async def _step(self, agent: str) -> tuple[dict[str, float], RayWeights]:
         while True:
             actor = self._actor(agent)
             try:
