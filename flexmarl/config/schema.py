@@ -233,6 +233,12 @@ class TrainConfig(Strict):
     keep_checkpoints: int = Field(3, gt=0)
     # Optimizer steps skipped for a NaN/inf loss or gradient before the run stops with an error.
     max_skipped_steps: int = Field(3, ge=0)
+    # Failure budget: an iteration in which more than this fraction of the episodes failed (a
+    # user function raised, a worker or endpoint failed) is a failed iteration; after more than
+    # `max_consecutive_failed_iterations` of them in a row the run stops with exit code 1 and
+    # the first error, without "final" checkpoints. 1.0 turns the budget off.
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
+    max_consecutive_failed_iterations: int = Field(0, ge=0)
 
 
 class PipelineConfig(Strict):
@@ -479,6 +485,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); "
+                          "a run config is a YAML file") from exc
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:

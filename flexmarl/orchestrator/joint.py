@@ -35,8 +35,9 @@ import numpy as np
 
 from flexmarl.config.schema import ConfigError, CreditConfig, RunConfig
 from flexmarl.errors import UserError
-from flexmarl.graph.meg import EpisodeContext, GraphError, NodePrompt
+from flexmarl.graph.meg import EpisodeContext, GraphError
 from flexmarl.graph.task import Task
+from flexmarl.orchestrator import contracts
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.runtime.base import RolloutPool, TrainPool, Weights
@@ -58,6 +59,15 @@ class EpisodeFailure(RuntimeError):
 
 class TrainingDiverged(UserError, RuntimeError):
     """More optimizer steps were skipped for NaN/inf than `train.max_skipped_steps` allows."""
+
+
+class FailureBudgetExceeded(RuntimeError):
+    """Episodes failed beyond `train.max_failed_fraction` in more consecutive iterations than
+    `train.max_consecutive_failed_iterations` allows: the run stops (exit code 1), with the first error."""
+
+    def __init__(self, message: str, first_error: str | None) -> None:
+        super().__init__(message)
+        self.first_error = first_error
 
 
 class RunInterrupted(RuntimeError):
@@ -165,6 +175,9 @@ class JointOrchestrator:
         self.metric_sources: list[Callable[[], dict[str, Any]]] = []
         self._last_done = 0.0
         self._start = 0.0
+        # failure budget: consecutive iterations over train.max_failed_fraction, first error
+        self.failed_iterations = 0
+        self.first_error: str | None = None
         # --- reliability: checkpoints, resume, stop requests, skipped steps ---
         self.save_checkpoint = save_checkpoint
         self.resume = resume
@@ -237,15 +250,18 @@ class JointOrchestrator:
                 done[name].set_result(False)  # an upstream branch ended: so does this one
                 return
             try:
-                if node.when is not None and not node.when(ctx):
+                if node.when is not None and not contracts.check_condition(name, node.when(ctx)):
                     done[name].set_result(False)
                     return
                 prompt = node.prompt(ctx)
+            except UserError:
+                raise
             except Exception as exc:  # noqa: BLE001 - user code
                 raise EpisodeFailure(f"node {name!r}: prompt builder raised {exc!r}") from exc
-            if not isinstance(prompt, NodePrompt):
-                raise EpisodeFailure(f"node {name!r}: prompt builder returned "
-                                     f"{type(prompt).__name__}, not NodePrompt")
+            # wrong types, token ids outside the vocabulary, empty or over-long prompts, a zero
+            # budget: a bug in the task, not a flaky episode: stop the run with the node named
+            contracts.check_prompt(name, node.agent, prompt, self.task.vocab_size,
+                                   self.task.max_seq_len)
             if it.stage_open:  # rollout.schedule=stage: the level barrier
                 await it.stage_open[self.level[name]].wait()
             agent = node.agent
@@ -291,6 +307,8 @@ class JointOrchestrator:
             rewards = self._score(ctx, rows)
         except EpisodeFailure as exc:
             error = str(exc)
+        except UserError:  # a contract violation (contracts.py): the run stops, exit code 2
+            raise
         except Exception as exc:  # noqa: BLE001 - worker or user failure: fail this episode only
             error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -302,6 +320,8 @@ class JointOrchestrator:
                 if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
                     self.store.set_failed(row.agent, row.sample_id, error)
             it.episodes_failed += 1
+            if self.first_error is None:
+                self.first_error = f"iteration {k}, episode {input_id}/{traj}: {error}"
             if len(it.errors) < 5:
                 it.errors.append(error)
             self.telemetry.event("episode_failed", iteration=k, input_id=input_id,
@@ -383,18 +403,20 @@ class JointOrchestrator:
         team = 0.0
         if self.graph.episode_reward is not None:
             try:
-                team = float(self.graph.episode_reward(ctx))
+                team = self.graph.episode_reward(ctx)
             except Exception as exc:  # noqa: BLE001
                 raise EpisodeFailure(f"episode reward raised {exc!r}") from exc
+            team = contracts.check_reward("episode reward", team)
         own: dict[str, float] = {}
         for name in rows:
             node = self.graph.nodes[name]
             own[name] = 0.0
             if node.reward is not None:
                 try:
-                    own[name] = float(node.reward(ctx))
+                    value = node.reward(ctx)
                 except Exception as exc:  # noqa: BLE001
                     raise EpisodeFailure(f"node {name!r}: reward raised {exc!r}") from exc
+                own[name] = contracts.check_reward(f"node {name!r}: reward", value)
         out = assign_credit(team, own, self._downstream, credit)
         for name, value in out.items():
             if not np.isfinite(value):
@@ -463,7 +485,12 @@ class JointOrchestrator:
             it.stage_open = [asyncio.Event() for _ in range(levels)]
             it.stage_open[0].set()
         rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k))
-        inputs = self.task.sample_inputs(rng, n_inputs)
+        try:
+            inputs = self.task.sample_inputs(rng, n_inputs)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise contracts.ContractError(f"task {self.cfg.task.builder}: sample_inputs raised "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        contracts.check_inputs(self.cfg.task.builder, inputs)
         if len(inputs) != n_inputs:
             raise GraphError(f"task returned {len(inputs)} inputs, expected {n_inputs}")
         episodes = [
@@ -827,8 +854,31 @@ class JointOrchestrator:
         self.telemetry.log(record)
         if self.on_iteration is not None:
             self.on_iteration(record)
+        self._check_failure_budget(it)
         if self._checkpoint_due(k):
             self._capture(k)
+
+
+    def _check_failure_budget(self, it: IterationState) -> None:
+        """`train.max_failed_fraction` / `train.max_consecutive_failed_iterations`: stop a run whose
+        episodes keep failing, before it writes "final" checkpoints of an untrained model."""
+        limit = self.cfg.train.max_failed_fraction
+        fraction = it.episodes_failed / max(it.episodes_total, 1)
+        if it.episodes_failed == 0 or fraction <= limit:
+            self.failed_iterations = 0
+            return
+        self.failed_iterations += 1
+        if self.failed_iterations <= self.cfg.train.max_consecutive_failed_iterations:
+            return
+        self.telemetry.fault("failure_budget_exceeded", iteration=it.index,
+                             failed=it.episodes_failed, total=it.episodes_total,
+                             first_error=self.first_error)
+        raise FailureBudgetExceeded(
+            f"iteration {it.index}: {it.episodes_failed} of {it.episodes_total} episodes failed "
+            f"({fraction:.0%} > train.max_failed_fraction={limit:g}) in "
+            f"{self.failed_iterations} consecutive iteration(s) (train.max_consecutive_failed_iterations="
+            f"{self.cfg.train.max_consecutive_failed_iterations}); first error: {self.first_error}",
+            self.first_error)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -16,8 +16,10 @@ import yaml
 from flexmarl.config.schema import RunConfig
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
+from flexmarl.orchestrator import contracts
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.orchestrator.preflight import check_memory
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.recorder import Telemetry
 
@@ -52,7 +54,9 @@ def prepare(cfg: RunConfig) -> Task:
     for agent in cfg.agents:
         if agent not in used:
             raise GraphError(f"agents.{agent}: configured, but no node of the graph uses it")
+    contracts.dry_run(task, cfg.task.builder, cfg.agents.keys())  # user functions' values
     check_models(cfg, task)
+    check_memory(cfg, task.vocab_size)  # an estimate, before any model is built
     return task
 
 
@@ -107,11 +111,18 @@ def train(
     started = time.time()
     try:
         result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
+    except BaseException as exc:  # a failed run says so on disk (doctor, report read it)
+        (out / "summary.json").write_text(json.dumps({
+            "status": "failed", "error_type": type(exc).__name__, "error": str(exc),
+            "first_error": getattr(exc, "first_error", None), "wall_s": time.time() - started,
+        }, indent=2))
+        raise
     finally:
         telemetry.write_trace(out / "trace.json")
         telemetry.close()
     result.wall_s = time.time() - started
     (out / "summary.json").write_text(json.dumps({
+        "status": "completed",
         "iterations": len(result.records),
         "final_success_rate": result.final_success,
         "wall_s": result.wall_s,
