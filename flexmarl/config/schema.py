@@ -182,6 +182,22 @@ class BackendConfig(Strict):
     max_concurrency: int = Field(16, gt=0)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm
 
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from urllib.parse import urlparse
+
+        parsed = urlparse(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{value!r}: expected http://HOST:PORT or https://HOST[:PORT]")
+        try:
+            parsed.port  # noqa: B018 - raises for a port outside 0..65535
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: {exc}") from None
+        return value
+
 
 class AgentConfig(Strict):
     model: ModelConfig = ModelConfig()
@@ -387,6 +403,40 @@ class RuntimeConfig(Strict):
         return self
 
 
+class WandbConfig(Strict):
+    """Weights & Biases: offline by default (no network; `wandb sync OUT/wandb/offline-run-*`
+    uploads later); online needs `wandb login` or WANDB_API_KEY."""
+
+    project: str = "flexmarl"
+    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    tags: list[str] = []
+
+
+class MlflowConfig(Strict):
+    """MLflow: None logs to a local file store under OUT/mlruns (`mlflow ui --backend-store-uri
+    file://...`), or give a tracking server's URI."""
+
+    tracking_uri: str | None = None
+    experiment: str = "flexmarl"
+
+
+class LoggingConfig(Strict):
+    """Where per-iteration metrics go, under the same names everywhere. JSONL (OUT/metrics.jsonl)
+    is always written; list more backends to add them."""
+
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+    @field_validator("backends")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: a backend is listed twice")
+        return value
+
+
 class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
@@ -396,6 +446,7 @@ class RunConfig(Strict):
     pipeline: PipelineConfig = PipelineConfig()
     rollout: RolloutConfig = RolloutConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    logging: LoggingConfig = LoggingConfig()
     out: str | None = None
 
     @model_validator(mode="after")

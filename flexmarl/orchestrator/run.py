@@ -21,6 +21,7 @@ from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.preflight import check_memory
 from flexmarl.telemetry.gpu import GpuMonitor
+from flexmarl.telemetry.loggers import check_installed
 from flexmarl.telemetry.recorder import Telemetry
 
 
@@ -56,6 +57,7 @@ def prepare(cfg: RunConfig) -> Task:
             raise GraphError(f"agents.{agent}: configured, but no node of the graph uses it")
     contracts.dry_run(task, cfg.task.builder, cfg.agents.keys())  # user functions' values
     check_models(cfg, task)
+    check_installed(cfg.logging.backends)
     check_memory(cfg, task.vocab_size)  # an estimate, before any model is built
     return task
 
@@ -102,13 +104,16 @@ def train(
     task = prepare(cfg)
     ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    telemetry = Telemetry(out)
+    from flexmarl.telemetry.loggers import make_loggers
+
+    telemetry = Telemetry(out, loggers=make_loggers(cfg, out))
     if ckpt is not None:  # metrics.jsonl restarts from the checkpoint's records
         for record in ckpt.position["records"]:
             telemetry.log(record)
         telemetry.fault("resumed", checkpoint=str(ckpt.path), completed=ckpt.completed,
                         rows_restored=len(ckpt.rows))
     started = time.time()
+    status = "failed"
     try:
         result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
     except BaseException as exc:  # a failed run says so on disk (doctor, report read it)
@@ -117,9 +122,11 @@ def train(
             "first_error": getattr(exc, "first_error", None), "wall_s": time.time() - started,
         }, indent=2))
         raise
+    else:
+        status = "completed"
     finally:
         telemetry.write_trace(out / "trace.json")
-        telemetry.close()
+        telemetry.close(status)
     result.wall_s = time.time() - started
     (out / "summary.json").write_text(json.dumps({
         "status": "completed",
