@@ -520,6 +520,7 @@ class JointOrchestrator:
         table = self.store.table(agent)
         canonical = self.cfg.runtime.deterministic or self.cfg.pipeline.mode == "sync"
         taken: set[int] = set()
+        busy_s, n_rows, n_tokens = 0.0, 0, 0  # trainer throughput of this step
         while len(taken) < n_inputs:
             if canonical:  # fixed chunks in input order: the split never depends on timing
                 start = min(set(range(n_inputs)) - taken)
@@ -553,10 +554,20 @@ class JointOrchestrator:
                                          expected_vector=vector, sample_ids=ids)
             self.consumed[agent][k].extend(r.sample_id for r in rows)
             self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
+            n_rows += len(rows)
+            n_tokens += sum(len(r.data.get("prompt", ())) + len(r.data.get("response", ()))
+                            for r in rows if isinstance(r.data, dict))
+            t_call = self.telemetry.now()
             await self.train.accumulate(agent, self.store.micro_batch(agent, rows))
+            busy_s += self.telemetry.now() - t_call
             self.store.release(rows)
         await self._capture_idle.wait()  # a checkpoint is reading trainer states: do not step
+        t_call = self.telemetry.now()
         metrics, weights = await self.train.step(agent)
+        busy_s += self.telemetry.now() - t_call
+        metrics = {**metrics, "train_s": busy_s,  # trainer calls, slot waits and swaps included
+                   "train_samples_per_s": n_rows / busy_s if busy_s > 0 else 0.0,
+                   "train_tokens_per_s": n_tokens / busy_s if busy_s > 0 else 0.0}
         reason = metrics.pop("skip_reason", None)
         if reason is not None:
             self.skipped_steps += 1

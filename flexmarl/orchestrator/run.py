@@ -23,6 +23,7 @@ from flexmarl.orchestrator.preflight import check_memory
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.loggers import check_installed
 from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.telemetry.train_stats import SlotStatsSource
 
 
 @dataclass
@@ -158,6 +159,9 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                 handled.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
+        slots = SlotStatsSource.for_pool(runtime.train, orch.trainable)
+        if slots is not None:
+            orch.metric_sources.append(slots.collect)
         monitor = GpuMonitor.from_nvml(getattr(runtime, "pool_devices", lambda: {})())
         if monitor.enabled:
             orch.metric_sources.append(monitor.start().collect)

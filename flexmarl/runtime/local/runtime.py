@@ -294,6 +294,9 @@ class LocalTrainPool:
         self.allocator = SlotAllocator(len(workers))
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
         self.swap_seconds = 0.0
+        # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
+        self.slot_stats: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
         # Recovery journal, kept when `on_lost` is set: each agent's full trainer state after
         # its last step and the micro-batches accumulated since, so a restarted worker resumes
         # from exactly there and no row is lost or counted twice in a gradient.
@@ -314,7 +317,9 @@ class LocalTrainPool:
         slot lost meanwhile is restarted by the supervisor and the command runs again.
         `priority`: the allocator serves lower first (an older iteration's work first)."""
         while True:
+            asked = time.monotonic()
             lease = await self.allocator.acquire(agent, priority)
+            self.slot_stats[agent]["slot_wait_s"] += time.monotonic() - asked
             try:
                 worker = self.workers[lease.slot]
                 if lease.swap_in:
@@ -339,8 +344,10 @@ class LocalTrainPool:
                         await worker.call("set_state", (agent, *self.saved_state[agent]))
                         for samples in self.journal[agent]:
                             await worker.call("accumulate", (agent, samples))
-                    self.swap_seconds += (timings.get("swap_out_s", 0.0)
-                                          + timings.get("swap_in_s", 0.0))
+                    swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+                    self.swap_seconds += swap_s
+                    self.slot_stats[agent]["swaps"] += 1
+                    self.slot_stats[agent]["swap_s"] += swap_s
                 return await worker.call(command, payload)
             except WorkerLost:
                 if self.on_lost is None or not retry:
