@@ -136,6 +136,20 @@ def _serve_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from flexmarl.cli.doctor import run_doctor
+
+    return run_doctor(args.run_dir, as_json=args.json)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flexmarl.cli.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"report: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -190,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--max-batch-seqs", type=int, default=32)
     s.set_defaults(fn=_serve_model)
+    d = sub.add_parser("doctor", help="read a run's metrics and name likely problems, with "
+                                      "the remedy")
+    d.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
+    d.add_argument("--json", action="store_true", help="findings as JSON")
+    d.set_defaults(fn=_doctor)
+    r = sub.add_parser("report", help="an HTML page of a run: learning curves, busy fractions, "
+                                      "a Gantt chart of the trace, plans, the config")
+    r.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
+    r.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
+    r.set_defaults(fn=_report)
     return parser
 
 

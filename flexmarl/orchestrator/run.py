@@ -159,6 +159,12 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                 handled.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
+        tables = getattr(orch.store, "tables", None)
+        if isinstance(tables, dict):  # rows the store still holds (doctor: a growing store)
+            from flexmarl.store.experience import Status
+
+            orch.metric_sources.append(lambda: {"store/rows_held": sum(
+                t.count(st) for t in tables.values() for st in Status)})
         slots = SlotStatsSource.for_pool(runtime.train, orch.trainable)
         if slots is not None:
             orch.metric_sources.append(slots.collect)
