@@ -220,40 +220,47 @@ def check_oscillation(run: Run) -> list[Finding]:
 
 
 def check_entropy(run: Run) -> list[Finding]:
-    """Entropy collapse; the lazy agent: one agent sticks to one answer that pays it (its own
-    reward up) while the team does not improve."""
+    """The lazy agent: one agent sticks to one answer (whatever the input) that pays it, its own
+    reward up, while the team does not improve; entropy collapse: the policy stopped exploring
+    and gives the same answer to most inputs. (A policy that is deterministic per input but
+    answers different inputs differently has converged; that is not a problem.)"""
     out = []
     _, success = run.series("task/success_rate")
     for agent in run.trainable():
         its, ent = run.series(f"agent/{agent}/entropy")
+        t_its, top = run.series(f"agent/{agent}/top_response_frac")
         if len(ent) < 4 or ent[0] <= 0:
             continue
         collapsed = [i for i, e in zip(its, ent, strict=True) if e < 0.1 * ent[0]]
         if not collapsed or ent[-1] >= 0.1 * ent[0]:
             continue
+        stuck = [i for i, f in zip(t_its, top, strict=True) if f >= 0.8]
+        if top and not (stuck and _median(_thirds(top)[1]) >= 0.8):
+            continue  # deterministic per input, different answers: converged
         _, own = run.series(f"agent/{agent}/reward_mean")
         team_flat = len(success) >= 4 and \
             _median(_thirds(success)[1]) - _median(_thirds(success)[0]) < 0.1
-        own_up = len(own) >= 4 and _median(_thirds(own)[1]) > _median(_thirds(own)[0])
-        others = [a for a in run.trainable() if a != agent]
-        others_ok = all(
-            (lambda s: len(s) >= 2 and s[-1] >= 0.1 * s[0])(run.series(f"agent/{a}/entropy")[1])
-            for a in others)
+        own_up = len(own) >= 4 and \
+            _median(_thirds(own)[1]) > _median(_thirds(own)[0]) + 0.1
         evidence = (f"entropy fell from {ent[0]:.3g} to {ent[-1]:.3g} (below 10% from "
                     f"iteration {collapsed[0]})")
-        if team_flat and own_up and others_ok:
+        if top:
+            evidence += (f"; top_response_frac {top[-1]:.2f} (one answer for most inputs from "
+                         f"iteration {stuck[0]})")
+        if team_flat and own_up:
             out.append(Finding(
                 "lazy agent: stuck on one answer that pays it, the team does not improve",
-                "error", f"agent/{agent}/entropy", collapsed,
-                evidence + f"; its reward_mean rose ({own[0]:.3g} -> {own[-1]:.3g}) while "
-                f"task/success_rate stayed at {success[0]:.3g} -> {success[-1]:.3g}",
+                "error", f"agent/{agent}/entropy", stuck or collapsed,
+                evidence + f"; its reward_mean rose ({_median(_thirds(own)[0]):.3g} -> "
+                f"{_median(_thirds(own)[1]):.3g}) while task/success_rate stayed at "
+                f"{_median(_thirds(success)[0]):.3g} -> {_median(_thirds(success)[1]):.3g}",
                 f"reward design: pay {agent} for the team outcome (train.credit.team, "
                 f"upstream_discount) rather than a shortcut it can take alone; a curriculum "
                 f"(easier inputs first); agents.{agent}.algorithm.entropy_coef > 0", agent))
         else:
             out.append(Finding(
-                "entropy collapse: the policy became (nearly) deterministic", "warning",
-                f"agent/{agent}/entropy", collapsed, evidence,
+                "entropy collapse: the policy gives one answer to most inputs", "warning",
+                f"agent/{agent}/entropy", stuck or collapsed, evidence,
                 f"agents.{agent}.algorithm.entropy_coef (e.g. 0.01-0.3, with "
                 "entropy_decay_steps), a lower optim.lr, or a higher sampling.temperature; "
                 "check the reward has no shortcut", agent))

@@ -103,6 +103,9 @@ class IterationState:
     # rollout measurements: per agent queue waits (s) and tokens generated, per node latency
     queue_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # how often each agent gave each response (doctor: an agent stuck on one answer)
+    responses: dict[str, dict[tuple, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     node_latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     episode_latency: list[float] = field(default_factory=list)
     plan: dict[str, Any] | None = None
@@ -286,6 +289,7 @@ class JointOrchestrator:
             it.node_latency[name].append(self.telemetry.now() - submitted)
             it.queue_waits[agent].append(result.queue_s)
             it.tokens[agent] += len(result.tokens)
+            it.responses[agent][tuple(result.tokens)] += 1
             self.store.set_generated(
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
@@ -816,6 +820,10 @@ class JointOrchestrator:
             out[f"agent/{agent}/queue_wait_p95_s"] = _quantile(waits, 0.95)
             out[f"agent/{agent}/tokens_per_s"] = it.tokens.get(agent, 0) / span
             out[f"agent/{agent}/tokens_generated"] = it.tokens.get(agent, 0)
+            counts = it.responses.get(agent) or {}
+            n = sum(counts.values())
+            out[f"agent/{agent}/distinct_responses"] = len(counts)
+            out[f"agent/{agent}/top_response_frac"] = max(counts.values()) / n if n else 0.0
         for node, values in it.node_latency.items():
             out[f"node/{node}/latency_p50_s"] = _quantile(values, 0.5)
         if it.plan is not None:

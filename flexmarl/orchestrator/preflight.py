@@ -86,6 +86,20 @@ def memory_estimate(cfg: RunConfig, vocab_size: int) -> dict[str, int]:
     return out
 
 
+def memory_hints(cfg: RunConfig, vocab_size: int, n_rollout: int, n_train: int,
+                 rollout_agents: list[str], trainable: list[str]) -> list[str]:
+    """Per worker (rollout replicas, then training slots), what it holds and the estimate: the
+    text an out-of-memory kill of that worker is reported with."""
+    from flexmarl.policy.model import approx_params
+
+    params = {a: approx_params(cfg.agents[a].model, vocab_size) for a in cfg.agents}
+    rollout = ", ".join(f"{a} {_gib(ROLLOUT_BYTES * params[a])}" for a in rollout_agents)
+    train = ", ".join(f"{a} {_gib(TRAINER_BYTES * params[a])}" for a in trainable)
+    return ([f"; this rollout replica holds agents {rollout} (estimated)"] * n_rollout
+            + [f"; this training slot trains agents {train} (estimated trainer state each; "
+               f"runtime.swap_to={cfg.runtime.swap_to})"] * n_train)
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 

@@ -95,6 +95,7 @@ class WandbLogger:
     def __init__(self, out_dir: Path, run_name: str, options: Any, config: dict) -> None:
         import wandb
 
+        self.dir = out_dir / "wandb"
         self.run = wandb.init(
             project=options.project, entity=options.entity, name=run_name, dir=str(out_dir),
             mode=options.mode, tags=list(options.tags) or None, config=config,
@@ -106,6 +107,8 @@ class WandbLogger:
 
     def close(self, status: str = "completed") -> None:
         self.run.finish(exit_code=0 if status == "completed" else 1)
+        if self.run.settings.mode == "offline":  # wandb-core writes the file a moment later
+            wait_wandb_written(Path(self.run.dir).parent)
 
 
 class MlflowLogger:
@@ -190,12 +193,15 @@ def read_tensorboard(tb_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def read_wandb_offline(run_dir: Path) -> dict[str, dict[int, float]]:
-    """The history of an offline W&B run (`OUT/wandb/offline-run-*`), from its .wandb file: a
-    LevelDB-style log of protobuf records in 32 KiB blocks after a 7-byte header."""
+def _wandb_records(run_dir: Path) -> list[Any]:
+    """The protobuf records of an offline W&B run's .wandb file: a LevelDB-style log in 32 KiB
+    blocks after a 7-byte header."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = next(Path(run_dir).glob("*.wandb")).read_bytes()
+    files = list(Path(run_dir).glob("*.wandb"))
+    if not files:
+        return []
+    data = files[0].read_bytes()
     block, pos, partial, records = 32768, 7, b"", []
     while pos + 7 <= len(data):
         room = block - pos % block
@@ -216,10 +222,32 @@ def read_wandb_offline(run_dir: Path) -> dict[str, dict[int, float]]:
             partial += payload
         elif kind == 4:
             records.append(partial + payload)
-    out: dict[str, dict[int, float]] = {}
+    out = []
     for raw in records:
         rec = pb.Record()
-        rec.ParseFromString(raw)
+        try:
+            rec.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - a record being written right now
+            break
+        out.append(rec)
+    return out
+
+
+def wait_wandb_written(run_dir: Path, timeout_s: float = 30.0) -> bool:
+    """Until the run's file holds its exit record (wandb-core writes it asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_dir)):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def read_wandb_offline(run_dir: Path) -> dict[str, dict[int, float]]:
+    """The history of an offline W&B run (`OUT/wandb/offline-run-*`)."""
+    wait_wandb_written(run_dir)
+    out: dict[str, dict[int, float]] = {}
+    for rec in _wandb_records(run_dir):
         if rec.WhichOneof("record_type") != "history":
             continue
         items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json)

@@ -207,16 +207,35 @@ def run_case(case: Case, tmp: Path, subprocess_: bool = True) -> tuple[int, str]
     return proc.returncode, proc.stderr
 
 
+def run_in_process(case: Case, tmp: Path) -> tuple[int, str]:
+    """(exit code, stderr) of the CLI's main() in this process (torch imported once)."""
+    import contextlib
+    import io
+
+    from flexmarl.cli.main import main
+
+    err = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(case.argv(tmp))
+    finally:
+        os.chdir(cwd)
+    return code, err.getvalue()
+
+
 if __name__ == "__main__":  # the table of the closing note and docs/troubleshooting.md
     import sys
     import tempfile
 
+    sys.path.insert(0, str(ROOT))
     print("| group | bad input | exit | message |\n|---|---|---|---|")
     for case in CASES:
         if len(sys.argv) > 1 and sys.argv[1] not in case.group:
             continue
         with tempfile.TemporaryDirectory() as d:
-            code, err = run_case(case, Path(d))
+            code, err = run_in_process(case, Path(d))
         line = next((ln for ln in err.splitlines() if ln.startswith("error:")), err.strip()[-200:])
         flag = "" if "Traceback" not in err else " TRACEBACK"
         line = line.replace(d, "TMP").replace("|", "\\|")

@@ -14,13 +14,13 @@ def large_rewards(scale: float = 1000.0, **options):
     return task
 
 
-def lazy_speaker(**options):
+def lazy_speaker(bonus: float = 2.0, **options):
     """A reward that makes the speaker lazy: it is paid for always sending the first symbol,
     whatever the target, so it stops carrying information and the team stays at chance."""
     task = build_referential_game(**options)
     speak = task.graph.nodes["speak"]
     lowest = min(speak.prompt(_Ctx()).allowed_tokens)
-    speak.reward = lambda ctx: 1.0 if ctx.outputs["speak"][0] == lowest else 0.0
+    speak.reward = lambda ctx: bonus if ctx.outputs["speak"][0] == lowest else 0.0
     return task
 
 

@@ -112,6 +112,9 @@ class WorkerProxy:
         self.alive = False
         self.process.join(timeout=1)
         reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
+        if self.lost_reason is None and self.process.exitcode == -9:  # nobody here killed it
+            reason = ("killed by SIGKILL (exit code -9), most likely by the kernel's "
+                      "out-of-memory killer" + getattr(self, "memory_hint", ""))
         self.lost_reason = reason
         self.lost_in_flight = sum(1 for f in self._futures.values() if not f.done())
         err = WorkerLost(f"{self.pool} worker {self.index} lost: {reason}")
@@ -438,6 +441,13 @@ class LocalRuntime:
             WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink)
             for i in range(n_train)
         ]
+        from flexmarl.orchestrator.preflight import memory_hints
+
+        for w, hint in zip(self.rollout_workers + self.train_workers,
+                           memory_hints(cfg, vocab_size, len(self.rollout_workers),
+                                        len(self.train_workers), local_agents, trainable),
+                           strict=True):
+            w.memory_hint = hint  # named in the loss reason of an out-of-memory kill
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
         balancer = Balancer(local_agents or agents, rt.rollout_workers, cfg.rollout.balance, costs)
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
@@ -576,6 +586,7 @@ class Supervisor:
                 return
             self.restarts += 1
             new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
+            new.memory_hint = getattr(old, "memory_hint", "")
             try:
                 await new.start()
                 if old.pool == "rollout":
