@@ -90,6 +90,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trace:       {out / 'trace.json'}  (open in chrome://tracing or ui.perfetto.dev)")
     for agent, path in result.checkpoints.items():
         print(f"checkpoint:  {path / 'model.safetensors'}  [{agent}]")
+    print(f"next:        flexmarl doctor {out}   |   flexmarl report {out}")
     return 0
 
 
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False) or bool(os.environ.get("FLEXMARL_DEBUG"))
+    if debug:
+        os.environ["FLEXMARL_DEBUG"] = "1"  # the run's asyncio handler and workers see it too
     try:
         return args.fn(args)
     except UserError as exc:
@@ -230,7 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
+    except Exception as exc:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
+        base = sys.modules.get("flexmarl.runtime.base")  # not imported for config errors
+        if base is not None and isinstance(exc, base.WorkerError):
+            # workers lost beyond runtime.max_worker_restarts (e.g. out-of-memory kills): the
+            # reason is in the message
+            if debug:
+                traceback.print_exc()
+            print(f"error: run failed: {exc}", file=sys.stderr)
+            return 1
         traceback.print_exc()
         print("internal error: this is a bug in FlexMARL, not in your config; please report it "
               "with the traceback above", file=sys.stderr)

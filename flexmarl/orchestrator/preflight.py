@@ -101,7 +101,7 @@ def memory_hints(cfg: RunConfig, vocab_size: int, n_rollout: int, n_train: int,
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def estimates_text(estimate: dict[str, int]) -> str:

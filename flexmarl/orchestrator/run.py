@@ -79,6 +79,25 @@ def check_models(cfg: RunConfig, task: Task) -> None:
             check_shapes(agent, acfg.model.checkpoint, shapes, model)
 
 
+def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> None:
+    """Futures that failed after the run already had its error (a lost worker's pending calls)
+    are recorded as `unretrieved_error` events in metrics.jsonl instead of printing asyncio's
+    traceback wall; with FLEXMARL_DEBUG set, asyncio prints them as usual."""
+    import os
+
+    if os.environ.get("FLEXMARL_DEBUG"):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if context.get("message", "").endswith("never retrieved") and exc is not None:
+            telemetry.fault("unretrieved_error", error=f"{type(exc).__name__}: {exc}")
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry):
     if cfg.runtime.kind == "local":
         from flexmarl.runtime.local.runtime import LocalRuntime
@@ -142,9 +161,10 @@ def train(
 
 async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                on_runtime=None) -> RunResult:
+    loop = asyncio.get_running_loop()
+    quiet_unretrieved(loop, telemetry)
     runtime = make_runtime(cfg, task, telemetry)
     await runtime.start()
-    loop = asyncio.get_running_loop()
     handled: list[int] = []
     try:
         telemetry.event("placement", **runtime.placement())

@@ -236,7 +236,10 @@ if __name__ == "__main__":  # the table of the closing note and docs/troubleshoo
             continue
         with tempfile.TemporaryDirectory() as d:
             code, err = run_in_process(case, Path(d))
-        line = next((ln for ln in err.splitlines() if ln.startswith("error:")), err.strip()[-200:])
+        lines = err.splitlines()
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("error:")), None)
+        line = " / ".join(ln.strip() for ln in lines[at:]) if at is not None \
+            else err.strip()[-200:]
         flag = "" if "Traceback" not in err else " TRACEBACK"
         line = line.replace(d, "TMP").replace("|", "\\|")
         print(f"| {case.group} | {case.name} | {code}{flag} | {line} |", flush=True)

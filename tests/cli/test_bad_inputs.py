@@ -8,6 +8,7 @@ imported once); one case per group, and the cases that start workers, run as rea
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,8 @@ def test_bad_input_real_subprocess(case, tmp_path):
 
 def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("FLEXMARL_DEBUG", "")  # --debug sets it: undone after the test
+    monkeypatch.delenv("FLEXMARL_DEBUG")
     case = next(c for c in CASES if c.name == "raises its own exception")
     assert main(["--debug", *case.argv(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -99,3 +102,51 @@ def test_budget_tolerates_failures_under_the_fraction():
     check(IterationState(index=3, episodes_total=8, episodes_failed=8))
     with pytest.raises(FailureBudgetExceeded, match="first error: e0"):
         check(IterationState(index=4, episodes_total=8, episodes_failed=5))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out.extend(int(c) for c in text)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_worker_killed_by_sigkill_reads_as_out_of_memory(tmp_path):
+    """A SIGKILL FlexMARL did not send (what the kernel's OOM killer sends) is reported as a
+    likely out-of-memory kill, naming the agents the worker held and their estimates; without
+    restarts the episodes fail and the failure budget ends the run: exit 1, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flexmarl", "train", str(ROOT / "examples" / "referential_game.yaml"),
+         "--set", "train.iterations=500", "--set", "train.inputs_per_iteration=4",
+         "--set", "runtime.max_worker_restarts=0", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and '"iteration"' in metrics.read_text():
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        workers = [c for c in _children(proc.pid)
+                   if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert workers
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    assert "out-of-memory killer" in err and ("holds agents" in err or "trains agents" in err), err
+    assert not (out / "checkpoints" / "final").exists()
