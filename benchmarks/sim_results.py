@@ -16,8 +16,8 @@ from pathlib import Path
 
 from flexmarl.sim.simulate import ABLATIONS, BASELINES, simulate
 
-WORKLOADS = ["star_hub", "customer_service", "planner_coder_reviewer", "math_debate",
-             "solver_verifier"]
+WORKLOADS = ["paper_ma", "paper_ca", "star_hub", "customer_service", "planner_coder_reviewer",
+             "math_debate", "solver_verifier"]
 PICTURES = ["star_hub", "customer_service"]  # the two largest graphs
 
 HEADER = """# Simulated cluster results

@@ -95,7 +95,7 @@ def bench_chaos(
     failures = (chaos.faults or {}).get("failures", [])
     # kill -> recovered, matched per (pool, worker) in order
     rec_times: list[float] = []
-    pending = {}
+    pending: dict[tuple[str, int], list[float]] = {}
     for k in killer.kills:
         pending.setdefault((k["pool"], k["worker"]), []).append(k["time"])
     for e in chaos_telemetry(base / "chaos"):

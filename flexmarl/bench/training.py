@@ -121,7 +121,7 @@ def _plain_setup(cfg: AgentConfig, vocab: int):
     from flexmarl.policy.model import build_model
     from flexmarl.training import lora
 
-    model = build_model("bench", cfg.model, vocab, 256, 0)
+    model: Any = build_model("bench", cfg.model, vocab, 256, 0)
     if cfg.lora is not None:
         model = lora.apply("bench", model, cfg.lora)
     model.train()

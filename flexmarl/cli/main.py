@@ -1,4 +1,4 @@
-"""`flexmarl` command line: train, bench, simulate, serve-model, doctor, report.
+"""`flexmarl` command line: train, bench, simulate, serve, serve-model, doctor, report.
 
 Exit codes: 0 done; 2 an error the user can fix (config, folders, graph, task, the values user
 functions return, model vs memory): one line naming the file, field, node or agent, no traceback
@@ -151,6 +151,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from flexmarl.serving.cli import run_serve
+
+    return run_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -184,9 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("workload", help="workload YAML (see examples/sim/); with --profile-local, a "
                                     "run config (e.g. examples/relay_chain.yaml)")
     m.add_argument("--baseline", action="append", default=[],
-                   help="system to compare (marti-like, sync-disaggregated, one-step-off, "
-                        "flexmarl-sync, flexmarl-stage, flexmarl-static-balance, "
-                        "flexmarl-static-alloc); repeatable")
+                   help="system to compare (marti, marti-2025-05, mas-rl-like, "
+                        "sync-disaggregated, one-step-off, flexmarl-sync, flexmarl-stage, "
+                        "flexmarl-static-balance, flexmarl-static-alloc); repeatable")
     m.add_argument("--iterations", type=int, default=None)
     m.add_argument("--out", default=None)
     m.add_argument("--no-pictures", action="store_true")
@@ -215,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
     r.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
     r.set_defaults(fn=_report)
+    from flexmarl.serving.cli import add_serve_parser
+
+    add_serve_parser(sub).set_defaults(fn=_serve)
     return parser
 
 

@@ -47,8 +47,8 @@ def prepare(cfg: RunConfig) -> Task:
     """Build and validate everything that can be checked before any worker starts."""
     task = load_task(cfg.task.builder, cfg.task.options)
     task.graph.validate(cfg.agents.keys())
-    for name, agent in cfg.agents.items():
-        if agent.backend.kind == "vllm":
+    for name, agent_cfg in cfg.agents.items():
+        if agent_cfg.backend.kind == "vllm":
             from flexmarl.rollout.backends.vllm import import_vllm
 
             import_vllm(name)  # a clear error now, not a dead replica later
@@ -208,6 +208,6 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         return RunResult(out, records, checkpoints, orch.consumed, orch.audit, orch.store.stats(),
                          runtime.placement(), 0.0, faults)
     finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
+        for signum in handled:
+            loop.remove_signal_handler(signum)
         await runtime.stop()

@@ -68,7 +68,7 @@ def latency_allotments(
     capacity: int,
     units: Mapping[str, int] | None = None,
 ) -> list[Allotment]:
-    """Replica allotments that shorten one iteration's critical path, one replica at a time.
+    """Replica allotments that shorten one iteration's critical path, a move at a time.
 
     Why: proportional-to-tokens allotment (`allot_replicas`) is right when rollout is
     throughput-bound. Multi-agent rollouts are often latency-bound instead: the graph chains
@@ -81,10 +81,12 @@ def latency_allotments(
     `nodes` (id, agent, input ids; topological) with every node taking its agent's mean
     time, plus the largest tail (largest - mean) of any agent on it: requests finish at
     different times, so one episode meets one agent's slowest request, not every agent's.
-    Each step gives one more replica to the agent whose replica shortens the path the most
-    per accelerator (parallel branches, where one replica alone cannot shorten the path, go
-    by the mean node time). It stops when no replica helps or the capacity is used. Every
-    step is returned, so the caller can trade rollout capacity against training capacity.
+    Each step makes the move that shortens the path the most per accelerator: one more
+    replica for one agent, for two agents together, or for every agent on a near-critical
+    path (parallel branches that tie only shorten the iteration together; a small term for
+    the mean node time breaks ties between branches). It stops when no move helps or the
+    capacity is used. Every step is returned, so the caller can trade rollout capacity
+    against training capacity.
     """
     agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
     units = dict(units or dict.fromkeys(agents, 1))
@@ -120,6 +122,23 @@ def latency_allotments(
         spread = sum(calls[a] * d(a, replicas[a])[0] for a in agents) / max(1, sum(calls.values()))
         return path(replicas) + 0.1 * spread
 
+    def near_critical() -> tuple[str, ...]:
+        """Agents with a node on a path within 1% of the longest (typical) one: the branches
+        that only shorten the iteration when they all get replicas together."""
+        end: dict[str, float] = {}
+        dur: dict[str, float] = {}
+        for node, agent, inputs in nodes:
+            dur[node] = d(agent, replicas[agent])[0]
+            end[node] = max((end[i] for i in inputs if i in end), default=0.0) + dur[node]
+        after: dict[str, float] = dict.fromkeys(end, 0.0)  # longest path from a node's end
+        for node, _, inputs in reversed(nodes):
+            for i in inputs:
+                if i in after:
+                    after[i] = max(after[i], dur[node] + after[node])
+        longest = max((end[n] + after[n] for n in end), default=0.0)
+        return tuple(dict.fromkeys(agent for node, agent, _ in nodes
+                                   if end[node] + after[node] >= 0.99 * longest))
+
     replicas = dict.fromkeys(agents, 1)
     used = sum(units[a] for a in agents)
     if used > capacity:
@@ -127,21 +146,34 @@ def latency_allotments(
                          f"(needs {used})")
     steps = [allotment(replicas, used)]
     current = objective(replicas)
+    # Moves: one replica to one agent, to two agents at once, or to every agent on a
+    # near-critical path. One agent at a time stalls on parallel branches that tie: a replica
+    # for either alone leaves the longest branch as long while its tail term grows, so no
+    # single move gains even though both together shorten the iteration.
+    pairs = list(itertools.combinations(agents, 2))
     while True:
+        moves: list[tuple[str, ...]] = [(a,) for a in agents] + pairs
+        group = near_critical()
+        if len(group) > 2:
+            moves.append(group)
         best, best_gain, best_value = None, 0.0, current
-        for a in agents:
-            if used + units[a] > capacity:
+        for move in moves:
+            cost = sum(units[a] for a in move)
+            if used + cost > capacity:
                 continue
-            replicas[a] += 1
+            for a in move:
+                replicas[a] += 1
             value = objective(replicas)
-            replicas[a] -= 1
-            gain = (current - value) / units[a]
-            if gain > best_gain:  # ties: the first agent in graph order
-                best, best_gain, best_value = a, gain, value
+            for a in move:
+                replicas[a] -= 1
+            gain = (current - value) / cost
+            if gain > best_gain:  # ties: the first move (single agents first, graph order)
+                best, best_gain, best_value = move, gain, value
         if best is None or best_gain <= 1e-9 * max(current, 1.0):
             return steps
-        replicas[best] += 1
-        used += units[best]
+        for a in best:
+            replicas[a] += 1
+            used += units[a]
         current = best_value
         steps.append(allotment(replicas, used))
 

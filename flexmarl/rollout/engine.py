@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ class _Sequence:
         return len(self.request.prompt) + self.request.max_new_tokens
 
 
-def cache_argument(model: torch.nn.Module) -> str:
+def cache_argument(model: Any) -> str:
     """The forward argument that takes the KV cache: `cache` from transformers 5.2x on,
     `past_key_values` before. A wrong name is swallowed by **kwargs and every decode step would
     silently run without its past, so it is looked up, never assumed."""
@@ -74,7 +75,7 @@ class ContinuousBatcher:
     (prompt + max_new_tokens each): the two budgets a real engine gets from its KV memory.
     """
 
-    def __init__(self, model: torch.nn.Module, max_seqs: int = 64, max_tokens: int = 1 << 20):
+    def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20):
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
@@ -85,7 +86,7 @@ class ContinuousBatcher:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.seqs: list[_Sequence] = []
-        self.cache = None
+        self.cache: Any = None  # the transformers KV cache of the running batch
         self.attn: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
         self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)  # not yet fed
@@ -251,7 +252,7 @@ class ContinuousBatcher:
         queue = list(requests)
         done: dict[str, GenerationResult] = {}
         while queue or self.seqs:
-            take = []
+            take: list[GenerationRequest] = []
             tokens = 0
             while queue and self.fits(queue[0], len(take), tokens):
                 tokens += len(queue[0].prompt) + queue[0].max_new_tokens

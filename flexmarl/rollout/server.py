@@ -54,7 +54,8 @@ class BatchingServer:
                     waiting.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
-            take, tokens = [], 0
+            take: list[GenerationRequest] = []
+            tokens = 0
             while waiting and engine.fits(waiting[0][0], len(take), tokens):
                 req, fut = waiting.pop(0)
                 tokens += len(req.prompt) + req.max_new_tokens

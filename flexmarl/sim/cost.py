@@ -627,6 +627,12 @@ class CostModel:
         """A forward pass only (reference / old-policy log-probs): ``2 * params * tokens``."""
         return 2 * model.params * tokens / self._train_flops(n_accel)
 
+    def policy_forwards_time(self, model: ModelSpec, n_accel: int, tokens: float,
+                             passes: int) -> float:
+        """The forward passes a step runs before its update (old-policy and reference
+        log-probs, `TrainingSpec.forward_passes`): ``passes x 2 x params x tokens``."""
+        return passes * self.forward_time(model, n_accel, tokens) if passes else 0.0
+
     def train_compute_time(self, model: ModelSpec, n_accel: int, tokens: float) -> float:
         """Forward + backward over ``tokens`` tokens: ``6 * params * tokens / (n peak MFU)``."""
         return 6 * model.params * tokens / self._train_flops(n_accel)

@@ -28,6 +28,7 @@ __all__ = [
     "H100",
     "H200",
     "H800",
+    "NPU_64G",
     "AcceleratorSpec",
     "UnknownAcceleratorError",
     "get_accelerator",
@@ -143,8 +144,27 @@ H200 = AcceleratorSpec(
     host_link_bandwidth=PCIE_GEN5_X16,
 )
 
+# A 64 GB NPU-class device, the kind the FlexMARL paper's cluster has (48 nodes x 16
+# accelerators of 64 GB): one die of a Huawei Ascend 910C, which a node presents as a device of
+# its own (8 chips, 16 devices per node). Per chip, from "Serving Large Language Models on
+# Huawei CloudMatrix384" (Zuo et al. 2025, arXiv:2506.12708, sec. 3.1-3.2, as we read it):
+# ~752 TFLOPS dense BF16, 128 GB on-package memory at 3.2 TB/s, two dies; 392 GB/s
+# unidirectional Unified Bus (intra-node/supernode) and a 400 Gb/s RDMA plane per chip. Per
+# die (device) half of each. Host link: ASSUMPTION, PCIe Gen5 x16 per device. The paper does
+# not name its accelerator; this profile is an ASSUMPTION that its 64 GB devices are of this
+# class.
+NPU_64G = AcceleratorSpec(
+    name="NPU-64G",
+    peak_bf16_flops=376 * TERA,
+    hbm_bandwidth=1.6 * TERA,
+    memory_bytes=64 * GB,
+    intra_node_bandwidth=2 * 196 * GB,  # both directions summed, as for NVLink above
+    inter_node_bandwidth=200 * GBIT,
+    host_link_bandwidth=PCIE_GEN5_X16,
+)
+
 ACCELERATORS: dict[str, AcceleratorSpec] = {
-    spec.name: spec for spec in (H800, H20, A100_80G, H200, H100)
+    spec.name: spec for spec in (H800, H20, A100_80G, H200, H100, NPU_64G)
 }
 
 # Other spellings people use for the same parts; keys are normalised (upper case, no spaces,
@@ -163,6 +183,9 @@ _ALIASES: dict[str, str] = {
     "H200SXM": "H200",
     "H200141GB": "H200",
     "H2096GB": "H20",
+    "NPU": "NPU-64G",
+    "ASCEND910C": "NPU-64G",
+    "ASCEND910CDIE": "NPU-64G",
 }
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.config.schema import RunConfig
+from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
 from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
@@ -569,8 +570,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
                        curve=None if cores else profile.contention)
         parent = ParentProcess(cpu, profile)
-        rworkers = [SimRolloutWorker(i, local, profile, max_seqs, cfg.rollout.max_batch_tokens,
-                                     telemetry, cpu, parent) for i in range(rt.rollout_workers)]
+        kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
+        rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
+                                     parent) for i in range(rt.rollout_workers)]
         tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent)
                     for i in range(max(1, min(rt.train_workers, len(trainable))))]
         workers.extend(rworkers + tworkers)

@@ -983,7 +983,10 @@ def measure_lengths(cfg: Any, task: Any, models: dict[str, Any]
     })
 
     async def main() -> tuple[dict[str, list[tuple]], dict[str, list[int] | None]]:
-        engines = {a: HFEngine(m, cfg.rollout.max_batch_seqs, cfg.rollout.max_batch_tokens)
+        from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
+
+        kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
+        engines = {a: HFEngine(m, cfg.rollout.max_batch_seqs, kv_budget)
                    for a, m in models.items()}
         pool = _InProcessRollout(engines)
         try:
@@ -1186,6 +1189,12 @@ class ProfiledCostModel:
     def train_compute_time(self, model: Any, n_accel: int, tokens: float) -> float:
         mb = max(1, round(tokens / max(1, self._mean_tokens(model))))
         return self._get(model, "accumulate", rows=mb, tokens=tokens)
+
+    def policy_forwards_time(self, model: Any, n_accel: int, tokens: float,
+                             passes: int) -> float:
+        # the profiled `accumulate` is what the local trainer measurably runs per micro-batch,
+        # whatever forward passes it includes: nothing to add
+        return 0.0
 
     def _mean_tokens(self, model: Any) -> float:
         p = self.profile.agents[model.name]

@@ -1,17 +1,30 @@
 """`flexmarl simulate`: run the production orchestrator on a simulated cluster, FlexMARL and
 baselines side by side, and report makespan, speedup, utilisation and efficiency.
 
-Baselines are settings of the same simulator (named for what they model):
-- `marti-like`: colocated hybrid engine (rollout and training take turns on every device, with
-  engine sleep/wake), synchronous, static equal replica split, agents trained one after another;
+Baselines are settings of the same simulator, each named for what it models:
+- `marti`: MARTI as it runs today (github.com/TsinghuaC3I/MARTI): every agent's models are
+  colocated on its own equal share of the cluster (`colocate_all_models`, engines asleep while
+  it trains), synchronous; since August 2025 rollout is one async workflow per episode
+  (`marti/models/vllm/multi_agent_engine_async.py`), so a node starts when its own inputs are
+  done (rollout schedule `dependency`); every agent's training starts at once and is waited
+  on together (`MultiAgentController.step` in `marti/controllers/multi_agent_controller.py`
+  calls each agent's `async_fit_actor_model`, then one `ray.get`); weights are broadcast one
+  agent after another; prompts dealt round robin;
+- `marti-2025-05`: MARTI before its async workflows: as `marti`, but turn-by-turn rollout (a
+  graph level starts once the previous one is done in every episode) and one agent trained at
+  a time;
+- `mas-rl-like`: MAS-RL as the FlexMARL paper describes it (colocated and synchronous): the
+  whole cluster is time-shared by the agents in turn, turn by turn: one agent's engines hold
+  every accelerator for its turn of rollout, then the next agent's; then each agent trains on
+  the whole cluster, one after another; each switch offloads the holder and loads the next;
 - `sync-disaggregated`: separate rollout and training pools, synchronous, static splits;
 - `one-step-off`: single-agent async applied per agent (verl's / AReaL's one-step off-policy
   async): sync-disaggregated's pools, static splits and stage-by-stage rollout, but iteration
   k+1 is generated with weights one version stale, so its rollout overlaps step k
   (`pipeline.mode: one_step_off`);
 - `flexmarl`: async micro-batch pipeline + hierarchical balancing + agent-centric allocation;
-- ablations `flexmarl-sync`, `flexmarl-static-balance`, `flexmarl-static-alloc` switch off one
-  feature each.
+- ablations `flexmarl-sync`, `flexmarl-stage`, `flexmarl-static-balance`,
+  `flexmarl-static-alloc` switch off one feature each.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from typing import Any
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.runtime.sim.clock import run_virtual
 from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
+from flexmarl.sim.cost import CostModel
 from flexmarl.sim.task import workload_config, workload_task
 from flexmarl.sim.workload import Workload, load_workload
 from flexmarl.store.experience import parse_sample_id
@@ -35,8 +49,17 @@ from flexmarl.telemetry.recorder import Telemetry
 
 # name -> (pipeline mode, rollout schedule, simulated system features)
 SYSTEMS: dict[str, tuple[str, str, SimFeatures]] = {
-    "marti-like": ("sync", "stage", SimFeatures(colocated=True, balance="static",
-                                                allocation="static", sequential_training=True)),
+    # MARTI today: concurrent training, per-episode workflows, broadcasts in turn (see above)
+    "marti": ("sync", "dependency", SimFeatures(colocated=True, balance="static",
+                                                allocation="static", serial_publish=True)),
+    # MARTI until its async workflows (mid-2025): turn by turn, agents trained one at a time
+    "marti-2025-05": ("sync", "stage", SimFeatures(colocated=True, balance="static",
+                                                   allocation="static",
+                                                   sequential_training=True)),
+    # MAS-RL as the FlexMARL paper describes it: the whole cluster time-shared, turn by turn
+    "mas-rl-like": ("sync", "stage", SimFeatures(colocated=True, time_shared=True,
+                                                 balance="static", allocation="static",
+                                                 sequential_training=True)),
     "sync-disaggregated": ("sync", "stage", SimFeatures(balance="static", allocation="static")),
     "one-step-off": ("one_step_off", "stage", SimFeatures(balance="static",
                                                           allocation="static")),
@@ -46,7 +69,8 @@ SYSTEMS: dict[str, tuple[str, str, SimFeatures]] = {
     "flexmarl-static-balance": ("async", "dependency", SimFeatures(balance="static")),
     "flexmarl-static-alloc": ("async", "dependency", SimFeatures(allocation="static")),
 }
-BASELINES = ["marti-like", "sync-disaggregated", "one-step-off"]
+BASELINES = ["marti", "marti-2025-05", "mas-rl-like", "sync-disaggregated",
+             "one-step-off"]
 ABLATIONS = ["flexmarl-sync", "flexmarl-stage", "flexmarl-static-balance",
              "flexmarl-static-alloc"]
 
@@ -67,9 +91,11 @@ class SimResult:
 
 
 def simulate_system(wl: Workload, system: str, iterations: int | None = None,
-                    features: SimFeatures | None = None) -> SimResult:
+                    features: SimFeatures | None = None,
+                    cost: CostModel | None = None) -> SimResult:
     """`features` replaces the system's simulated features (its pipeline mode and rollout
-    schedule stay), e.g. with `fixed_replicas` for a sweep over fixed splits."""
+    schedule stay), e.g. with `fixed_replicas` for a sweep over fixed splits; `cost` replaces
+    the workload's cost model (e.g. another training MFU, for a sensitivity sweep)."""
     if system not in SYSTEMS:
         raise ValueError(f"--baseline: unknown system {system!r} (known: {', '.join(SYSTEMS)})")
     mode, schedule, features_of_system = SYSTEMS[system]
@@ -81,7 +107,7 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None,
     async def main():
         loop = asyncio.get_running_loop()
         telemetry = Telemetry(None, clock=loop.time)
-        rt = SimRuntime(wl, features, mode=mode)
+        rt = SimRuntime(wl, features, cost, mode=mode)
         await rt.start()
         try:
             orch = JointOrchestrator(cfg, task, rt.rollout, rt.train, telemetry)

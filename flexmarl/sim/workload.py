@@ -54,6 +54,7 @@ __all__ = [
     "EpisodeNode",
     "GraphSpec",
     "RolloutSpec",
+    "TrainingSpec",
     "Workload",
     "WorkloadError",
     "load_workload",
@@ -174,6 +175,25 @@ class RolloutSpec(_Strict):
         return self.prompts_per_iteration * self.group_size
 
 
+class TrainingSpec(_Strict):
+    """What one training step runs besides forward + backward over the rows.
+
+    GRPO and PPO as verl, OpenRLHF and MARTI run them recompute the rows' log-probabilities
+    under the policy that sampled them (the old policy) and under the frozen reference model
+    (for the KL term) before the update: one forward pass each over every trained token.
+    ``micro_batch_size`` is rows per micro-batch (default: ``max(group_size, episodes / 32)``).
+    """
+
+    old_policy_forward: bool = True
+    reference_forward: bool = True
+    micro_batch_size: PositiveInt | None = None
+
+    @property
+    def forward_passes(self) -> int:
+        """Extra forward passes per trained token and step."""
+        return int(self.old_policy_forward) + int(self.reference_forward)
+
+
 @dataclass(frozen=True)
 class EpisodeNode:
     """One invocation of an agent in an episode: ``round`` is 1-based, ``copy`` 0-based."""
@@ -196,6 +216,7 @@ class Workload(_Strict):
     agents: list[AgentSpec] = Field(min_length=1)
     graph: GraphSpec = Field(default_factory=GraphSpec)
     rollout: RolloutSpec
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
 
     # --- validation across fields ------------------------------------------------------------
 
@@ -347,6 +368,12 @@ class Workload(_Strict):
     @property
     def episodes_per_iteration(self) -> int:
         return self.rollout.episodes_per_iteration
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows per training micro-batch: the workload's, or max(group, episodes / 32)."""
+        return self.training.micro_batch_size or max(self.rollout.group_size,
+                                                     self.episodes_per_iteration // 32)
 
     def cost_model(self, **overrides: float | int) -> CostModel:
         """A cost model for this cluster's accelerators (efficiency factors overridable)."""

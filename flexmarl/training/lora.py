@@ -6,6 +6,8 @@ LoRA changes, merged (W + scale * B @ A) under the base model's names.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flexmarl.config.schema import LoraConfig
@@ -33,7 +35,8 @@ def apply(agent: str, model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Modul
     from peft import get_peft_model
 
     check_targets(agent, model, cfg)
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+                              lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), bias="none")
     return get_peft_model(model, peft_cfg)
 
@@ -48,8 +51,9 @@ def merged_weights(model: torch.nn.Module, full: bool = False) -> dict[str, torc
     prefix = "base_model.model."
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and hasattr(module, "base_layer"):
-            base = module.base_layer.weight.detach()
-            delta = module.get_delta_weight(module.active_adapters[0]).detach()
+            layer: Any = module  # a peft LoRA Linear: base_layer and get_delta_weight
+            base = layer.base_layer.weight.detach()
+            delta = layer.get_delta_weight(layer.active_adapters[0]).detach()
             key = name[len(prefix):] if name.startswith(prefix) else name
             out[f"{key}.weight"] = (base + delta).to("cpu", copy=True).contiguous()
     if full:

@@ -96,13 +96,14 @@ class AgentTrainer:
                 base.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
         self.vocab = base.config.vocab_size
-        self.ref_model = None
+        self.ref_model: Any = None
         if cfg.algorithm.kl_coef > 0 and cfg.lora is None:
             # with LoRA the reference is the base model itself (adapters disabled)
             self.ref_model = copy.deepcopy(base).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        self.model = lora.apply(agent, base, cfg.lora) if cfg.lora is not None else base
+        # a transformers model, or peft's wrapper of one (both duck-typed)
+        self.model: Any = lora.apply(agent, base, cfg.lora) if cfg.lora is not None else base
         self.model.train()
         self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
         self.critic_model = None
@@ -335,10 +336,10 @@ class AgentTrainer:
         return {"version": self.version, "rows_pending": self._rows}
 
     # --- full training state, for checkpoints and trainer restarts ---------------------------
-    def _state_modules(self) -> dict[str, torch.nn.Module]:
+    def _state_modules(self) -> dict[str, Any]:
         """Every module with trained weights: the policy (LoRA: with its adapters) and the
         critic, as a value head or a separate model."""
-        out: dict[str, torch.nn.Module] = {"model": self.model}
+        out: dict[str, Any] = {"model": self.model}
         if getattr(self, "value_head", None) is not None:
             out["value_head"] = self.value_head
         if getattr(self, "critic_model", None) is not None:
@@ -354,12 +355,12 @@ class AgentTrainer:
             for part, module in self._state_modules().items()
             for k, v in module.state_dict().items()
         }
-        opt = self.optimizer.state_dict()
+        opt: dict[str, Any] = dict(self.optimizer.state_dict())
         for idx, slots in opt["state"].items():
             for key, value in slots.items():
                 arrays[f"optim.{idx}.{key}"] = value.detach().cpu().numpy().copy()
         arrays["rng.torch"] = torch.get_rng_state().numpy().copy()
-        np_state = np.random.get_state()
+        np_state: Any = np.random.get_state()  # (name, keys, pos, has_gauss, cached)
         arrays["rng.numpy"] = np.asarray(np_state[1]).copy()
         meta = {
             "agent": self.agent,

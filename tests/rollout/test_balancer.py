@@ -118,3 +118,34 @@ def test_latency_allotment_stops_when_no_replica_helps_and_one_tail_counts_once(
     assert last.critical_path_s == pytest.approx(last.typical_path_s + 10.0 - 2.0 / rb)
     with pytest.raises(ValueError, match="cannot hold one replica of every agent"):
         latency_allotments(nodes, phase, 1)
+
+
+def test_latency_allotment_does_not_stall_on_two_tied_parallel_branches():
+    # issue 21's stall: a router feeds two tied specialists, then a summariser. Each
+    # specialist's slowest request barely shrinks with replicas while its mean does, so the
+    # tail term grows as the mean falls: a replica for either specialist alone leaves the
+    # longer branch as long and lengthens the path; only both together shorten it.
+    def phase(agent, r):
+        if agent in ("spec_a", "spec_b"):
+            return 100.0 / r, 150.0 + 50.0 / r
+        return 1.0, 1.0
+
+    nodes = [("r", "router", ()), ("a", "spec_a", ("r",)), ("b", "spec_b", ("r",)),
+             ("s", "summariser", ("a", "b"))]
+    steps = latency_allotments(nodes, phase, 64)
+    last = steps[-1]
+    assert last.replicas["spec_a"] > 8 and last.replicas["spec_b"] > 8
+    assert abs(last.replicas["spec_a"] - last.replicas["spec_b"]) <= 1
+    assert last.critical_path_s < 0.8 * steps[0].critical_path_s  # 153.6 vs 202 s
+    paths = [s.critical_path_s for s in steps]
+    assert paths == sorted(paths, reverse=True)
+    # three tied branches: no pair of them shortens the path either, the near-critical
+    # group does
+    nodes3 = nodes[:3] + [("c", "spec_c", ("r",)),
+                          ("s", "summariser", ("a", "b", "c"))]
+
+    def phase3(agent, r):
+        return phase("spec_a" if agent == "spec_c" else agent, r)
+
+    last = latency_allotments(nodes3, phase3, 64)[-1]
+    assert min(last.replicas[a] for a in ("spec_a", "spec_b", "spec_c")) > 4

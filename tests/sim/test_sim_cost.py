@@ -94,6 +94,18 @@ def test_train_time_hand_computed() -> None:
     assert compute == pytest.approx(14.4202, rel=1e-4)
 
 
+def test_old_policy_and_reference_forwards_hand_computed() -> None:
+    # GRPO's two extra forward passes over the same 1M tokens on 8 H800s: each
+    # 2 * 7.61e9 * 1e6 / (8 * 989.5e12 * 0.4) = 1.5220e16 / 3.1664e15 = 4.8067 s, so the
+    # micro-batch's compute grows from 6 to 6 + 2 * 2 = 10 x params x tokens
+    one = 2 * 7.61e9 * 1e6 / (8 * 989.5e12 * 0.4)
+    assert one == pytest.approx(4.8067, rel=1e-4)
+    assert PINNED.policy_forwards_time(M7, 8, 1e6, 2) == pytest.approx(2 * one, rel=1e-12)
+    assert PINNED.policy_forwards_time(M7, 8, 1e6, 0) == 0.0
+    total = PINNED.train_compute_time(M7, 8, 1e6) + PINNED.policy_forwards_time(M7, 8, 1e6, 2)
+    assert total == pytest.approx(10 / 6 * PINNED.train_compute_time(M7, 8, 1e6), rel=1e-12)
+
+
 def test_weight_transfer_hand_computed() -> None:
     # 15.22e9 B of 7B weights across nodes: 50e9 B/s * 0.9 = 45e9 B/s -> 0.338222 s, plus one
     # 20 us latency per layer bucket (28 layers) = 0.00056 s.

@@ -130,7 +130,7 @@ class RolloutReplica:
                 )
                 self.spans.append((t0, time.time(), f"gen:{agent}:{len(requests)}"))
                 await self._store_payloads(agent, results)
-                replies = [(True, r) for r in results]
+                replies: list[tuple[bool, Any]] = [(True, r) for r in results]
             except Exception as exc:  # noqa: BLE001 - reported to the driver per request
                 replies = [(False, _error(exc))] * len(chosen)
             for item, reply in zip(chosen, replies, strict=True):

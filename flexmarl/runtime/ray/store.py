@@ -250,13 +250,15 @@ def samples_from_rows(rows: list[dict[str, Any]] | dict[str, Any]) -> list[Any]:
 
     from flexmarl.training.trainer import Sample  # torch: only where a trainer runs
 
+    items: list[dict[str, Any]]
     if isinstance(rows, dict):
         values = ray.get(rows["objects"]) if rows["objects"] else []
-        rows = rows["rows"]
+        items = rows["rows"]
         logprobs = [values[k] if i is None else values[k][i]
-                    for k, i in (r["refs"]["logprobs"] for r in rows)]
+                    for k, i in (r["refs"]["logprobs"] for r in items)]
     else:
-        logprobs = fetch_payloads([r["refs"]["logprobs"] for r in rows])
+        items = rows
+        logprobs = fetch_payloads([r["refs"]["logprobs"] for r in items])
     return [
         Sample(
             sample_id=r["sample_id"], prompt=r["data"]["prompt"], response=r["data"]["response"],
@@ -264,7 +266,7 @@ def samples_from_rows(rows: list[dict[str, Any]] | dict[str, Any]) -> list[Any]:
             allowed=r["data"].get("allowed"), temperature=r["data"].get("temperature", 1.0),
             policy_version=r["policy_version"], reward=r["data"].get("reward", 0.0),
         )
-        for r, lp in zip(rows, logprobs, strict=True)
+        for r, lp in zip(items, logprobs, strict=True)
     ]
 
 

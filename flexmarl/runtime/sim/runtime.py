@@ -27,6 +27,7 @@ re-planned between iterations from what was measured (lengths, prompts, busy tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import math
 import operator
@@ -54,12 +55,20 @@ class SimFeatures:
     balance: str = "hierarchical"  # or "static"
     allocation: str = "agent_centric"  # or "static"
     sequential_training: bool = False  # agents trained one after another
+    # colocated only: the whole cluster is every agent's share and one agent holds it at a
+    # time, its engines (one agent's turn of rollout) or its trainer; switching offloads the
+    # holder and loads the next (MAS-RL-like)
+    time_shared: bool = False
+    # weights published one agent at a time (MARTI broadcasts agent by agent)
+    serial_publish: bool = False
     # hierarchical only: pin these agents' rollout replicas (the rest as planned; training
     # gets every other accelerator, agent-centric): an oracle sweep over fixed splits
     # measures how far the planner's choice is from the best fixed one
     fixed_replicas: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.time_shared and not self.colocated:
+            raise ValueError("time_shared: needs colocated (the cluster is the agents' share)")
         if self.fixed_replicas and (self.balance != "hierarchical" or self.colocated):
             raise ValueError("fixed_replicas: needs balance 'hierarchical' and separate "
                              f"pools (got balance {self.balance!r}, colocated {self.colocated})")
@@ -84,7 +93,7 @@ def balanced_split(load: dict[str, float], total: int, minimum: dict[str, int]) 
     out = dict(minimum)
     heap = [(-load[k] / out[k], k) for k in out]
     heapq.heapify(heap)
-    for _ in range(total - sum(out.values())):
+    for _ in range(total - sum(out.values()) if heap else 0):  # nobody to give units to
         _, k = heapq.heappop(heap)
         out[k] += 1
         heapq.heappush(heap, (-load[k] / out[k], k))
@@ -248,6 +257,8 @@ class SimRolloutPool:
         rt._lengths[request.agent].append(out_len)
         rt._prompts[request.agent].append(p)
         seq = _Seq(p, out_len, fut, loop.time(), request, priority)
+        if rt.features.time_shared:
+            rt._pending[request.agent] += 1
         # the request's latency alone on an idle engine: a term of the critical path
         rt.solo_latency[request.sample_id] = (
             rt.cost.prefill_time(spec.model, spec.tp, p)
@@ -335,6 +346,15 @@ class SimRuntime:
         self.groups: dict[str, int] = {}  # colocated: each agent's own accelerators
         self.paused_replicas: dict[str, list[SimReplica]] = defaultdict(list)
         self._asleep: set[str] = set()  # colocated: agents whose engines sleep while they train
+        # time_shared: who holds the cluster (("roll" | "train", agent)), who waits for it,
+        # requests of each agent not yet finished, whether a switch or a training call runs
+        self._holder: tuple[str, str] | None = None
+        self._queue: list[tuple[str, str]] = []
+        self._wake: dict[tuple[str, str], asyncio.Future] = {}
+        self._pending: dict[str, int] = defaultdict(int)
+        self._switching = False
+        self._incoming: tuple[str, str] | None = None
+        self._training = 0
         self._train_locks: dict[str, asyncio.Lock] = {}
         # time-shared training slots: (members, accelerators per slot, slots) of the plan, and
         # the production allocator that binds the members to the slots
@@ -394,22 +414,24 @@ class SimRuntime:
                 tokens = calls * (a.prompt_length.mean + a.output_length.mean)
             spent, trained = self._train_cost[a.name]
             rate = (spent / trained if measured and trained > 0
-                    else cost.train_compute_time(a.model, 1, 1.0))
+                    else cost.train_compute_time(a.model, 1, 1.0) + cost.policy_forwards_time(
+                        a.model, 1, 1.0, wl.training.forward_passes))
             out[a.name] = rate * tokens
         return out
 
     def _colocated_groups(self) -> dict[str, int]:
-        """MARTI-like: every agent owns an equal share of the cluster (whole replicas of its
-        tp), on which its engines and its trainer take turns."""
+        """MARTI: every agent owns an equal share of the cluster (whole replicas of its tp), on
+        which its engines and its trainer take turns; time-shared (MAS-RL-like): the share is
+        the whole cluster."""
         wl, cost = self.wl, self.cost
-        share = self.total // len(wl.agents)
+        share = self.total if self.features.time_shared else self.total // len(wl.agents)
         out = {}
         for a in wl.agents:
             need = a.tp
             if a.trainable:
                 need = max(need, math.ceil(cost.min_train_accelerators(a.model) / a.tp) * a.tp)
             out[a.name] = max(need, share // a.tp * a.tp)
-        if sum(out.values()) > self.total:
+        if not self.features.time_shared and sum(out.values()) > self.total:
             raise ValueError(
                 f"workload {wl.name}: the colocated baseline gives each agent its own "
                 f"accelerators and needs {sum(out.values())}, but the cluster has {self.total}")
@@ -428,7 +450,8 @@ class SimRuntime:
         mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
         if f.colocated:
             self.groups = self._colocated_groups()
-            roll_acc = train_acc = sum(self.groups.values())
+            roll_acc = train_acc = (self.total if f.time_shared
+                                    else sum(self.groups.values()))
             replicas = {a.name: self.groups[a.name] // a.tp for a in wl.agents}
             train_alloc = {a: self.groups[a] for a in self.trainable}
         elif f.balance == "hierarchical":
@@ -607,7 +630,7 @@ class SimRuntime:
     def _train_calls(self) -> dict[str, float]:
         """Training calls (micro-batches and the step) each agent makes per iteration."""
         wl = self.wl
-        mb = max(wl.rollout.group_size, wl.rollout.episodes_per_iteration // 32)
+        mb = wl.micro_batch_size
         return {a: wl.calls_per_episode(a) * wl.episodes_per_iteration / mb + 1
                 for a in self.trainable}
 
@@ -666,10 +689,82 @@ class SimRuntime:
     def finish(self, replica: SimReplica, seq: _Seq, now: float) -> None:
         if not seq.future.done():
             seq.future.set_result(now)
+        if self.features.time_shared:
+            self._pending[replica.agent] -= 1
+            if not self._pending[replica.agent]:
+                self._next_holder()
+
+    # --- time-shared cluster (MAS-RL-like) ------------------------------------------------
+    def _claim(self, who: tuple[str, str]) -> None:
+        settled = who == self._holder and not self._switching
+        if not settled and who != self._incoming and who not in self._queue:
+            self._queue.append(who)
+        self._next_holder()
+
+    def _busy_holder(self) -> bool:
+        h = self._holder
+        if h is None:
+            return False
+        return self._training > 0 if h[0] == "train" else self._pending[h[1]] > 0
+
+    def _next_holder(self) -> None:
+        """Hand the cluster to the first waiter once its holder is idle: offload the holder
+        (engines to host, or training state), load the waiter's, then let it run."""
+        if self._switching or not self._queue or self._busy_holder():
+            return
+        nxt = self._queue.pop(0)
+        cost, old = self.cost, self._holder
+        seconds = 0.0
+        for who, loading in ((old, False), (nxt, True)):
+            if who is None:
+                continue
+            spec = self.wl.agent(who[1])
+            if who[0] == "roll":
+                seconds += (cost.engine_wake_time if loading else cost.engine_sleep_time)(
+                    spec.model, spec.tp)
+            else:
+                seconds += cost.train_state_swap_time(spec.model, self.total)
+        self._switching = True
+        self._incoming = nxt
+        t0 = self.loop.time()
+
+        def switched() -> None:
+            self._switching = False
+            self._holder, self._incoming = nxt, None
+            self.spans.append(BusySpan("cluster/switch", "overhead", nxt[1], "switch", t0,
+                                       self.loop.time(), 0))
+            if nxt[0] == "roll":
+                for replica in self.paused_replicas.pop(nxt[1], []):
+                    replica.resume()
+            else:
+                # the trainer holds the cluster from now on, until its call is done
+                self._training += 1
+                self._wake.pop(nxt).set_result(None)
+                return
+            self._next_holder()
+
+        self.loop.call_at(t0 + seconds, switched)
+
+    async def _hold_for_training(self, agent: str) -> None:
+        who = ("train", agent)
+        if self._holder == who and not self._switching:
+            self._training += 1
+            return
+        fut = self._wake.get(who)
+        if fut is None:
+            fut = self._wake[who] = self.loop.create_future()
+        self._claim(who)
+        await fut
 
     # --- colocated phases ------------------------------------------------------------------
     def paused(self, agent: str) -> bool:
-        """Colocated: an agent's engines are asleep while its trainer holds the devices."""
+        """Colocated: an agent's engines are asleep while its trainer holds the devices;
+        time-shared: while anyone else holds the cluster."""
+        if self.features.time_shared:
+            if self._holder == ("roll", agent) and not self._switching:
+                return False
+            self._claim(("roll", agent))
+            return True
         return agent in self._asleep
 
     async def train_work(self, agent: str, kind: str, tokens: int) -> None:
@@ -680,6 +775,14 @@ class SimRuntime:
         lock = (self._train_locks.setdefault("all", asyncio.Lock()) if f.sequential_training
                 else self._train_locks.setdefault(agent, asyncio.Lock()))
         async with lock:
+            if f.time_shared:
+                await self._hold_for_training(agent)  # counts this call in self._training
+                try:
+                    await self._compute(agent, kind, tokens, n, "train/cluster")
+                finally:
+                    self._training -= 1
+                    self._next_holder()
+                return
             if f.colocated and agent not in self._asleep:
                 # the agent's engines go to sleep (offload weights and KV) before it trains
                 self._asleep.add(agent)
@@ -731,7 +834,10 @@ class SimRuntime:
         model = self.wl.agent(agent).model
         t0 = loop.time()
         if kind == "train":
-            await asyncio.sleep(self.cost.train_compute_time(model, n, tokens))
+            # old-policy and reference log-probs of the micro-batch's rows, then its update
+            await asyncio.sleep(self.cost.train_compute_time(model, n, tokens)
+                                + self.cost.policy_forwards_time(
+                                    model, n, tokens, self.wl.training.forward_passes))
         else:
             await asyncio.sleep(self.cost.optimizer_step_time(model, n))
         self.spans.append(BusySpan(lane, "train", agent, kind, t0, loop.time(), n))
@@ -740,10 +846,18 @@ class SimRuntime:
         self._train_cost[agent][1] += tokens
 
     async def publish(self, agent: str, version: int) -> None:
-        loop = self.loop
         spec = self.wl.agent(agent)
+        lock = (self._train_locks.setdefault("publish", asyncio.Lock())
+                if self.features.serial_publish else contextlib.nullcontext())
+        async with lock:
+            await self._publish(agent, spec)
+
+    async def _publish(self, agent: str, spec: Any) -> None:
+        loop = self.loop
         t0 = loop.time()
-        if self.features.colocated:
+        if self.features.time_shared:
+            pass  # the weights stay on the cluster; the switch to its engines loads them
+        elif self.features.colocated:
             # the new weights are already on the agent's devices: wake its engines
             if agent in self._asleep:
                 await asyncio.sleep(self.cost.engine_wake_time(spec.model, spec.tp))

@@ -33,21 +33,21 @@ def test_simulated_hours_take_seconds_and_are_deterministic(wl):
 def test_baselines_are_the_same_simulator_with_features_switched(wl):
     flex = simulate_system(wl, "flexmarl", iterations=2)
     sync = simulate_system(wl, "flexmarl-sync", iterations=2)
-    marti = simulate_system(wl, "marti-like", iterations=2)
+    marti = simulate_system(wl, "marti-2025-05", iterations=2)
     # the async pipeline never loses to the same system run synchronously
     assert flex.makespan_s <= sync.makespan_s * 1.001
     # the colocated baseline pays engine sleep/wake and trains agents one after another
     kinds = {s.kind for s in marti.runtime.spans}
     assert "sleep" in kinds
-    assert set(SYSTEMS) >= {"marti-like", "sync-disaggregated", "flexmarl"}
+    assert set(SYSTEMS) >= {"marti-2025-05", "sync-disaggregated", "flexmarl"}
     with pytest.raises(ValueError, match="unknown system 'nope'"):
         simulate_system(wl, "nope")
 
 
 def test_report_writes_trace_and_gantt(tmp_path, capsys):
-    simulate(WORKLOAD, ["marti-like"], iterations=1, out=tmp_path)
+    simulate(WORKLOAD, ["marti-2025-05"], iterations=1, out=tmp_path)
     out = capsys.readouterr().out
-    assert "speedup" in out and "marti-like" in out and "efficiency" in out
+    assert "speedup" in out and "marti-2025-05" in out and "efficiency" in out
     assert (tmp_path / "trace.json").stat().st_size > 0
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -86,8 +86,8 @@ def _overlap(a, b) -> bool:
     return a.start < b.end - 1e-9 and b.start < a.end - 1e-9
 
 
-def test_marti_like_gives_each_agent_its_own_devices_and_trains_one_agent_at_a_time(wl):
-    marti = simulate_system(wl, "marti-like", iterations=2)
+def test_marti_2025_05_gives_each_agent_its_own_devices_and_trains_one_agent_at_a_time(wl):
+    marti = simulate_system(wl, "marti-2025-05", iterations=2)
     rt = marti.runtime
     assert sum(rt.groups.values()) <= rt.total
     for agent, group in rt.groups.items():
@@ -100,6 +100,39 @@ def test_marti_like_gives_each_agent_its_own_devices_and_trains_one_agent_at_a_t
         assert not any(r.agent == t.agent and _overlap(r, t) for r in roll)
         # ... and agents train one after another
         assert not any(o.agent != t.agent and _overlap(o, t) for o in train)
+
+
+def test_marti_trains_every_agent_at_once_and_broadcasts_in_turn(wl):
+    marti = simulate_system(wl, "marti", iterations=2)
+    rt = marti.runtime
+    train = [s for s in rt.spans if s.pool == "train"]
+    roll = [s for s in rt.spans if s.pool == "rollout"]
+    # every agent's fit starts at once: different agents' training overlaps ...
+    assert any(o.agent != t.agent and _overlap(o, t) for t in train for o in train)
+    # ... each on its own share, where its engines sleep while it trains
+    for t in train:
+        assert not any(r.agent == t.agent and _overlap(r, t) for r in roll)
+    publish = [s for s in rt.spans if s.pool == "publish" and s.end > s.start]
+    assert len(publish) >= 2
+    assert not any(_overlap(a, b) for a in publish for b in publish if a is not b)
+
+
+def test_mas_rl_like_time_shares_the_whole_cluster_between_agents(wl):
+    mas = simulate_system(wl, "mas-rl-like", iterations=2)
+    rt = mas.runtime
+    for agent in rt.active:
+        assert rt.active[agent] * wl.agent(agent).tp == rt.total  # every agent: all of it
+    train = [s for s in rt.spans if s.pool == "train"]
+    roll = [s for s in rt.spans if s.pool == "rollout"]
+    assert train and roll and all(t.accelerators == rt.total for t in train)
+    busy = train + roll
+    # one agent at a time holds the cluster: no two agents' work overlaps, nor rollout and
+    # training
+    assert not any(a.agent != b.agent and _overlap(a, b) for a in busy for b in busy)
+    assert not any(_overlap(r, t) for r in roll for t in train)
+    assert any(s.kind == "switch" and s.end > s.start for s in rt.spans)
+    # and it is slower than MARTI's per-agent shares on the same workload
+    assert mas.makespan_s > simulate_system(wl, "marti", iterations=2).makespan_s
 
 
 def test_hierarchical_balancing_plans_the_critical_path_and_beats_the_equal_split():
@@ -256,3 +289,42 @@ def test_fixed_replicas_pin_the_rollout_and_give_training_the_rest(wl):
         SimRuntime(wl, dataclasses.replace(base, fixed_replicas={agent: 10_000}))
     with pytest.raises(ValueError, match="fixed_replicas: needs balance 'hierarchical'"):
         dataclasses.replace(SYSTEMS["flexmarl-static-balance"][2], fixed_replicas={agent: 1})
+
+
+def test_conditional_edges_skip_nodes_at_their_probability_and_every_system_sees_the_same():
+    from flexmarl.sim.workload import parse_workload
+
+    wl = parse_workload({
+        "name": "cond", "seed": 3, "iterations": 1,
+        "cluster": {"nodes": 1, "accelerators_per_node": 8, "accelerator": "H800"},
+        "agents": [{"name": n, "model": "0.5B", "prompt_length": 64,
+                    "output_length": {"kind": "uniform", "mean": 32, "spread": 0.5}}
+                   for n in ("router", "often", "rarely", "merge")],
+        "graph": {"edges": [{"src": "router", "dst": "often", "probability": 0.7},
+                            {"src": "router", "dst": "rarely", "probability": 0.2},
+                            {"src": "often", "dst": "merge"},
+                            {"src": "rarely", "dst": "merge"}]},
+        "rollout": {"prompts_per_iteration": 50, "group_size": 8},
+    })
+    runs = {}
+    for system in ("flexmarl", "marti"):
+        res = simulate_system(wl, system, iterations=1)
+        node_of = {turn: name for name, turn in res.orchestrator.turns.items()}
+        agent_of = {name: node.agent for name, node in res.orchestrator.graph.nodes.items()}
+        calls: dict[str, set] = {}
+        for sid in res.runtime.requests:
+            from flexmarl.store.experience import parse_sample_id
+
+            input_id, turn, traj = parse_sample_id(sid)
+            calls.setdefault(agent_of[node_of[turn]], set()).add((input_id, traj))
+        runs[system] = calls
+    n = 400
+    calls = runs["flexmarl"]
+    assert len(calls["router"]) == n
+    # binomial(400, p): 4 standard deviations either side
+    for agent, p in (("often", 0.7), ("rarely", 0.2), ("merge", 1 - 0.3 * 0.8)):
+        sd = (n * p * (1 - p)) ** 0.5
+        assert abs(len(calls[agent]) - n * p) < 4 * sd, (agent, len(calls[agent]))
+    # merge reads whichever specialists ran, and runs only when one did
+    assert calls["merge"] == calls["often"] | calls["rarely"]
+    assert runs["marti"] == calls  # keyed draws: the same episodes in every system

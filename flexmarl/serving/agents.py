@@ -1,0 +1,237 @@
+"""The agents of a run folder: where each one's weights and tokenizer are, and loading them.
+
+A run folder (`flexmarl train --out DIR`) holds `config.yaml` and `checkpoints/`: the final
+weights (`checkpoints/final/<agent>/`, written when training ends) and checkpoint generations
+(`checkpoints/gen-NNNNNN/agents/<agent>/`, `LATEST` naming the newest). An agent is served from
+the newest of those by modification time; with neither, from its config (the initial weights:
+random init from the run seed, `model.path`, `model.checkpoint`), as version 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flexmarl.config.schema import AgentConfig, ConfigError, RunConfig, load_config
+from flexmarl.errors import UserError
+from flexmarl.graph.task import Task, load_task
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ServeError(UserError, ValueError):
+    """A run folder, agent or checkpoint that cannot be served; names what is at fault."""
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where one version of an agent's weights comes from."""
+
+    label: str  # "final", "gen-000004", "config" or an explicit path
+    file: Path | None  # model.safetensors; None: the config's initial weights
+    policy_version: int | None = None  # the trainer's version, where the folder records it
+
+    @property
+    def fingerprint(self) -> tuple:
+        if self.file is None:
+            return (self.label,)
+        try:
+            st = self.file.stat()
+        except OSError:
+            return (str(self.file),)
+        return (str(self.file), st.st_mtime_ns, st.st_size)
+
+
+@dataclass(frozen=True)
+class Version:
+    """A served version of one agent: `number` counts loads from 1; reported in responses."""
+
+    number: int
+    source: str
+    policy_version: int | None
+    loaded_at: float
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.number, "source": self.source,
+                "policy_version": self.policy_version, "loaded_at": self.loaded_at}
+
+
+def _policy_version(folder: Path) -> int | None:
+    for name in ("flexmarl.json", "trainer.json"):
+        try:
+            meta = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("policy_version", "version"):
+            if isinstance(meta.get(key), int):
+                return meta[key]
+    return None
+
+
+def weight_candidates(run_dir: Path, agent: str, acfg: AgentConfig) -> list[WeightSource]:
+    ckpts = run_dir / "checkpoints"
+    out = []
+    final = ckpts / "final" / agent / "model.safetensors"
+    if final.is_file():
+        out.append(WeightSource("final", final, _policy_version(final.parent)))
+    try:
+        latest = (ckpts / "LATEST").read_text().strip()
+    except OSError:
+        latest = ""
+    # a LoRA agent's generation holds the adapter-wrapped module, not plain model weights
+    gen = ckpts / latest / "agents" / agent / "model.safetensors" if latest else None
+    if gen is not None and gen.is_file() and acfg.lora is None:
+        out.append(WeightSource(latest, gen, _policy_version(gen.parent)))
+    return out
+
+
+def resolve_source(run_dir: Path, agent: str, acfg: AgentConfig) -> WeightSource:
+    """The newest weights the run folder holds for `agent` (config weights when none)."""
+    cands = weight_candidates(run_dir, agent, acfg)
+    if not cands:
+        return WeightSource("config", None)
+    return max(cands, key=lambda s: s.file.stat().st_mtime_ns if s.file else 0)
+
+
+def explicit_source(path: str | Path) -> WeightSource:
+    p = Path(path)
+    file = p / "model.safetensors" if p.is_dir() else p
+    if not file.is_file():
+        raise ServeError(f"{path}: no such weights file (expected a model.safetensors or a "
+                         "folder holding one)")
+    return WeightSource(str(p), file, _policy_version(file.parent))
+
+
+def load_tokenizer(agent: str, acfg: AgentConfig, source: WeightSource) -> Any | None:
+    """The agent's tokenizer: next to its weights, in `model.path`, or SmolLM2's; None when it
+    has none (a token-level agent, such as the referential game's)."""
+    from transformers import AutoTokenizer
+
+    folders = []
+    if source.file is not None:
+        folders.append(source.file.parent)
+    if acfg.model.kind == "path" and acfg.model.path:
+        folders.append(Path(acfg.model.path))
+    for folder in folders:
+        if any((folder / f).is_file() for f in TOKENIZER_FILES):
+            try:
+                return AutoTokenizer.from_pretrained(str(folder))
+            except (OSError, ValueError) as exc:
+                raise ServeError(f"agent {agent!r}: tokenizer in {folder} cannot be loaded: "
+                                 f"{exc}") from exc
+    if acfg.model.kind == "smollm2":
+        from flexmarl.policy.smollm import load_tokenizer as smollm_tokenizer
+
+        return smollm_tokenizer()
+    return None
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ServeError(f"--device {device}: no CUDA device is visible")
+    return device
+
+
+def load_weights_file(agent: str, source: WeightSource, model: torch.nn.Module) -> None:
+    """Load `source` into `model` in place; every model tensor must be there, shapes equal."""
+    from safetensors.torch import load_file
+
+    from flexmarl.policy.model import check_shapes
+
+    assert source.file is not None
+    tensors = load_file(str(source.file))
+    check_shapes(agent, str(source.file), {k: tuple(v.shape) for k, v in tensors.items()}, model)
+    param = next(model.parameters())
+    model.load_state_dict({k: v.to(param.device, param.dtype) if v.is_floating_point() else
+                           v.to(param.device) for k, v in tensors.items()}, strict=False)
+
+
+@dataclass
+class AgentSpec:
+    """One served agent: its config, model, tokenizer and current version."""
+
+    name: str
+    cfg: AgentConfig
+    model: torch.nn.Module
+    tokenizer: Any | None
+    version: Version
+    fingerprint: tuple
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def max_len(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def next_model(self, source: WeightSource) -> torch.nn.Module:
+        """A copy of the served model with `source`'s weights: built beside the running one,
+        which keeps serving its in-flight requests."""
+        model = copy.deepcopy(self.model)
+        if source.file is not None:
+            load_weights_file(self.name, source, model)
+        model.eval()
+        return model
+
+
+@dataclass
+class ServedRun:
+    run_dir: Path
+    cfg: RunConfig
+    task: Task | None
+    task_error: str | None
+    agents: dict[str, AgentSpec]
+    device: str
+
+
+def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None = None
+             ) -> ServedRun:
+    from flexmarl.policy.device import compute_dtype
+    from flexmarl.policy.model import build_model
+
+    rd = Path(run_dir)
+    cfg_file = rd / "config.yaml"
+    if not cfg_file.is_file():
+        raise ServeError(f"{rd}: not a run folder (no config.yaml); pass the folder "
+                         "`flexmarl train --out` wrote, e.g. runs/demo")
+    cfg = load_config(cfg_file)
+    try:
+        task: Task | None = load_task(cfg.task.builder, cfg.task.options)
+        task_error = None
+    except (UserError, ImportError) as exc:  # agents still serve; episodes will not
+        task, task_error = None, str(exc)
+    names = list(cfg.agents) if agents is None else agents
+    for name in names:
+        if name not in cfg.agents:
+            raise ConfigError(f"--agent {name}: the run has no such agent (agents: "
+                              f"{', '.join(cfg.agents)})")
+    dev = pick_device(device)
+    vocab = task.vocab_size if task is not None else 0
+    max_seq_len = task.max_seq_len if task is not None else 64
+    out: dict[str, AgentSpec] = {}
+    for name in names:
+        acfg = cfg.agents[name]
+        if acfg.model.kind == "random" and task is None:
+            raise ServeError(f"agent {name!r}: a random-init model needs the task's vocabulary, "
+                             f"and the task did not load: {task_error}")
+        source = resolve_source(rd, name, acfg)
+        model = build_model(name, acfg.model, vocab, max_seq_len, cfg.seed, dev,
+                            compute_dtype(acfg.model.dtype, dev))
+        if source.file is not None:
+            load_weights_file(name, source, model)
+        model.eval()
+        out[name] = AgentSpec(
+            name, acfg, model, load_tokenizer(name, acfg, source),
+            Version(1, source.label, source.policy_version, time.time()), source.fingerprint)
+    return ServedRun(rd, cfg, task, task_error, out, dev)

@@ -1,0 +1,70 @@
+"""`flexmarl serve RUN_DIR`: the arguments (no heavy imports here: the parser is built on every
+`flexmarl` invocation)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse's subparsers
+    s = sub.add_parser("serve", help="serve every agent of a run on one OpenAI-compatible "
+                                     "server (chat, completions, streaming, episodes)")
+    s.add_argument("run_dir", help="run folder (`flexmarl train --out`): config.yaml and "
+                                   "checkpoints/")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 (default: "
+                        "$FLEXMARL_API_KEY if set)")
+    s.add_argument("--agent", action="append", default=None,
+                   help="serve only this agent (repeatable; default every agent of the run)")
+    s.add_argument("--device", default="auto", help="auto (cuda when visible), cpu, cuda:N")
+    s.add_argument("--max-batch-seqs", type=int, default=None,
+                   help="sequences per continuous batch (default rollout.max_batch_seqs)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-prompt-tokens", type=int, default=8192)
+    s.add_argument("--max-tokens", type=int, default=4096,
+                   help="the largest max_tokens a request may ask for")
+    s.add_argument("--max-pending", type=int, default=1024,
+                   help="requests queued or running before new ones get HTTP 429")
+    s.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                   help="poll the run folder for newer weights and hot-reload them")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads on the CPU (default runtime.torch_threads of the run)")
+    s.add_argument("--capture", default=None, metavar="DB",
+                   help="record every served interaction durably (SQLite, WAL, fsync) before "
+                        "answering; enables /v1/feedback")
+    return s
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from flexmarl.config.schema import ConfigError
+
+    rd = Path(args.run_dir)
+    if not (rd / "config.yaml").is_file():
+        raise ConfigError(f"serve: {rd} is not a run folder (no config.yaml); pass the folder "
+                          "`flexmarl train --out` wrote, e.g. runs/demo (to serve one model "
+                          "folder, use `flexmarl serve-model`)")
+    for name in ("max_body_bytes", "max_prompt_tokens", "max_tokens", "max_pending"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"serve: --{name.replace('_', '-')} must be >= 1")
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError("serve: --watch must be > 0 seconds")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"serve: {exc.name} is not installed; pip install "
+                          "'flexmarl[serve]'") from None
+    from flexmarl.serving.app import serve
+    from flexmarl.serving.protocol import Limits
+
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    max_tokens=args.max_tokens, max_pending=args.max_pending)
+    serve(rd, args.host, args.port, api_key=args.api_key or os.environ.get("FLEXMARL_API_KEY"),
+          device=args.device, limits=limits, watch_s=args.watch, agents=args.agent,
+          max_batch_seqs=args.max_batch_seqs, capture=args.capture, torch_threads=args.threads)
+    return 0

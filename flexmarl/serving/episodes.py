@@ -1,0 +1,114 @@
+"""`POST /v1/episodes`: one episode of the run's graph (MEG) with the served agents.
+
+The body names the episode's input (`input`: the task's input dict, e.g. the referential game's
+`{"target": 7, "candidates": [6, 7, 9, 12]}`) or asks the task to draw one (`seed`). Nodes run
+as in training: each as soon as its inputs exist (independent nodes in parallel), its prompt
+built by the task from the episode so far, decoded with the node's token mask, stop tokens and
+the agent's sampling temperature, each node wholly by one version of its agent. The answer has
+every node's prompt, output, log-probs and version, and the episode's rewards and success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import numpy as np
+
+from flexmarl.graph.meg import EpisodeContext, NodePrompt
+from flexmarl.serving.protocol import ApiError, Sampling, bad
+
+
+async def run_episode(service: Any, body: dict) -> dict[str, Any]:
+    run = service.run
+    task = run.task
+    if task is None:
+        raise ApiError(400, f"the run's task did not load, so its graph cannot run: "
+                            f"{run.task_error}", code="no_task")
+    graph = task.graph
+    missing = sorted({n.agent for n in graph.nodes.values()} - set(service.workers))
+    if missing:
+        raise ApiError(400, f"the graph needs agents that are not served here: "
+                            f"{', '.join(missing)}", code="agents_not_served")
+    data = body.get("input")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad("seed", "must be an integer")
+    if data is None:
+        rng = np.random.default_rng(seed if seed is not None else uuid.uuid4().int % (1 << 63))
+        data = task.sample_inputs(rng, 1)[0]
+    if not isinstance(data, dict):
+        raise bad("input", "must be an object: the task's episode input")
+    temps = body.get("temperature")
+    if temps is not None and (isinstance(temps, bool) or not isinstance(temps, (int, float))
+                              or not 0 <= temps <= 2):
+        raise bad("temperature", "must be a number in [0, 2] (overrides every agent's)")
+    episode_id = uuid.uuid4().hex
+    ctx = EpisodeContext(input_id=episode_id, trajectory_id=0, data=data)
+    order = graph.topological_order()
+    done: dict[str, asyncio.Future] = {
+        n: asyncio.get_running_loop().create_future() for n in order}
+    nodes: dict[str, dict[str, Any]] = {}
+
+    async def run_node(name: str) -> None:
+        node = graph.nodes[name]
+        try:
+            oks = [await done[d] for d in node.inputs]
+            if not all(oks) or (node.when is not None and not node.when(ctx)):
+                nodes[name] = {"agent": node.agent, "skipped": True}
+                done[name].set_result(False)
+                return
+            prompt = node.prompt(ctx)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the task's code, or the input it was given
+            raise ApiError(400, f"node {name!r}: the task could not build its prompt from this "
+                                f"input: {type(exc).__name__}: {exc}", "input",
+                           code="bad_episode_input") from exc
+        if not isinstance(prompt, NodePrompt):
+            raise ApiError(500, f"node {name!r}: prompt builder returned "
+                                f"{type(prompt).__name__}", kind="server_error")
+        spec = run.agents[node.agent]
+        if any(not (0 <= t < spec.vocab) for t in prompt.tokens):
+            raise ApiError(400, f"node {name!r}: the input yields token ids outside agent "
+                                f"{node.agent!r}'s vocabulary of {spec.vocab}", "input")
+        temperature = float(temps) if temps is not None else spec.cfg.sampling.temperature
+        s = Sampling(agent=spec, prompt=list(prompt.tokens), max_tokens=prompt.max_new_tokens,
+                     temperature=temperature, top_p=1.0,
+                     seed=(seed * 1000 + order.index(name)) if seed is not None else None,
+                     stop_token_ids=list(prompt.stop_tokens),
+                     allowed_token_ids=prompt.allowed_tokens, token_ids_out=True)
+        outcome = None
+        async for outcome in service.generate(s):  # noqa: B007
+            pass
+        ctx.outputs[name] = outcome.tokens
+        entry: dict[str, Any] = {
+            "agent": node.agent, "skipped": False, "version": outcome.version.number,
+            "prompt": list(prompt.tokens), "output": outcome.tokens,
+            "logprobs": outcome.logprobs}
+        if spec.tokenizer is not None:
+            entry["text"] = spec.tokenizer.decode(outcome.tokens, skip_special_tokens=True)
+        nodes[name] = entry
+        done[name].set_result(True)
+
+    tasks = [asyncio.ensure_future(run_node(n)) for n in order]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    result: dict[str, Any] = {"id": f"ep-{episode_id}", "object": "episode", "input": data,
+                              "nodes": {n: nodes[n] for n in order}}
+    try:
+        if graph.episode_reward is not None:
+            result["reward"] = float(graph.episode_reward(ctx))
+        result["node_rewards"] = {
+            n: float(graph.nodes[n].reward(ctx)) for n in order
+            if graph.nodes[n].reward is not None and not nodes[n]["skipped"]}
+        if graph.success is not None:
+            result["success"] = bool(graph.success(ctx))
+    except Exception as exc:  # noqa: BLE001 - the task's reward on a served episode
+        result["reward_error"] = f"{type(exc).__name__}: {exc}"
+    return result
