@@ -36,10 +36,10 @@ def _train(args: argparse.Namespace) -> int:
     prepare(cfg)  # fail fast, before any worker starts
     check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
                                                  "out (the run's output folder)"))
-    if resume is not None:
+    if resume is not None:  # no checkpoint there: say so now (train() verifies the files)
         from flexmarl.orchestrator.checkpoint import find_checkpoints
 
-        find_checkpoints(resume).load()  # a missing or corrupt checkpoint: before any worker
+        find_checkpoints(resume)
     console.print(
         f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {len(cfg.agents)} agents, "
         f"pipeline={cfg.pipeline.mode}, runtime={cfg.runtime.kind}, "
