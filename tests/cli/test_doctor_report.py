@@ -153,3 +153,24 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert (run / "report" / "index.html").exists()
+
+
+def test_doctor_store_throughput_and_skipped_steps_rules(tmp_path):
+    """The rules no recorded run triggers, on metrics written to a real run folder."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for k in range(12):
+        lines.append({"iteration": k, "task/success_rate": 0.5, "episodes/total": 8,
+                      "episodes/failed": 0, "store/rows_held": 100 * (k + 1),
+                      "agent/a/tokens_per_s": 1000.0 if k < 6 else 200.0,
+                      "agent/a/reward_mean": 0.5, "agent/a/grad_norm": 1.0})
+    lines.append({"event": "step_skipped", "agent": "a", "iteration": 3,
+                  "reason": "non-finite loss nan"})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    found = {f.problem: f for f in diagnose(load_run(run))}
+    assert found["growing experience store: rows are not evicted"].metric == "store/rows_held"
+    drop = found["rollout throughput dropped"]
+    assert drop.metric == "agent/a/tokens_per_s" and drop.iterations[-1] == 11
+    skipped = found["optimizer steps skipped (non-finite loss or gradient)"]
+    assert skipped.iterations == [3] and "non-finite loss" in skipped.evidence
