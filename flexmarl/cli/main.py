@@ -1,7 +1,10 @@
-"""`flexmarl` command line: train, bench, simulate, serve, serve-model.
+"""`flexmarl` command line: train, bench, simulate, serve, serve-model, doctor, report.
 
-Errors a user can fix (config, graph, task, model) print one clear message and exit 2;
-nothing prints a traceback wall unless FLEXMARL_DEBUG=1.
+Exit codes: 0 done; 2 an error the user can fix (config, folders, graph, task, the values user
+functions return, model vs memory): one line naming the file, field, node or agent, no traceback
+(`--debug` or FLEXMARL_DEBUG=1 shows it); 1 a run stopped by its failure budget
+(`train.max_failed_fraction`), with its first error, or an internal error: a bug, printed with
+its traceback; 130/143 interrupted.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from flexmarl.config.schema import ConfigError, load_config
@@ -21,12 +25,21 @@ def _train(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     cfg = load_config(args.config, args.set)  # config errors surface before torch loads
+    from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
     from flexmarl.orchestrator.run import prepare, train
 
     resume = Path(args.resume) if args.resume else None
+    if resume is not None:
+        check_resume_dir(resume)
     default_out = resume.parent if resume and resume.name == "checkpoints" else resume
     out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
     prepare(cfg)  # fail fast, before any worker starts
+    check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
+                                                 "out (the run's output folder)"))
+    if resume is not None:  # no checkpoint there: say so now (train() verifies the files)
+        from flexmarl.orchestrator.checkpoint import find_checkpoints
+
+        find_checkpoints(resume)
     console.print(
         f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {len(cfg.agents)} agents, "
         f"pipeline={cfg.pipeline.mode}, runtime={cfg.runtime.kind}, "
@@ -53,7 +66,7 @@ def _train(args: argparse.Namespace) -> int:
             progress.update(bar, advance=1, success=record["task/success_rate"],
                             speed=f"{record['wall_s']:.2f}s/it")
 
-        from flexmarl.orchestrator.joint import RunInterrupted
+        from flexmarl.orchestrator.joint import FailureBudgetExceeded, RunInterrupted
 
         try:
             result = train(cfg, out, on_iteration, resume=resume)
@@ -61,6 +74,12 @@ def _train(args: argparse.Namespace) -> int:
             progress.stop()
             print(f"interrupted: {exc}", file=sys.stderr)
             return 143
+        except FailureBudgetExceeded as exc:
+            progress.stop()
+            print(f"error: run stopped by its failure budget: {exc}", file=sys.stderr)
+            print(f"no final checkpoint was written; metrics: {out / 'metrics.jsonl'}",
+                  file=sys.stderr)
+            return 1
     failed = sum(r["episodes/failed"] for r in result.records)
     print(f"final success rate: {result.final_success:.3f} "
           f"(chance {1 / max(cfg.task.options.get('num_candidates', 1), 1):.3f})"
@@ -71,6 +90,7 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trace:       {out / 'trace.json'}  (open in chrome://tracing or ui.perfetto.dev)")
     for agent, path in result.checkpoints.items():
         print(f"checkpoint:  {path / 'model.safetensors'}  [{agent}]")
+    print(f"next:        flexmarl doctor {out}   |   flexmarl report {out}")
     return 0
 
 
@@ -104,12 +124,30 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _serve_model(args: argparse.Namespace) -> int:
     path = Path(args.path)
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"serve-model --port {args.port}: must be in 1..65535")
+    if args.max_batch_seqs <= 0:
+        raise ConfigError(f"serve-model --max-batch-seqs {args.max_batch_seqs}: must be >= 1")
     if not (path / "config.json").exists():
         raise ConfigError(f"serve-model: {path} is not a model folder (no config.json); pass a "
                           "checkpoint such as runs/<name>/checkpoints/final/<agent>")
     from flexmarl.rollout.server import serve
 
     serve(str(path), args.host, args.port, args.max_batch_seqs)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from flexmarl.cli.doctor import run_doctor
+
+    return run_doctor(args.run_dir, as_json=args.json)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flexmarl.cli.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"report: {path}")
     return 0
 
 
@@ -120,8 +158,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of an error too")
+    parser = argparse.ArgumentParser(prog="flexmarl", description=__doc__, parents=[common],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add = sub.add_parser
+
+    def add_parser(*a, **kw):  # every subcommand takes --debug too
+        return _add(*a, parents=[common], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
     p = sub.add_parser("train", help="train the agents of a run config")
     p.add_argument("config", help="run config YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -163,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--max-batch-seqs", type=int, default=32)
     s.set_defaults(fn=_serve_model)
+    d = sub.add_parser("doctor", help="read a run's metrics and name likely problems, with "
+                                      "the remedy")
+    d.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
+    d.add_argument("--json", action="store_true", help="findings as JSON")
+    d.set_defaults(fn=_doctor)
+    r = sub.add_parser("report", help="an HTML page of a run: learning curves, busy fractions, "
+                                      "a Gantt chart of the trace, plans, the config")
+    r.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
+    r.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
+    r.set_defaults(fn=_report)
     from flexmarl.serving.cli import add_serve_parser
 
     add_serve_parser(sub).set_defaults(fn=_serve)
@@ -171,16 +229,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False) or bool(os.environ.get("FLEXMARL_DEBUG"))
+    if debug:
+        os.environ["FLEXMARL_DEBUG"] = "1"  # the run's asyncio handler and workers see it too
     try:
         return args.fn(args)
     except UserError as exc:
-        if os.environ.get("FLEXMARL_DEBUG"):
-            raise
+        if debug:
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
+        base = sys.modules.get("flexmarl.runtime.base")  # not imported for config errors
+        if base is not None and isinstance(exc, base.WorkerError):
+            # workers lost beyond runtime.max_worker_restarts (e.g. out-of-memory kills): the
+            # reason is in the message
+            if debug:
+                traceback.print_exc()
+            print(f"error: run failed: {exc}", file=sys.stderr)
+            return 1
+        traceback.print_exc()
+        print("internal error: this is a bug in FlexMARL, not in your config; please report it "
+              "with the traceback above", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -182,6 +182,22 @@ class BackendConfig(Strict):
     max_concurrency: int = Field(16, gt=0)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm
 
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from urllib.parse import urlparse
+
+        parsed = urlparse(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{value!r}: expected http://HOST:PORT or https://HOST[:PORT]")
+        try:
+            parsed.port  # noqa: B018 - raises for a port outside 0..65535
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: {exc}") from None
+        return value
+
 
 class AgentConfig(Strict):
     model: ModelConfig = ModelConfig()
@@ -233,6 +249,12 @@ class TrainConfig(Strict):
     keep_checkpoints: int = Field(3, gt=0)
     # Optimizer steps skipped for a NaN/inf loss or gradient before the run stops with an error.
     max_skipped_steps: int = Field(3, ge=0)
+    # Failure budget: an iteration in which more than this fraction of the episodes failed (a
+    # user function raised, a worker or endpoint failed) is a failed iteration; after more than
+    # `max_consecutive_failed_iterations` of them in a row the run stops with exit code 1 and
+    # the first error, without "final" checkpoints. 1.0 turns the budget off.
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
+    max_consecutive_failed_iterations: int = Field(0, ge=0)
 
 
 class PipelineConfig(Strict):
@@ -381,6 +403,40 @@ class RuntimeConfig(Strict):
         return self
 
 
+class WandbConfig(Strict):
+    """Weights & Biases: offline by default (no network; `wandb sync OUT/wandb/offline-run-*`
+    uploads later); online needs `wandb login` or WANDB_API_KEY."""
+
+    project: str = "flexmarl"
+    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    tags: list[str] = []
+
+
+class MlflowConfig(Strict):
+    """MLflow: None logs to a local file store under OUT/mlruns (`mlflow ui --backend-store-uri
+    file://...`), or give a tracking server's URI."""
+
+    tracking_uri: str | None = None
+    experiment: str = "flexmarl"
+
+
+class LoggingConfig(Strict):
+    """Where per-iteration metrics go, under the same names everywhere. JSONL (OUT/metrics.jsonl)
+    is always written; list more backends to add them."""
+
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+    @field_validator("backends")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: a backend is listed twice")
+        return value
+
+
 class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
@@ -390,6 +446,7 @@ class RunConfig(Strict):
     pipeline: PipelineConfig = PipelineConfig()
     rollout: RolloutConfig = RolloutConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    logging: LoggingConfig = LoggingConfig()
     out: str | None = None
 
     @model_validator(mode="after")
@@ -479,6 +536,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); "
+                          "a run config is a YAML file") from exc
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -39,6 +39,9 @@ def resolve_import(path: str, field_name: str = "task.builder") -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise TaskLoadError(f"{field_name}: cannot import module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module fails while importing
+        raise TaskLoadError(f"{field_name}: importing module {module_name!r} raised "
+                            f"{type(exc).__name__}: {exc}") from exc
     try:
         return getattr(module, attr)
     except AttributeError as exc:
@@ -53,8 +56,13 @@ def load_task(builder: str, options: dict[str, Any]) -> Task:
         raise TaskLoadError(f"task.builder: {builder!r} is not callable")
     try:
         task = fn(**options)
+    except UserError:
+        raise
     except TypeError as exc:
         raise TaskLoadError(f"task.options: {builder} rejected the options: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's builder fails: name it, no traceback
+        raise TaskLoadError(f"task.builder: {builder}(**task.options) raised "
+                            f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(task, Task):
         raise TaskLoadError(f"task.builder: {builder!r} returned {type(task).__name__}, not Task")
     return task

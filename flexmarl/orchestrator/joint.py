@@ -35,8 +35,9 @@ import numpy as np
 
 from flexmarl.config.schema import ConfigError, CreditConfig, RunConfig
 from flexmarl.errors import UserError
-from flexmarl.graph.meg import EpisodeContext, GraphError, NodePrompt
+from flexmarl.graph.meg import EpisodeContext, GraphError
 from flexmarl.graph.task import Task
+from flexmarl.orchestrator import contracts
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.runtime.base import RolloutPool, TrainPool, Weights
@@ -58,6 +59,15 @@ class EpisodeFailure(RuntimeError):
 
 class TrainingDiverged(UserError, RuntimeError):
     """More optimizer steps were skipped for NaN/inf than `train.max_skipped_steps` allows."""
+
+
+class FailureBudgetExceeded(RuntimeError):
+    """Episodes failed beyond `train.max_failed_fraction` in more consecutive iterations than
+    `train.max_consecutive_failed_iterations` allows: the run stops (exit code 1), with the first error."""
+
+    def __init__(self, message: str, first_error: str | None) -> None:
+        super().__init__(message)
+        self.first_error = first_error
 
 
 class RunInterrupted(RuntimeError):
@@ -93,6 +103,9 @@ class IterationState:
     # rollout measurements: per agent queue waits (s) and tokens generated, per node latency
     queue_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # how often each agent gave each response (doctor: an agent stuck on one answer)
+    responses: dict[str, dict[tuple, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     node_latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     episode_latency: list[float] = field(default_factory=list)
     plan: dict[str, Any] | None = None
@@ -164,8 +177,15 @@ class JointOrchestrator:
         self.records: list[dict[str, Any]] = []
         # more per-iteration metrics (GPU utilisation and memory): each called once per record
         self.metric_sources: list[Callable[[], dict[str, Any]]] = []
+        # (agent, step) -> [first micro-batch queued at, rows, tokens]: trainer throughput
+        self._train_work: dict[tuple[str, int], list[float]] = {}
         self._last_done = 0.0
         self._start = 0.0
+        # failure budget: consecutive iterations over train.max_failed_fraction, first error
+        self.failed_iterations = 0
+        self.first_error: str | None = None
+        # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
+        self._check_prompts = cfg.runtime.kind != "sim"
         # --- reliability: checkpoints, resume, stop requests, skipped steps ---
         self.save_checkpoint = save_checkpoint
         self.resume = resume
@@ -238,15 +258,19 @@ class JointOrchestrator:
                 done[name].set_result(False)  # an upstream branch ended: so does this one
                 return
             try:
-                if node.when is not None and not node.when(ctx):
+                if node.when is not None and not contracts.check_condition(name, node.when(ctx)):
                     done[name].set_result(False)
                     return
                 prompt = node.prompt(ctx)
+            except UserError:
+                raise
             except Exception as exc:  # noqa: BLE001 - user code
                 raise EpisodeFailure(f"node {name!r}: prompt builder raised {exc!r}") from exc
-            if not isinstance(prompt, NodePrompt):
-                raise EpisodeFailure(f"node {name!r}: prompt builder returned "
-                                     f"{type(prompt).__name__}, not NodePrompt")
+            # wrong types, token ids outside the vocabulary, empty or over-long prompts, a zero
+            # budget: a bug in the task, not a flaky episode: stop the run with the node named
+            if self._check_prompts:
+                contracts.check_prompt(name, node.agent, prompt, self.task.vocab_size,
+                                       self.task.max_seq_len)
             if it.stage_open:  # rollout.schedule=stage: the level barrier
                 await it.stage_open[self.level[name]].wait()
             agent = node.agent
@@ -271,6 +295,7 @@ class JointOrchestrator:
             it.node_latency[name].append(self.telemetry.now() - submitted)
             it.queue_waits[agent].append(result.queue_s)
             it.tokens[agent] += len(result.tokens)
+            it.responses[agent][tuple(result.tokens)] += 1
             self.store.set_generated(
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
@@ -292,6 +317,8 @@ class JointOrchestrator:
             rewards = self._score(ctx, rows)
         except EpisodeFailure as exc:
             error = str(exc)
+        except UserError:  # a contract violation (contracts.py): the run stops, exit code 2
+            raise
         except Exception as exc:  # noqa: BLE001 - worker or user failure: fail this episode only
             error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -303,6 +330,8 @@ class JointOrchestrator:
                 if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
                     self.store.set_failed(row.agent, row.sample_id, error)
             it.episodes_failed += 1
+            if self.first_error is None:
+                self.first_error = f"iteration {k}, episode {input_id}/{traj}: {error}"
             if len(it.errors) < 5:
                 it.errors.append(error)
             self.telemetry.event("episode_failed", iteration=k, input_id=input_id,
@@ -384,18 +413,20 @@ class JointOrchestrator:
         team = 0.0
         if self.graph.episode_reward is not None:
             try:
-                team = float(self.graph.episode_reward(ctx))
+                team = self.graph.episode_reward(ctx)
             except Exception as exc:  # noqa: BLE001
                 raise EpisodeFailure(f"episode reward raised {exc!r}") from exc
+            team = contracts.check_reward("episode reward", team)
         own: dict[str, float] = {}
         for name in rows:
             node = self.graph.nodes[name]
             own[name] = 0.0
             if node.reward is not None:
                 try:
-                    own[name] = float(node.reward(ctx))
+                    value = node.reward(ctx)
                 except Exception as exc:  # noqa: BLE001
                     raise EpisodeFailure(f"node {name!r}: reward raised {exc!r}") from exc
+                own[name] = contracts.check_reward(f"node {name!r}: reward", value)
         out = assign_credit(team, own, self._downstream, credit)
         for name, value in out.items():
             if not np.isfinite(value):
@@ -465,7 +496,12 @@ class JointOrchestrator:
             it.stage_open = [asyncio.Event() for _ in range(levels)]
             it.stage_open[0].set()
         rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k))
-        inputs = self.task.sample_inputs(rng, n_inputs)
+        try:
+            inputs = self.task.sample_inputs(rng, n_inputs)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise contracts.ContractError(f"task {self.cfg.task.builder}: sample_inputs raised "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        contracts.check_inputs(self.cfg.task.builder, inputs)
         if len(inputs) != n_inputs:
             raise GraphError(f"task returned {len(inputs)} inputs, expected {n_inputs}")
         episodes = [
@@ -504,7 +540,15 @@ class JointOrchestrator:
             for fut in queued:
                 if not fut.done():
                     fut.cancel()
-        await self._stepped(agent, k, it, vector, *step.result())
+        metrics, weights = step.result()
+        # trainer throughput of the step: from its first micro-batch queued to the step done
+        # (slot waits and swaps included), over its rows and tokens
+        t_first, n_rows, n_tokens = self._train_work.pop((agent, k), [self.telemetry.now(), 0, 0])
+        busy_s = self.telemetry.now() - t_first
+        metrics = {**metrics, "train_s": busy_s,
+                   "train_samples_per_s": n_rows / busy_s if busy_s > 0 else 0.0,
+                   "train_tokens_per_s": n_tokens / busy_s if busy_s > 0 else 0.0}
+        await self._stepped(agent, k, it, vector, metrics, weights)
 
     async def _queue_micro_batches(self, agent: str, k: int, it: IterationState,
                                    taken: set[int], queued: list[asyncio.Future]) -> None:
@@ -549,6 +593,10 @@ class JointOrchestrator:
                                          expected_vector=vector, sample_ids=ids)
             self.consumed[agent][k].extend(r.sample_id for r in rows)
             self.audit[agent].extend((r.sample_id, r.policy_version, k) for r in rows)
+            work = self._train_work.setdefault((agent, k), [self.telemetry.now(), 0, 0])
+            work[1] += len(rows)
+            work[2] += sum(len(r.data.get("prompt", ())) + len(r.data.get("response", ()))
+                           for r in rows if isinstance(r.data, dict))
             for fut in queued:  # a failed micro-batch fails the iteration now
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise fut.exception()  # type: ignore[misc]
@@ -817,6 +865,10 @@ class JointOrchestrator:
             out[f"agent/{agent}/queue_wait_p95_s"] = _quantile(waits, 0.95)
             out[f"agent/{agent}/tokens_per_s"] = it.tokens.get(agent, 0) / span
             out[f"agent/{agent}/tokens_generated"] = it.tokens.get(agent, 0)
+            counts = it.responses.get(agent) or {}
+            n = sum(counts.values())
+            out[f"agent/{agent}/distinct_responses"] = len(counts)
+            out[f"agent/{agent}/top_response_frac"] = max(counts.values()) / n if n else 0.0
         for node, values in it.node_latency.items():
             out[f"node/{node}/latency_p50_s"] = _quantile(values, 0.5)
         if it.plan is not None:
@@ -873,8 +925,31 @@ class JointOrchestrator:
         self.telemetry.log(record)
         if self.on_iteration is not None:
             self.on_iteration(record)
+        self._check_failure_budget(it)
         if self._checkpoint_due(k):
             self._capture(k)
+
+
+    def _check_failure_budget(self, it: IterationState) -> None:
+        """`train.max_failed_fraction` / `train.max_consecutive_failed_iterations`: stop a run whose
+        episodes keep failing, before it writes "final" checkpoints of an untrained model."""
+        limit = self.cfg.train.max_failed_fraction
+        fraction = it.episodes_failed / max(it.episodes_total, 1)
+        if it.episodes_failed == 0 or fraction <= limit:
+            self.failed_iterations = 0
+            return
+        self.failed_iterations += 1
+        if self.failed_iterations <= self.cfg.train.max_consecutive_failed_iterations:
+            return
+        self.telemetry.fault("failure_budget_exceeded", iteration=it.index,
+                             failed=it.episodes_failed, total=it.episodes_total,
+                             first_error=self.first_error)
+        raise FailureBudgetExceeded(
+            f"iteration {it.index}: {it.episodes_failed} of {it.episodes_total} episodes failed "
+            f"({fraction:.0%} > train.max_failed_fraction={limit:g}) in "
+            f"{self.failed_iterations} consecutive iteration(s) (train.max_consecutive_failed_iterations="
+            f"{self.cfg.train.max_consecutive_failed_iterations}); first error: {self.first_error}",
+            self.first_error)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -16,11 +16,15 @@ import yaml
 from flexmarl.config.schema import RunConfig
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
+from flexmarl.orchestrator import contracts
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.orchestrator.preflight import check_memory
 from flexmarl.runtime import heap
 from flexmarl.telemetry.gpu import GpuMonitor
+from flexmarl.telemetry.loggers import check_installed
 from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.telemetry.train_stats import SlotStatsSource
 
 
 @dataclass
@@ -53,7 +57,10 @@ def prepare(cfg: RunConfig) -> Task:
     for agent in cfg.agents:
         if agent not in used:
             raise GraphError(f"agents.{agent}: configured, but no node of the graph uses it")
+    contracts.dry_run(task, cfg.task.builder, cfg.agents.keys())  # user functions' values
     check_models(cfg, task)
+    check_installed(cfg.logging.backends)
+    check_memory(cfg, task.vocab_size)  # an estimate, before any model is built
     return task
 
 
@@ -71,6 +78,25 @@ def check_models(cfg: RunConfig, task: Task) -> None:
         if acfg.model.checkpoint:
             shapes = checkpoint_shapes(agent, acfg.model.checkpoint)
             check_shapes(agent, acfg.model.checkpoint, shapes, model)
+
+
+def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> None:
+    """Futures that failed after the run already had its error (a lost worker's pending calls)
+    are recorded as `unretrieved_error` events in metrics.jsonl instead of printing asyncio's
+    traceback wall; with FLEXMARL_DEBUG set, asyncio prints them as usual."""
+    import os
+
+    if os.environ.get("FLEXMARL_DEBUG"):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if context.get("message", "").endswith("never retrieved") and exc is not None:
+            telemetry.fault("unretrieved_error", error=f"{type(exc).__name__}: {exc}")
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry):
@@ -99,21 +125,33 @@ def train(
     task = prepare(cfg)
     ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    telemetry = Telemetry(out)
+    from flexmarl.telemetry.loggers import make_loggers
+
+    telemetry = Telemetry(out, loggers=make_loggers(cfg, out))
     if ckpt is not None:  # metrics.jsonl restarts from the checkpoint's records
         for record in ckpt.position["records"]:
             telemetry.log(record)
         telemetry.fault("resumed", checkpoint=str(ckpt.path), completed=ckpt.completed,
                         rows_restored=len(ckpt.rows))
     started = time.time()
+    status = "failed"
     try:
         with heap.settled():  # the driver's event loop: no full walks of torch's heap
             result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
+    except BaseException as exc:  # a failed run says so on disk (doctor, report read it)
+        (out / "summary.json").write_text(json.dumps({
+            "status": "failed", "error_type": type(exc).__name__, "error": str(exc),
+            "first_error": getattr(exc, "first_error", None), "wall_s": time.time() - started,
+        }, indent=2))
+        raise
+    else:
+        status = "completed"
     finally:
         telemetry.write_trace(out / "trace.json")
-        telemetry.close()
+        telemetry.close(status)
     result.wall_s = time.time() - started
     (out / "summary.json").write_text(json.dumps({
+        "status": "completed",
         "iterations": len(result.records),
         "final_success_rate": result.final_success,
         "wall_s": result.wall_s,
@@ -125,9 +163,10 @@ def train(
 
 async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                on_runtime=None) -> RunResult:
+    loop = asyncio.get_running_loop()
+    quiet_unretrieved(loop, telemetry)
     runtime = make_runtime(cfg, task, telemetry)
     await runtime.start()
-    loop = asyncio.get_running_loop()
     handled: list[int] = []
     try:
         telemetry.event("placement", **runtime.placement())
@@ -142,6 +181,15 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                 handled.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
+        tables = getattr(orch.store, "tables", None)
+        if isinstance(tables, dict):  # rows the store still holds (doctor: a growing store)
+            from flexmarl.store.experience import Status
+
+            orch.metric_sources.append(lambda: {"store/rows_held": sum(
+                t.count(st) for t in tables.values() for st in Status)})
+        slots = SlotStatsSource.for_pool(runtime.train, orch.trainable)
+        if slots is not None:
+            orch.metric_sources.append(slots.collect)
         monitor = GpuMonitor.from_nvml(getattr(runtime, "pool_devices", lambda: {})())
         if monitor.enabled:
             orch.metric_sources.append(monitor.start().collect)

@@ -208,7 +208,8 @@ def write_trace(result: SimResult, path: Path) -> Path:
     return path
 
 
-def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60) -> Path:
+def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60,
+                xlabel: str = "simulated time (s)") -> Path:
     """One panel per system, one lane per worker, colour per agent; rollout solid, training
     hatched. Lanes beyond `max_lanes` (large clusters) are left out of the picture."""
     import matplotlib
@@ -251,7 +252,7 @@ def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60) -> Pa
             else ""
         ax.set_title(f"{res.system}: {res.per_iteration_s:.1f} s/iteration, utilisation "
                      f"{res.utilisation:.2f}{extra}", fontsize=10)
-    axes[-1, 0].set_xlabel("simulated time (s)")
+    axes[-1, 0].set_xlabel(xlabel)
     handles = [Patch(color=colour[a], label=a) for a in agents]
     handles += [Patch(facecolor="white", edgecolor="black", label="rollout (solid)"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="training")]

@@ -26,25 +26,21 @@ class Span:
 
 class Telemetry:
     def __init__(
-        self, out_dir: Path | None = None, clock: Callable[[], float] = time.time
+        self, out_dir: Path | None = None, clock: Callable[[], float] = time.time,
+        loggers: list[Any] | None = None,
     ) -> None:
-        """`clock` is wall time for real runtimes and the virtual clock for the simulator."""
+        """`clock` is wall time for real runtimes and the virtual clock for the simulator;
+        `loggers` (telemetry.loggers) get every record's scalars besides metrics.jsonl."""
         self.out_dir = out_dir
         self.now = clock
         self.t0 = clock()
         self.spans: list[Span] = []
         self.events: list[dict[str, Any]] = []
         self._metrics_file = None
-        self._tb = None
+        self.loggers = list(loggers or [])
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = (out_dir / "metrics.jsonl").open("w")
-            try:  # TensorBoard when installed, JSONL always
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(out_dir / "tb"))
-            except Exception:  # noqa: BLE001 - optional dependency
-                self._tb = None
 
     # --- spans --------------------------------------------------------------------------------
     def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
@@ -102,11 +98,12 @@ class Telemetry:
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps(clean) + "\n")
             self._metrics_file.flush()
-        if self._tb is not None:
-            step = int(record.get("iteration", 0))
-            for k, v in clean.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self._tb.add_scalar(k, v, step)
+        if self.loggers:
+            from flexmarl.telemetry.loggers import scalars
+
+            step, values = int(record.get("iteration", 0)), scalars(clean)
+            for logger in self.loggers:
+                logger.log(step, values)
 
     def write_trace(self, path: Path) -> Path:
         """Chrome trace format (chrome://tracing, Perfetto): one process per pool, one thread
@@ -135,13 +132,13 @@ class Telemetry:
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         return path
 
-    def close(self) -> None:
+    def close(self, status: str = "completed") -> None:
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close(status)
 
 
 def _json_safe(v: Any) -> Any:

@@ -171,9 +171,10 @@ def test_frozen_agent_served_over_http_in_a_run(served, tmp_path):
 
 def test_endpoint_down_fails_rows_and_loses_none(tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"
-    cfg = config_from_dict(_game_config(
-        trainable=False, backend={"kind": "openai", "url": url, "max_retries": 1,
-                                  "backoff_s": 0.01}))
+    raw = _game_config(trainable=False, backend={"kind": "openai", "url": url, "max_retries": 1,
+                                                 "backoff_s": 0.01})
+    raw.setdefault("train", {})["max_failed_fraction"] = 1.0  # the failure budget off
+    cfg = config_from_dict(raw)
     result = train(cfg, tmp_path / "run")
     episodes = 2 * 8 * 4
     assert sum(r["episodes/failed"] for r in result.records) == episodes

@@ -113,6 +113,9 @@ class WorkerProxy:
         self.alive = False
         self.process.join(timeout=1)
         reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
+        if self.lost_reason is None and self.process.exitcode == -9:  # nobody here killed it
+            reason = ("killed by SIGKILL (exit code -9), most likely by the kernel's "
+                      "out-of-memory killer" + getattr(self, "memory_hint", ""))
         self.lost_reason = reason
         self.lost_in_flight = sum(1 for f in self._futures.values() if not f.done())
         err = WorkerLost(f"{self.pool} worker {self.index} lost: {reason}")
@@ -314,6 +317,9 @@ class LocalTrainPool:
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
+        # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
+        self.slot_stats: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
         # Recovery journal, kept when `on_lost` is set: each agent's full trainer state after
         # its last step and the micro-batches accumulated since, so a restarted worker resumes
         # from exactly there and no row is lost or counted twice in a gradient.
@@ -387,8 +393,10 @@ class LocalTrainPool:
             if queue[0].future.done():  # cancelled by its caller
                 queue.popleft()
                 continue
+            asked = time.monotonic()
             lease = await self.allocator.acquire(agent, queue[0].priority,
                                                  lambda: self._may_swap(agent))
+            self.slot_stats[agent]["slot_wait_s"] += time.monotonic() - asked
             lost: int | None = None
             try:
                 worker = self.workers[lease.slot]
@@ -447,7 +455,10 @@ class LocalTrainPool:
             await worker.call("set_state", (agent, *self.saved_state[agent]))
             for samples in self.journal[agent]:
                 await worker.call("accumulate", (agent, samples))
-        self.swap_seconds += timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+        swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+        self.swap_seconds += swap_s
+        self.slot_stats[agent]["swaps"] += 1
+        self.slot_stats[agent]["swap_s"] += swap_s
 
     def _priority(self, agent: str, kind: int) -> tuple:
         """Slot priority of the agent's next call: older iterations first, then agents earlier
@@ -546,6 +557,13 @@ class LocalRuntime:
             WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink)
             for i in range(n_train)
         ]
+        from flexmarl.orchestrator.preflight import memory_hints
+
+        for w, hint in zip(self.rollout_workers + self.train_workers,
+                           memory_hints(cfg, vocab_size, len(self.rollout_workers),
+                                        len(self.train_workers), local_agents, trainable),
+                           strict=True):
+            w.memory_hint = hint  # named in the loss reason of an out-of-memory kill
         costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in local_agents}
         balancer = Balancer(local_agents or agents, rt.rollout_workers, cfg.rollout.balance, costs)
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
@@ -686,6 +704,7 @@ class Supervisor:
                 return
             self.restarts += 1
             new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
+            new.memory_hint = getattr(old, "memory_hint", "")
             try:
                 await new.start()
                 if old.pool == "rollout":

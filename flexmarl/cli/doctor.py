@@ -1,0 +1,380 @@
+"""`flexmarl doctor RUN_DIR`: read a run's metrics and name likely problems, with the remedy.
+
+Each finding cites the metric and the iterations that triggered it. The rules follow the
+troubleshooting table of docs/troubleshooting.md and this field's common failures: failing
+episodes, non-finite steps, exploding gradient norms (unnormalised observations or rewards),
+an oscillating reward (learning rate too high), entropy collapse and the "lazy agent", swap
+thrash (too few training slots for the agents), a growing experience store, throughput drops.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flexmarl.config.schema import ConfigError
+
+
+@dataclass
+class Finding:
+    problem: str
+    severity: str  # "error" or "warning"
+    metric: str
+    iterations: list[int]
+    evidence: str
+    remedy: str
+    agent: str | None = None
+
+    def text(self) -> str:
+        its = _ranges(self.iterations)
+        who = f" [{self.agent}]" if self.agent else ""
+        return (f"{self.severity.upper()}: {self.problem}{who}\n"
+                f"  evidence: {self.metric}, iterations {its}: {self.evidence}\n"
+                f"  remedy:   {self.remedy}")
+
+
+@dataclass
+class Run:
+    path: Path
+    records: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def agents(self) -> list[str]:
+        if self.config.get("agents"):
+            return list(self.config["agents"])
+        names = {k.split("/")[1] for r in self.records for k in r if k.startswith("agent/")}
+        return sorted(names)
+
+    def trainable(self) -> list[str]:
+        agents = self.config.get("agents") or {}
+        return [a for a in self.agents if (agents.get(a) or {}).get("trainable", True)]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        its, values = [], []
+        for r in self.records:
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                its.append(int(r["iteration"]))
+                values.append(float(v))
+        return its, values
+
+    def agent_cfg(self, agent: str, *path: str, default: Any = None) -> Any:
+        node: Any = (self.config.get("agents") or {}).get(agent) or {}
+        for p in path:
+            if not isinstance(node, dict) or p not in node:
+                return default
+            node = node[p]
+        return node
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """A run folder's metrics.jsonl (records and fault events), config.yaml, summary.json."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such run folder")
+    if not path.is_dir():
+        raise ConfigError(f"{path}: not a folder (pass the run folder, e.g. runs/<name>)")
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        raise ConfigError(f"{path}: no metrics.jsonl, not a run folder (pass the --out folder "
+                          "of `flexmarl train`)")
+    records, events = [], []
+    for n, line in enumerate(metrics.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"{metrics}: line {n} is not JSON (a truncated or foreign "
+                              "file?)") from None
+        if not isinstance(item, dict):
+            continue
+        (events if "event" in item else records).append(item)
+    records = [r for r in records if "iteration" in r]
+    records.sort(key=lambda r: r["iteration"])
+    config, summary = {}, {}
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        pass
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        pass
+    return Run(path, records, events, config if isinstance(config, dict) else {}, summary)
+
+
+# --- rules ---------------------------------------------------------------------------------
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _thirds(values: list[float]) -> tuple[list[float], list[float]]:
+    n = max(1, len(values) // 3)
+    return values[:n], values[-n:]
+
+
+def check_failures(run: Run) -> list[Finding]:
+    out = []
+    if run.summary.get("status") == "failed":
+        out.append(Finding(
+            "the run failed", "error", "summary.json status", [],
+            f"{run.summary.get('error_type')}: {run.summary.get('error')}",
+            "fix the first error it names; a failure budget stop means episodes kept failing "
+            "(see below)"))
+    its, failed = run.series("episodes/failed")
+    _, total = run.series("episodes/total")
+    bad = [(i, f, t) for i, f, t in zip(its, failed, total, strict=False) if f > 0]
+    if bad:
+        worst = max(bad, key=lambda x: x[1] / max(x[2], 1))
+        first = next((r["errors"][0] for r in run.records if r.get("errors")), None)
+        sev = "error" if worst[1] / max(worst[2], 1) > 0.1 else "warning"
+        out.append(Finding(
+            "failing episodes", sev, "episodes/failed", [b[0] for b in bad],
+            f"{int(sum(b[1] for b in bad))} episodes failed, worst iteration {worst[0]}: "
+            f"{int(worst[1])} of {int(worst[2])}" + (f"; first error: {first}" if first else ""),
+            "the error names the node and the function (prompt builder, reward, endpoint); fix "
+            "it there. train.max_failed_fraction stops a run whose episodes keep failing"))
+    skipped = [e for e in run.events if e.get("event") == "step_skipped"]
+    if skipped:
+        out.append(Finding(
+            "optimizer steps skipped (non-finite loss or gradient)", "error",
+            "step_skipped events", sorted({int(e.get("iteration", -1)) for e in skipped}),
+            f"{len(skipped)} skipped: {skipped[0].get('reason')}",
+            "lower the learning rate (0.8x per try) and normalise observations and rewards; "
+            "set agents.<a>.optim.max_grad_norm"))
+    return out
+
+
+def check_gradients(run: Run) -> list[Finding]:
+    """Exploding gradient norms (before clipping): unnormalised observations or rewards."""
+    out = []
+    for agent in run.trainable():
+        its, norms = run.series(f"agent/{agent}/grad_norm")
+        if len(norms) < 3:
+            continue
+        clip = run.agent_cfg(agent, "optim", "max_grad_norm", default=1.0) or 1.0
+        early, late = _thirds(norms)
+        big = [i for i, v in zip(its, norms, strict=True) if v > 50 * clip]
+        growing = _median(late) > 10 * max(_median(early), 1e-12) and _median(late) > 5 * clip
+        if len(big) >= max(2, len(norms) // 3) or growing:
+            out.append(Finding(
+                "exploding gradient norms", "error", f"agent/{agent}/grad_norm",
+                big or its[-len(late):],
+                f"median {_median(norms):.3g} (first third {_median(early):.3g}, last third "
+                f"{_median(late):.3g}) against optim.max_grad_norm {clip:g}: clipping hides it, "
+                "every step is scaled down",
+                "normalise observations and rewards: keep rewards O(1) (scale them in the "
+                "reward function), algorithm.scale_by_std: true (GRPO) or whiten_advantages "
+                "(PPO); then lower optim.lr if it persists", agent))
+    return out
+
+
+def check_oscillation(run: Run) -> list[Finding]:
+    """A reward that swings up and down instead of climbing, or a policy that moves too far in
+    each step (many clipped tokens): the learning rate is too high."""
+    out = []
+    for agent in run.trainable():
+        its, rewards = run.series(f"agent/{agent}/reward_mean")
+        _, clip_frac = run.series(f"agent/{agent}/clip_frac")
+        _, kl = run.series(f"agent/{agent}/kl")
+        lr = run.agent_cfg(agent, "optim", "lr", default=None)
+        reasons, cited = [], []
+        if len(rewards) >= 6:
+            d = [b - a for a, b in zip(rewards, rewards[1:], strict=False)]
+            moves = [x for x in d if abs(x) > 1e-9]
+            flips = sum(1 for a, b in zip(moves, moves[1:], strict=False) if a * b < 0)
+            spread = statistics.pstdev(rewards)
+            amp = _median([abs(x) for x in moves])
+            trend = abs(rewards[-1] - rewards[0])
+            if moves and flips / max(len(moves) - 1, 1) >= 0.6 and spread > 0 and \
+                    amp > 0.5 * spread and trend < 2 * amp:
+                reasons.append(f"reward_mean changed direction {flips} times in "
+                               f"{len(moves)} moves (typical swing {amp:.3g}, net change "
+                               f"{trend:.3g})")
+                cited = its
+        high_clip = [i for i, c in zip(its, clip_frac, strict=False) if c > 0.2]
+        if clip_frac and len(high_clip) >= max(2, len(clip_frac) // 3):
+            reasons.append(f"clip_frac > 0.2 in {len(high_clip)} of {len(clip_frac)} iterations "
+                           f"(median {_median(clip_frac):.2f}): each step moves the policy "
+                           "beyond the clip range")
+            cited = cited or high_clip
+        if reasons:
+            new = f" (from {lr:g} to {0.8 * lr:.3g})" if isinstance(lr, (int, float)) else ""
+            metric = f"agent/{agent}/reward_mean" if cited is its else f"agent/{agent}/clip_frac"
+            out.append(Finding(
+                "learning rate too high: oscillating reward / policy moving too fast", "error",
+                metric, cited, "; ".join(reasons) + (f"; kl median {_median(kl):.3g}"
+                                                     if kl else ""),
+                f"lower agents.{agent}.optim.lr by 0.8x{new}, repeat until reward_mean climbs "
+                "steadily; optim.schedule: cosine or warmup_steps also help", agent))
+    return out
+
+
+def check_entropy(run: Run) -> list[Finding]:
+    """The lazy agent: one agent sticks to one answer (whatever the input) that pays it, its own
+    reward up, while the team does not improve; entropy collapse: the policy stopped exploring
+    and gives the same answer to most inputs. (A policy that is deterministic per input but
+    answers different inputs differently has converged; that is not a problem.)"""
+    out = []
+    _, success = run.series("task/success_rate")
+    for agent in run.trainable():
+        its, ent = run.series(f"agent/{agent}/entropy")
+        t_its, top = run.series(f"agent/{agent}/top_response_frac")
+        if len(ent) < 4 or ent[0] <= 0:
+            continue
+        collapsed = [i for i, e in zip(its, ent, strict=True) if e < 0.1 * ent[0]]
+        if not collapsed or ent[-1] >= 0.1 * ent[0]:
+            continue
+        stuck = [i for i, f in zip(t_its, top, strict=True) if f >= 0.75]
+        if top and not (stuck and _median(_thirds(top)[1]) >= 0.75):
+            continue  # deterministic per input, different answers: converged
+        _, own = run.series(f"agent/{agent}/reward_mean")
+        # its own reward rose far more than the team's success: paid for something else
+        team_gain = _median(_thirds(success)[1]) - _median(_thirds(success)[0]) \
+            if len(success) >= 4 else 0.0
+        own_gain = _median(_thirds(own)[1]) - _median(_thirds(own)[0]) if len(own) >= 4 \
+            else 0.0
+        evidence = (f"entropy fell from {ent[0]:.3g} to {ent[-1]:.3g} (below 10% from "
+                    f"iteration {collapsed[0]})")
+        if top:
+            evidence += (f"; top_response_frac {top[-1]:.2f} (one answer for most inputs from "
+                         f"iteration {stuck[0]})")
+        if own_gain > 0.1 and own_gain > 3 * max(team_gain, 0.03):
+            out.append(Finding(
+                "lazy agent: stuck on one answer that pays it, not the team",
+                "error", f"agent/{agent}/entropy", stuck or collapsed,
+                evidence + f"; its reward_mean rose by {own_gain:.3g} (median of the first to "
+                f"the last third: {_median(_thirds(own)[0]):.3g} -> "
+                f"{_median(_thirds(own)[1]):.3g}), task/success_rate only by {team_gain:.3g} "
+                f"({_median(_thirds(success)[0]):.3g} -> {_median(_thirds(success)[1]):.3g})",
+                f"reward design: pay {agent} for the team outcome (train.credit.team, "
+                f"upstream_discount) rather than a shortcut it can take alone; a curriculum "
+                f"(easier inputs first); agents.{agent}.algorithm.entropy_coef > 0", agent))
+        else:
+            out.append(Finding(
+                "entropy collapse: the policy gives one answer to most inputs", "warning",
+                f"agent/{agent}/entropy", stuck or collapsed, evidence,
+                f"agents.{agent}.algorithm.entropy_coef (e.g. 0.01-0.3, with "
+                "entropy_decay_steps), a lower optim.lr, or a higher sampling.temperature; "
+                "check the reward has no shortcut", agent))
+    return out
+
+
+def check_swaps(run: Run) -> list[Finding]:
+    """Swap thrash: agents time-sharing too few training slots swap states in and out."""
+    its, swaps = run.series("pool/train/swaps")
+    if not swaps:
+        return []
+    _, wait = run.series("pool/train/slot_wait_s")
+    _, swap_s = run.series("pool/train/swap_s")
+    agents = run.trainable()
+    train_s = [sum(r.get(f"agent/{a}/train_s", 0.0) or 0.0 for a in agents) for r in run.records
+               if "pool/train/swaps" in r]
+    per_agent = _median(swaps) / max(len(agents), 1)
+    lost = sum(wait) + sum(swap_s)
+    share = lost / max(sum(train_s), 1e-9)
+    slots = (run.config.get("runtime") or {}).get("train_workers")
+    if per_agent > 2 and share > 0.3:
+        cited = [i for i, s in zip(its, swaps, strict=True) if s / max(len(agents), 1) > 2]
+        return [Finding(
+            "swap thrash: too few training slots for the agents", "error", "pool/train/swaps",
+            cited,
+            f"median {_median(swaps):.0f} swaps per iteration ({per_agent:.1f} per agent); "
+            f"slot waits + swaps {lost:.2f} s = {share:.0%} of the trainers' {sum(train_s):.2f} s"
+            + (f"; {len(agents)} trainable agents on runtime.train_workers={slots}"
+               if slots else ""),
+            f"raise runtime.train_workers (to {len(agents)}: one slot per agent), or "
+            "pipeline.mode: sync (agents train one after another, one swap each), or a larger "
+            "train.micro_batch_size (fewer, longer turns on a slot)")]
+    return []
+
+
+def check_store(run: Run) -> list[Finding]:
+    its, held = run.series("store/rows_held")
+    if len(held) < 5:
+        return []
+    rising = all(b >= a for a, b in zip(held, held[1:], strict=False))
+    if rising and held[-1] > 3 * max(held[1], 1):
+        return [Finding(
+            "growing experience store: rows are not evicted", "warning", "store/rows_held",
+            its, f"{held[1]:.0f} -> {held[-1]:.0f} rows held, rising every iteration",
+            "rows of finished versions should be evicted (the orchestrator evicts after each "
+            "step): look for a trainer that stopped consuming (episodes/failed, step_skipped) "
+            "or an agent whose rows nobody trains on")]
+    return []
+
+
+def check_throughput(run: Run) -> list[Finding]:
+    out = []
+    keys = [("rollout", f"agent/{a}/tokens_per_s") for a in run.agents]
+    keys += [("training", f"agent/{a}/train_tokens_per_s") for a in run.trainable()]
+    for what, key in keys:
+        its, values = run.series(key)
+        its, values = its[1:], values[1:]  # iteration 0 warms up
+        if len(values) < 6:
+            continue
+        early, late = _thirds(values)
+        if _median(early) > 0 and _median(late) < 0.5 * _median(early):
+            n = len(late)
+            out.append(Finding(
+                f"{what} throughput dropped", "warning", key, its[-n:],
+                f"median {_median(early):.3g} tokens/s early, {_median(late):.3g} late",
+                "compare pool busy fractions and queue waits of the two periods: longer "
+                "outputs, a slower replica (rollout/imbalance), swaps (pool/train/swaps), or "
+                "another process on the machine",
+                key.split("/")[1]))
+    return out
+
+
+RULES = [check_failures, check_gradients, check_oscillation, check_entropy, check_swaps,
+         check_store, check_throughput]
+
+
+def diagnose(run: Run) -> list[Finding]:
+    findings: list[Finding] = []
+    for rule in RULES:
+        findings.extend(rule(run))
+    order = {"error": 0, "warning": 1}
+    return sorted(findings, key=lambda f: order.get(f.severity, 2))
+
+
+def _ranges(its: list[int]) -> str:
+    if not its:
+        return "-"
+    its = sorted(set(its))
+    parts, start, prev = [], its[0], its[0]
+    for i in its[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(parts)
+
+
+def run_doctor(run_dir: str, as_json: bool = False) -> int:
+    run = load_run(run_dir)
+    findings = diagnose(run)
+    if as_json:
+        print(json.dumps([asdict(f) for f in findings], indent=2))
+        return 0
+    print(f"flexmarl doctor {run.path}: {len(run.records)} iterations, agents "
+          f"{', '.join(run.agents) or '-'}")
+    if not run.records:
+        print("no iteration was recorded yet (metrics.jsonl has no iteration records)")
+    for f in findings:
+        print()
+        print(f.text())
+    if not findings and run.records:
+        print("no problems found")
+    return 0

@@ -1,0 +1,139 @@
+"""Checks made before any worker starts: the output and resume folders, and the memory the
+agents' models will need against the memory this machine has.
+
+Each failure is a `UserError` naming the folder, or the agent and the estimate.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flexmarl.config.schema import ConfigError, RunConfig
+from flexmarl.errors import UserError
+
+# bytes per parameter: a rollout replica's copy (fp32 on CPU), and a trainer's fp32 master
+# weights + gradients + Adam's two moments
+ROLLOUT_BYTES = 4
+TRAINER_BYTES = 16
+
+
+class MemoryEstimateError(UserError, RuntimeError):
+    """The models will not fit in this machine's memory."""
+
+
+def check_out_dir(out: Path, flag: str = "--out") -> None:
+    """The output folder must be a folder (or creatable) and writable."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {out}: exists and is not a folder")
+    parent = out
+    while not parent.exists():  # the nearest existing ancestor must let us create it
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {out}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {out}: {parent} is not writable")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".flexmarl-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {out}: cannot write there: {exc.strerror or exc}") from exc
+
+
+def check_resume_dir(resume: Path) -> None:
+    if not resume.exists():
+        raise ConfigError(f"--resume {resume}: no such folder")
+    if not resume.is_dir():
+        raise ConfigError(f"--resume {resume}: not a folder (pass a run folder or its "
+                          "checkpoints/ folder)")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new processes (MemAvailable), None where unknown."""
+    override = os.environ.get("FLEXMARL_AVAILABLE_MEMORY")
+    if override:
+        return int(float(override))
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_estimate(cfg: RunConfig, vocab_size: int) -> dict[str, int]:
+    """Host bytes each agent's models need on the CPU: a copy per rollout replica plus, for a
+    trainable agent, its trainer state (a separate PPO critic doubles it)."""
+    from flexmarl.policy.model import approx_params
+
+    out = {}
+    for name, agent in cfg.agents.items():
+        params = approx_params(agent.model, vocab_size)
+        need = ROLLOUT_BYTES * params * cfg.runtime.rollout_workers
+        if agent.trainable:
+            trainer = TRAINER_BYTES * params
+            if agent.algorithm.name == "ppo" and getattr(agent.algorithm, "critic", "") == \
+                    "separate":
+                trainer *= 2
+            need += trainer
+        out[name] = need
+    return out
+
+
+def memory_hints(cfg: RunConfig, vocab_size: int, n_rollout: int, n_train: int,
+                 rollout_agents: list[str], trainable: list[str]) -> list[str]:
+    """Per worker (rollout replicas, then training slots), what it holds and the estimate: the
+    text an out-of-memory kill of that worker is reported with."""
+    from flexmarl.policy.model import approx_params
+
+    params = {a: approx_params(cfg.agents[a].model, vocab_size) for a in cfg.agents}
+    rollout = ", ".join(f"{a} {_gib(ROLLOUT_BYTES * params[a])}" for a in rollout_agents)
+    train = ", ".join(f"{a} {_gib(TRAINER_BYTES * params[a])}" for a in trainable)
+    return ([f"; this rollout replica holds agents {rollout} (estimated)"] * n_rollout
+            + [f"; this training slot trains agents {train} (estimated trainer state each; "
+               f"runtime.swap_to={cfg.runtime.swap_to})"] * n_train)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def estimates_text(estimate: dict[str, int]) -> str:
+    return ", ".join(f"{a} {_gib(b)}" for a, b in estimate.items())
+
+
+def check_memory(cfg: RunConfig, vocab_size: int) -> dict[str, int]:
+    """On the CPU, the agents' models against the available memory, before anything loads."""
+    estimate = memory_estimate(cfg, vocab_size)
+    if cfg.runtime.kind != "local" or _uses_cuda(cfg):
+        return estimate  # device memory is checked by the workers; Ray places by resources
+    available = available_memory()
+    total = sum(estimate.values())
+    if available is not None and total > available:
+        worst = max(estimate, key=estimate.get)
+        raise MemoryEstimateError(
+            f"the models need about {_gib(total)} of memory ({estimates_text(estimate)}: "
+            f"{ROLLOUT_BYTES} bytes per parameter per rollout replica, {TRAINER_BYTES} per "
+            f"trainable parameter), and this machine has {_gib(available)} available; make "
+            f"agents.{worst}.model smaller (hidden_size, num_layers, intermediate_size) or use "
+            "fewer runtime.rollout_workers")
+    return estimate
+
+
+def _uses_cuda(cfg: RunConfig) -> bool:
+    if cfg.runtime.devices == "cpu":
+        return False
+    if cfg.runtime.devices == "cuda":
+        return True
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch build with CUDA: the CPU
+        return False

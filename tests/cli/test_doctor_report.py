@@ -1,0 +1,176 @@
+"""`flexmarl doctor` on recorded metrics of deliberately broken runs (benchmarks/doctor_cases.py
+records them), and `flexmarl report` renders a page whose HTML parses and whose images exist."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from flexmarl.cli.doctor import diagnose, load_run
+from flexmarl.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data" / "doctor"
+
+# case -> (the problem the doctor must name first, the metric it must cite)
+EXPECTED = {
+    "high_lr": ("learning rate too high", "reward_mean"),
+    "large_observations": ("exploding gradient norms", "grad_norm"),
+    "lazy_agent": ("lazy agent", "agent/speaker/entropy"),
+    "one_slot": ("swap thrash", "pool/train/swaps"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_doctor_names_the_cause_of_each_broken_run(case):
+    findings = diagnose(load_run(DATA / case))
+    assert findings, f"{case}: nothing found"
+    problem, metric = EXPECTED[case]
+    first = findings[0]
+    assert problem in first.problem, [f.problem for f in findings]
+    assert metric in first.metric and first.iterations and first.remedy
+    if case == "high_lr":
+        assert "by 0.8x (from 0.3 to 0.24)" in first.remedy
+    # and it does not blame the other causes
+    others = {p for c, (p, _) in EXPECTED.items() if c != case}
+    assert not any(o in f.problem for f in findings for o in others), \
+        [f.problem for f in findings]
+
+
+def test_doctor_finds_nothing_in_a_healthy_run(capsys):
+    assert main(["doctor", str(DATA / "healthy")]) == 0
+    assert "no problems found" in capsys.readouterr().out
+
+
+def test_doctor_json_and_failed_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "healthy", run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec.update({"episodes/failed": 100, "errors": ["node 'listen': reward raised X"]})
+    lines[1] = json.dumps(rec)
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "summary.json").write_text(json.dumps({"status": "failed", "error_type": "E",
+                                                  "error": "budget"}))
+    assert main(["doctor", str(run), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    problems = [f["problem"] for f in found]
+    assert "the run failed" in problems and "failing episodes" in problems
+    failing = next(f for f in found if f["problem"] == "failing episodes")
+    assert failing["iterations"] == [rec["iteration"]] and "reward raised X" in failing["evidence"]
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "no_metrics", "not_json"])
+def test_doctor_and_report_bad_run_folders(what, tmp_path, capsys):
+    target = tmp_path / "r"
+    if what == "file":
+        target.write_text("x")
+    elif what in ("no_metrics", "not_json"):
+        target.mkdir()
+        if what == "not_json":
+            (target / "metrics.jsonl").write_text("{oops\n")
+    expect = {"missing": "no such run folder", "file": "not a folder",
+              "no_metrics": "no metrics.jsonl", "not_json": "line 1 is not JSON"}[what]
+    for command in ("doctor", "report"):
+        assert main([command, str(target)]) == 2
+        err = capsys.readouterr().err
+        assert expect in err and "Traceback" not in err
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images, self.headings, self._h = [], [], False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        self._h = tag == "h2"
+
+    def handle_data(self, data):
+        if self._h:
+            self.headings.append(data.strip())
+            self._h = False
+
+
+def test_report_renders_html_with_images(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["report", str(DATA / "healthy"), "--out", str(out)]) == 0
+    page = _Page()
+    page.feed((out / "index.html").read_text())
+    assert {"Doctor", "Learning curves", "Where the time went", "Plan of each iteration",
+            "Config"} <= set(page.headings)
+    assert len(page.images) == 5  # learning, training, busy, gantt, throughput
+    for src in page.images:
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("learning_curves", "training", "busy", "gantt", "throughput"):
+        assert (out / f"{name}.png").stat().st_size > 5000
+
+
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="Debian chromium not installed")
+def test_report_in_headless_chromium(tmp_path):
+    out = tmp_path / "report"
+    assert main(["report", str(DATA / "healthy"), "--out", str(out)]) == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-quic", "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1300,2400",
+                    f"--screenshot={shot}", (out / "index.html").as_uri()],
+                   capture_output=True, timeout=120, check=False)
+    assert shot.exists() and shot.stat().st_size > 20000
+
+
+def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
+    """One real CLI run, all four backends: the same metric names in each; doctor and report
+    read its folder."""
+    from flexmarl.telemetry import loggers as L
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexmarl", "train", str(ROOT / "examples" / "referential_game.yaml"),
+         "--set", "train.iterations=2", "--set", "train.inputs_per_iteration=4",
+         "--set", "logging.backends=[jsonl, tensorboard, wandb, mlflow]", "--out", str(run)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr
+    names = {k for r in L.read_jsonl(run / "metrics.jsonl") for k in L.scalars(r)}
+    assert {"agent/speaker/train_tokens_per_s", "agent/listener/train_samples_per_s",
+            "agent/speaker/slot_wait_s", "pool/train/swaps", "pool/train/swap_s",
+            "store/rows_held"} <= names
+    assert set(L.read_tensorboard(run / "tb")) == names
+    assert set(L.read_wandb_offline(next((run / "wandb").glob("offline-run-*")))) == names
+    assert set(L.read_mlflow((run / "mlruns").resolve().as_uri())) == names
+    for command in ("doctor", "report"):
+        p = subprocess.run([sys.executable, "-m", "flexmarl", command, str(run)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert (run / "report" / "index.html").exists()
+
+
+def test_doctor_store_throughput_and_skipped_steps_rules(tmp_path):
+    """The rules no recorded run triggers, on metrics written to a real run folder."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for k in range(12):
+        lines.append({"iteration": k, "task/success_rate": 0.5, "episodes/total": 8,
+                      "episodes/failed": 0, "store/rows_held": 100 * (k + 1),
+                      "agent/a/tokens_per_s": 1000.0 if k < 6 else 200.0,
+                      "agent/a/reward_mean": 0.5, "agent/a/grad_norm": 1.0})
+    lines.append({"event": "step_skipped", "agent": "a", "iteration": 3,
+                  "reason": "non-finite loss nan"})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    found = {f.problem: f for f in diagnose(load_run(run))}
+    assert found["growing experience store: rows are not evicted"].metric == "store/rows_held"
+    drop = found["rollout throughput dropped"]
+    assert drop.metric == "agent/a/tokens_per_s" and drop.iterations[-1] == 11
+    skipped = found["optimizer steps skipped (non-finite loss or gradient)"]
+    assert skipped.iterations == [3] and "non-finite loss" in skipped.evidence
