@@ -113,7 +113,9 @@ def test_live_run_keeps_rows_in_table_actors_and_payloads_in_the_object_store(tm
     def hook(runtime):
         state["runtime"] = runtime
         pool = runtime.train
-        original = pool.accumulate
+        # the inner call runs under the agent's call-order lock: inspecting there keeps the
+        # micro-batches ahead of the step the orchestrator queued behind them
+        original = pool._accumulate
 
         async def accumulate(agent, batch):
             table = runtime.tables[agent]
@@ -123,7 +125,7 @@ def test_live_run_keeps_rows_in_table_actors_and_payloads_in_the_object_store(tm
             seen[agent].append((batch, table, rows, mirror))
             return await original(agent, batch)
 
-        pool.accumulate = accumulate
+        pool._accumulate = accumulate
 
     result = train(cfg, tmp_path / "run", on_runtime=hook)
     runtime = state["runtime"]

@@ -131,8 +131,12 @@ def test_mas_rl_like_time_shares_the_whole_cluster_between_agents(wl):
     assert not any(a.agent != b.agent and _overlap(a, b) for a in busy for b in busy)
     assert not any(_overlap(r, t) for r in roll for t in train)
     assert any(s.kind == "switch" and s.end > s.start for s in rt.spans)
-    # and it is slower than MARTI's per-agent shares on the same workload
-    assert mas.makespan_s > simulate_system(wl, "marti", iterations=2).makespan_s
+    # On a strict chain (solver -> verifier -> ...) only one agent works at a time, so the
+    # whole cluster in turn can beat fixed per-agent shares; where agents work in parallel
+    # (a debate), time-sharing serialises them and is slower than MARTI's shares.
+    debate = load_workload(WORKLOAD.parent / "math_debate.yaml")
+    assert simulate_system(debate, "mas-rl-like", iterations=2).makespan_s > \
+        simulate_system(debate, "marti", iterations=2).makespan_s
 
 
 def test_hierarchical_balancing_plans_the_critical_path_and_beats_the_equal_split():
