@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flexmarl.bench.training import _batches  # noqa: E402
+from flexmarl.bench.training import _batches, _plain_iteration  # noqa: E402
 from flexmarl.config.schema import AgentConfig, ModelConfig, load_config  # noqa: E402
 from flexmarl.policy.model import build_model  # noqa: E402
 from flexmarl.policy.sampling import GenerationRequest  # noqa: E402
@@ -154,48 +154,6 @@ def bench_rollout(device: torch.device, small: bool, vocab: int) -> None:
 
 
 # --- 2. trainer vs plain loop ---------------------------------------------------------------
-def _plain_step(model, opt, batches: list[list[Sample]], device, dtype) -> None:
-    rows = 0
-    for samples in batches:
-        seqs = [s.prompt + s.response for s in samples]
-        width = max(map(len, seqs))
-        rw = max(len(s.response) for s in samples)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        mask = torch.zeros((len(seqs), rw))
-        old = torch.zeros((len(seqs), rw))
-        pos = torch.zeros((len(seqs), rw), dtype=torch.long)
-        tgt = torch.zeros((len(seqs), rw), dtype=torch.long)
-        for i, s in enumerate(samples):
-            ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
-            attn[i, : len(seqs[i])] = 1
-            k = len(s.response)
-            mask[i, :k] = 1
-            old[i, :k] = torch.tensor(s.old_logprobs)
-            pos[i, :k] = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + k)
-            tgt[i, :k] = torch.tensor(s.response)
-        ids, attn, mask, old, pos, tgt = (t.to(device) for t in (ids, attn, mask, old, pos, tgt))
-        first = min(len(s.prompt) for s in samples) - 1
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
-                           logits_to_keep=width - first).logits.float()
-            picked = logits.gather(1, (pos - first).unsqueeze(-1).expand(-1, -1,
-                                                                         logits.shape[-1]))
-            logp = torch.log_softmax(picked, -1).gather(2, tgt.unsqueeze(-1)).squeeze(-1)
-        adv = torch.tensor([s.advantage for s in samples], device=device).unsqueeze(1)
-        ratio = torch.exp(logp - old)
-        pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-        loss = ((pg * mask).sum(-1) / mask.sum(-1)).sum()
-        loss.backward()
-        rows += len(samples)
-    params = [p for p in model.parameters() if p.grad is not None]
-    for p in params:
-        p.grad.mul_(1.0 / rows)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer:
     section("training: AgentTrainer vs a plain PyTorch loop (same rows, autocast, AdamW)")
     cfg = AgentConfig.model_validate({"model": model_cfg(small).model_dump(),
@@ -208,7 +166,8 @@ def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer
                            device=str(device))
     plain = build_model("bench", cfg.model, vocab, 1024, 0, device)
     plain.train()
-    opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-5)
+    params = [p for p in plain.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
     tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
     times: dict[str, list[float]] = {"flexmarl": [], "plain": []}
     rounds = 2 if small else 4
@@ -223,7 +182,7 @@ def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer
                                                s.temperature, r) for s in b])
                 trainer.step()
             else:
-                _plain_step(plain, opt, batches, device, trainer.compute_dtype)
+                _plain_iteration(plain, params, opt, batches, 1.0, device, trainer.compute_dtype)
             sync(device)
             if r > 0:
                 times[who].append(time.perf_counter() - t0)

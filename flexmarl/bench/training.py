@@ -131,8 +131,11 @@ def _plain_setup(cfg: AgentConfig, vocab: int):
     return model, params, opt
 
 
-def _plain_iteration(model, params, opt, batches: list[list[Sample]], clip: float) -> None:
-    """GRPO's clipped surrogate by hand: pad, forward, gather, loss, backward; clip, step."""
+def _plain_iteration(model, params, opt, batches: list[list[Sample]], clip: float,
+                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+                     ) -> None:
+    """GRPO's clipped surrogate by hand: pad, forward, gather, loss, backward; clip, step.
+    On `device`, under autocast to `dtype` when it is not float32 (as the trainer does)."""
     rows = 0
     for samples in batches:
         seqs = [s.prompt + s.response for s in samples]
@@ -152,13 +155,17 @@ def _plain_iteration(model, params, opt, batches: list[list[Sample]], clip: floa
             old[i, :n] = torch.tensor(s.old_logprobs)
             pos[i, :n] = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + n)
             tgt[i, :n] = torch.tensor(s.response)
+        ids, attn, mask, old, pos, tgt = (t.to(device) for t in (ids, attn, mask, old, pos, tgt))
         # like the trainer, LM-head logits only from the earliest response position on
         first = min(len(s.prompt) for s in samples) - 1
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
-                       logits_to_keep=width - first).logits.float()
-        picked = logits.gather(1, (pos - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        logp = torch.log_softmax(picked, -1).gather(2, tgt.unsqueeze(-1)).squeeze(-1)
-        adv = torch.tensor([s.advantage for s in samples]).unsqueeze(1)
+        dev_type = torch.device(device).type
+        with torch.autocast(dev_type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
+                           logits_to_keep=width - first).logits.float()
+            picked = logits.gather(
+                1, (pos - first).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            logp = torch.log_softmax(picked, -1).gather(2, tgt.unsqueeze(-1)).squeeze(-1)
+        adv = torch.tensor([s.advantage for s in samples], device=device).unsqueeze(1)
         ratio = torch.exp(logp - old)
         pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
         loss = ((pg * mask).sum(-1) / mask.sum(-1)).sum()

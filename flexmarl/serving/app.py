@@ -305,6 +305,15 @@ async def _first(gen: AsyncIterator[Piece | Outcome]) -> Piece | Outcome:
     return await gen.__anext__()
 
 
+async def _outcome(first: Piece | Outcome, gen: AsyncIterator[Piece | Outcome]) -> Outcome:
+    """A non-streamed answer: the generation's last event, its outcome."""
+    out = first
+    async for out in gen:  # noqa: B007
+        pass
+    assert isinstance(out, Outcome)
+    return out
+
+
 async def _stream(gen, first, make_chunk, finish_chunk, usage_chunk, s: Sampling
                   ) -> AsyncIterator[bytes]:
     try:
@@ -434,10 +443,7 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
             return c
 
         if not s.stream:
-            out = first
-            async for out in gen:  # noqa: B007
-                pass
-            assert isinstance(out, Outcome)
+            out = await _outcome(first, gen)
             return JSONResponse({
                 "id": cid, "object": "text_completion", "created": created, "model": name,
                 "system_fingerprint": _fingerprint(name, out.version),
@@ -487,10 +493,7 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
         gen = service.generate(s)
         first = await _first(gen)
         if not s.stream:
-            out = first
-            async for out in gen:  # noqa: B007
-                pass
-            assert isinstance(out, Outcome)
+            out = await _outcome(first, gen)
             return JSONResponse({
                 "id": cid, "object": "chat.completion", "created": created, "model": name,
                 "system_fingerprint": _fingerprint(name, out.version),
