@@ -28,6 +28,7 @@ store, never through the driver.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,11 @@ class AgentTableActor:
     def __init__(self, agent: str) -> None:
         self.agent = agent
         self.table = AgentTable(agent)
+        # The owner pins what it adopted: relying on borrowers alone loses the object when the
+        # borrower that carried the reference to the driver is killed before Ray has recorded
+        # the driver's borrow (Ray's ReferenceCountingAssertionError). The last two are kept: the
+        # driver holds the previous restart point until the new one has reached it.
+        self.adopted: deque[Any] = deque(maxlen=2)
 
     def where(self) -> dict[str, Any]:
         from flexmarl.runtime.ray.actors import where
@@ -125,7 +131,9 @@ class AgentTableActor:
         long as this table, not as long as its producer); the reference comes back nested."""
         import ray
 
-        return [ray.put(value)]
+        ref = ray.put(value)
+        self.adopted.append(ref)
+        return [ref]
 
     def apply(self, ops: list[tuple], objects: list[Any] | None = None) -> int:
         """The driver's writes of one event-loop tick, in order (see `RayExperienceStore`).
