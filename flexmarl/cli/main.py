@@ -86,6 +86,10 @@ def _train(args: argparse.Namespace) -> int:
           if "num_candidates" in cfg.task.options
           else f"final success rate: {result.final_success:.3f}")
     print(f"wall time: {result.wall_s:.1f} s, failed episodes: {failed}")
+    from flexmarl.telemetry.curves import reward_curves
+
+    for line in reward_curves(result.records, [a for a in cfg.agents if cfg.agents[a].trainable]):
+        print(line)
     print(f"metrics:     {out / 'metrics.jsonl'}")
     print(f"trace:       {out / 'trace.json'}  (open in chrome://tracing or ui.perfetto.dev)")
     for agent, path in result.checkpoints.items():

@@ -85,6 +85,11 @@ class GRPOConfig(_AlgorithmBase):
     name: Literal["grpo"] = "grpo"
     adv_eps: float = Field(1e-6, gt=0)
     scale_by_std: bool = True
+    # The rewards an advantage is normalised against: group (the G trajectories of the same
+    # input and node), agent (all of this agent's rows of the iteration: its own mean and std,
+    # Dr. MAS) or batch (every trainable agent's rows: one global baseline). agent and batch
+    # wait for the iteration's last episode before this agent's first micro-batch.
+    normalize: Literal["group", "agent", "batch"] = "group"
 
 
 class PPOConfig(_AlgorithmBase):
@@ -148,7 +153,27 @@ class LoraConfig(Strict):
 
 
 class SamplingConfig(Strict):
+    """How the agent samples. `temperature` and `top_p` apply to every node of the agent;
+    `max_tokens`, `stop` and `stop_token_ids` are the defaults of its text-level nodes (a
+    token-level `NodePrompt` carries its own budget and stop tokens)."""
+
     temperature: float = Field(1.0, gt=0)
+    # nucleus sampling: sample among the most likely tokens whose probabilities sum to top_p.
+    # The recorded and trained log-probs are those of the tempered distribution before the
+    # cut (as in verl and OpenRLHF), so the trainer's recomputation matches them exactly.
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(64, gt=0)
+    stop: list[str] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str]) -> list[str]:
+        for i, s in enumerate(value):
+            if not s:
+                raise ValueError(f"stop[{i}] is empty: a stop string needs at least one "
+                                 "character")
+        return value
 
 
 class OptimConfig(Strict):
@@ -215,6 +240,10 @@ class AgentConfig(Strict):
                 f"optim.schedule: 'critic_scaled' scales by the critic's size and needs a critic "
                 f"(algorithm.name ppo), not {self.algorithm.name!r}"
             )
+        if self.backend.kind == "vllm" and (self.sampling.top_p < 1 or self.sampling.stop):
+            raise ValueError(
+                "sampling.top_p / sampling.stop: the vllm backend does not apply them yet "
+                "(hf and openai do); leave top_p at 1 and use stop_token_ids")
         return self
 
 

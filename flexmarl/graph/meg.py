@@ -30,6 +30,25 @@ class NodePrompt:
     max_new_tokens: int
     allowed_tokens: list[int] | None = None
     stop_tokens: list[int] = field(default_factory=list)
+    # stop strings: decoding ends once the decoded response contains one (needs the agent's
+    # tokenizer); the tokens sampled up to there are kept as they are for training
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TextPrompt:
+    """A text- or chat-level prompt: FlexMARL applies the agent's tokenizer (and, for chat
+    messages, its chat template), samples, keeps the exact token ids for training and gives
+    downstream nodes and rewards the decoded text (`ctx.text(node)`).
+
+    A prompt builder may also return the plain string or the message list itself; then the
+    agent's `sampling` settings (`max_tokens`, `stop`, `stop_token_ids`) apply unchanged.
+    `max_new_tokens` overrides `sampling.max_tokens`; `stop` adds to `sampling.stop`.
+    """
+
+    prompt: str | list[dict[str, str]]
+    max_new_tokens: int | None = None
+    stop: list[str] | None = None
 
 
 @dataclass
@@ -40,14 +59,29 @@ class EpisodeContext:
     trajectory_id: int
     data: dict[str, Any]
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    # decoded responses of text-level nodes (cut before the first stop string)
+    texts: dict[str, str] = field(default_factory=dict)
 
     def output(self, node: str) -> list[int]:
+        """The token ids node `node` sampled (exactly those that are trained on)."""
         if node not in self.outputs:
             raise GraphError(f"node output {node!r} is not available in this episode")
         return self.outputs[node]
 
+    def text(self, node: str) -> str:
+        """The decoded response of a text-level node (special tokens skipped, cut before the
+        first stop string); a token-level node has no text: use `output`."""
+        if node not in self.outputs:
+            raise GraphError(f"node output {node!r} is not available in this episode")
+        if node not in self.texts:
+            raise GraphError(f"node {node!r} is token-level (its prompt builder returned a "
+                             "NodePrompt), so it has no text; use ctx.output(node) for its "
+                             "token ids, or return text / chat messages / TextPrompt")
+        return self.texts[node]
 
-PromptBuilder = Callable[[EpisodeContext], NodePrompt]
+
+PromptValue = NodePrompt | TextPrompt | str | list[dict[str, str]]
+PromptBuilder = Callable[[EpisodeContext], PromptValue]
 RewardFn = Callable[[EpisodeContext], float]
 Condition = Callable[[EpisodeContext], bool]
 

@@ -62,6 +62,10 @@ def check_prompt(node: str, agent: str, prompt: Any, vocab: int, max_seq_len: in
         _token_list(where, "allowed_tokens", prompt.allowed_tokens, vocab, agent,
                     allow_empty=False)
     _token_list(where, "stop_tokens", prompt.stop_tokens, vocab, agent, allow_empty=True)
+    if not isinstance(prompt.stop, (list, tuple)) or not all(
+            isinstance(x, str) and x for x in prompt.stop):
+        raise ContractError(f"{where}: stop must be a list of non-empty strings, got "
+                            f"{prompt.stop!r}")
 
 
 def check_condition(node: str, value: Any) -> bool:
@@ -106,12 +110,19 @@ def dry_run(task: Any, builder: str, agents: Any) -> None:
     """One episode of the task's user functions with placeholder outputs, before any worker
     starts: a prompt builder, condition, input sampler or reward that returns the wrong kind of
     value fails here in seconds. User code that raises on placeholder outputs (it needs real
-    ones) ends the dry run quietly; the real run checks the same things on every episode."""
+    ones) ends the dry run quietly; the real run checks the same things on every episode.
+
+    `agents`: the agents' names, or their configs (`{name: AgentConfig}`): then text and chat
+    prompts are rendered with each agent's tokenizer too (a missing tokenizer, a bad message)."""
     import copy
+    from collections.abc import Mapping
 
     import numpy as np
 
+    from flexmarl.graph.chat import PromptRenderer
     from flexmarl.graph.meg import EpisodeContext
+
+    renderer = PromptRenderer(agents, task.vocab_size) if isinstance(agents, Mapping) else None
 
     try:
         inputs = task.sample_inputs(np.random.default_rng(0), 1)
@@ -136,7 +147,15 @@ def dry_run(task: Any, builder: str, agents: Any) -> None:
             raise
         except Exception:  # noqa: BLE001 - needs real outputs: the real run will tell
             return
-        check_prompt(name, node.agent, prompt, task.vocab_size, task.max_seq_len)
+        vocab = task.vocab_size
+        if renderer is not None:
+            prompt, is_text = renderer.render(name, node.agent, prompt)
+            if is_text:
+                from flexmarl.policy.tokenizer import model_vocab
+
+                vocab = model_vocab(agents[node.agent].model, task.vocab_size)
+                ctx.texts[name] = ""  # placeholder text
+        check_prompt(name, node.agent, prompt, vocab, task.max_seq_len)
         choices = prompt.allowed_tokens or [int(prompt.tokens[-1])]
         ctx.outputs[name] = [int(choices[i % len(choices)])
                              for i in range(prompt.max_new_tokens)]

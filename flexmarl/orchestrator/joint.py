@@ -35,6 +35,7 @@ import numpy as np
 
 from flexmarl.config.schema import ConfigError, CreditConfig, RunConfig
 from flexmarl.errors import UserError
+from flexmarl.graph.chat import PromptRenderer
 from flexmarl.graph.meg import EpisodeContext, GraphError
 from flexmarl.graph.task import Task
 from flexmarl.orchestrator import contracts
@@ -113,6 +114,9 @@ class IterationState:
     # level that opens when every lower level is resolved in every episode
     stage_left: list[int] = field(default_factory=list)
     stage_open: list[asyncio.Event] = field(default_factory=list)
+    # algorithm.normalize agent / batch: set once every group of the iteration is in and the
+    # rows of those agents are normalised over the whole iteration (and ready)
+    wide_ready: bool = False
 
 
 def assign_credit(
@@ -160,6 +164,8 @@ class JointOrchestrator:
         self.on_iteration = on_iteration
         self.agents = list(cfg.agents)
         self.trainable = [a for a in self.agents if cfg.agents[a].trainable]
+        # text- and chat-level nodes: each agent's tokenizer and sampling defaults
+        self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
         # Trainers wait for whole groups (`_maybe_group_ready` wakes them), not for every
         # store change: a wake-up per row would cost each trainer a scan per generated row.
         # The runtime may bring its own store (Ray: one table actor per agent) with the same
@@ -266,10 +272,12 @@ class JointOrchestrator:
                 raise
             except Exception as exc:  # noqa: BLE001 - user code
                 raise EpisodeFailure(f"node {name!r}: prompt builder raised {exc!r}") from exc
+            # text or chat messages -> token ids with the agent's tokenizer and chat template
+            prompt, is_text = self.renderer.render(name, node.agent, prompt)
             # wrong types, token ids outside the vocabulary, empty or over-long prompts, a zero
             # budget: a bug in the task, not a flaky episode: stop the run with the node named
             if self._check_prompts:
-                contracts.check_prompt(name, node.agent, prompt, self.task.vocab_size,
+                contracts.check_prompt(name, node.agent, prompt, self._vocab(node.agent, is_text),
                                        self.task.max_seq_len)
             if it.stage_open:  # rollout.schedule=stage: the level barrier
                 await it.stage_open[self.level[name]].wait()
@@ -288,7 +296,7 @@ class JointOrchestrator:
                 sample_id=sample_id, agent=agent, version=version, prompt=prompt.tokens,
                 max_new_tokens=prompt.max_new_tokens, allowed_tokens=prompt.allowed_tokens,
                 stop_tokens=prompt.stop_tokens, temperature=acfg.sampling.temperature,
-                seed=self.cfg.seed,
+                seed=self.cfg.seed, stop=list(prompt.stop), top_p=acfg.sampling.top_p,
             )
             submitted = self.telemetry.now()
             result = await self.rollout.generate(request, priority)
@@ -299,11 +307,14 @@ class JointOrchestrator:
             self.store.set_generated(
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
-                 "allowed": prompt.allowed_tokens, "temperature": request.temperature},
+                 "allowed": prompt.allowed_tokens, "temperature": request.temperature,
+                 **({"stop": list(prompt.stop)} if is_text else {})},
                 {"logprobs": result.logprobs if isinstance(result.logprobs, TensorRef)
                  else np.asarray(result.logprobs, dtype=np.float32)},
             )
             ctx.outputs[name] = result.tokens
+            if is_text:  # the sampled ids stay as they are; downstream reads them decoded
+                ctx.texts[name] = self.renderer.decode(agent, result.tokens, prompt.stop)
             done[name].set_result(True)
 
         tasks = [asyncio.ensure_future(run_node(n)) for n in self.order]
@@ -353,6 +364,15 @@ class JointOrchestrator:
         if it.episodes_done == it.episodes_total:
             self._rollout_finished(it)
 
+    def _vocab(self, agent: str, is_text: bool) -> int:
+        """The ids a prompt may hold: the task's vocabulary, or for text-level nodes that of
+        the agent's model (its tokenizer was checked to fit it when loaded)."""
+        if not is_text:
+            return self.task.vocab_size
+        from flexmarl.policy.tokenizer import model_vocab
+
+        return model_vocab(self.cfg.agents[agent].model, self.task.vocab_size)
+
     def _levels(self) -> dict[str, int]:
         """Graph level of each node: 0 without inputs, else one more than its deepest input."""
         level: dict[str, int] = {}
@@ -389,6 +409,9 @@ class JointOrchestrator:
             row = self.store.restore_row(d)
             rows[row.node] = row
             ctx.outputs[row.node] = list(d["data"]["response"])
+            if "stop" in d["data"]:  # a text-level node: the same decoding as the first time
+                ctx.texts[row.node] = self.renderer.decode(
+                    row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
             it.rewards[row.agent].append(float(d["data"]["reward"]))
         if self.graph.success is not None:
             try:
@@ -472,7 +495,7 @@ class JointOrchestrator:
             if not ids:
                 continue
             agent = self.graph.nodes[name].agent
-            if agent not in self.trainable:
+            if agent not in self.trainable or self._normalize(agent) != "group":
                 continue
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
@@ -480,6 +503,43 @@ class JointOrchestrator:
             advs = algorithms.get(algo_cfg.name).sequence_advantages(rewards, algo_cfg)
             for sid, adv in zip(ids, advs, strict=True):
                 self.store.set_ready(agent, sid, adv)
+        if len(it.groups_done) == self.cfg.train.inputs_per_iteration:
+            self._normalize_wide(it)
+
+    def _normalize(self, agent: str) -> str:
+        """`algorithm.normalize` of a GRPO agent (group, agent or batch); others: group."""
+        return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
+
+    def _normalize_wide(self, it: IterationState) -> None:
+        """Every group of the iteration is in: advantages of the agents whose GRPO normalises
+        over more than one group. `agent`: over all of the agent's rows of the iteration (its
+        own mean and std, Dr. MAS's agent-wise normalisation); `batch`: over the rows of every
+        trainable agent (one global baseline). Rows of failed episodes take no part."""
+        wide = [a for a in self.trainable if self._normalize(a) != "group"]
+        if not wide or it.wide_ready:
+            it.wide_ready = True
+            return
+        ids: dict[str, list[str]] = {a: [] for a in self.trainable}
+        for i in range(self.cfg.train.inputs_per_iteration):
+            for episode in it.groups[f"{it.index}-{i}"]:
+                for name, sid in sorted(episode.items()):
+                    agent = self.graph.nodes[name].agent
+                    if agent in ids:
+                        ids[agent].append(sid)
+        rewards = {a: [self.store.table(a).get(s).data["reward"] for s in ids[a]] for a in ids}
+        pooled = [r for a in self.trainable for r in rewards[a]]
+        for agent in wide:
+            if not ids[agent]:
+                continue
+            algo_cfg = self.cfg.agents[agent].algorithm
+            advs = algorithms.get(algo_cfg.name).normalized_advantages(
+                rewards[agent], pooled if self._normalize(agent) == "batch" else rewards[agent],
+                algo_cfg)
+            for sid, adv in zip(ids[agent], advs, strict=True):
+                self.store.set_ready(agent, sid, adv)
+        it.wide_ready = True
+        for agent in wide:
+            self._changed_event(agent).set()
 
     async def rollout_iteration(self, k: int) -> IterationState:
         n_inputs = self.cfg.train.inputs_per_iteration
@@ -560,6 +620,11 @@ class JointOrchestrator:
         vector = self.vector(k)
         table = self.store.table(agent)
         canonical = self.cfg.runtime.deterministic or self.cfg.pipeline.mode == "sync"
+        if self._normalize(agent) != "group":
+            # advantages need the whole iteration's rewards: wait for them (less overlap)
+            while not it.wide_ready:
+                changed.clear()
+                await changed.wait()
         while len(taken) < n_inputs:
             if canonical:  # fixed chunks in input order: the split never depends on timing
                 start = min(set(range(n_inputs)) - taken)

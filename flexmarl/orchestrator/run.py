@@ -57,7 +57,7 @@ def prepare(cfg: RunConfig) -> Task:
     for agent in cfg.agents:
         if agent not in used:
             raise GraphError(f"agents.{agent}: configured, but no node of the graph uses it")
-    contracts.dry_run(task, cfg.task.builder, cfg.agents.keys())  # user functions' values
+    contracts.dry_run(task, cfg.task.builder, cfg.agents)  # user functions' values
     check_models(cfg, task)
     check_installed(cfg.logging.backends)
     check_memory(cfg, task.vocab_size)  # an estimate, before any model is built

@@ -11,6 +11,7 @@ those of the (masked, tempered) distribution sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,10 @@ class GenerationRequest:
     stop_tokens: list[int] = field(default_factory=list)
     temperature: float = 1.0
     seed: int = 0
+    # stop strings (matched on the decoded response; the engine needs the agent's tokenizer)
+    stop: list[str] = field(default_factory=list)
+    # nucleus sampling; log-probs stay those of the tempered distribution before the cut
+    top_p: float = 1.0
     # An explicit sampling seed (requests served over HTTP carry one); when None the noise
     # stream is keyed by (seed, sample_id, version), see `noise_seed_of`.
     noise_seed: int | None = None
@@ -106,15 +111,30 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     return -torch.log(-torch.log(u))
 
 
+def top_p_mask(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] True for the tokens of each row's nucleus: the most likely tokens whose
+    probabilities sum to at least `top_p` [B] (the most likely one always stays)."""
+    sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+    probs = sorted_logp.exp()
+    before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
+    keep_sorted = before < top_p.unsqueeze(1)
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted)
+    return keep.scatter(1, order, keep_sorted)
+
+
 def generate(
-    model: torch.nn.Module, requests: list[GenerationRequest], max_seqs: int | None = None
+    model: torch.nn.Module, requests: list[GenerationRequest], max_seqs: int | None = None,
+    tokenizer: Any = None,
 ) -> list[GenerationResult]:
-    """Decode `requests` to their own lengths with continuous batching (see rollout.engine)."""
+    """Decode `requests` to their own lengths with continuous batching (see rollout.engine);
+    `tokenizer` (or a function returning it) matches stop strings."""
     from flexmarl.rollout.engine import ContinuousBatcher
 
     if not requests:
         return []
-    return ContinuousBatcher(model, max_seqs or len(requests)).run_to_completion(requests)
+    return ContinuousBatcher(model, max_seqs or len(requests),
+                             tokenizer=tokenizer).run_to_completion(requests)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from flexmarl.policy.sampling import (
     gumbel_noise,
     mask_row,
     noise_seed_of,
+    top_p_mask,
 )
 
 
@@ -75,7 +76,10 @@ class ContinuousBatcher:
     (prompt + max_new_tokens each): the two budgets a real engine gets from its KV memory.
     """
 
-    def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20):
+    def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
+                 tokenizer: Any = None):
+        """`tokenizer`: the agent's tokenizer, or a function that loads it on first use, for
+        requests with stop strings (None: such requests are refused)."""
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
@@ -94,6 +98,25 @@ class ContinuousBatcher:
         # sampled so far, position of the next fed token; and the temperature
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
+        self._tokenizer = tokenizer
+
+    def tokenizer(self) -> Any:
+        if callable(self._tokenizer) and not hasattr(self._tokenizer, "decode"):
+            self._tokenizer = self._tokenizer()  # a loader: load once, on first use
+        return self._tokenizer
+
+    def _stopped_by_string(self, s: _Sequence) -> bool:
+        """Does the response end in one of its stop strings? Only a tail of tokens is decoded:
+        a string of n characters spans at most 4n byte-level tokens, and any earlier match
+        would have stopped the sequence a step before."""
+        stop = s.request.stop
+        tok = self.tokenizer()
+        if tok is None:
+            raise ValueError(f"request {s.request.sample_id}: stop strings {stop!r} need the "
+                             f"agent's tokenizer, and this engine has none")
+        window = 4 * max(len(x) for x in stop) + 1
+        text = tok.decode(s.tokens[-window:], skip_special_tokens=True)
+        return any(x in text for x in stop)
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -183,7 +206,12 @@ class ContinuousBatcher:
             logits = logits.masked_fill(~masks, float("-inf"))
         logp = F.log_softmax(logits, dim=-1)
         state = self._state[start:]
-        choice = torch.argmax(logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab), dim=-1)
+        scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
+        top_p = [s.request.top_p for s in seqs]
+        if any(p < 1.0 for p in top_p):  # sample inside the nucleus; log-probs stay untruncated
+            nucleus = top_p_mask(logp, torch.tensor(top_p, dtype=logp.dtype, device=dev))
+            scores = scores.masked_fill(~nucleus, float("-inf"))
+        choice = torch.argmax(scores, dim=-1)
         self._state[start:, 1] += 1  # one more token sampled
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
@@ -199,7 +227,8 @@ class ContinuousBatcher:
             tok = int(tokens_host[j])
             s.tokens.append(tok)
             s.logprobs.append(logps_host[j])
-            if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens:
+            if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens or (
+                    s.request.stop and self._stopped_by_string(s)):
                 finished.append(start + j)
         results = [self._result(self.seqs[i]) for i in finished]
         if finished:

@@ -1,13 +1,20 @@
-"""Arithmetic word problems for two LLM agents, with data the project generates and rule-based
-rewards: a solver answers, a checker judges the solver's answer.
+"""Arithmetic for LLM agents, with data the project generates and rule-based rewards, written
+with chat-level nodes: prompt builders return chat messages, rewards read `ctx.text(node)`;
+FlexMARL applies each agent's tokenizer and chat template and trains on the exact ids sampled.
 
-- solver: "Compute a op b." (or a one-line word problem) -> free text up to `answer_tokens`
-  tokens; reward 1 when the last integer it wrote is the right answer;
-- checker: sees the problem and the solver's answer, says Yes or No (decoding restricted to
-  those two tokens); reward 1 when its verdict matches the truth.
+`build_math_pair` (solver -> checker):
+- solver: "Compute a op b." (or a one-line word problem) -> a short answer; reward 1 when the
+  last integer it wrote is the right answer;
+- checker: sees the problem and the solver's answer, says Yes or No; reward 1 when its verdict
+  matches the truth (an answer that is neither Yes nor No earns 0).
 
-Prompts use the model's chat template; token ids come from its tokenizer (SmolLM2's by default).
-Task success (for metrics) is the solver's accuracy.
+`build_math_team` (solver -> verifier -> reviser), every agent rewarded for its own number:
+- solver: answers the problem;
+- verifier: sees the solver's answer and writes the correct result (copying a right answer,
+  fixing a wrong one);
+- reviser: sees both answers and gives the final one (task success is its accuracy).
+Each reward is 1 for the right last integer; answers differ with the inputs, so an agent that
+collapses onto one string loses reward instead of keeping it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.graph.meg import MEG, EpisodeContext, GraphError, NodePrompt
+from flexmarl.graph.meg import MEG, EpisodeContext, GraphError, TextPrompt
 from flexmarl.graph.task import Task
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -28,39 +35,23 @@ WORDS = {
 }
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 
-
 SYSTEM = "You are good at arithmetic."  # short: the default system prompt doubles the prompt
+# Random-model agents on these tasks use the byte-level tokenizer (261 ids); SmolLM2 agents
+# use their own vocabulary whatever this says.
+TEXT_VOCAB = 320
 
 
-def _encode_chat(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-        add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # BatchEncoding in some transformers versions
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
-def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int = 12,
-                    words: bool = False) -> Task:
+def _check_options(max_operand: int, ops: str) -> None:
+    if not ops:
+        raise GraphError("task.options.ops: at least one operation is required")
     for op in ops:
         if op not in OPS:
             raise GraphError(f"task.options.ops: unknown operation {op!r} (use +, - or *)")
-    if not ops:
-        raise GraphError("task.options.ops: at least one operation is required")
     if not isinstance(max_operand, int) or max_operand < 2:
         raise GraphError(f"task.options.max_operand: must be an integer >= 2, got {max_operand!r}")
-    from flexmarl.policy.smollm import load_tokenizer
 
-    tok = load_tokenizer()
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
 
-    def question(data: dict[str, Any]) -> str:
-        if words:
-            return WORDS[data["op"]].format(name=data["name"], a=data["a"], b=data["b"])
-        return f"Compute {data['a']} {data['op']} {data['b']}."
-
+def _sampler(max_operand: int, ops: str):
     def sample_inputs(rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
         out = []
         for _ in range(n):
@@ -72,34 +63,102 @@ def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int =
                         "name": NAMES[int(rng.integers(len(NAMES)))]})
         return out
 
-    def answer_text(ctx: EpisodeContext) -> str:
-        return tok.decode([t for t in ctx.output("solve") if t != end]).strip()
+    return sample_inputs
 
-    def solver_correct(ctx: EpisodeContext) -> bool:
-        numbers = re.findall(r"-?\d+", answer_text(ctx))
-        return bool(numbers) and int(numbers[-1]) == ctx.data["answer"]
 
-    def solve_prompt(ctx: EpisodeContext) -> NodePrompt:
-        text = question(ctx.data) + " Reply with only the number."
-        return NodePrompt(_encode_chat(tok, text), answer_tokens, None, [end])
+def question(data: dict[str, Any], words: bool = False) -> str:
+    if words:
+        return WORDS[data["op"]].format(name=data["name"], a=data["a"], b=data["b"])
+    return f"Compute {data['a']} {data['op']} {data['b']}."
 
-    def check_prompt(ctx: EpisodeContext) -> NodePrompt:
-        shown = answer_text(ctx).replace("\n", " ")[:80] or "(no answer)"
-        text = (f"{question(ctx.data)}\nA student answered: {shown}.\n"
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+
+def last_int(text: str) -> int | None:
+    numbers = re.findall(r"-?\d+", text)
+    return int(numbers[-1]) if numbers else None
+
+
+def shown(text: str) -> str:
+    """An answer as the next agent reads it: one line, bounded."""
+    return text.strip().replace("\n", " ")[:40] or "(no answer)"
+
+
+def is_correct(ctx: EpisodeContext, node: str) -> bool:
+    return last_int(ctx.text(node)) == ctx.data["answer"]
+
+
+def verdict(text: str) -> str | None:
+    word = text.strip().lower()
+    return "yes" if word.startswith("yes") else "no" if word.startswith("no") else None
+
+
+def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int = 12,
+                    words: bool = False) -> Task:
+    _check_options(max_operand, ops)
+
+    def solve_prompt(ctx: EpisodeContext) -> TextPrompt:
+        return TextPrompt(chat(question(ctx.data, words) + " Reply with only the number."),
+                          max_new_tokens=answer_tokens)
+
+    def check_prompt(ctx: EpisodeContext) -> TextPrompt:
+        text = (f"{question(ctx.data, words)}\nA student answered: {shown(ctx.text('solve'))}.\n"
                 f"Is the student's answer correct? Reply Yes or No.")
-        return NodePrompt(_encode_chat(tok, text), 1, [yes, no])
+        return TextPrompt(chat(text), max_new_tokens=2)
 
     def check_reward(ctx: EpisodeContext) -> float:
-        said_yes = ctx.output("check") == [yes]
-        return 1.0 if said_yes == solver_correct(ctx) else 0.0
+        said = verdict(ctx.text("check"))
+        truth = "yes" if is_correct(ctx, "solve") else "no"
+        return 1.0 if said == truth else 0.0
 
     graph = (
         MEG()
         .node("solve", agent="solver", prompt=solve_prompt,
-              reward=lambda ctx: 1.0 if solver_correct(ctx) else 0.0)
+              reward=lambda ctx: float(is_correct(ctx, "solve")))
         .node("check", agent="checker", inputs=["solve"], prompt=check_prompt,
               reward=check_reward)
-        .set_success(solver_correct)
+        .set_success(lambda ctx: is_correct(ctx, "solve"))
     )
-    return Task(graph=graph, vocab_size=len(tok), sample_inputs=sample_inputs, max_seq_len=256,
-                info={"layout": "math", "tokenizer": "smollm2"})
+    return Task(graph=graph, vocab_size=TEXT_VOCAB, sample_inputs=_sampler(max_operand, ops),
+                max_seq_len=256, info={"layout": "math"})
+
+
+def build_math_team(max_operand: int = 20, ops: str = "+-", answer_tokens: int = 12,
+                    words: bool = False) -> Task:
+    """solver -> verifier -> reviser; answers end at the first newline (a stop string)."""
+    _check_options(max_operand, ops)
+    if not isinstance(answer_tokens, int) or answer_tokens < 1:
+        raise GraphError(f"task.options.answer_tokens: must be an integer >= 1, got "
+                         f"{answer_tokens!r}")
+    only = " Reply with only the number."
+
+    def prompt(text: str) -> TextPrompt:
+        return TextPrompt(chat(text + only), max_new_tokens=answer_tokens, stop=["\n"])
+
+    def solve(ctx: EpisodeContext) -> TextPrompt:
+        return prompt(question(ctx.data, words))
+
+    def verify(ctx: EpisodeContext) -> TextPrompt:
+        return prompt(f"{question(ctx.data, words)}\nA student answered: "
+                      f"{shown(ctx.text('solve'))}.\nCheck the answer and give the correct "
+                      "result.")
+
+    def revise(ctx: EpisodeContext) -> TextPrompt:
+        return prompt(f"{question(ctx.data, words)}\nFirst answer: {shown(ctx.text('solve'))}."
+                      f"\nChecked answer: {shown(ctx.text('verify'))}.\nWhat is the final "
+                      "result?")
+
+    graph = (
+        MEG()
+        .node("solve", agent="solver", prompt=solve,
+              reward=lambda ctx: float(is_correct(ctx, "solve")))
+        .node("verify", agent="verifier", inputs=["solve"], prompt=verify,
+              reward=lambda ctx: float(is_correct(ctx, "verify")))
+        .node("revise", agent="reviser", inputs=["solve", "verify"], prompt=revise,
+              reward=lambda ctx: float(is_correct(ctx, "revise")))
+        .set_success(lambda ctx: is_correct(ctx, "revise"))
+    )
+    return Task(graph=graph, vocab_size=TEXT_VOCAB, sample_inputs=_sampler(max_operand, ops),
+                max_seq_len=256, info={"layout": "math_team"})

@@ -141,7 +141,8 @@ CASES = [
     Case("user functions", "float token ids", bad_task("float_ids"),
          "tokens[0] is 1.0 (float), not an integer token id"),
     Case("user functions", "prompt not a NodePrompt", bad_task("not_a_prompt"),
-         "node 'speak' (agent 'speaker'): prompt builder returned list, not NodePrompt"),
+         "node 'speak' (agent 'speaker'): prompt builder returned a list of token ids, not "
+         "NodePrompt"),
     Case("user functions", "empty prompt", bad_task("empty_prompt"), "prompt builder: tokens is empty"),
     Case("user functions", "zero token budget", bad_task("zero_budget"),
          "max_new_tokens is 0; the token budget must be >= 1"),

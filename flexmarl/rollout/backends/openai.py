@@ -40,6 +40,10 @@ def completion_body(request: GenerationRequest, model: str) -> dict[str, Any]:
     }
     if request.stop_tokens:
         body["stop_token_ids"] = list(request.stop_tokens)
+    if request.stop:  # the endpoint matches them (a frozen agent: its tokens are not trained)
+        body["stop"] = list(request.stop)
+    if request.top_p < 1:
+        body["top_p"] = request.top_p
     if request.allowed_tokens is not None:
         body["allowed_token_ids"] = list(request.allowed_tokens)
     return body

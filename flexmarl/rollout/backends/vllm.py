@@ -80,6 +80,9 @@ class VLLMEngine:
 
     def admit(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         for r in requests:
+            if r.stop or r.top_p < 1:
+                raise ValueError(f"agent {self.agent!r}: the vllm backend does not apply stop "
+                                 "strings or top_p yet; use stop tokens (NodePrompt.stop_tokens)")
             params = self.vllm.SamplingParams(
                 temperature=r.temperature, max_tokens=r.max_new_tokens, logprobs=0,
                 seed=noise_seed_of(r) & 0x7FFFFFFF, allowed_token_ids=r.allowed_tokens,

@@ -261,7 +261,15 @@ def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
     dev = process_device()
     model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed, dev,
                         compute_dtype(acfg.model.dtype, dev))
-    return HFEngine(model, max_seqs, cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS)
+    return HFEngine(model, max_seqs, cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS,
+                    tokenizer=tokenizer_loader(agent, acfg, spec.vocab_size))
+
+
+def tokenizer_loader(agent: str, acfg: Any, vocab_size: int) -> Any:
+    """The agent's tokenizer, loaded on the first request with stop strings."""
+    from flexmarl.policy.tokenizer import agent_tokenizer
+
+    return lambda: agent_tokenizer(agent, acfg.model, vocab_size)
 
 
 def set_kv_budgets(engines: dict[str, Any], cfg: Any) -> None:

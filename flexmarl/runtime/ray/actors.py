@@ -62,6 +62,7 @@ class RolloutReplica:
         self.spec = spec
         self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
+        self.cfg = cfg
         dev = process_device()
         self.models = {
             a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed,
@@ -125,8 +126,11 @@ class RolloutReplica:
                         f"{stale[0].version}, replica holds {self.versions[agent]}"
                     )
                 t0 = time.time()
+                from flexmarl.runtime.local.workers import tokenizer_loader
+
+                tok = tokenizer_loader(agent, self.cfg.agents[agent], self.spec.vocab_size)
                 results = await loop.run_in_executor(
-                    self._compute, generate, self.models[agent], requests
+                    self._compute, generate, self.models[agent], requests, None, tok
                 )
                 self.spans.append((t0, time.time(), f"gen:{agent}:{len(requests)}"))
                 await self._store_payloads(agent, results)

@@ -3,7 +3,10 @@
 Read top to bottom:
 1. the G trajectories sampled for one input form a group; each row's advantage is its reward
    minus the group mean, divided by the group std (Shao et al., 2024, DeepSeekMath); the
-   orchestrator computes it when a group is complete (`sequence_advantages`);
+   orchestrator computes it when a group is complete (`sequence_advantages`). With
+   `normalize: agent` the mean and std are those of all the agent's rows of the iteration
+   (Dr. MAS's agent-wise normalisation), with `batch` those of every trainable agent's rows;
+   both wait for the iteration's last episode (`normalized_advantages`);
 2. every response token of a row carries the row's advantage; with `kl_mode: reward` the
    per-token KL penalty to the reference is added to it;
 3. the loss of one row is the PPO clipped surrogate averaged over the row's tokens, plus the KL
@@ -18,14 +21,25 @@ import torch
 from flexmarl.config.schema import GRPOConfig
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef, policy_loss, reward_kl
 
-__all__ = ["entropy_coef", "group_advantages", "loss", "sequence_advantages"]
+__all__ = ["entropy_coef", "group_advantages", "loss", "normalized_advantages",
+           "sequence_advantages"]
 
 
 def group_advantages(rewards: list[float], cfg: GRPOConfig) -> list[float]:
+    """`normalize: group`: each reward against its own group's mean (and std)."""
+    return normalized_advantages(rewards, rewards, cfg)
+
+
+def normalized_advantages(rewards: list[float], reference: list[float],
+                          cfg: GRPOConfig) -> list[float]:
+    """(r - mean(reference)) / (std(reference) + eps) for each r of `rewards` (no division with
+    `scale_by_std: false`). The reference is the group (`normalize: group`), all of the agent's
+    rows of the iteration (`agent`) or every trainable agent's rows (`batch`)."""
     r = np.asarray(rewards, dtype=np.float64)
-    centered = r - r.mean()
+    ref = np.asarray(reference, dtype=np.float64)
+    centered = r - ref.mean()
     if cfg.scale_by_std:
-        centered = centered / (r.std() + cfg.adv_eps)
+        centered = centered / (ref.std() + cfg.adv_eps)
     return centered.tolist()
 
 
