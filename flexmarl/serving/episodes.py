@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.graph.meg import EpisodeContext, NodePrompt
+from flexmarl.errors import UserError
+from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.meg import EpisodeContext
 from flexmarl.serving.protocol import ApiError, Sampling, bad
 
 
@@ -50,6 +52,7 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
     done: dict[str, asyncio.Future] = {
         n: asyncio.get_running_loop().create_future() for n in order}
     nodes: dict[str, dict[str, Any]] = {}
+    renderer = PromptRenderer(run.cfg.agents, task.vocab_size)  # text and chat prompts
 
     async def run_node(name: str) -> None:
         node = graph.nodes[name]
@@ -66,23 +69,27 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
             raise ApiError(400, f"node {name!r}: the task could not build its prompt from this "
                                 f"input: {type(exc).__name__}: {exc}", "input",
                            code="bad_episode_input") from exc
-        if not isinstance(prompt, NodePrompt):
-            raise ApiError(500, f"node {name!r}: prompt builder returned "
-                                f"{type(prompt).__name__}", kind="server_error")
+        try:
+            prompt, is_text = renderer.render(name, node.agent, prompt)
+        except UserError as exc:
+            raise ApiError(500, str(exc), kind="server_error") from exc
         spec = run.agents[node.agent]
         if any(not (0 <= t < spec.vocab) for t in prompt.tokens):
             raise ApiError(400, f"node {name!r}: the input yields token ids outside agent "
                                 f"{node.agent!r}'s vocabulary of {spec.vocab}", "input")
         temperature = float(temps) if temps is not None else spec.cfg.sampling.temperature
         s = Sampling(agent=spec, prompt=list(prompt.tokens), max_tokens=prompt.max_new_tokens,
-                     temperature=temperature, top_p=1.0,
+                     temperature=temperature, top_p=spec.cfg.sampling.top_p,
                      seed=(seed * 1000 + order.index(name)) if seed is not None else None,
-                     stop_token_ids=list(prompt.stop_tokens),
-                     allowed_token_ids=prompt.allowed_tokens, token_ids_out=True)
+                     stop=list(prompt.stop), stop_token_ids=list(prompt.stop_tokens),
+                     allowed_token_ids=prompt.allowed_tokens,
+                     token_ids_out=not (is_text and spec.tokenizer is not None))
         outcome = None
         async for outcome in service.generate(s):  # noqa: B007
             pass
         ctx.outputs[name] = outcome.tokens
+        if is_text:  # cut before the first stop string, as in training
+            ctx.texts[name] = renderer.decode(node.agent, outcome.tokens, list(prompt.stop))
         entry: dict[str, Any] = {
             "agent": node.agent, "skipped": False, "version": outcome.version.number,
             "prompt": list(prompt.tokens), "output": outcome.tokens,

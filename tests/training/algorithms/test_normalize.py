@@ -1,0 +1,102 @@
+"""`algorithm.normalize: group | agent | batch` (GRPO): which rewards an advantage is
+normalised against, checked on hand-computed cases, in the algorithm and in the orchestrator
+that picks the reference rows."""
+
+import math
+
+import numpy as np
+import pytest
+
+from flexmarl.config.schema import GRPOConfig, config_from_dict
+from flexmarl.graph.task import load_task
+from flexmarl.orchestrator.joint import IterationState, JointOrchestrator
+from flexmarl.store.experience import Row, make_sample_id
+from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.training.algorithms.grpo import group_advantages, normalized_advantages
+
+EPS = 1e-6
+
+
+def test_group_normalisation_by_hand():
+    # mean 0.5, std 0.5
+    a = 0.5 / (0.5 + EPS)
+    assert group_advantages([1, 0, 0, 1], GRPOConfig()) == pytest.approx([a, -a, -a, a])
+    assert group_advantages([0, 0], GRPOConfig()) == [0.0, 0.0]  # no signal in the group
+
+
+def test_agent_and_batch_references_by_hand():
+    # agent: its rows [1, 0 | 0, 0] over two groups: mean 0.25, std sqrt(3)/4
+    std = math.sqrt(3) / 4
+    assert normalized_advantages([1, 0, 0, 0], [1, 0, 0, 0], GRPOConfig()) == pytest.approx(
+        [0.75 / (std + EPS)] + [-0.25 / (std + EPS)] * 3)
+    # batch: pooled with another agent's [2, 2]: mean 5/6, std sqrt(29/36)
+    std = math.sqrt(29 / 36)
+    assert normalized_advantages([1, 0], [1, 0, 0, 0, 2, 2], GRPOConfig()) == pytest.approx(
+        [(1 - 5 / 6) / (std + EPS), -5 / 6 / (std + EPS)])
+    # scale_by_std off: centred only
+    assert normalized_advantages([1, 0], [1, 0, 0, 0], GRPOConfig(scale_by_std=False)) == \
+        pytest.approx([0.75, -0.25])
+
+
+def test_normalize_is_a_grpo_option_only():
+    base = {"task": {"builder": "x:y"},
+            "agents": {"a": {"algorithm": {"name": "ppo", "normalize": "agent"}}}}
+    with pytest.raises(Exception, match="normalize: option does not apply to algorithm 'ppo' "
+                                        r"\(it is an option of grpo\)"):
+        config_from_dict(base)
+    base["agents"]["a"]["algorithm"] = {"name": "grpo", "normalize": "team"}
+    with pytest.raises(Exception, match="agents.a.algorithm.normalize: Input should be 'group'"):
+        config_from_dict(base)
+
+
+@pytest.mark.parametrize("speaker_mode", ["group", "agent", "batch"])
+def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
+    """Two inputs x two trajectories of the referential game (speaker, listener): rewards set
+    by hand, advantages read back from the store."""
+    cfg = config_from_dict({
+        "task": {"builder": "flexmarl.tasks.referential:build_referential_game"},
+        "agents": {"speaker": {"algorithm": {"name": "grpo", "normalize": speaker_mode}},
+                   "listener": {"algorithm": {"name": "grpo", "normalize": "group"}}},
+        "train": {"iterations": 1, "inputs_per_iteration": 2, "group_size": 2},
+    })
+    task = load_task(cfg.task.builder, cfg.task.options)
+    orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
+    it = IterationState(index=0, episodes_total=4)
+    orch.iterations[0] = it
+    rewards = {("speak", 0, 0): 1.0, ("speak", 0, 1): 0.0, ("speak", 1, 0): 0.0,
+               ("speak", 1, 1): 0.0, ("listen", 0, 0): 2.0, ("listen", 0, 1): 2.0,
+               ("listen", 1, 0): 4.0, ("listen", 1, 1): 0.0}
+    agent_of = {"speak": "speaker", "listen": "listener"}
+    for i in range(2):
+        for traj in range(2):
+            ids = {}
+            for node in ("speak", "listen"):
+                sid = make_sample_id(f"0-{i}", orch.turns[node], traj)
+                agent = agent_of[node]
+                orch.store.add(Row(sid, agent, node, f"0-{i}", orch.turns[node], traj, 0, 0,
+                                   orch.vector(0)))
+                orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
+                                         {"logprobs": np.zeros(1, np.float32)})
+                orch.store.set_rewarded(agent, sid, rewards[(node, i, traj)])
+                ids[node] = sid
+            it.groups[f"0-{i}"].append(ids)
+            orch._maybe_group_ready(it, f"0-{i}")
+        assert it.wide_ready == (i == 1)  # only once every group of the iteration is in
+
+    def adv(node, i, traj):
+        sid = make_sample_id(f"0-{i}", orch.turns[node], traj)
+        return orch.store.table(agent_of[node]).get(sid).data["advantage"]
+
+    speaker = [adv("speak", i, t) for i in range(2) for t in range(2)]
+    if speaker_mode == "group":  # [1, 0] and [0, 0]: the second group carries no signal
+        expected = [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0, 0.0]
+    elif speaker_mode == "agent":  # the speaker's four rows: mean 0.25, std sqrt(3)/4
+        std = math.sqrt(3) / 4
+        expected = [0.75 / (std + EPS)] + [-0.25 / (std + EPS)] * 3
+    else:  # every trainable agent's eight rows: mean 9/8
+        pooled = np.array([1, 0, 0, 0, 2, 2, 4, 0], dtype=float)
+        expected = [(r - pooled.mean()) / (pooled.std() + EPS) for r in (1, 0, 0, 0)]
+    assert speaker == pytest.approx(expected)
+    # the listener stays group-normalised whatever the speaker does: [2, 2] -> 0, [4, 0] -> +-1
+    listener = [adv("listen", i, t) for i in range(2) for t in range(2)]
+    assert listener == pytest.approx([0.0, 0.0, 2 / (2 + EPS), -2 / (2 + EPS)])
