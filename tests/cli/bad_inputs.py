@@ -143,6 +143,14 @@ CASES = [
     Case("user functions", "prompt not a NodePrompt", bad_task("not_a_prompt"),
          "node 'speak' (agent 'speaker'): prompt builder returned a list of token ids, not "
          "NodePrompt"),
+    Case("user functions", "prompt an int", bad_task("int_prompt"),
+         "node 'speak' (agent 'speaker'): prompt builder returned int; expected a NodePrompt "
+         "(token ids), a string, a list of chat messages"),
+    Case("user functions", "stop string not a string", bad_task("bad_stop"),
+         "node 'speak' (agent 'speaker'): prompt builder: TextPrompt.stop[0] is 3 (int); a "
+         "stop string must be a non-empty string"),
+    Case("user functions", "chat prompt, vocabulary too small", bad_task("text_small_vocab"),
+         "agent 'speaker': its tokenizer has 261 tokens but the model's vocabulary has"),
     Case("user functions", "empty prompt", bad_task("empty_prompt"), "prompt builder: tokens is empty"),
     Case("user functions", "zero token budget", bad_task("zero_budget"),
          "max_new_tokens is 0; the token budget must be >= 1"),

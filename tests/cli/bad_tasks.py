@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from flexmarl.graph.meg import NodePrompt
+from flexmarl.graph.meg import NodePrompt, TextPrompt
 from flexmarl.tasks.referential import build_referential_game
 
 OPTIONS = {"num_objects": 8, "num_candidates": 4, "message_length": 1, "num_symbols": 16}
@@ -42,6 +42,12 @@ def build(kind: str, **_ignored):
             [float(t) for t in p.tokens], p.max_new_tokens, p.allowed_tokens))
     if kind == "not_a_prompt":
         return _patch_prompt(task, "speak", lambda p: p.tokens)
+    if kind == "int_prompt":
+        return _patch_prompt(task, "speak", lambda p: 42)
+    if kind == "bad_stop":
+        return _patch_prompt(task, "speak", lambda p: TextPrompt("hello", stop=[3]))
+    if kind == "text_small_vocab":  # the byte-level tokenizer needs 261 ids, the game has 30
+        return _patch_prompt(task, "speak", lambda p: [{"role": "user", "content": "hi"}])
     if kind == "empty_prompt":
         return _patch_prompt(task, "speak", lambda p: NodePrompt([], p.max_new_tokens,
                                                                  p.allowed_tokens))
