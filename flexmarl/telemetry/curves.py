@@ -18,7 +18,7 @@ def reward_curves(records: list[dict[str, Any]], agents: list[str], k: int = 3) 
     """Lines of a table: per agent the mean reward of the first `k` and last `k` iterations,
     the change, the most common answer's share and the entropy over the last `k`, and the
     whole curve (one reward per iteration)."""
-    rows = [r for r in records if "iteration" in r]
+    rows = [r for r in records if "iteration" in r and "event" not in r]
     if not rows or not agents:
         return []
     k = max(1, min(k, len(rows) // 2 or 1))
