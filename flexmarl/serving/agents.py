@@ -89,6 +89,14 @@ def weight_candidates(run_dir: Path, agent: str, acfg: AgentConfig) -> list[Weig
     gen = ckpts / latest / "agents" / agent / "model.safetensors" if latest else None
     if gen is not None and gen.is_file() and acfg.lora is None:
         out.append(WeightSource(latest, gen, _policy_version(gen.parent)))
+    # the shadow the server itself promoted last (continual learning, `deploy.py`)
+    try:
+        promoted = (run_dir / "serving" / agent / "SHADOW").read_text().strip()
+    except OSError:
+        promoted = ""
+    snap = run_dir / "serving" / agent / promoted / "model.safetensors" if promoted else None
+    if snap is not None and snap.is_file():
+        out.append(WeightSource(f"promoted-{promoted}", snap, _policy_version(snap.parent)))
     return out
 
 
@@ -166,6 +174,13 @@ class AgentSpec:
     version: Version
     fingerprint: tuple
     lock: threading.Lock = field(default_factory=threading.Lock)
+    issued: int = 0  # the highest version number handed out (shadow, canary or reload)
+
+    def next_number(self) -> int:
+        """A fresh version number: reloads and canaries never share one."""
+        with self.lock:
+            self.issued = max(self.issued, self.version.number) + 1
+            return self.issued
 
     @property
     def vocab(self) -> int:

@@ -79,12 +79,16 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
                      seed=(seed * 1000 + order.index(name)) if seed is not None else None,
                      stop_token_ids=list(prompt.stop_tokens),
                      allowed_token_ids=prompt.allowed_tokens, token_ids_out=True)
+        if service.capture is not None:  # each node captured; feedback on the episode id
+            s.response_id, s.endpoint, s.episode = f"ep-{episode_id}/{name}", "episodes", \
+                f"ep-{episode_id}"
         outcome = None
         async for outcome in service.generate(s):  # noqa: B007
             pass
         ctx.outputs[name] = outcome.tokens
         entry: dict[str, Any] = {
             "agent": node.agent, "skipped": False, "version": outcome.version.number,
+            "id": s.response_id,
             "prompt": list(prompt.tokens), "output": outcome.tokens,
             "logprobs": outcome.logprobs}
         if spec.tokenizer is not None:
