@@ -154,9 +154,17 @@ def load_weights_file(agent: str, source: WeightSource, model: torch.nn.Module) 
     from safetensors.torch import load_file
 
     from flexmarl.policy.model import check_shapes
+    from flexmarl.serving.compress import is_packed, unpack
 
     assert source.file is not None
-    tensors = load_file(str(source.file))
+    if is_packed(source.file):  # a compressed blob (compress.pack), e.g. from another process
+        try:
+            tensors = unpack(source.file.read_bytes())
+        except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file
+            raise ServeError(f"{source.file}: compressed weights cannot be read: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    else:
+        tensors = load_file(str(source.file))
     check_shapes(agent, str(source.file), {k: tuple(v.shape) for k, v in tensors.items()}, model)
     param = next(model.parameters())
     model.load_state_dict({k: v.to(param.device, param.dtype) if v.is_floating_point() else

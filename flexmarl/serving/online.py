@@ -110,7 +110,7 @@ class OnlineLearner:
         if spec.cfg.lora is not None:
             raise ServeError(f"--learn {spec.name}: LoRA agents are not trained online yet")
         self.spec = spec
-        self.vocab = vocab
+        self.vocab = spec.vocab  # the model's (a path model may have more than the task)
         self.kl_max = kl_max
         self.is_max = is_max
         self.trainer = AgentTrainer(spec.name, spec.cfg, vocab, max_seq_len, run_seed,
@@ -121,6 +121,7 @@ class OnlineLearner:
         self.steps = 0  # updates attempted (the consumed table's step numbers)
         self.applied = 0  # updates that stood
         self.same_version: int | None = None  # served version whose weights the trainer holds
+        self.last_weights: list[float] = []  # the importance weights of the last update
         self.reset(spec.model, spec.version.number)
 
     def reset(self, model: torch.nn.Module, version: int | None) -> None:
@@ -160,6 +161,7 @@ class OnlineLearner:
         weights = importance_weights(train_lps, [r.logprobs for r in rows], self.is_max)
         same = [r.version == self.same_version for r in rows]
         weights = [1.0 if s else w for s, w in zip(same, weights, strict=True)]
+        self.last_weights = weights
         rewards = [r.reward for r in rows]
         adv = grpo.group_advantages(rewards, self.spec.cfg.algorithm)
         samples = [Sample(r.id, r.prompt, r.response, train_lps[i], adv[i] * weights[i],
