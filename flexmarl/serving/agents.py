@@ -254,7 +254,11 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
         if source.file is not None:
             load_weights_file(name, source, model)
         model.eval()
+        # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
+        number = int(source.label.removeprefix("promoted-v")) if source.label.startswith(
+            "promoted-v") and source.label[10:].isdigit() else 1
         out[name] = AgentSpec(
             name, acfg, model, load_tokenizer(name, acfg, source),
-            Version(1, source.label, source.policy_version, time.time()), source.fingerprint)
+            Version(number, source.label, source.policy_version, time.time()),
+            source.fingerprint)
     return ServedRun(rd, cfg, task, task_error, out, dev)

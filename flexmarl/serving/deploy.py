@@ -416,6 +416,10 @@ class Deployment:
         self.cfg = cfg
         self.root = cfg.deploy_dir or service.run.run_dir / "serving"
         self.events = EventLog(self.root / "events.jsonl")
+        for e in self.events.read():  # version numbers stay fresh across restarts
+            spec = service.run.agents.get(e.get("agent"))
+            if spec is not None and isinstance(e.get("version"), int):
+                spec.issued = max(spec.issued, e["version"])
         self.agents = {n: AgentDeployment(service, n, cfg, self.events, self.root)
                        for n in service.run.agents}
         self.lost: set[str] = set()

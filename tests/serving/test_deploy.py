@@ -164,7 +164,7 @@ def test_promotion_and_rollback_by_traffic_feedback(run_copy, tmp_path):
     assert kinds == ["deployment_start", "canary_start", "promote", "canary_start", "rollback"]
     # a restarted server serves the promoted shadow, from its snapshot
     again = load_run(run_copy, "cpu").agents["listener"]
-    assert again.version.source == "promoted-v2"
+    assert again.version.source == "promoted-v2" and again.version.number == 2
     ref = load_run(run_copy, "cpu", ["listener"])  # same weights as the canary's file
     from safetensors.torch import load_file
 
