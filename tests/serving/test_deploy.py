@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -54,6 +55,13 @@ def _ask(client, seed: int):
                                      temperature=1.0)
 
 
+def _versions(client, n: int) -> list[int]:
+    """The versions that served `n` requests sent 8 at a time (the canary's count does not
+    depend on the order of admission: after n admissions it has had floor(n * share))."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda i: _version(_ask(client, i)), range(n)))
+
+
 def test_canary_gets_its_share_of_new_requests(run_copy, tmp_path):
     running = start(run_copy, capture=Capture(tmp_path / "c.sqlite"),
                     deploy=DeployConfig(heldout=0, canary_min_feedback=10_000))
@@ -64,14 +72,14 @@ def test_canary_gets_its_share_of_new_requests(run_copy, tmp_path):
         assert status == 200, body
         assert body["event"]["version"] == 2 and body["event"]["share"] == 0.05  # default 5%
         client = running.client()
-        versions = [_version(_ask(client, i)) for i in range(60)]
+        versions = _versions(client, 60)
         assert versions.count(2) == 3 and versions.count(1) == 57
         # a new canary replaces the old one (which drains); its share is configurable
         status, body = post(f"{running.url}/admin/canary",
                             {"agent": "listener", "path": str(_weights(tmp_path, vocab, 8)),
                              "share": 0.25})
         assert body["event"]["version"] == 3
-        versions = [_version(_ask(client, i)) for i in range(20)]
+        versions = _versions(client, 20)
         assert versions.count(3) == 5 and versions.count(1) == 15
         # a stream is served wholly by one version, reported in every chunk
         seen = set()
@@ -101,16 +109,18 @@ def test_promotion_and_rollback_by_traffic_feedback(run_copy, tmp_path):
         post(f"{running.url}/admin/canary", {"agent": "listener", "path": str(good)})
 
         def traffic(canary_reward: float, shadow_reward: float, n: int) -> list[int]:
-            out = []
-            for i in range(n):
+            canary = running.service.workers["listener"].canary_version.number
+
+            def one(i: int) -> int:
                 resp = _ask(client, 1000 + i)
                 v = _version(resp)
-                reward = canary_reward if v == running.service.workers[
-                    "listener"].canary_version.number else shadow_reward
-                status, _ = post(f"{running.url}/feedback", {"id": resp.id, "reward": reward})
+                status, _ = post(f"{running.url}/feedback", {
+                    "id": resp.id, "reward": canary_reward if v == canary else shadow_reward})
                 assert status == 200
-                out.append(v)
-            return out
+                return v
+
+            with ThreadPoolExecutor(6) as pool:
+                return list(pool.map(one, range(n)))
 
         assert set(traffic(1.0, 0.0, 12)) == {1, 2}
         # requests in flight while the decision happens: none fails, each names its version
@@ -140,7 +150,7 @@ def test_promotion_and_rollback_by_traffic_feedback(run_copy, tmp_path):
         assert event["event"] == "promote" and event["version"] == 2
         assert event["canary_score"] == 1.0 and event["shadow_score"] == 0.0
         assert errors == [] and set(during) <= {1, 2}
-        assert {_version(_ask(client, i)) for i in range(10)} == {2}
+        assert set(_versions(client, 10)) == {2}
         assert (run_copy / "serving" / "listener" / "SHADOW").read_text() == "v2"
         # a canary that scores worse is rolled back; the shadow keeps serving
         post(f"{running.url}/admin/canary",
@@ -149,7 +159,7 @@ def test_promotion_and_rollback_by_traffic_feedback(run_copy, tmp_path):
         status, body = post(f"{running.url}/admin/canary/decide", {"agent": "listener"})
         assert body["event"]["event"] == "rollback" and body["event"]["version"] == 3
         assert body["event"]["canary_score"] < body["event"]["shadow_score"]
-        assert {_version(_ask(client, i)) for i in range(10)} == {2}
+        assert set(_versions(client, 10)) == {2}
         status, body = post(f"{running.url}/admin/canary/decide", {"agent": "listener"})
         assert status == 409
         _, state = post(f"{running.url}/admin/deployment", method="GET")
