@@ -109,6 +109,10 @@ class Capture:
             except sqlite3.IntegrityError:
                 self._db.execute("ROLLBACK")
                 raise FeedbackError(409, f"id: response {rid!r} already has feedback") from None
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
             return len(ids)
 
     def claim(self, agent: str, n: int, step: int, min_temperature: float = 0.05
