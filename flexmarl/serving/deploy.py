@@ -84,6 +84,7 @@ class DeployConfig:
             ("--feedback-weight", 0 <= self.feedback_weight <= 1, "must be in [0, 1]"),
             ("candidate_ratio", self.candidate_ratio >= 0, "must be >= 0"),
             ("--canary-max-s", self.canary_max_s > 0, "must be > 0"),
+            ("--snapshot-every", self.snapshot_every_s > 0, "must be > 0 seconds"),
         ]
         for flag, ok, what in checks:
             if not ok:

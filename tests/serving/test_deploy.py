@@ -184,9 +184,8 @@ def test_promotion_and_rollback_by_traffic_feedback(run_copy, tmp_path):
 
 
 def test_heldout_score_decides_with_the_margin(run_copy, tmp_path):
-    same = run_copy.parent.parent / "listener-model"  # the shadow's own weights
-    if not same.is_dir():
-        same = Path(load_run(run_copy, "cpu").cfg.agents["listener"].model.path)
+    # the shadow's own weights (the toy listener's model folder)
+    same = Path(load_run(run_copy, "cpu").cfg.agents["listener"].model.path)
     for margin, expected in ((0.0, "promote"), (0.5, "rollback")):
         cfg = DeployConfig(heldout=48, feedback_weight=0.0, margin=margin, tick_s=0.05)
         running = start(run_copy, deploy=cfg)
@@ -209,7 +208,7 @@ def test_heldout_score_decides_with_the_margin(run_copy, tmp_path):
         assert 0.0 <= event["shadow_heldout"] <= 1.0
 
 
-def test_bad_deployment_settings_name_the_flag(toy_run, capsys):
+def test_bad_deployment_settings_name_the_flag(toy_run, tmp_path, capsys):
     with pytest.raises(ConfigError, match="--canary-share"):
         DeployConfig(canary_share=0).validate()
     with pytest.raises(ConfigError, match="--kl-max"):
@@ -218,6 +217,12 @@ def test_bad_deployment_settings_name_the_flag(toy_run, capsys):
         DeployConfig(heldout=0, feedback_weight=0).validate()
     assert main(["serve", str(toy_run), "--learn", "listener"]) == 2
     assert "--capture" in capsys.readouterr().err
+    assert main(["serve", str(toy_run), "--device", "cpu", "--capture",
+                 str(tmp_path / "c.sqlite"), "--learn", "nobody"]) == 2
+    err = capsys.readouterr().err
+    assert "--learn nobody" in err and "speaker, listener" in err
+    assert main(["serve", str(toy_run), "--deploy", "--canary-share", "1.5"]) == 2
+    assert "--canary-share" in capsys.readouterr().err
 
 
 @pytest.mark.slow
