@@ -137,6 +137,8 @@ class Service:
             else uuid.uuid4().int & ((1 << 63) - 1),
             top_p=s.top_p)
         worker = self.workers[spec.name]
+        if not worker.alive and not worker._stopped:
+            worker = self.failover(spec.name)
         worker.submit(Job(request, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
                           deltas=deltas))
         finished = False
@@ -220,6 +222,29 @@ class Service:
                                     full, reason, max(s.temperature, GREEDY_TEMPERATURE),
                                     s.top_p, s.allowed_token_ids, s.episode)
         yield Outcome(full, tokens, logprobs, reason, version)
+
+    def failover(self, name: str) -> AgentWorker:
+        """Replace an agent's dead engine thread with a fresh one over the same versions (the
+        shadow, and the canary with its share); the dead one's jobs were already answered with
+        an error. Logged in the deployment's events."""
+        old = self.workers[name]
+        if old.alive:
+            return old
+        spec = self.run.agents[name]
+        new = AgentWorker(name, spec.model, spec.version, old.max_seqs, old.max_tokens)
+        dep = self.deployment.agents.get(name) if self.deployment is not None else None
+        if dep is not None and dep.canary is not None:
+            new.set_canary(dep.canary.model, dep.canary.version, old.canary_share)
+        new.admitted = dict(old.admitted)
+        self.workers[name] = new
+        if dep is not None:
+            dep.worker = new
+            self.deployment.events.log("failover", name, component="engine", error=old.error,
+                                       version=spec.version.number)
+        else:
+            print(f"failover: agent {name!r}: engine thread lost ({old.error}); replaced",
+                  flush=True)
+        return new
 
     # --- reload ----------------------------------------------------------------------------------
     async def reload(self, agent: str | None = None, path: str | None = None,

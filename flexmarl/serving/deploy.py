@@ -23,7 +23,9 @@ reports. Every transition is versioned (a fresh version number) and appended to
 `SHADOW` naming them, so a restarted server serves the last promoted shadow; the training
 policy's full state (weights, optimizer) is snapshotted every `snapshot_every_s` (the
 document's 5 minutes) and resumed on restart. Heartbeats: each agent's engine thread and its
-learner beat every 2 s; a component silent for 3 beats is reported lost in /health and logged.
+learner beat every 2 s; a component silent for 3 beats is reported lost in /health and logged;
+an engine thread that died is replaced by a fresh one over the same shadow and canary
+(`failover` event), its requests answered with an error rather than left hanging.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from flexmarl.graph.meg import EpisodeContext
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
 
 HEARTBEAT_S = 2.0  # the enterprise document: a heartbeat every 2 s,
-HEARTBEAT_MISSES = 3  # 3 missed ones mean the component is lost
+HEARTBEAT_MISSES = 3  # 3 missed ones mean the component is lost (reported; a dead engine
+# thread is replaced at once: `Service.failover`)
 
 
 @dataclass
@@ -424,6 +427,7 @@ class Deployment:
         self.agents = {n: AgentDeployment(service, n, cfg, self.events, self.root)
                        for n in service.run.agents}
         self.lost: set[str] = set()
+        self.service = service
         self.events.log("deployment_start", "*", shadows={
             n: a.spec.version.number for n, a in self.agents.items()},
                         learn=cfg.learn, canary_share=cfg.canary_share)
@@ -436,6 +440,8 @@ class Deployment:
             beats = {"engine": now - a.worker.beat if a.worker.alive else float("inf")}
             if a.learner is not None:
                 beats["learner"] = now - a.beat
+            if not a.worker.alive and not a.worker._stopped:
+                self.service.failover(n)  # a dead thread: replaced at once, no 3 beats wait
             for part, age in beats.items():
                 key = f"{n}.{part}"
                 out[key] = {"age_s": round(age, 3) if age != float("inf") else None,

@@ -107,6 +107,8 @@ class AgentWorker:
         self.admitted: dict[int, int] = {}  # requests admitted per version number
         self.pending = 0  # jobs submitted and not yet done (read by the HTTP side)
         self.beat = time.monotonic()  # the engine thread's last heartbeat
+        self.error: str | None = None  # why the engine thread died, if it did
+        self._waiting: list[Job] = []  # submitted, not admitted yet (the engine thread's)
         self._lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"serve-{agent}", daemon=True)
@@ -201,7 +203,35 @@ class AgentWorker:
         return self._current
 
     def _loop(self) -> None:
-        waiting: list[Job] = []
+        """The engine thread; if it dies, every job it holds gets an error (none hangs) and
+        the thread is reported dead (`alive`), for the server to replace it (failover)."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - answered below, then the thread ends
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.fail_all(f"engine thread of agent {self.agent!r} lost ({self.error}); retry")
+
+    def fail_all(self, message: str) -> None:
+        """Answer every job this worker holds (queued, waiting, decoding) with an error; for a
+        worker whose thread is gone."""
+        jobs = list(self._waiting)
+        self._waiting.clear()
+        slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
+        for slot in slots:
+            jobs += list(slot.jobs.values())
+            slot.jobs.clear()
+        while True:
+            try:
+                kind, payload = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "job":
+                jobs.append(payload)
+        for job in jobs:
+            self._finish(job, ("error", message))
+
+    def _run(self) -> None:
+        waiting = self._waiting
         while not self._stopped:
             self.beat = time.monotonic()
             slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])

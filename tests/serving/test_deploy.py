@@ -310,3 +310,34 @@ def test_sigkill_of_a_learning_server_under_load(run_copy, tmp_path):
     assert set(trained) <= set(consumed)
     kinds = [json.loads(x)["event"] for x in events.read_text().splitlines()]
     assert kinds.count("deployment_start") == 2
+
+
+def test_a_dead_engine_thread_is_replaced_and_its_requests_answered(run_copy, tmp_path):
+    from flexmarl.serving.worker import Job, ServeRequest
+
+    running = start(run_copy, deploy=DeployConfig(heldout=0, canary_min_feedback=10_000))
+    try:
+        vocab = running.service.run.agents["listener"].vocab
+        post(f"{running.url}/admin/canary", {"agent": "listener", "share": 0.5,
+                                             "path": str(_weights(tmp_path, vocab, 21))})
+        old = running.service.workers["listener"]
+        got: list[tuple] = []
+        # a request the engine cannot size (no prompt) kills the engine thread: a real fault
+        old.submit(Job(ServeRequest("poison", "listener", 0, None, 4), got.append))
+        deadline = time.time() + 30
+        while old.alive:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        assert got and got[0][0] == "error" and "lost" in got[0][1]
+        assert old.pending == 0
+        versions = _versions(running.client(), 8)  # served by the replacement, canary kept
+        assert set(versions) == {1, 2}
+        new = running.service.workers["listener"]
+        assert new is not old and new.alive
+        _, health = post(running.url.replace("/v1", "/health"), method="GET")
+        assert health["heartbeats"]["listener.engine"]["ok"]
+    finally:
+        running.close()
+    events = [json.loads(x) for x in (run_copy / "serving" / "events.jsonl").read_text()
+              .splitlines()]
+    assert [e["event"] for e in events].count("failover") == 1
