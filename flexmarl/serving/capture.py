@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS consumed (
   response_id TEXT PRIMARY KEY REFERENCES interactions(id), agent TEXT NOT NULL,
   step INTEGER NOT NULL, outcome TEXT NOT NULL, created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS interactions_episode ON interactions(episode);
+CREATE INDEX IF NOT EXISTS interactions_agent ON interactions(agent, created);
 """
 # columns added after the first release: a file written by an older server gets them
 _ADDED = {"temperature": "REAL", "top_p": "REAL", "allowed": "TEXT", "episode": "TEXT"}
