@@ -57,6 +57,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
                    help="learning rate of online updates (default: the agent's optim.lr)")
     d.add_argument("--online-batch", type=int, default=64,
                    help="captured rows per online update (default 64)")
+    d.add_argument("--update-every", type=float, default=0.0, metavar="SECONDS",
+                   help="at most one online update per this many seconds (default 0: whenever "
+                        "a batch is ready; the enterprise document's cadence is 900)")
     d.add_argument("--canary-every", type=int, default=10,
                    help="applied online updates between canary candidates (default 10)")
     d.add_argument("--canary-min-feedback", type=int, default=20,
@@ -85,7 +88,8 @@ def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imp
     return DeployConfig(
         learn=list(args.learn or []), canary_share=args.canary_share,
         margin=args.promote_margin, kl_max=args.kl_max, is_max=args.is_max, lr=args.online_lr,
-        batch=args.online_batch, canary_every=args.canary_every,
+        batch=args.online_batch, update_every_s=args.update_every,
+        canary_every=args.canary_every,
         canary_min_feedback=args.canary_min_feedback, canary_max_s=args.canary_max_s,
         heldout=args.heldout, feedback_weight=args.feedback_weight,
         snapshot_every_s=args.snapshot_every).validate()

@@ -63,6 +63,8 @@ class DeployConfig:
     is_max: float = 2.0  # truncation of the importance weights [--is-max]
     lr: float | None = None  # online learning rate (None: the agent's optim.lr) [--online-lr]
     batch: int = 64  # captured rows per online update [--online-batch]
+    update_every_s: float = 0.0  # at most one update per this many seconds (the document's
+    # cadence is 900: a PPO update every 15 minutes; 0: whenever a batch is ready)
     canary_every: int = 10  # applied updates between canary candidates [--canary-every]
     canary_min_feedback: int = 20  # canary responses with feedback before a decision
     canary_max_s: float = 300.0  # decide on what evidence there is after this long
@@ -88,6 +90,7 @@ class DeployConfig:
             ("candidate_ratio", self.candidate_ratio >= 0, "must be >= 0"),
             ("--canary-max-s", self.canary_max_s > 0, "must be > 0"),
             ("--snapshot-every", self.snapshot_every_s > 0, "must be > 0 seconds"),
+            ("--update-every", self.update_every_s >= 0, "must be >= 0 seconds"),
         ]
         for flag, ok, what in checks:
             if not ok:
@@ -189,6 +192,7 @@ class AgentDeployment:
         self.heldout_cache: dict[int, float] = {}
         self.beat = time.monotonic()
         self.last_snapshot = time.monotonic()
+        self.last_update = float("-inf")
         self.learner: OnlineLearner | None = None
         if name in cfg.learn:
             run = service.run
@@ -368,8 +372,10 @@ class AgentDeployment:
         with self.lock:
             self.beat = time.monotonic()
             lr, capture = self.learner, self.service.capture
-            if lr is not None and capture is not None and capture.available(
+            due = time.monotonic() - self.last_update >= self.cfg.update_every_s
+            if lr is not None and capture is not None and due and capture.available(
                     self.name, self.cfg.min_temperature) >= self.cfg.batch:
+                self.last_update = time.monotonic()
                 rows = capture.claim(self.name, self.cfg.batch, lr.steps + 1,
                                      self.cfg.min_temperature)
                 if rows:

@@ -12,7 +12,7 @@ reload neither waits for the batch to drain nor fails anything in flight.
 
 Canary (triple-buffer deployment, `deploy.py`): a third engine may run beside the shadow's and
 take `canary_share` of new admissions (error diffusion: after n admissions the canary has had
-round(n * share) of them, give or take one, in arrival order). Promotion makes the canary's
+floor(n * share) of them, whatever the order). Promotion makes the canary's
 engine the one that takes all new admissions; rollback stops admissions to it. Both are
 messages the engine thread applies between two steps, so they are atomic with respect to
 admission, and the demoted engine drains like an old version after a reload.
