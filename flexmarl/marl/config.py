@@ -1,0 +1,135 @@
+"""Configuration of a classic MARL run (a PettingZoo environment, network policies, MAPPO/IPPO).
+
+A YAML with `kind: marl` at the top level is read by this schema instead of the LLM run's
+(`flexmarl train` dispatches on it). Unknown keys are errors, as everywhere in FlexMARL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from flexmarl.config.schema import (
+    ConfigError,
+    LoggingConfig,
+    Strict,
+    _format_errors,
+    apply_overrides,
+)
+
+
+class EnvConfig(Strict):
+    # module path (`mpe2.simple_spread_v3`) or a bare scenario name (looked up in mpe2, then
+    # PettingZoo's classic / butterfly / sisl families); the Parallel API is used for training
+    id: str
+    options: dict[str, Any] = {}
+    num_envs: int = Field(32, gt=0)  # environments per rollout worker, stepped as one batch
+
+
+class NetworkConfig(Strict):
+    kind: Literal["mlp", "gru"] = "mlp"
+    hidden: list[int] = [64, 64]
+    activation: Literal["tanh", "relu"] = "relu"
+    gru_hidden: int = Field(64, gt=0)
+
+
+class PolicyConfig(Strict):
+    # one network for every agent (agent one-hot id in its input) or one per agent; shared
+    # agents must have the same action space (or Discrete ones, padded and masked)
+    share_parameters: bool = True
+    network: NetworkConfig = NetworkConfig()
+    obs_norm: bool = True  # running mean/std of observations and critic inputs
+
+
+class MappoConfig(Strict):
+    """MAPPO (centralised critic) or IPPO (decentralised critics): clipped PPO with GAE."""
+
+    name: Literal["mappo", "ippo"] = "mappo"
+    # MAPPO's critic input: the environment's global state() or the concatenated observations;
+    # IPPO's critic sees the agent's own observation (this field must stay unset)
+    critic_input: Literal["state", "concat_obs"] | None = None
+    lr: float = Field(7e-4, gt=0)
+    critic_lr: float = Field(7e-4, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    gamma: float = Field(0.99, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    clip_eps: float = Field(0.2, gt=0)
+    epochs: int = Field(10, gt=0)
+    minibatches: int = Field(1, gt=0)
+    entropy_coef: float = Field(0.01, ge=0)
+    value_coef: float = Field(1.0, ge=0)
+    value_norm: bool = True
+    clip_value: bool = True
+    huber_delta: float | None = Field(10.0, gt=0)  # None: squared error
+    normalize_advantages: bool = True
+    max_grad_norm: float | None = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _critic(self) -> MappoConfig:
+        if self.name == "ippo" and self.critic_input is not None:
+            raise ValueError("critic_input: IPPO's critics see each agent's own observation; "
+                             "leave critic_input unset or use name: mappo")
+        if self.name == "mappo" and self.critic_input is None:
+            self.critic_input = "state"
+        return self
+
+
+class MarlTrainConfig(Strict):
+    env_steps: int = Field(200_000, gt=0)  # environment steps in total (all envs)
+    rollout_steps: int = Field(25, gt=0)  # steps per environment per iteration
+
+
+class MarlRuntimeConfig(Strict):
+    kind: Literal["local"] = "local"
+    torch_threads: int = Field(1, gt=0)
+
+
+class MarlRunConfig(Strict):
+    kind: Literal["marl"]
+    name: str = "marl"
+    seed: int = 0
+    env: EnvConfig
+    policy: PolicyConfig = PolicyConfig()
+    algorithm: MappoConfig = MappoConfig()
+    train: MarlTrainConfig = MarlTrainConfig()
+    runtime: MarlRuntimeConfig = MarlRuntimeConfig()
+    logging: LoggingConfig = LoggingConfig()
+    out: str | None = None
+
+    @property
+    def iterations(self) -> int:
+        per = self.env.num_envs * self.train.rollout_steps
+        return max(1, self.train.env_steps // per)
+
+
+def is_marl(raw: Any) -> bool:
+    return isinstance(raw, dict) and raw.get("kind") == "marl"
+
+
+def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> MarlRunConfig:
+    try:
+        cfg = MarlRunConfig.model_validate(raw)
+    except ValidationError as exc:
+        text = _format_errors(exc, source)
+        if any(e["loc"][:1] == ("runtime",) and e["type"] == "literal_error"
+               for e in exc.errors()):
+            text += "\n  (classic MARL runs on the local runtime only, so far)"
+        raise ConfigError(text) from None
+    if cfg.logging.backends != ["jsonl"]:
+        raise ConfigError(f"{source}: logging.backends: classic MARL runs write metrics.jsonl "
+                          "only, so far")
+    return cfg
+
+
+def load_marl_config(path: str | Path, overrides: list[str] | None = None) -> MarlRunConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return marl_config_from_dict(apply_overrides(raw, overrides or []), str(path))
