@@ -82,6 +82,14 @@ class MarlTrainConfig(Strict):
     rollout_steps: int = Field(25, gt=0)  # steps per environment per iteration
 
 
+class MarlStoreConfig(Strict):
+    # FP16 quantisation + Zstandard for the observation and critic-input payloads of the
+    # store's rows; the policies then act on the FP16-rounded observations too, so the
+    # trainer's log-probs still equal the rollout's (on-policy). Needs `zstandard`.
+    compress_obs: bool = False
+    zstd_level: int = Field(3, ge=1, le=22)
+
+
 class MarlRuntimeConfig(Strict):
     kind: Literal["local"] = "local"
     torch_threads: int = Field(1, gt=0)
@@ -95,6 +103,7 @@ class MarlRunConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
     algorithm: MappoConfig = MappoConfig()
     train: MarlTrainConfig = MarlTrainConfig()
+    store: MarlStoreConfig = MarlStoreConfig()
     runtime: MarlRuntimeConfig = MarlRuntimeConfig()
     logging: LoggingConfig = LoggingConfig()
     out: str | None = None

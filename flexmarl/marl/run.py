@@ -31,8 +31,11 @@ from flexmarl.envs.spaces import ActionSpec
 from flexmarl.errors import UserError
 from flexmarl.marl.config import MarlRunConfig
 from flexmarl.policy.nets import NetConfigView, NetPolicy
+from flexmarl.store.compression import Codec
 from flexmarl.store.experience import ExperienceStore, Row, make_sample_id
 from flexmarl.training.algorithms import ippo, mappo
+
+COMPRESSED = ("obs", "critic_x")  # the continuous payloads `store.compress_obs` compresses
 
 
 class PolicyError(UserError, ValueError):
@@ -111,6 +114,8 @@ class MarlTrainer:
             for a in agents:
                 self.policy_of[a] = name
         self.store = ExperienceStore(self.agents)
+        self.codec = Codec(cfg.store.zstd_level) if cfg.store.compress_obs else None
+        self.payload_bytes = [0, 0]  # observation payloads: raw, as stored (this iteration)
         self.version = 0
         self.audit: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)
         self._start_flag = {a: np.ones(E, bool) for a in self.agents}
@@ -143,7 +148,10 @@ class MarlTrainer:
                 m = np.concatenate([m, np.zeros((E, p.spec.logits_dim - m.shape[1]), bool)], 1)
             masks.append(m)
         ids = np.repeat(np.arange(len(p.agents)), E)
-        return (torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(cs)),
+        x, c = np.concatenate(xs), np.concatenate(cs)
+        if self.codec is not None:  # act on what the store will hand the trainer
+            x, c = x.astype(np.float16).astype(np.float32), c.astype(np.float16).astype(np.float32)
+        return (torch.from_numpy(x), torch.from_numpy(c),
                 torch.from_numpy(ids), torch.from_numpy(np.concatenate(masks)))
 
     # --- rollout -----------------------------------------------------------------------------
@@ -226,7 +234,15 @@ class MarlTrainer:
                 payload["last_value"] = np.asarray(last[a][e], np.float32)
                 if h0[p.name] is not None:
                     payload["h0"] = h0[p.name][col * E + e].numpy()
-                self.store.set_generated(a, sid, {"env": e, "agent_index": col}, payload)
+                data: dict[str, Any] = {"env": e, "agent_index": col}
+                for name in COMPRESSED:
+                    self.payload_bytes[0] += payload[name].nbytes
+                    if self.codec is not None:
+                        payload[name], header = self.codec.encode(
+                            payload[name], f"agent {a!r}: {name}")
+                        data.setdefault("codec", {})[name] = header
+                    self.payload_bytes[1] += payload[name].nbytes
+                self.store.set_generated(a, sid, data, payload)
                 self.store.set_rewarded(a, sid, float(payload["rewards"].sum()))
                 # per-step advantages come from GAE in the trainer (they need the critic's
                 # value normaliser of this version); the row's scalar is its summed reward
@@ -239,7 +255,10 @@ class MarlTrainer:
         vector = dict.fromkeys(self.agents, k)
         for a in p.agents:
             rows += self.store.take_ready(a, k, self.venv.num_envs, k, expected_vector=vector)
-        f = self.store.fetch
+        def f(row: Row, name: str) -> np.ndarray:
+            header = row.data.get("codec", {}).get(name)
+            array = self.store.fetch(row, name)
+            return Codec.decode(array, header) if header is not None else array
 
         def stack(name: str, dtype=torch.float32) -> torch.Tensor:
             return torch.from_numpy(np.stack([f(r, name) for r in rows], 1)).to(dtype)
@@ -327,7 +346,11 @@ class MarlTrainer:
             "time_s": t2 - start, "rollout_s": t1 - t0, "train_s": t2 - t1,
             "rollout/env_steps_per_s": E * T / max(t1 - t0, 1e-9),
             "env_steps_per_s": E * T / max(t2 - t0, 1e-9), "episodes/total": len(eps),
+            "store/obs_bytes_raw": self.payload_bytes[0],
+            "store/obs_bytes_stored": self.payload_bytes[1],
+            "store/obs_bytes_saved_frac": 1 - self.payload_bytes[1] / max(self.payload_bytes[0], 1),
         }
+        self.payload_bytes = [0, 0]
         if eps:
             per_agent = {a: float(np.mean([e.returns[a] for e in eps])) for a in self.agents}
             for a, v in per_agent.items():

@@ -113,3 +113,26 @@ def test_mappo_speaker_listener_rises_well_above_random() -> None:
     last = np.mean([r["return_mean"] for r in res.records[-10:]])
     assert first < -30  # starts near the random floor
     assert last > SPEAKER_LISTENER_RANDOM + 15, (first, last)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
+    """On-policy: at the first epoch the trainer's log-probs of iteration k's rows are the
+    rollout's, also when the store holds FP16 + zstd observations (the policy acts on the
+    rounded ones), and the compressed rows take fewer bytes."""
+    import torch
+
+    c = cfg(**{"env.id": "mpe2.simple_spread_v3", "policy.share_parameters": True,
+               "store.compress_obs": compress, "train.env_steps": 200})
+    trainer = MarlTrainer(c)
+    trainer.run(None, iterations=1)  # obs statistics exist: version 1 normalises
+    trainer.rollout(1)
+    p = trainer.policies["shared"]
+    batch, _ = trainer._batch(p, 1)
+    with torch.no_grad():
+        out = p.net.actor.sequence(p.net.actor_input(batch.obs, batch.agent_ids), None,
+                                   batch.starts)
+        logp = p.net.actor.dist(out, batch.action_mask).log_prob(batch.actions)
+    torch.testing.assert_close(logp, batch.logp, rtol=0, atol=1e-5)
+    raw, stored = trainer.payload_bytes
+    assert raw > 0 and (stored < 0.5 * raw if compress else stored == raw)
