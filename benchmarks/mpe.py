@@ -1,7 +1,9 @@
 """MAPPO and IPPO on the MPE scenarios, next to random floors; rollout and training env steps/s.
 
-    python benchmarks/mpe.py [--steps 200000] [--scenarios spread,speaker_listener,reference]
-                             [--algos mappo,ippo] [--out docs/marl] [--seed 0]
+    python benchmarks/mpe.py [--steps 200000 | --steps spread=100000,speaker_listener=150000]
+                             [--scenarios spread,speaker_listener,reference]
+                             [--algos mappo,ippo] [--part ppo|vdn|all|print]
+                             [--vdn-steps 60000] [--out docs/marl] [--seed 0]
 
 Prints three tables:
 1. returns (mean episode return per agent, 25 steps) at the env-step budget, averaged over the
@@ -10,8 +12,12 @@ Prints three tables:
    target <= 1/3 of random; spread: landmarks covered at episode end, target >= 2 of 3);
 2. rollout-worker env steps/s, vectorised (32 envs, one forward pass per step for all of them)
    vs one environment at a time, and of each whole training run;
-3. published numbers, and why they are not comparable where they are not.
-Writes `OUT/results.json` and one learning-curve PNG per scenario (`OUT/<scenario>.png`).
+3. VDN on simple_spread with the prioritized, age-weighted replay table vs uniform replay,
+   at the same number of env steps;
+4. published numbers, and why they are not comparable where they are not.
+Writes `OUT/results.json` (part ppo), `OUT/results_vdn.json` (part vdn), one learning-curve
+PNG per scenario (`OUT/<scenario>.png`, `OUT/vdn_spread.png`); `--part print` only prints
+the tables from those files. The parts can run as two processes.
 """
 
 from __future__ import annotations
@@ -110,7 +116,10 @@ def plot(scenario: str, runs: dict[str, list[dict]], floor: float, out: Path) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=200_000, help="env steps per training run")
+    ap.add_argument("--steps", default="200000",
+                    help="env steps per training run: N, or scenario=N,... per scenario")
+    ap.add_argument("--part", choices=["ppo", "vdn", "all", "print"], default="all")
+    ap.add_argument("--vdn-steps", type=int, default=60_000)
     ap.add_argument("--scenarios", default="spread,speaker_listener,reference")
     ap.add_argument("--algos", default="mappo,ippo")
     ap.add_argument("--random-episodes", type=int, default=640)
@@ -122,15 +131,29 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     scenarios = args.scenarios.split(",")
     algos = args.algos.split(",")
-    results: dict = {"steps": args.steps, "seed": args.seed, "scenarios": {}}
+    if "=" in args.steps:
+        budget = {k: int(v) for k, v in (item.split("=") for item in args.steps.split(","))}
+    else:
+        budget = dict.fromkeys(scenarios, int(args.steps))
+    if args.part in ("vdn", "all"):
+        run_vdn(args.vdn_steps, args.seed, out)
+    if args.part in ("ppo", "all"):
+        run_ppo(scenarios, algos, budget, args, out)
+    print_all(out)
+
+
+def run_ppo(scenarios: list[str], algos: list[str], budget: dict[str, int], args,
+            out: Path) -> None:
+    results: dict = {"seed": args.seed, "algos": algos, "scenarios": {}}
     for sc in scenarios:
-        base = config(sc, "mappo", args.steps, args.seed)
+        steps = budget[sc]
+        base = config(sc, "mappo", steps, args.seed)
         entry: dict = {"env": base.env.id, "random": random_floor(base, args.random_episodes,
                                                                   args.seed), "runs": {}}
         entry["rollout_steps_per_s"] = rollout_throughput(base, args.throughput_steps)
         curves = {}
         for algo in algos:
-            cfg = config(sc, algo, args.steps, args.seed)
+            cfg = config(sc, algo, steps, args.seed)
             t0 = time.perf_counter()
             res = train_marl(cfg, None)
             wall = time.perf_counter() - t0
@@ -147,16 +170,57 @@ def main() -> None:
         entry["curves"] = {a: [(r["env_steps"], r.get("return_mean"),
                                 r.get(f"task/{SCENARIOS[sc][2]}")) for r in recs]
                            for a, recs in curves.items()}
+        entry["steps"] = steps
         plot(sc, curves, SCENARIOS[sc][1], out)
         results["scenarios"][sc] = entry
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    print_tables(results, algos)
+        (out / "results.json").write_text(json.dumps(results, indent=1))  # after each
+
+
+def run_vdn(steps: int, seed: int, out: Path) -> None:
+    """VDN on simple_spread: prioritized + age-weighted replay vs uniform, same env steps."""
+    from flexmarl.marl.offpolicy import train_vdn
+
+    res: dict = {"steps": steps, "seed": seed, "runs": {}}
+    curves = {}
+    for label, prio in (("prioritized", True), ("uniform", False)):
+        sets = [f"train.env_steps={steps}", "algorithm={name: vdn}", f"seed={seed}",
+                f"algorithm.prioritized={str(prio).lower()}",
+                f"algorithm.age_weight={str(prio).lower()}",
+                f"algorithm.eps_decay_steps={steps // 2}"]
+        cfg = load_marl_config(ROOT / SCENARIOS["spread"][0], sets)
+        t0 = time.perf_counter()
+        r = train_vdn(cfg, None)
+        wall = time.perf_counter() - t0
+        res["runs"][label] = {"return": tail_mean(r.records, "return_mean"),
+                              "landmarks_covered": tail_mean(r.records,
+                                                             "task/landmarks_covered"),
+                              "env_steps": r.env_steps, "wall_s": wall}
+        curves[f"VDN {label}"] = r.records
+        print(f"[vdn {label}] {r.env_steps} steps in {wall:.0f} s: return "
+              f"{res['runs'][label]['return']:.2f}", flush=True)
+    plot("spread_vdn", curves, SCENARIOS["spread"][1], out)
+    (out / "results_vdn.json").write_text(json.dumps(res, indent=1))
+
+
+def print_all(out: Path) -> None:
+    if (out / "results.json").exists():
+        results = json.loads((out / "results.json").read_text())
+        print_tables(results, results["algos"])
+    if (out / "results_vdn.json").exists():
+        v = json.loads((out / "results_vdn.json").read_text())
+        print(f"\n## VDN on simple_spread, {v['steps']} env steps: prioritized (15% of each "
+              "batch by priority) + age-weighted replay vs uniform\n")
+        print("| replay | return | landmarks covered | wall s |")
+        print("|---|---|---|---|")
+        for label, r in v["runs"].items():
+            print(f"| {label} | {r['return']:.2f} | {r['landmarks_covered']:.3f} | "
+                  f"{r['wall_s']:.0f} |")
 
 
 def print_tables(results: dict, algos: list[str]) -> None:
-    steps = results["steps"]
-    print(f"\n## Returns at {steps} env steps (mean episode return per agent, 25 steps; "
-          f"mean of the last 10% of iterations; seed {results['seed']})\n")
+    budgets = ", ".join(f"{sc} {e['steps']}" for sc, e in results["scenarios"].items())
+    print(f"\n## Returns at fixed env-step budgets ({budgets}; mean episode return per "
+          f"agent, 25 steps; mean of the last 10% of iterations; seed {results['seed']})\n")
     head = "| scenario | random (issue 18) | random (here) | " + " | ".join(
         a.upper() for a in algos) + " | task metric: random | " + " | ".join(
         a.upper() for a in algos) + " | target | met |"
@@ -189,7 +253,7 @@ def print_tables(results: dict, algos: list[str]) -> None:
           "fork (rewards summed over agents, 10-20M steps, 128 parallel envs, recurrent "
           "policies) and JaxMARL reports MPE as learning curves over JAX re-implementations "
           "of the scenarios (different observation noise and seeds, 1e6-1e7 steps); neither "
-          f"matches {steps} steps of mpe2 1.1 per-agent returns, so the random floors of "
+          "matches these budgets of mpe2 1.1 per-agent returns, so the random floors of "
           "issue 18 are the reference here.")
 
 

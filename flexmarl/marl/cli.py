@@ -32,9 +32,12 @@ def train_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: --resume is not supported for classic MARL runs yet")
     out = Path(args.out or cfg.out or Path("runs") / cfg.name)
     check_out_dir(out, "--out" if args.out else "out (the run's output folder)")
+    from flexmarl.marl.config import VdnConfig
+    from flexmarl.marl.offpolicy import VdnTrainer
     from flexmarl.marl.run import MarlTrainer
 
-    trainer = MarlTrainer(cfg)  # environments and networks built: spaces checked
+    # environments and networks built: spaces checked
+    trainer = VdnTrainer(cfg) if isinstance(cfg.algorithm, VdnConfig) else MarlTrainer(cfg)
     console = Console(stderr=True)
     console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {cfg.env.id}, "
                   f"{len(trainer.agents)} agents, {cfg.algorithm.name}, "
@@ -65,6 +68,6 @@ def train_command(args: argparse.Namespace) -> int:
         print(f"{key}: {sum(vals) / len(vals):.3f}")
     print(f"wall time: {result.wall_s:.1f} s, {result.env_steps / result.wall_s:.0f} env steps/s")
     print(f"metrics:     {out / 'metrics.jsonl'}")
-    for name in trainer.policies:
-        print(f"checkpoint:  {out / 'checkpoints' / 'final' / name / 'model.safetensors'}")
+    for path in sorted((out / "checkpoints" / "final").glob("*/model.safetensors")):
+        print(f"checkpoint:  {path}")
     return 0

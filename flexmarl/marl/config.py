@@ -77,6 +77,34 @@ class MappoConfig(Strict):
         return self
 
 
+class VdnConfig(Strict):
+    """VDN with a prioritized, age-weighted replay table (off-policy; docs/marl.md)."""
+
+    name: Literal["vdn"] = "vdn"
+    lr: float = Field(5e-4, gt=0)
+    gamma: float = Field(0.99, ge=0, le=1)
+    batch_size: int = Field(256, gt=0)
+    updates_per_step: int = Field(1, gt=0)  # gradient steps per vectorised env step
+    target_every: int = Field(200, gt=0)  # updates between target-network copies
+    eps_end: float = Field(0.05, ge=0, le=1)
+    eps_decay_steps: int = Field(100_000, gt=0)  # env steps
+    max_grad_norm: float | None = Field(10.0, gt=0)
+    # the replay table (the enterprise document's configuration)
+    capacity: int = Field(100_000, gt=0)
+    min_size: int = Field(5000, gt=0)
+    prioritized: bool = True
+    priority_fraction: float = Field(0.15, ge=0, le=1)  # of each batch, drawn by priority
+    priority_alpha: float = Field(0.6, ge=0)
+    age_weight: bool = True  # w = 1 / (1 + log(age)) on each sampled row's loss
+
+    @model_validator(mode="after")
+    def _sizes(self) -> VdnConfig:
+        if self.capacity < self.min_size:
+            raise ValueError(f"capacity ({self.capacity}) must be >= min_size "
+                             f"({self.min_size})")
+        return self
+
+
 class MarlTrainConfig(Strict):
     env_steps: int = Field(200_000, gt=0)  # environment steps in total (all envs)
     rollout_steps: int = Field(25, gt=0)  # steps per environment per iteration
@@ -101,7 +129,7 @@ class MarlRunConfig(Strict):
     seed: int = 0
     env: EnvConfig
     policy: PolicyConfig = PolicyConfig()
-    algorithm: MappoConfig = MappoConfig()
+    algorithm: MappoConfig | VdnConfig = Field(MappoConfig(), discriminator="name")
     train: MarlTrainConfig = MarlTrainConfig()
     store: MarlStoreConfig = MarlStoreConfig()
     runtime: MarlRuntimeConfig = MarlRuntimeConfig()
