@@ -249,12 +249,12 @@ def print_tables(results: dict, algos: list[str]) -> None:
         print(f"| {sc} | {r['envs32']:.0f} | {r['envs1']:.0f} | {r['envs32'] / r['envs1']:.2f}x | "
               + " | ".join(f"{e['runs'][a]['train_steps_per_s']:.0f}" for a in algos) + " |")
     print("\n## Published numbers\n")
-    print("Not printed side by side: the MAPPO paper (Yu et al., 2022) trains on its own MPE "
-          "fork (rewards summed over agents, 10-20M steps, 128 parallel envs, recurrent "
-          "policies) and JaxMARL reports MPE as learning curves over JAX re-implementations "
-          "of the scenarios (different observation noise and seeds, 1e6-1e7 steps); neither "
-          "matches these budgets of mpe2 1.1 per-agent returns, so the random floors of "
-          "issue 18 are the reference here.")
+    print("Not printed side by side. The MAPPO paper (Yu et al., 2022) trains on the MPE "
+          "scenarios of its own repository (marlbenchmark/on-policy), not mpe2 1.1, for about "
+          "10M steps or more, and reports its own reward scale; JaxMARL trains on its JAX "
+          "re-implementation of MPE and reports learning curves rather than a table. No number "
+          "found in the reference material here has matching settings (scenario code, per-"
+          "agent return, these budgets), so the random floors of issue 18 are the yardstick.")
 
 
 if __name__ == "__main__":
