@@ -104,15 +104,30 @@ def test_config_errors_name_the_field(tmp_path, capsys) -> None:
                                  "b": ActionSpec("box", dim=2, low=(-1, -1), high=(1, 1))}, "e")
 
 
-def test_mappo_speaker_listener_rises_well_above_random() -> None:
-    """About 30 s: 40k environment steps; the random floor is -40.4 per agent."""
-    c = cfg(**{"env.num_envs": 32, "train.env_steps": 40_000, "algorithm.epochs": 10,
+def _speaker_listener(steps: int):
+    c = cfg(**{"env.num_envs": 32, "train.env_steps": steps, "algorithm.epochs": 10,
                "algorithm.minibatches": 1})
-    res = train_marl(c, None)
-    first = np.mean([r["return_mean"] for r in res.records[:3]])
-    last = np.mean([r["return_mean"] for r in res.records[-10:]])
+    return train_marl(c, None).records
+
+
+def test_mappo_speaker_listener_rises_well_above_random() -> None:
+    """About 20 s on an idle 2-core machine: 24k environment steps (the random floor is
+    -40.4 per agent; benchmarks/mpe.py measures -18.4 here at this budget)."""
+    records = _speaker_listener(24_000)
+    first = np.mean([r["return_mean"] for r in records[:3]])
+    last = np.mean([r["return_mean"] for r in records[-8:]])
     assert first < -30  # starts near the random floor
     assert last > SPEAKER_LISTENER_RANDOM + 15, (first, last)
+
+
+@pytest.mark.slow
+def test_mappo_speaker_listener_longer_run_halves_the_distance() -> None:
+    """About 2-4 minutes: 120k steps; return > floor + 20 and the listener ends well inside
+    random's distance to its target (random: about 1.3)."""
+    records = _speaker_listener(120_000)
+    tail = records[-12:]
+    assert np.mean([r["return_mean"] for r in tail]) > SPEAKER_LISTENER_RANDOM + 20
+    assert np.mean([r["task/final_distance"] for r in tail]) < 0.75
 
 
 @pytest.mark.parametrize("compress", [False, True])
