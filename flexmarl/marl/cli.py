@@ -59,6 +59,11 @@ def train_command(args: argparse.Namespace) -> int:
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                         sort_keys=False))
         result = trainer.run(out, on_iteration)
+    import json
+
+    (out / "summary.json").write_text(json.dumps({
+        "status": "completed", "iterations": len(result.records), "env_steps": result.env_steps,
+        "wall_s": result.wall_s, "algorithm": cfg.algorithm.name}, indent=2))
     tail = result.records[-max(1, len(result.records) // 10):]
     rets = [r["return_mean"] for r in tail if "return_mean" in r]
     print(f"final mean episode return per agent (last 10% of iterations): "

@@ -151,6 +151,18 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
         cfg = MarlRunConfig.model_validate(raw)
     except ValidationError as exc:
         text = _format_errors(exc, source)
+        for tag in ("mappo", "ippo", "vdn"):  # the union's tag is not part of the YAML path
+            text = text.replace(f"  algorithm.{tag}.", "  algorithm.")
+        lines = []
+        for line in text.splitlines():
+            key = line.strip().split(":", 1)[0].removeprefix("algorithm.")
+            if line.startswith("  algorithm.") and line.endswith("unknown key"):
+                owners = [n for n, c in (("mappo/ippo", MappoConfig), ("vdn", VdnConfig))
+                          if key in c.model_fields]
+                if owners:
+                    line += f" (an option of {owners[0]}, not of this algorithm)"
+            lines.append(line)
+        text = "\n".join(lines)
         if any(e["loc"][:1] == ("runtime",) and e["type"] == "literal_error"
                for e in exc.errors()):
             text += "\n  (classic MARL runs on the local runtime only, so far)"

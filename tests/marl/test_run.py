@@ -151,3 +151,11 @@ def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
     torch.testing.assert_close(logp, batch.logp, rtol=0, atol=1e-5)
     raw, stored = trainer.payload_bytes
     assert raw > 0 and (stored < 0.5 * raw if compress else stored == raw)
+
+
+def test_options_of_another_algorithm_are_named(tmp_path, capsys) -> None:
+    with pytest.raises(ConfigError) as err:
+        cfg(**{"algorithm.batch_size": 64})
+    assert "algorithm.batch_size: unknown key (an option of vdn" in str(err.value)
+    with pytest.raises(ConfigError, match="algorithm.epochz: unknown key"):
+        cfg(**{"algorithm.epochz": 3})
