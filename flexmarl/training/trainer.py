@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from flexmarl.config.schema import AgentConfig, OptimConfig
+from flexmarl.policy import adapters
 from flexmarl.policy.device import compute_dtype, memory_stats, process_device
 from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
@@ -64,6 +65,7 @@ class AgentTrainer:
     def __init__(
         self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int, run_seed: int,
         total_steps: int | None = None, max_staleness: int = 0, device: str | None = None,
+        shared_base: torch.nn.Module | None = None,
     ) -> None:
         """`device`: where the trainer computes (None: this process's device, see
         `policy.device`). Weights and optimizer state stay float32 there; forward and backward
@@ -73,7 +75,10 @@ class AgentTrainer:
         accepted (`pipeline.max_staleness`: 0, on-policy, except 1 in one_step_off). Stale rows
         need no extra correction: the loss's ratio pi_theta / pi_behaviour uses the log-probs
         recorded at generation (`Sample.old_logprobs`), the clipped importance weight of
-        one-step off-policy PPO/GRPO."""
+        one-step off-policy PPO/GRPO.
+
+        `shared_base`: the built base of an agent on a shared base (`model.base`), on this
+        trainer's device in float32; the trainer wraps a tree over the same tensors (no copy)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.agent = agent
@@ -86,7 +91,12 @@ class AgentTrainer:
         # float16 gradients underflow without scaling: a fixed loss scale, divided out at the
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
-        base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
+        if shared_base is not None:
+            base = adapters.share_base(shared_base)
+        else:
+            # a shared base is the same model for all its agents (random init keyed by its name)
+            owner = f"models.{cfg.model.base}" if cfg.model.base else agent
+            base = build_model(owner, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
         if cfg.model.gradient_checkpointing:
             # transformers renamed it (activation_) after 5.17, kwargs included
             if hasattr(base, "activation_checkpointing_enable"):
@@ -103,7 +113,8 @@ class AgentTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         # a transformers model, or peft's wrapper of one (both duck-typed)
-        self.model: Any = lora.apply(agent, base, cfg.lora) if cfg.lora is not None else base
+        self.model: Any = (lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
+                           if cfg.lora is not None else base)
         self.model.train()
         self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
         self.critic_model = None
@@ -306,8 +317,12 @@ class AgentTrainer:
         return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """What the rollout replicas need to hold this version (LoRA: the merged adapted layers),
-        in the compute dtype (replicas hold the weights autocast computes with)."""
+        """What the rollout replicas need to hold this version (LoRA: the merged adapted layers;
+        on a shared base: the adapter alone, the replica holds the base), in the compute dtype
+        (replicas hold the weights autocast computes with)."""
+        if self.cfg.model.base is not None and self.cfg.lora is not None:
+            return {k: v.to(self.compute_dtype)
+                    for k, v in adapters.adapter_tensors(self.model).items()}
         if self.cfg.lora is not None:
             return {k: v.to(self.compute_dtype) if v.is_floating_point() else v
                     for k, v in lora.merged_weights(self.model).items()}
