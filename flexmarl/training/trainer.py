@@ -361,6 +361,15 @@ class AgentTrainer:
             out["critic"] = self.critic_model
         return out
 
+    def _shared_keys(self, part: str, module: Any) -> set[str]:
+        """The frozen base tensors of an agent on a shared base: the same in every trainer
+        built from the config, and held once per slot, so restart points leave them out."""
+        if part != "model" or self.cfg.model.base is None:
+            return set()
+        return {k for k, p in module.named_parameters(remove_duplicate=False)
+                if not p.requires_grad} | {
+            k for k, _ in module.named_buffers()}
+
     def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Everything a restarted trainer needs to continue bit for bit: weights, optimizer
         moments and step counts, the version and the RNG states, as (arrays, JSON-able meta).
@@ -368,7 +377,7 @@ class AgentTrainer:
         arrays: dict[str, np.ndarray] = {
             f"{part}.{k}": v.detach().cpu().numpy().copy()
             for part, module in self._state_modules().items()
-            for k, v in module.state_dict().items()
+            for k, v in module.state_dict().items() if k not in self._shared_keys(part, module)
         }
         opt: dict[str, Any] = dict(self.optimizer.state_dict())
         for idx, slots in opt["state"].items():
@@ -392,8 +401,15 @@ class AgentTrainer:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
         for part, module in self._state_modules().items():
             prefix = f"{part}."
-            module.load_state_dict({k[len(prefix):]: torch.from_numpy(np.array(v, copy=True))
-                                    for k, v in arrays.items() if k.startswith(prefix)})
+            shared = self._shared_keys(part, module)
+            result = module.load_state_dict(
+                {k[len(prefix):]: torch.from_numpy(np.array(v, copy=True))
+                 for k, v in arrays.items() if k.startswith(prefix)}, strict=not shared)
+            missing = set(result.missing_keys) - shared
+            if missing or result.unexpected_keys:
+                raise TrainingError(f"agent {self.agent!r}: state does not fit the trainer "
+                                    f"(missing {sorted(missing)[:3]}, "
+                                    f"unexpected {sorted(result.unexpected_keys)[:3]})")
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in arrays.items():
             if key.startswith("optim."):
