@@ -161,3 +161,59 @@ def build_replica_model(cfg: RunConfig, agents: list[str], vocab_size: int, max_
         added[agent] = resident_bytes(model) - before
     model.eval()
     return model, names, {"base_bytes": base_bytes, "agent_bytes": added}
+
+
+class StackedLoRA:
+    """Batched LoRA over many adapters for a replica's mixed batches (S-LoRA's / punica's
+    gathered matmuls): per adapted layer, every adapter's A and B are stacked ([K+1, r, in],
+    [K+1, out, r], slot 0 all zeros: the bare base), and each forward gathers the rows'
+    adapters and adds `scale * (x @ A_row^T) @ B_row^T` with two batched matmuls, whatever the
+    number of adapters in the batch (peft's mixed forward loops over them: 0.33x a
+    single-agent batch with 8 adapters on a small model, see benchmarks/lora_agents.py).
+
+    Adapters of lower rank, or that do not adapt a layer, are zero-padded there, which adds
+    exact zeros. peft's own weights stay the storage; `refresh(name)` re-reads one adapter."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        self.slot = {name: i + 1 for i, name in enumerate(names)}
+        self.rows: torch.Tensor | None = None  # the slot of each row of the current forward
+        self.layers: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for _, layer in _lora_layers(model):
+            present = [n for n in names if n in layer.lora_A]
+            if not present:
+                continue
+            weight = layer.get_base_layer().weight
+            rank = max(layer.r[n] for n in present)
+            k = len(names) + 1
+            a = torch.zeros(k, rank, layer.in_features, dtype=weight.dtype, device=weight.device)
+            b = torch.zeros(k, layer.out_features, rank, dtype=weight.dtype, device=weight.device)
+            scale = torch.zeros(k, 1, 1, dtype=weight.dtype, device=weight.device)
+            self.layers.append((layer, a, b, scale))
+            layer.forward = self._forward_of(layer, a, b, scale)  # this replica's model only
+        for name in names:
+            self.refresh(name)
+
+    def refresh(self, name: str) -> None:
+        i = self.slot[name]
+        with torch.no_grad():
+            for layer, a, b, scale in self.layers:
+                if name not in layer.lora_A:
+                    continue
+                r = layer.r[name]
+                a[i, :r].copy_(layer.lora_A[name].weight)
+                b[i, :, :r].copy_(layer.lora_B[name].weight)
+                scale[i] = layer.scaling[name]
+
+    def _forward_of(self, layer: Any, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor):
+        base = layer.get_base_layer()
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            result = base(x, *args, **kwargs)
+            rows = self.rows
+            if rows is None:
+                raise RuntimeError("a stacked-LoRA layer called outside a batch's forward")
+            h = torch.bmm(x.to(a.dtype), a[rows].transpose(1, 2))  # [B, T, r]
+            delta = torch.bmm(h, b[rows].transpose(1, 2)) * scale[rows]
+            return result + delta.to(result.dtype)
+
+        return forward

@@ -77,8 +77,9 @@ class ContinuousBatcher:
 
     `adapters` (agent -> adapter name) makes it the engine of a shared base: `model` is a peft
     model holding one LoRA adapter per agent, and one batch mixes requests of all these agents,
-    each row through its own agent's adapter (peft's mixed-batch forward; `policy.adapters.
-    BASE_ADAPTER` is the bare base, for a frozen agent without an adapter).
+    each row through its own agent's adapter (`policy.adapters.StackedLoRA`: two batched
+    matmuls per layer whatever the number of adapters; `BASE_ADAPTER` is the bare base, for a
+    frozen agent without an adapter).
     """
 
     def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
@@ -87,7 +88,7 @@ class ContinuousBatcher:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
         self.adapters = adapters
-        self._rows: list[str] | None = None  # adapter of each row of the forward in progress
+        self._stack: Any = None  # the stacked adapters of a shared base (`_hook_adapters`)
         self._net = model
         if adapters is not None:
             self._net = self._hook_adapters(model)
@@ -108,23 +109,17 @@ class ContinuousBatcher:
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
 
     def _hook_adapters(self, model: Any) -> Any:
-        """Forward pre-hooks, installed once, hand every LoRA layer the adapter of each row of
-        the current forward (what peft's `adapter_names=` does by re-registering hooks on every
-        call); returns the transformers model inside the peft wrapper, called directly."""
+        """Replace the forward of every LoRA layer by the stacked, batched one (`policy.
+        adapters.StackedLoRA`); returns the transformers model inside the peft wrapper."""
         from peft import PeftModel
-        from peft.tuners.lora import LoraLayer
+
+        from flexmarl.policy.adapters import BASE_ADAPTER, StackedLoRA
 
         if not isinstance(model, PeftModel):  # agents on a base without any adapter
             return model
-
-        def rows(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if self._rows is not None:
-                kwargs["adapter_names"] = self._rows
-            return args, kwargs
-
-        for module in model.modules():
-            if isinstance(module, LoraLayer):
-                module.register_forward_pre_hook(rows, with_kwargs=True)
+        assert self.adapters is not None
+        names = sorted({a for a in self.adapters.values() if a != BASE_ADAPTER})
+        self._stack = StackedLoRA(model, names)
         return model.get_base_model()
 
     def _adapter_of(self, request: GenerationRequest) -> str | None:
@@ -138,11 +133,13 @@ class ContinuousBatcher:
     def _forward(self, adapters: list[str | None], **kwargs: Any) -> Any:
         if self._net is self.model:  # no adapter on this model
             return self._net(**kwargs)
-        self._rows = [a or "__base__" for a in adapters]
+        slot = self._stack.slot
+        self._stack.rows = torch.tensor([slot.get(a, 0) if a else 0 for a in adapters],
+                                        dtype=torch.long, device=self.device)
         try:
             return self._net(**kwargs)
         finally:
-            self._rows = None
+            self._stack.rows = None
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -334,6 +331,7 @@ class HFEngine(ContinuousBatcher):
                 raise RuntimeError(f"cannot load agent {agent!r}'s adapter while its "
                                    "sequences are running")
             load_adapter(self.model, self.adapters[agent], weights)
+            self._stack.refresh(self.adapters[agent])
             return
         if self.active:
             raise RuntimeError("cannot load weights while sequences are running")
