@@ -40,7 +40,7 @@ if __name__ == "__main__":
 
         ensure_cache()  # a clear error when the smollm extra is missing
     print(f"{args.model}, LoRA r=8 on q_proj/v_proj; rollout: {args.batch} sequences x "
-          f"{args.prompt} prompt + {args.new} new tokens, {args.threads} thread(s), best of "
+          f"{args.prompt} prompt + {args.new} new tokens, {args.threads} thread(s), tokens per CPU second, median of "
           f"{args.rounds}", flush=True)
     head = (f"{'N':>2} | {'replica MB':>10} {'separate':>9} | {'trainer MB':>10} "
             f"{'separate':>9} | {'mixed tok/s':>11} {'per-agent':>9} {'single':>7} "
