@@ -15,6 +15,7 @@ import itertools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from flexmarl.config.schema import LoraConfig, RunConfig
 
@@ -165,11 +166,12 @@ def build_replica_model(cfg: RunConfig, agents: list[str], vocab_size: int, max_
 
 class StackedLoRA:
     """Batched LoRA over many adapters for a replica's mixed batches (S-LoRA's / punica's
-    gathered matmuls): per adapted layer, every adapter's A and B are stacked ([K+1, r, in],
-    [K+1, out, r], slot 0 all zeros: the bare base), and each forward gathers the rows'
-    adapters and adds `scale * (x @ A_row^T) @ B_row^T` with two batched matmuls, whatever the
-    number of adapters in the batch (peft's mixed forward loops over them: 0.33x a
-    single-agent batch with 8 adapters on a small model, see benchmarks/lora_agents.py).
+    gathered matmuls): per adapted layer, every adapter's A and scaled B are stacked
+    ([K+1, r, in], [K+1, out, r], slot 0 all zeros: the bare base), and each forward gathers
+    the rows' adapters and adds `(x @ A_row^T) @ (scale B_row)^T` with two batched matmuls,
+    whatever the number of adapters in the batch (peft's mixed forward loops over them: 0.33x
+    a single-agent batch with 8 adapters on a small model). A batch of one adapter's rows
+    takes two plain matmuls.
 
     Adapters of lower rank, or that do not adapt a layer, are zero-padded there, which adds
     exact zeros. peft's own weights stay the storage; `refresh(name)` re-reads one adapter."""
@@ -177,7 +179,8 @@ class StackedLoRA:
     def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
         self.slot = {name: i + 1 for i, name in enumerate(names)}
         self.rows: torch.Tensor | None = None  # the slot of each row of the current forward
-        self.layers: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.only: int | None = None  # the one slot of every row, when they share it
+        self.layers: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         for _, layer in _lora_layers(model):
             present = [n for n in names if n in layer.lora_A]
             if not present:
@@ -187,33 +190,44 @@ class StackedLoRA:
             k = len(names) + 1
             a = torch.zeros(k, rank, layer.in_features, dtype=weight.dtype, device=weight.device)
             b = torch.zeros(k, layer.out_features, rank, dtype=weight.dtype, device=weight.device)
-            scale = torch.zeros(k, 1, 1, dtype=weight.dtype, device=weight.device)
-            self.layers.append((layer, a, b, scale))
-            layer.forward = self._forward_of(layer, a, b, scale)  # this replica's model only
+            self.layers.append((layer, a, b))
+            layer.forward = self._forward_of(layer, a, b)  # this replica's model only
         for name in names:
             self.refresh(name)
+
+    def set_rows(self, slots: list[int], device: torch.device) -> None:
+        self.only = slots[0] if len(set(slots)) == 1 else None
+        self.rows = torch.tensor(slots, dtype=torch.long, device=device)
+
+    def clear(self) -> None:
+        self.rows, self.only = None, None
 
     def refresh(self, name: str) -> None:
         i = self.slot[name]
         with torch.no_grad():
-            for layer, a, b, scale in self.layers:
+            for layer, a, b in self.layers:
                 if name not in layer.lora_A:
                     continue
                 r = layer.r[name]
                 a[i, :r].copy_(layer.lora_A[name].weight)
-                b[i, :, :r].copy_(layer.lora_B[name].weight)
-                scale[i] = layer.scaling[name]
+                b[i, :, :r].copy_(layer.lora_B[name].weight * layer.scaling[name])
 
-    def _forward_of(self, layer: Any, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor):
+    def _forward_of(self, layer: Any, a: torch.Tensor, b: torch.Tensor):
         base = layer.get_base_layer()
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             result = base(x, *args, **kwargs)
-            rows = self.rows
+            rows, only = self.rows, self.only
             if rows is None:
                 raise RuntimeError("a stacked-LoRA layer called outside a batch's forward")
-            h = torch.bmm(x.to(a.dtype), a[rows].transpose(1, 2))  # [B, T, r]
-            delta = torch.bmm(h, b[rows].transpose(1, 2)) * scale[rows]
+            if only == 0:  # bare-base rows only
+                return result
+            x = x.to(a.dtype)
+            if only is not None:
+                delta = F.linear(F.linear(x, a[only]), b[only])
+            else:
+                h = torch.bmm(x, a[rows].transpose(1, 2))  # [B, T, r]
+                delta = torch.bmm(h, b[rows].transpose(1, 2))
             return result + delta.to(result.dtype)
 
         return forward

@@ -134,12 +134,11 @@ class ContinuousBatcher:
         if self._net is self.model:  # no adapter on this model
             return self._net(**kwargs)
         slot = self._stack.slot
-        self._stack.rows = torch.tensor([slot.get(a, 0) if a else 0 for a in adapters],
-                                        dtype=torch.long, device=self.device)
+        self._stack.set_rows([slot.get(a, 0) if a else 0 for a in adapters], self.device)
         try:
             return self._net(**kwargs)
         finally:
-            self._stack.rows = None
+            self._stack.clear()
 
     # --- capacity ----------------------------------------------------------------------------
     @property
