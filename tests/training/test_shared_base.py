@@ -56,6 +56,32 @@ def test_adapter_only_publication_fits_the_replica():
     assert len(published) == 2 * 3 * 2  # 2 layers x (q, v, o) x (A, B)
 
 
+def test_restart_point_leaves_the_base_out_and_restores_exactly():
+    """A trainer's restart point (checkpoints, a restarted slot) holds the adapter and AdamW,
+    not the shared base; a fresh slot restored from it continues bit for bit."""
+    from flexmarl.bench.lora_agents import _samples
+
+    cfg = load_config(RELAY, SHARED)
+    slots = [TrainSlot(cfg, vocab_size=32, max_seq_len=24) for _ in range(2)]
+    for slot in slots:
+        slot.bind("speaker", None)
+    first, second = slots[0].trainers["speaker"], slots[1].trainers["speaker"]
+    first.accumulate(_samples(32, 3, 8, 4, seed=1))
+    first.step()
+    arrays, meta = first.get_state()
+    assert not any("base_layer" in k or "embed_tokens" in k for k in arrays)
+    second.set_state(arrays, meta)
+    later = _samples(32, 3, 8, 4, seed=2)
+    for sample in later:
+        sample.policy_version = 1
+    for trainer in (first, second):
+        trainer.accumulate(later)
+        trainer.step()
+    a, b = first.weights(), second.weights()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if k.endswith("lora_B"))  # it trained
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from flexmarl.orchestrator.run import train
