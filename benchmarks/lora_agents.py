@@ -59,7 +59,7 @@ if __name__ == "__main__":
               f"{spd['single_tps']:>7.1f} {spd['ratio']:>12.2f}", flush=True)
     print(f"memory per added adapter agent: replica {rows[ns[-1]][0]['adapter_mb']:.2f} MB")
     sw = swap_time(model, vocab, args.rounds)
-    print(f"swap out+in (capture, wire, restore): adapter agent {sw['adapter_s'] * 1e3:.1f} ms "
+    print(f"swap out+in (capture, wire, restore; CPU s): adapter agent {sw['adapter_s'] * 1e3:.1f} ms "
           f"({sw['adapter_mb']:.1f} MB), full-model agent {sw['full_s'] * 1e3:.1f} ms "
           f"({sw['full_mb']:.1f} MB): {sw['full_s'] / sw['adapter_s']:.0f}x", flush=True)
 
