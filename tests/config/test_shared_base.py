@@ -56,3 +56,13 @@ def test_base_without_a_models_section_and_unused_models():
 def test_frozen_agent_may_use_the_bare_base():
     cfg = config_from_dict(_raw(a={"model": {"base": "smol"}, "trainable": False}))
     assert cfg.agents["a"].lora is None and cfg.agents["a"].model.base == "smol"
+
+
+def test_the_shipped_example_validates():
+    from pathlib import Path
+
+    from flexmarl.config.schema import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "shared_base.yaml")
+    assert {a: c.model.base for a, c in cfg.agents.items()} == {
+        "speaker": "base", "relay": None, "listener": "base"}
