@@ -91,12 +91,11 @@ class AgentTrainer:
         # float16 gradients underflow without scaling: a fixed loss scale, divided out at the
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
+        base: Any  # a transformers causal LM
         if shared_base is not None:
             base = adapters.share_base(shared_base)
         else:
-            # a shared base is the same model for all its agents (random init keyed by its name)
-            owner = f"models.{cfg.model.base}" if cfg.model.base else agent
-            base = build_model(owner, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
+            base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
         if cfg.model.gradient_checkpointing:
             # transformers renamed it (activation_) after 5.17, kwargs included
             if hasattr(base, "activation_checkpointing_enable"):
