@@ -61,15 +61,21 @@ class TrainSlot:
                             self.cfg.seed, total_steps=self.cfg.train.iterations,
                             max_staleness=self.cfg.pipeline.max_staleness, shared_base=shared)
 
-    def resident_bytes(self) -> int:
-        """Memory the slot holds: every kept trainer's weights, gradients and optimizer state,
-        each shared base once."""
+    def resident_bytes(self, agents: list[str] | None = None) -> int:
+        """Memory the slot holds: the kept trainers' (of `agents`, default all) weights,
+        gradients and optimizer states, each shared base once."""
         objects: list = list(self.bases.values())
-        for trainer in self.kept.values():
-            objects += [*trainer._state_modules().values(), trainer.optimizer]
-            if trainer.ref_model is not None:
-                objects.append(trainer.ref_model)
+        for agent, trainer in self.kept.items():
+            if agents is None or agent in agents:
+                objects += [*trainer._state_modules().values(), trainer.optimizer]
+                if trainer.ref_model is not None:
+                    objects.append(trainer.ref_model)
         return adapters.resident_bytes(*objects)
+
+    def agent_bytes(self, agent: str) -> int:
+        """What `agent` adds to the slot: an adapter agent its adapter, gradients and AdamW
+        state (its base is shared); any other agent its whole model and optimizer."""
+        return self.resident_bytes([agent]) - self.resident_bytes([])
 
     def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
@@ -106,4 +112,5 @@ class TrainSlot:
             self.trainers[agent] = trainer
             timings["swap_in_s"] = time.perf_counter() - t0
             timings["resident_bytes"] = float(self.resident_bytes())
+            timings["agent_bytes"] = float(self.agent_bytes(agent))
         return out_agent, out_state, timings

@@ -42,6 +42,7 @@ def test_slot_holds_the_base_once_and_swaps_only_the_adapter():
         assert frozen and all(id(p) in base_of for p in frozen)  # the same tensors, no copy
     adapter_bytes = sum(p.numel() * 4 for p in listener.actor_params)
     assert two - one == adapter_bytes  # + the listener's adapter, nothing else yet
+    assert slot.agent_bytes("listener") == adapter_bytes
     captured = st.capture(speaker, frozen=False)
     assert not any("base_layer" in k or "embed" in k for k in captured.tensors)
     assert captured.nbytes < 0.1 * sum(p.numel() * 4 for p in slot.bases["shared"].parameters())
@@ -132,6 +133,8 @@ def test_both_adapter_agents_train_and_the_replica_holds_the_base_once(runs):
     assert memory["resident_mb"] < 1.2 * (shared["base_mb"] + memory["models"]["relay"][
         "agent_mb"]["relay"])
     assert runs[1].placement["train"][0]["resident_mb"] > 0
+    added = runs[1].placement["train_agent_mb"]
+    assert max(added["speaker"], added["listener"]) < 0.25 * added["relay"]  # adapters vs a model
 
 
 def _have_smollm() -> bool:

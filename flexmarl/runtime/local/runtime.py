@@ -322,6 +322,7 @@ class LocalTrainPool:
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
         # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
         self.resident_bytes: dict[int, float] = {}
+        self.agent_bytes: dict[str, float] = {}  # per agent: what it adds to a slot
         # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
         self.slot_stats: dict[str, dict[str, float]] = defaultdict(
             lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
@@ -463,6 +464,7 @@ class LocalTrainPool:
         swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
         if "resident_bytes" in timings:
             self.resident_bytes[lease.slot] = timings["resident_bytes"]
+            self.agent_bytes[agent] = timings["agent_bytes"]
         self.swap_seconds += swap_s
         self.slot_stats[agent]["swaps"] += 1
         self.slot_stats[agent]["swap_s"] += swap_s
@@ -619,6 +621,8 @@ class LocalRuntime:
                  "resident_mb": round(self.train.resident_bytes.get(w.index, 0.0) / 2**20, 3)}
                 for w in self.train_workers
             ],
+            # what each trained agent adds to a slot (an adapter agent: adapter + AdamW)
+            "train_agent_mb": {a: round(b / 2**20, 3) for a, b in self.train.agent_bytes.items()},
             "train_swaps": self.train.allocator.swaps,
             "train_swaps_in": dict(self.train.swaps_in),
             "train_swap_s": self.train.swap_seconds,
