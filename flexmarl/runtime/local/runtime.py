@@ -62,6 +62,7 @@ class WorkerProxy:
         # monitor runs there).
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.outstanding_tokens = 0
+        self.resident: dict[str, Any] = {}  # a replica's models and their memory, from "ready"
         self.alive = False
         self.stopping = False
         self.last_beat = time.monotonic()  # any message counts as a heartbeat
@@ -134,6 +135,8 @@ class WorkerProxy:
             if span is not None:
                 self.sink.span(self.pool, self.index, *span)
         if msg_id == -1:
+            if isinstance(result, dict):  # a replica's ready message: what it holds
+                self.resident = result.get("memory", {})
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(True)
             return
@@ -317,6 +320,9 @@ class LocalTrainPool:
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
+        # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
+        self.resident_bytes: dict[int, float] = {}
+        self.agent_bytes: dict[str, float] = {}  # per agent: what it adds to a slot
         # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
         self.slot_stats: dict[str, dict[str, float]] = defaultdict(
             lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
@@ -456,6 +462,9 @@ class LocalTrainPool:
             for samples in self.journal[agent]:
                 await worker.call("accumulate", (agent, samples))
         swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+        if "resident_bytes" in timings:
+            self.resident_bytes[lease.slot] = timings["resident_bytes"]
+            self.agent_bytes[agent] = timings["agent_bytes"]
         self.swap_seconds += swap_s
         self.slot_stats[agent]["swaps"] += 1
         self.slot_stats[agent]["swap_s"] += swap_s
@@ -601,15 +610,19 @@ class LocalRuntime:
         return {
             "rollout": [{"worker": w.index, "pid": w.process.pid,
                          "device": at["rollout"][w.index].kind,
-                         "gpus": list(at["rollout"][w.index].visible)}
+                         "gpus": list(at["rollout"][w.index].visible),
+                         "memory": w.resident}
                         for w in self.rollout_workers],
             "train": [
                 {"worker": w.index, "pid": w.process.pid,
                  "device": at["train"][w.index].kind, "gpus": list(at["train"][w.index].visible),
                  "agents": [a for a, i in self.train.allocator.binding().items()
-                            if i == w.index]}
+                            if i == w.index],
+                 "resident_mb": round(self.train.resident_bytes.get(w.index, 0.0) / 2**20, 3)}
                 for w in self.train_workers
             ],
+            # what each trained agent adds to a slot (an adapter agent: adapter + AdamW)
+            "train_agent_mb": {a: round(b / 2**20, 3) for a, b in self.train.agent_bytes.items()},
             "train_swaps": self.train.allocator.swaps,
             "train_swaps_in": dict(self.train.swaps_in),
             "train_swap_s": self.train.swap_seconds,
