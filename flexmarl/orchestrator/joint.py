@@ -373,11 +373,9 @@ class JointOrchestrator:
         """Iteration k's last episode is in: let the rollout pool re-plan from the store's
         statistics (hierarchical balancing) before iteration k+1 submits anything."""
         it.rollout_finished_at = self.telemetry.now()
-        end = getattr(self.rollout, "end_iteration", None)
-        if end is not None:
-            it.plan = end(it.index, self.store.generation_stats(it.index))
-            if it.plan is not None:
-                self.telemetry.event("rollout_plan", **it.plan)
+        it.plan = self.rollout.end_iteration(it.index, self.store.generation_stats(it.index))
+        if it.plan is not None:
+            self.telemetry.event("rollout_plan", **it.plan)
         it.rollout_done.set()
 
     def _replay_episode(
@@ -679,7 +677,7 @@ class JointOrchestrator:
         if self.cfg.pipeline.mode == "sync":
             # Time-shared training slots (fewer than agents): train agent after agent, so each
             # state is swapped in once per iteration instead of on every micro-batch.
-            slots = getattr(self.train, "slots", None)
+            slots = self.train.training_slots()
             one_by_one = slots is not None and slots < len(self.trainable)
             for k in range(first, iterations):
                 await self.rollout_iteration(k)

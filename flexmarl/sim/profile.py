@@ -53,6 +53,8 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.runtime.base import RolloutPool, TrainPool
+
 PROFILE_VERSION = 1
 
 
@@ -908,9 +910,11 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
 
 
 # --- lengths from a short real rollout --------------------------------------------------------
-class _InProcessRollout:
+class _InProcessRollout(RolloutPool):
     """The config's models behind one in-process continuous batch each (the real engine); used
     once to measure the task's real prompt and output lengths per agent."""
+
+    n_workers: int
 
     def __init__(self, engines: dict[str, Any]) -> None:
         self.engines = engines
@@ -957,7 +961,7 @@ class _InProcessRollout:
         return None
 
 
-class _NullTrain:
+class _NullTrain(TrainPool):
     n_workers = 1
 
     async def accumulate(self, agent: str, samples: list[Any]) -> dict[str, float]:
@@ -968,6 +972,9 @@ class _NullTrain:
 
     async def weights(self, agent: str) -> dict:
         return {}
+
+    async def save(self, agent: str, directory: str) -> str:
+        return directory
 
 
 def measure_lengths(cfg: Any, task: Any, models: dict[str, Any]

@@ -24,7 +24,16 @@ from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, Weights, WorkerError, WorkerLost, load_latest
+from flexmarl.runtime.base import (
+    RolloutPool,
+    Runtime,
+    SpanSink,
+    TrainPool,
+    Weights,
+    WorkerError,
+    WorkerLost,
+    load_latest,
+)
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
     WorkerSpec,
@@ -215,9 +224,11 @@ class WorkerProxy:
         self._sendq.put(None)
 
 
-class LocalRolloutPool:
+class LocalRolloutPool(RolloutPool):
     """Replicas (each able to host every agent's model) behind the hierarchical balancer;
     agents served by an OpenAI-compatible endpoint bypass the replicas."""
+
+    n_workers: int
 
     def __init__(
         self,
@@ -299,7 +310,7 @@ class _Job:
     on_done: Callable[[list[Any]], None] | None = None
 
 
-class LocalTrainPool:
+class LocalTrainPool(TrainPool):
     """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
     fewer slots than agents, agents time-share slots and their states are swapped.
 
@@ -308,6 +319,8 @@ class LocalTrainPool:
     (sticky slots), unless the allocator says an older iteration's work waits for the slot.
     The orchestrator queues an agent's micro-batches as they become ready, so an agent drains
     them with one swap-in instead of one per micro-batch."""
+
+    n_workers: int
 
     def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
@@ -335,6 +348,9 @@ class LocalTrainPool:
         # micro-batches queued since the agent's last step, and in its last iteration
         self._since_step: dict[str, int] = defaultdict(int)
         self._per_iteration: dict[str, int] = {}
+
+    def training_slots(self) -> int | None:
+        return self.slots
 
     @property
     def binding(self) -> dict[str, int]:
@@ -518,7 +534,7 @@ class LocalTrainPool:
         return await self._call(agent, "save", (agent, directory))
 
 
-class LocalRuntime:
+class LocalRuntime(Runtime):
     def __init__(
         self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: SpanSink | None = None
     ) -> None:
@@ -595,6 +611,11 @@ class LocalRuntime:
         """The GPU indices each pool computes on (empty on the CPU)."""
         return {pool: sorted({d for p in at for d in p.visible})
                 for pool, at in self.placements.items()}
+
+    def fault_counts(self) -> dict[str, Any] | None:
+        if self.supervisor is None:
+            return None
+        return {"failures": self.supervisor.failures, "recoveries": self.supervisor.recoveries}
 
     def placement(self) -> dict[str, Any]:
         at = self.placements

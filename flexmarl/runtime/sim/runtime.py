@@ -40,6 +40,7 @@ import numpy as np
 
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import allot_replicas, latency_allotments
+from flexmarl.runtime.base import RolloutPool, Runtime, TrainPool
 from flexmarl.sim.cost import CostModel, keyed_uniform
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
@@ -229,7 +230,9 @@ class SimReplica:
         self._next()
 
 
-class SimRolloutPool:
+class SimRolloutPool(RolloutPool):
+    n_workers: int
+
     def __init__(self, runtime: SimRuntime) -> None:
         self.rt = runtime
         self.replicas: dict[str, list[SimReplica]] = {}
@@ -299,7 +302,9 @@ class SharedSlots:
             self.idle.set()
 
 
-class SimTrainPool:
+class SimTrainPool(TrainPool):
+    n_workers: int
+
     def __init__(self, runtime: SimRuntime) -> None:
         self.rt = runtime
         self.n_workers = 1
@@ -322,7 +327,7 @@ class SimTrainPool:
         return directory
 
 
-class SimRuntime:
+class SimRuntime(Runtime):
     """Plans resources for a workload and serves the orchestrator's pool calls in virtual time."""
 
     def __init__(self, wl: Workload, features: SimFeatures, cost: CostModel | None = None,
