@@ -55,7 +55,7 @@ class ServeEngine(HFEngine):
         return super()._sample(start)
 
 
-Sink = Callable[[tuple], None]
+Sink = Callable[[tuple], object]  # its return value is ignored
 
 
 @dataclass
@@ -146,7 +146,8 @@ class AgentWorker:
                 elif kind == "stop":
                     return
             current = self._slots[-1]
-            take, tokens = [], 0
+            take: list[GenerationRequest] = []
+            tokens = 0
             while waiting and current.engine.fits(waiting[0].request, len(take), tokens):
                 job = waiting.pop(0)
                 tokens += len(job.request.prompt) + job.request.max_new_tokens
@@ -166,9 +167,9 @@ class AgentWorker:
                 self._finish(job, ("done", GenerationResult(sample_id, [], [], 0), None))
                 return
         for slot in self._slots:
-            job = slot.jobs.get(sample_id)
-            if job is not None:
-                job.cancelled = True
+            running = slot.jobs.get(sample_id)
+            if running is not None:
+                running.cancelled = True
                 for seq in slot.engine.seqs:
                     if seq.request.sample_id == sample_id:
                         # finishes at its next sampled token

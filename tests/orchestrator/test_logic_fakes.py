@@ -60,6 +60,9 @@ def assert_on_policy(orch: JointOrchestrator, rollout: FakeRolloutPool,
     micro-batch of step k holds rows of version max(0, k - lag) of iteration k, each row
     trained on once."""
     for g in rollout.generated:
+        if g.agent not in orch.trainable:  # frozen: the replicas' own model, never published
+            assert (g.version, g.held) == (0, None), g
+            continue
         assert g.held == g.version, f"{g.sample_id} asked for v{g.version}, replica had v{g.held}"
     seen: set[str] = set()
     for acc in train.accumulated:
@@ -203,3 +206,24 @@ def test_a_failed_step_fails_the_run():
                           fail_step=lambda agent, version: agent == "relay" and version == 1)
     with pytest.raises(Exception, match="step 1 failed"):
         run(config(), train=train)
+
+
+@pytest.mark.parametrize("schedule", ["dependency", "stage"])
+def test_stage_schedule_holds_each_graph_level_until_the_one_below_is_done(schedule):
+    orch, rollout, _ = run(config("pipeline.mode=sync", f"rollout.schedule={schedule}"))
+    level = {orch.graph.nodes[n].agent: orch.level[n] for n in orch.order}
+    for k in range(3):
+        served = [level[g.agent] for g in rollout.generated if g.sample_id.startswith(f"{k}-")]
+        barrier_kept = served == sorted(served)
+        # the fake serves requests out of order, so without the barrier levels interleave
+        assert barrier_kept == (schedule == "stage"), (k, served)
+
+
+def test_a_frozen_agent_generates_at_version_zero_and_is_never_trained():
+    orch, rollout, train = run(config("agents.relay.trainable=false"),
+                               train=FakeTrainPool(["speaker", "listener"]))
+    assert orch.trainable == ["speaker", "listener"]
+    assert {g.version for g in rollout.generated if g.agent == "relay"} == {0}
+    assert all(acc.agent != "relay" for acc in train.accumulated)
+    assert orch.records[-1]["agent/relay/policy_version"] == 0
+    assert_on_policy(orch, rollout, train)

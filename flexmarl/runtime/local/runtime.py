@@ -53,7 +53,12 @@ class _NullSink:
 class WorkerProxy:
     """Parent side of one worker process: futures by message id, a reader thread per pipe."""
 
-    def __init__(self, pool: str, index: int, target: Any, spec: WorkerSpec, sink: SpanSink):
+    # named in the loss reason of an out-of-memory kill (set by the runtime)
+    memory_hint: str = ""
+
+    def __init__(self, pool: str, index: int, target: Any, spec: Any, sink: SpanSink):
+        """`target(conn, spec)` is the worker's main (`spec`: a `WorkerSpec` for the pools'
+        workers, the calibration's echo workers take their own payload)."""
         self.pool, self.index, self.sink = pool, index, sink
         self.target, self.spec = target, spec
         ctx = mp.get_context("spawn")
@@ -124,7 +129,7 @@ class WorkerProxy:
         reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
         if self.lost_reason is None and self.process.exitcode == -9:  # nobody here killed it
             reason = ("killed by SIGKILL (exit code -9), most likely by the kernel's "
-                      "out-of-memory killer" + getattr(self, "memory_hint", ""))
+                      "out-of-memory killer" + self.memory_hint)
         self.lost_reason = reason
         self.lost_in_flight = sum(1 for f in self._futures.values() if not f.done())
         err = WorkerLost(f"{self.pool} worker {self.index} lost: {reason}")
@@ -725,7 +730,7 @@ class Supervisor:
                 return
             self.restarts += 1
             new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
-            new.memory_hint = getattr(old, "memory_hint", "")
+            new.memory_hint = old.memory_hint
             try:
                 await new.start()
                 if old.pool == "rollout":
