@@ -6,7 +6,8 @@ in-memory fakes of `flexmarl.testing`. It composes parts that each do one thing:
 - `episodes.EpisodeRunner`: each iteration's episodes along the graph, credit, advantages;
 - `training.MicroBatchTrainer`: micro-batches to the trainers, steps, the audit trail;
 - `versions.Versions`: version vectors, gates, weight publication;
-- `schedules`: one schedule per pipeline mode (the overlap of rollout and training);
+- `schedules`: one schedule per pipeline mode (sync, async, one_step_off: the overlap of
+  rollout and training);
 - `checkpointing.CheckpointCoordinator`: checkpoints at boundaries, resume, stop requests;
 - `metrics.IterationMetrics` / `metrics.FailureBudget`: iteration records, the failure budget.
 
@@ -63,6 +64,10 @@ __all__ = [
 
 
 class JointOrchestrator:
+    """One training run's pipeline: wires the parts above to the runtime's pools and store,
+    publishes the initial versions, runs the schedule of `pipeline.mode`, and records each
+    finished iteration."""
+
     def __init__(
         self,
         cfg: RunConfig,

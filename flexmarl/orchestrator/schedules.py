@@ -4,9 +4,11 @@ version gates (`versions.py`) and the store enforce it; a schedule only decides 
 
 - `SyncSchedule` (`sync`): roll out iteration k completely, then train every agent on it,
   then publish;
-- `AsyncSchedule` (`async`, and `one_step_off` with `Versions.staleness` = 1): iteration k+1's
-  rollout starts once k's is complete; each agent's trainer consumes its micro-batches of k as
-  they appear, steps, publishes, and goes on to k+1.
+- `AsyncSchedule` (`async`): iteration k+1's rollout starts once k's is complete; each agent's
+  trainer consumes its micro-batches of k as they appear, steps, publishes, and goes on to k+1;
+- `OneStepOffSchedule` (`one_step_off`, `Versions.staleness` = 1): async's, except that the
+  version step k made is held and published once iteration k+1 (generated with version k) is
+  rolled out, while step k+1 trains.
 """
 
 from __future__ import annotations
@@ -91,12 +93,7 @@ class AsyncSchedule(Schedule):
         async def trainer(agent: str) -> None:
             for k in range(first, iterations):
                 await self.episodes.started_event(k).wait()
-                held = self.versions.held.pop(agent, None)
-                if held is not None:  # one_step_off: version k goes out after k's rollout
-                    await asyncio.gather(self.trainer.train_iteration(agent, k),
-                                         self.publish_held(agent, *held))
-                else:
-                    await self.trainer.train_iteration(agent, k)
+                await self.train_iteration(agent, k)
                 self.maybe_finish(k)
 
         await asyncio.gather(*(trainer(a) for a in self.trainable))
@@ -105,9 +102,22 @@ class AsyncSchedule(Schedule):
             await self.episodes.iterations_ready(k)
             self.maybe_finish(k)
 
+    async def train_iteration(self, agent: str, k: int) -> None:
+        await self.trainer.train_iteration(agent, k)
+
+
+class OneStepOffSchedule(AsyncSchedule):
+    async def train_iteration(self, agent: str, k: int) -> None:
+        held = self.versions.held.pop(agent, None)
+        if held is None:
+            await self.trainer.train_iteration(agent, k)
+        else:  # version k goes out after k's rollout, while step k trains
+            await asyncio.gather(self.trainer.train_iteration(agent, k),
+                                 self.publish_held(agent, *held))
+
     async def publish_held(self, agent: str, version: int, weights: Any) -> None:
-        """one_step_off: publish the version the last step made once the iteration generated
-        with its predecessor (iteration `version`) is rolled out."""
+        """Publish the version the last step made once the iteration generated with its
+        predecessor (iteration `version`) is rolled out."""
         await self.episodes.iterations_ready(version)
         await self.versions.publish(agent, version, weights)
 
@@ -119,4 +129,6 @@ def schedule_for(mode: str, episodes: EpisodeRunner, trainer: MicroBatchTrainer,
     """The schedule of `pipeline.mode`."""
     if mode == "sync":
         return SyncSchedule(episodes, trainer, train, trainable, finish)
+    if mode == "one_step_off":
+        return OneStepOffSchedule(episodes, trainer, versions, trainable, maybe_finish)
     return AsyncSchedule(episodes, trainer, versions, trainable, maybe_finish)

@@ -175,7 +175,7 @@ class MicroBatchTrainer:
         it.trained[agent] = metrics
         if self.versions.staleness and k + 1 < self.cfg.train.iterations:
             # one_step_off: iteration k+1 is being generated with version k; the schedule
-            # publishes k+1 once that rollout is done (`AsyncSchedule.publish_held`)
+            # publishes k+1 once that rollout is done (`OneStepOffSchedule.publish_held`)
             self.versions.held[agent] = (k + 1, weights)
         else:
             await self.versions.publish(agent, k + 1, weights)

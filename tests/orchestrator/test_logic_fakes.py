@@ -36,7 +36,8 @@ def run(cfg: RunConfig, rollout: FakeRolloutPool | None = None,
 
     async def main() -> JointOrchestrator:
         orch = JointOrchestrator(cfg, task, rollout, train, Telemetry(None), **kwargs)
-        await orch.run()
+        # a pipeline that deadlocks (a version never published) fails instead of hanging
+        await asyncio.wait_for(orch.run(), timeout=20)
         return orch
 
     return asyncio.run(main()), rollout, train
