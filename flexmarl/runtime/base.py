@@ -90,6 +90,11 @@ class TrainPool(Protocol):
         is swapped in once per iteration)."""
         return None
 
+    def slot_counters(self) -> Mapping[str, Mapping[str, float]] | None:
+        """Per agent, cumulative training-slot counters (`slot_wait_s`, ...) for the metrics,
+        or None when the pool has no slots to wait for."""
+        return None
+
     async def get_state(self, agent: str) -> tuple[dict, dict]:
         """The trainer's full state (weights, optimizer, meta with its `version`), for a
         checkpoint."""

@@ -357,6 +357,9 @@ class LocalTrainPool(TrainPool):
     def training_slots(self) -> int | None:
         return self.slots
 
+    def slot_counters(self) -> dict[str, dict[str, float]]:
+        return self.slot_stats
+
     @property
     def binding(self) -> dict[str, int]:
         """Which slot each resident agent is on right now."""
