@@ -139,7 +139,7 @@ def check_memory(cfg: RunConfig, vocab_size: int) -> dict[str, int]:
     available = available_memory()
     total = sum(estimate.values())
     if available is not None and total > available:
-        worst = max(estimate, key=estimate.get)
+        worst = max(estimate, key=lambda name: estimate[name])
         raise MemoryEstimateError(
             f"the models need about {_gib(total)} of memory ({estimates_text(estimate)}: "
             f"{ROLLOUT_BYTES} bytes per parameter per rollout replica, {TRAINER_BYTES} per "

@@ -192,7 +192,8 @@ class AgentSpec:
 
     @property
     def vocab(self) -> int:
-        return int(self.model.config.vocab_size)
+        config: Any = self.model.config  # a transformers config (nn.Module does not type it)
+        return int(config.vocab_size)
 
     @property
     def max_len(self) -> int:

@@ -21,7 +21,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,7 @@ class Service:
         return model
 
     # --- generation ----------------------------------------------------------------------------
-    async def _raw(self, s: Sampling, deltas: bool) -> AsyncIterator[tuple]:
+    async def _raw(self, s: Sampling, deltas: bool) -> AsyncGenerator[tuple, None]:
         if self.pending >= self.limits.max_pending:
             raise ApiError(429, f"server busy: {self.pending} requests in flight (limit "
                                 f"{self.limits.max_pending}, --max-pending); retry later",
@@ -212,6 +212,7 @@ class Service:
                     yield Piece(rest, [], [])
                 full = text.text
             else:
+                assert spec.tokenizer is not None  # a text stream implies a tokenizer
                 full = spec.tokenizer.decode(tokens, skip_special_tokens=True)
         else:
             full = token_text(tokens)

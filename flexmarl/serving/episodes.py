@@ -85,6 +85,8 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
         outcome = None
         async for outcome in service.generate(s):  # noqa: B007
             pass
+        if outcome is None:
+            raise RuntimeError(f"node {name!r}: the agent's service returned no outcome")
         ctx.outputs[name] = outcome.tokens
         entry: dict[str, Any] = {
             "agent": node.agent, "skipped": False, "version": outcome.version.number,

@@ -63,7 +63,7 @@ class ServeEngine(HFEngine):
         return super()._sample(start)
 
 
-Sink = Callable[[tuple], None]
+Sink = Callable[[tuple], object]  # its return value is ignored
 
 
 @dataclass

@@ -82,7 +82,8 @@ class TrainSlot:
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config)."""
         timings: dict[str, float] = {}
-        out_agent, out_state = None, None
+        out_agent: str | None = None
+        out_state: tuple[str, Any] | None = None
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
@@ -99,11 +100,12 @@ class TrainSlot:
             del captured
         if agent not in self.trainers:
             t0 = time.perf_counter()
-            trainer = self.kept.get(agent)
-            if incoming is None or trainer is None:
+            kept = self.kept.get(agent)
+            if incoming is None or kept is None:
                 # first binding, or a restart point follows (`set_state`): a fresh trainer is
                 # exactly the initial state; built only then
-                trainer = self.kept[agent] = self._build(agent)
+                kept = self.kept[agent] = self._build(agent)
+            trainer = kept
             if incoming is not None:
                 kind, payload = incoming
                 handle = st.StateHandle(st.Disk(payload)) if kind == "disk" else st.at(

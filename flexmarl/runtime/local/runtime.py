@@ -24,7 +24,16 @@ from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, Weights, WorkerError, WorkerLost, load_latest
+from flexmarl.runtime.base import (
+    RolloutPool,
+    Runtime,
+    SpanSink,
+    TrainPool,
+    Weights,
+    WorkerError,
+    WorkerLost,
+    load_latest,
+)
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
     WorkerSpec,
@@ -44,7 +53,12 @@ class _NullSink:
 class WorkerProxy:
     """Parent side of one worker process: futures by message id, a reader thread per pipe."""
 
-    def __init__(self, pool: str, index: int, target: Any, spec: WorkerSpec, sink: SpanSink):
+    # named in the loss reason of an out-of-memory kill (set by the runtime)
+    memory_hint: str = ""
+
+    def __init__(self, pool: str, index: int, target: Any, spec: Any, sink: SpanSink):
+        """`target(conn, spec)` is the worker's main (`spec`: a `WorkerSpec` for the pools'
+        workers, the calibration's echo workers take their own payload)."""
         self.pool, self.index, self.sink = pool, index, sink
         self.target, self.spec = target, spec
         ctx = mp.get_context("spawn")
@@ -116,7 +130,7 @@ class WorkerProxy:
         reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
         if self.lost_reason is None and self.process.exitcode == -9:  # nobody here killed it
             reason = ("killed by SIGKILL (exit code -9), most likely by the kernel's "
-                      "out-of-memory killer" + getattr(self, "memory_hint", ""))
+                      "out-of-memory killer" + self.memory_hint)
         self.lost_reason = reason
         self.lost_in_flight = sum(1 for f in self._futures.values() if not f.done())
         err = WorkerLost(f"{self.pool} worker {self.index} lost: {reason}")
@@ -218,9 +232,11 @@ class WorkerProxy:
         self._sendq.put(None)
 
 
-class LocalRolloutPool:
+class LocalRolloutPool(RolloutPool):
     """Replicas (each able to host every agent's model) behind the hierarchical balancer;
     agents served by an OpenAI-compatible endpoint bypass the replicas."""
+
+    n_workers: int
 
     def __init__(
         self,
@@ -302,7 +318,7 @@ class _Job:
     on_done: Callable[[list[Any]], None] | None = None
 
 
-class LocalTrainPool:
+class LocalTrainPool(TrainPool):
     """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
     fewer slots than agents, agents time-share slots and their states are swapped.
 
@@ -311,6 +327,8 @@ class LocalTrainPool:
     (sticky slots), unless the allocator says an older iteration's work waits for the slot.
     The orchestrator queues an agent's micro-batches as they become ready, so an agent drains
     them with one swap-in instead of one per micro-batch."""
+
+    n_workers: int
 
     def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
@@ -341,6 +359,12 @@ class LocalTrainPool:
         # micro-batches queued since the agent's last step, and in its last iteration
         self._since_step: dict[str, int] = defaultdict(int)
         self._per_iteration: dict[str, int] = {}
+
+    def training_slots(self) -> int | None:
+        return self.slots
+
+    def slot_counters(self) -> dict[str, dict[str, float]]:
+        return self.slot_stats
 
     @property
     def binding(self) -> dict[str, int]:
@@ -527,7 +551,7 @@ class LocalTrainPool:
         return await self._call(agent, "save", (agent, directory))
 
 
-class LocalRuntime:
+class LocalRuntime(Runtime):
     def __init__(
         self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: SpanSink | None = None
     ) -> None:
@@ -604,6 +628,11 @@ class LocalRuntime:
         """The GPU indices each pool computes on (empty on the CPU)."""
         return {pool: sorted({d for p in at for d in p.visible})
                 for pool, at in self.placements.items()}
+
+    def fault_counts(self) -> dict[str, Any] | None:
+        if self.supervisor is None:
+            return None
+        return {"failures": self.supervisor.failures, "recoveries": self.supervisor.recoveries}
 
     def placement(self) -> dict[str, Any]:
         at = self.placements
@@ -717,7 +746,7 @@ class Supervisor:
                 return
             self.restarts += 1
             new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
-            new.memory_hint = getattr(old, "memory_hint", "")
+            new.memory_hint = old.memory_hint
             try:
                 await new.start()
                 if old.pool == "rollout":

@@ -235,7 +235,8 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             engine = group_engines[group]
             queue = sorted(((sub_id, r) for a in groups[group] for sub_id, r in waiting[a]),
                            key=lambda item: priorities[item[0]])
-            take, tokens = [], 0
+            take: list[tuple[int, Any]] = []
+            tokens = 0
             for sub_id, r in queue:
                 if r.version != versions[r.agent] or not engine.fits(r, len(take), tokens):
                     continue
@@ -333,6 +334,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     while True:
         msg_id, command, payload = conn.recv()
         t0 = time.time()
+        result: Any  # each command's own reply
         try:
             if command == "stop":
                 conn.send((msg_id, True, None, []))
