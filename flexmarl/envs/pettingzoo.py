@@ -293,7 +293,7 @@ class VecParallelEnv:
         for e, env in enumerate(self.envs):
             self._load(e, *env.reset(seed=self._next_seed()))
 
-    def step(self, actions: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    def step(self, actions: dict[str, np.ndarray]) -> dict[str, Any]:
         n = self.num_envs
         out = {k: {a: np.zeros(n, np.float32 if k == "reward" else bool) for a in self.agents}
                for k in ("reward", "done", "truncated")}

@@ -133,18 +133,18 @@ class VdnTrainer:
                 actions = self.act(o, m, eps)
                 res = venv.step({a: actions[:, i:i + 1] for i, a in enumerate(self.agents)})
                 env_steps += E
-                ended = np.stack([res["done"][a] for a in self.agents], 1).any(1)
-                next_src = {a: np.where(ended[:, None], res["final_obs"][a], venv.obs[a])
+                ended = np.stack([res["done"][a] for a in self.agents], 1).any(axis=1, keepdims=True)
+                next_src = {a: np.where(ended, res["final_obs"][a], venv.obs[a])
                             for a in self.agents}
                 no, nm = self._joint(next_src, venv.masks)
                 terminal = np.stack([res["done"][a] & ~res["truncated"][a]
                                      for a in self.agents], 1).all(1)
-                reward = np.mean([res["reward"][a] for a in self.agents], 0)
+                reward = np.stack([res["reward"][a] for a in self.agents], 0).mean(axis=0)
                 if self.norm is not None:
                     self.norm.update(torch.from_numpy(o))
                 self.replay.add({"obs": o, "mask": m, "actions": actions.astype(np.int64),
                                  "reward": reward.astype(np.float32), "next_obs": no,
-                                 "next_mask": nm, "done": terminal.astype(np.float32)},
+                                 "next_mask": nm, "done": np.asarray(terminal, dtype=np.float32)},
                                 env_steps)
                 if self.replay.ready:
                     for _ in range(self.algo.updates_per_step):

@@ -29,7 +29,7 @@ import torch
 from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.envs.spaces import ActionSpec
 from flexmarl.errors import UserError
-from flexmarl.marl.config import MarlRunConfig
+from flexmarl.marl.config import MappoConfig, MarlRunConfig
 from flexmarl.policy.nets import NetConfigView, NetPolicy
 from flexmarl.store.compression import Codec
 from flexmarl.store.experience import ExperienceStore, Row, make_sample_id
@@ -95,6 +95,9 @@ class MarlTrainer:
         net = NetConfigView(cfg.policy.network.kind, list(cfg.policy.network.hidden),
                             cfg.policy.network.activation, cfg.policy.network.gru_hidden)
         algo = cfg.algorithm
+        if not isinstance(algo, MappoConfig):  # vdn runs in marl/offpolicy.py
+            raise TypeError(f"the on-policy driver runs mappo/ippo, not {algo.name}")
+        self.algo = algo
         self.policy_of: dict[str, str] = {}
         self.policies: dict[str, PolicyState] = {}
         for name, agents in groups.items():
@@ -130,7 +133,7 @@ class MarlTrainer:
                   state: np.ndarray | None = None) -> np.ndarray:
         obs = self.venv.obs if obs is None else obs
         state = self.venv.state if state is None else state
-        a = self.cfg.algorithm
+        a = self.algo
         return ippo.critic_features(a.name, a.critic_input, self._pad(obs[agent], obs_dim),
                                     state, [obs[b] for b in self.agents]).astype(np.float32)
 
@@ -211,7 +214,7 @@ class MarlTrainer:
         for p in self.policies.values():
             _, cx, ids, _ = self._inputs(p, res["final_obs"], res["final_state"])
             v = p.net.value(cx, ids)
-            if self.cfg.algorithm.value_norm:
+            if self.algo.value_norm:
                 v = p.vnorm.denormalize(v)
             E = self.venv.num_envs
             for i, a in enumerate(p.agents):
@@ -282,13 +285,13 @@ class MarlTrainer:
             batch, rows = self._batch(p, k)
             if batch.iteration != k or any(r.iteration != k for r in rows):
                 raise AssertionError("a step must train on its own iteration's rows only")
-            mappo.compute_advantages(batch, p.vnorm, self.cfg.algorithm)
+            mappo.compute_advantages(batch, p.vnorm, self.algo)
 
             def on_epoch(epoch: int, ids: list[str], name: str = p.name) -> None:
                 self.audit[name].extend((sid, k, k, epoch) for sid in ids)
 
             m = mappo.update(p.net, p.actor_opt, p.critic_opt, batch, p.vnorm,
-                             self.cfg.algorithm, self.gen, on_epoch)
+                             self.algo, self.gen, on_epoch)
             live = batch.alive.bool()
             p.net.update_stats(batch.obs[live], batch.critic_x[live])  # version k+1's
             self.store.release(rows)

@@ -23,6 +23,10 @@ class RunningMeanStd(nn.Module):
     to +-clip so one wild observation cannot blow up a gradient (the enterprise document's
     troubleshooting table: exploding gradients from unnormalised observations)."""
 
+    mean: torch.Tensor  # registered buffers, declared for the type checker
+    var: torch.Tensor
+    count: torch.Tensor
+
     def __init__(self, dim: int, clip: float = 10.0, eps: float = 1e-5) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))

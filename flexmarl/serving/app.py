@@ -238,7 +238,7 @@ class Service:
             new.set_canary(dep.canary.model, dep.canary.version, old.canary_share)
         new.admitted = dict(old.admitted)
         self.workers[name] = new
-        if dep is not None:
+        if dep is not None and self.deployment is not None:
             dep.worker = new
             self.deployment.events.log("failover", name, component="engine", error=old.error,
                                        version=spec.version.number)

@@ -281,8 +281,10 @@ class AgentDeployment:
             if not use_fb:
                 return self._rollback(c, "no evidence: no held-out set and too little "
                                          "feedback", None, None)
+            assert cf is not None and sf is not None  # use_fb says so
             c_score, s_score = cf[0], sf[0]
         elif use_fb:
+            assert cf is not None and sf is not None
             c_score, s_score = (1 - fw) * ch + fw * cf[0], (1 - fw) * sh + fw * sf[0]
         else:
             c_score, s_score = ch, sh
@@ -326,7 +328,8 @@ class AgentDeployment:
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in c.model.state_dict().items()}
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        c.model.config.save_pretrained(str(folder))
+        config: Any = c.model.config  # a transformers model's config
+        config.save_pretrained(str(folder))
         (folder / "flexmarl.json").write_text(json.dumps(
             {"agent": self.name, "version": c.version.number,
              "policy_version": c.version.policy_version, "source": c.version.source}))

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flexmarl.config.schema import GRPOConfig
 from flexmarl.policy.sampling import TokenBatch, make_token_batch, response_forward
 from flexmarl.serving.agents import AgentSpec, ServeError
 from flexmarl.serving.capture import Capture, CapturedRow
@@ -103,13 +104,14 @@ class OnlineLearner:
                  device: str, kl_max: float, is_max: float, lr: float | None = None) -> None:
         from flexmarl.training.trainer import AgentTrainer
 
-        if spec.cfg.algorithm.name != "grpo":
+        if not isinstance(spec.cfg.algorithm, GRPOConfig):
             raise ServeError(f"--learn {spec.name}: online learning uses the GRPO loss (the "
                              f"agent's algorithm is {spec.cfg.algorithm.name}); set "
                              "algorithm.name: grpo for it")
         if spec.cfg.lora is not None:
             raise ServeError(f"--learn {spec.name}: LoRA agents are not trained online yet")
         self.spec = spec
+        self.algorithm: GRPOConfig = spec.cfg.algorithm
         self.vocab = spec.vocab  # the model's (a path model may have more than the task)
         self.kl_max = kl_max
         self.is_max = is_max
@@ -163,7 +165,7 @@ class OnlineLearner:
         weights = [1.0 if s else w for s, w in zip(same, weights, strict=True)]
         self.last_weights = weights
         rewards = [r.reward for r in rows]
-        adv = grpo.group_advantages(rewards, self.spec.cfg.algorithm)
+        adv = grpo.group_advantages(rewards, self.algorithm)
         samples = [Sample(r.id, r.prompt, r.response, train_lps[i], adv[i] * weights[i],
                           r.allowed, r.temperature, self.trainer.version, r.reward)
                    for i, r in enumerate(rows)]

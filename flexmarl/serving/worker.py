@@ -284,15 +284,16 @@ class AgentWorker:
                 return
         slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
         for slot in slots:
-            job = slot.jobs.get(sample_id)
-            if job is not None:
-                job.cancelled = True
+            running = slot.jobs.get(sample_id)
+            if running is not None:
+                running.cancelled = True
                 for seq in slot.engine.seqs:
                     if seq.request.sample_id == sample_id:
                         # finishes at its next sampled token
                         seq.request.max_new_tokens = min(seq.request.max_new_tokens,
                                                          len(seq.tokens) + 1)
                 return
+
     def _advance(self, slot: _Slot, take: list[GenerationRequest]) -> None:
         engine = slot.engine
         if not take and not engine.active:

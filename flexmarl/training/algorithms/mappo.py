@@ -41,6 +41,10 @@ METRICS = ("loss/policy", "loss/value", "entropy", "kl", "clip_frac", "grad_norm
 class ValueNorm(torch.nn.Module):
     """Debiased exponential running mean/variance of returns (beta close to 1)."""
 
+    mean: torch.Tensor  # registered buffers, declared for the type checker
+    mean_sq: torch.Tensor
+    debias: torch.Tensor
+
     def __init__(self, beta: float = 0.99999, eps: float = 1e-5) -> None:
         super().__init__()
         self.beta, self.eps = beta, eps
