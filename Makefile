@@ -26,6 +26,7 @@ demo-llm: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
+	$(BIN)/mypy flexmarl
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
@@ -33,6 +34,7 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
+	$(BIN)/mypy flexmarl
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml

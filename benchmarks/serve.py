@@ -11,12 +11,21 @@ its own process (`flexmarl serve`), the client in this one. Prints:
 2. message round trips (issue 19's message-latency table: 1,000 sequential requests with a
    minimal response, one token from the token-level agent): p50/p99 round trip, and the
    latency per generated token of a longer answer.
+
+    .venv/bin/python benchmarks/serve.py --compression [TRAINED_RUN_DIR]
+
+instead publishes weights to a running server in another process (issue 19 item 6): plain
+safetensors (float32), FP16, zstd, FP16 + zstd (`flexmarl/serving/compress.py`): bytes, the
+writer's time, the server's reload time (read, decompress, load) and the largest error, for a
+21M-parameter Llama and, given a trained run, its trained listener.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,6 +125,78 @@ def per_token(url: str, agent: str, n: int, max_tokens: int) -> float:
     return statistics.median(per)
 
 
+def compression(trained: Path | None, port: int) -> None:
+    """Publish weights to a running `flexmarl serve` through files: with and without FP16/zstd."""
+    from safetensors.torch import load_file, save_file
+
+    from flexmarl.serving import compress
+    from flexmarl.serving.toy import make_toy_run, save_llama
+
+    tmp = Path(tempfile.mkdtemp(prefix="compress-"))
+    run_dir = make_toy_run(tmp)
+    big = tmp / "listener-model"
+    save_llama(big, 320, seed=0, hidden=512, layers=8)  # the served listener: 21M parameters
+    subjects = [("Llama 512x8 (random init)", load_file(str(big / "model.safetensors")), True)]
+    if trained is not None:
+        f = trained / "checkpoints" / "final" / "listener" / "model.safetensors"
+        subjects.append((f"trained listener ({trained.name})", load_file(str(f)), False))
+    url = f"http://127.0.0.1:{port}/v1"
+    proc = start_server(run_dir, port, 8)
+    variants = [("safetensors fp32 (none)", None), ("fp16", (True, None)),
+                ("zstd-3", (False, 3)), ("fp16 + zstd-3", (True, 3))]
+    rows = []
+    try:
+        for name, tensors, served in subjects:
+            params = sum(v.numel() for v in tensors.values())
+            for label, how in variants:
+                # a changed copy each time, so every publish is new weights
+                pub = {k: v + 1e-3 * (len(rows) + 1) if v.is_floating_point() else v
+                       for k, v in tensors.items()}
+                path = tmp / f"pub{len(rows)}" / ("model.safetensors" if how is None
+                                                 else "model.fmw")
+                path.parent.mkdir()
+                t0 = time.perf_counter()
+                if how is None:
+                    save_file(pub, str(path))
+                    size = path.stat().st_size
+                else:
+                    size = compress.write(path, pub, fp16=how[0], zstd_level=how[1])
+                write_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                blob = path.read_bytes()
+                back = load_file(str(path)) if how is None else compress.unpack(blob)
+                read_s = time.perf_counter() - t0
+                err = max(float((back[k].float() - pub[k].float()).abs().max()) for k in pub)
+                reload_s = float("nan")
+                if served:
+                    import urllib.request
+
+                    req = urllib.request.Request(
+                        f"{url}/admin/reload", method="POST",
+                        data=json.dumps({"agent": "listener", "path": str(path)}).encode(),
+                        headers={"content-type": "application/json"})
+                    t0 = time.perf_counter()
+                    with urllib.request.urlopen(req, timeout=600) as resp:
+                        assert json.loads(resp.read())["agents"]["listener"]["reloaded"]
+                    reload_s = time.perf_counter() - t0
+                rows.append((name, params, label, size, write_s, read_s, reload_s, err))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\nweight publication across processes (writer: this process; reader: the server, "
+          "POST /v1/admin/reload with the file)")
+    print("| weights | variant | bytes | vs fp32 | write ms | read+decode ms (here) | "
+          "server reload ms | max abs error |")
+    print("|---|---|---|---|---|---|---|---|")
+    base: dict[str, int] = {}
+    for name, params, label, size, w, r, rl, err in rows:
+        base.setdefault(name, size)
+        print(f"| {name}, {params / 1e6:.2f}M params | {label} | {size:,} | "
+              f"{size / base[name]:.1%} | {w * 1000:.0f} | {r * 1000:.0f} | "
+              f"{'-' if rl != rl else f'{rl * 1000:.0f}'} | {err:.2e} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", nargs="?", default=None)
@@ -126,7 +207,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--round-trips", type=int, default=1000)
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--compression", action="store_true",
+                    help="only the weight-publication figures (RUN_DIR: a trained run)")
     args = ap.parse_args()
+    if args.compression:
+        compression(Path(args.run_dir) if args.run_dir else None, args.port)
+        return
 
     tmp = tempfile.TemporaryDirectory()
     if args.run_dir is None:

@@ -51,8 +51,8 @@ def bench_pipeline(
                   f"{statistics.median(x['wall_s'] for x in steady):.3f} s/iteration", flush=True)
     summary = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in per_mode.items()}
     ratio = summary["async"]["wall"] / summary["sync"]["wall"]
-    r, t = summary["sync"]["rollout_s"], summary["sync"]["train_s"]
-    ideal = max(r, t) / (r + t) if r + t > 0 else 1.0
+    roll_s, train_s = summary["sync"]["rollout_s"], summary["sync"]["train_s"]
+    ideal = max(roll_s, train_s) / (roll_s + train_s) if roll_s + train_s > 0 else 1.0
     print()
     print(f"pipeline benchmark: {config}  ({rounds} rounds, modes alternating)")
     print(f"{'mode':<6} {'s/iteration':>12} {'rollout busy':>13} {'train busy':>11} "
@@ -62,5 +62,5 @@ def bench_pipeline(
         print(f"{m:<6} {s['wall']:>12.3f} {s['rollout']:>13.2f} {s['train']:>11.2f} "
               f"{s['swaps']:>9.1f} {s['success']:>14.3f}")
     print(f"async/sync wall-time ratio: {ratio:.3f}   ideal max(R, T) / (R + T): {ideal:.3f} "
-          f"(sync R = {r:.3f} s, T = {t:.3f} s per iteration)")
+          f"(sync R = {roll_s:.3f} s, T = {train_s:.3f} s per iteration)")
     return {"summary": summary, "ratio": ratio, "ideal": ideal}

@@ -123,7 +123,7 @@ def _plain_setup(cfg: AgentConfig, vocab: int):
 
     model: Any = build_model("bench", cfg.model, vocab, 256, 0)
     if cfg.lora is not None:
-        model = lora.apply("bench", model, cfg.lora)
+        model = lora.apply("bench", model, cfg.lora, seed=0)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas,

@@ -86,7 +86,8 @@ def load_run(run_dir: str | Path) -> Run:
     if not metrics.exists():
         raise ConfigError(f"{path}: no metrics.jsonl, not a run folder (pass the --out folder "
                           "of `flexmarl train`)")
-    records, events = [], []
+    records: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     for n, line in enumerate(metrics.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -100,7 +101,8 @@ def load_run(run_dir: str | Path) -> Run:
         (events if "event" in item else records).append(item)
     records = [r for r in records if "iteration" in r]
     records.sort(key=lambda r: r["iteration"])
-    config, summary = {}, {}
+    config: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
     try:
         config = yaml.safe_load((path / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):

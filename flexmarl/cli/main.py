@@ -23,6 +23,12 @@ def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from flexmarl.marl.cli import is_marl_file
+
+    if is_marl_file(args.config):  # `kind: marl`: PettingZoo env, MAPPO / IPPO
+        from flexmarl.marl.cli import train_command
+
+        return train_command(args)
     console = Console(stderr=True)
     cfg = load_config(args.config, args.set)  # config errors surface before torch loads
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir

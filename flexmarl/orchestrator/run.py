@@ -21,6 +21,7 @@ from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.preflight import check_memory
 from flexmarl.runtime import heap
+from flexmarl.runtime.base import Runtime
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.loggers import check_installed
 from flexmarl.telemetry.recorder import Telemetry
@@ -99,7 +100,7 @@ def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> 
     loop.set_exception_handler(handler)
 
 
-def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry):
+def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry) -> Runtime:
     if cfg.runtime.kind == "local":
         from flexmarl.runtime.local.runtime import LocalRuntime
 
@@ -171,26 +172,24 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
     try:
         telemetry.event("placement", **runtime.placement())
         manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
-        make_store = getattr(runtime, "make_store", None)  # Ray: per-agent table actors
         orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
                                  save_checkpoint=manager.save, resume=ckpt,
-                                 store=make_store() if make_store is not None else None)
+                                 store=runtime.make_store())  # Ray: per-agent table actors
         for sig in (signal.SIGTERM, signal.SIGINT):  # checkpoint at the next boundary, stop
             try:
                 loop.add_signal_handler(sig, orch.request_stop)
                 handled.append(sig)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
-        tables = getattr(orch.store, "tables", None)
-        if isinstance(tables, dict):  # rows the store still holds (doctor: a growing store)
-            from flexmarl.store.experience import Status
+        tables = orch.store.tables  # rows the store still holds (doctor: a growing store)
+        from flexmarl.store.experience import Status
 
-            orch.metric_sources.append(lambda: {"store/rows_held": sum(
-                t.count(st) for t in tables.values() for st in Status)})
+        orch.metric_sources.append(lambda: {"store/rows_held": sum(
+            t.count(st) for t in tables.values() for st in Status)})
         slots = SlotStatsSource.for_pool(runtime.train, orch.trainable)
         if slots is not None:
             orch.metric_sources.append(slots.collect)
-        monitor = GpuMonitor.from_nvml(getattr(runtime, "pool_devices", lambda: {})())
+        monitor = GpuMonitor.from_nvml(runtime.pool_devices())
         if monitor.enabled:
             orch.metric_sources.append(monitor.start().collect)
         if on_runtime is not None:
@@ -203,12 +202,8 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         for agent in orch.trainable:
             path = out / "checkpoints" / "final" / agent
             checkpoints[agent] = Path(await runtime.train.save(agent, str(path)))
-        supervisor = getattr(runtime, "supervisor", None)
-        faults = None
-        if supervisor is not None:
-            faults = {"failures": supervisor.failures, "recoveries": supervisor.recoveries}
         return RunResult(out, records, checkpoints, orch.consumed, orch.audit, orch.store.stats(),
-                         runtime.placement(), 0.0, faults)
+                         runtime.placement(), 0.0, runtime.fault_counts())
     finally:
         for signum in handled:
             loop.remove_signal_handler(signum)

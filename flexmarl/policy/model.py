@@ -83,7 +83,9 @@ def build_model(
             path, dtype=torch.float32, **kw))
     else:
         config = _llama_config(cfg, vocab_size, max_seq_len)
-        seed = cfg.init_seed if cfg.init_seed is not None else stable_seed(run_seed, agent)
+        # a shared base (`model.base`) is one model whichever agent builds it
+        owner = f"models.{cfg.base}" if cfg.base else agent
+        seed = cfg.init_seed if cfg.init_seed is not None else stable_seed(run_seed, owner)
         fork = torch.random.fork_rng(devices=[])
         with fork:
             torch.manual_seed(seed)

@@ -152,7 +152,8 @@ def latency_allotments(
     # single move gains even though both together shorten the iteration.
     pairs = list(itertools.combinations(agents, 2))
     while True:
-        moves: list[tuple[str, ...]] = [(a,) for a in agents] + pairs
+        moves: list[tuple[str, ...]] = [(a,) for a in agents]
+        moves += pairs
         group = near_critical()
         if len(group) > 2:
             moves.append(group)

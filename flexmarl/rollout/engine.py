@@ -37,6 +37,7 @@ class _Sequence:
     request: GenerationRequest
     mask: torch.Tensor | None  # None: every token allowed
     admitted_at: float
+    adapter: str | None = None  # the LoRA adapter its rows run through (shared-base models)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -74,15 +75,26 @@ class ContinuousBatcher:
 
     `max_seqs` bounds the sequences decoded together, `max_tokens` the KV tokens they may hold
     (prompt + max_new_tokens each): the two budgets a real engine gets from its KV memory.
+
+    `adapters` (agent -> adapter name) makes it the engine of a shared base: `model` is a peft
+    model holding one LoRA adapter per agent, and one batch mixes requests of all these agents,
+    each row through its own agent's adapter (`policy.adapters.StackedLoRA`: two batched
+    matmuls per layer whatever the number of adapters; `BASE_ADAPTER` is the bare base, for a
+    frozen agent without an adapter).
     """
 
     def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
-                 tokenizer: Any = None):
-        """`tokenizer`: the agent's tokenizer, or a function that loads it on first use, for
-        requests with stop strings (None: such requests are refused)."""
+                 tokenizer: Any = None, adapters: dict[str, str] | None = None):
+        """`tokenizer`: the agent's tokenizer (on a shared base, the base's), or a function that
+        loads it on first use, for requests with stop strings (None: such requests are refused)."""
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
+        self.adapters = adapters
+        self._stack: Any = None  # the stacked adapters of a shared base (`_hook_adapters`)
+        self._net = model
+        if adapters is not None:
+            self._net = self._hook_adapters(model)
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         self._cache_arg = cache_argument(model)
@@ -118,10 +130,48 @@ class ContinuousBatcher:
         text = tok.decode(s.tokens[-window:], skip_special_tokens=True)
         return any(x in text for x in stop)
 
+    def _hook_adapters(self, model: Any) -> Any:
+        """Replace the forward of every LoRA layer by the stacked, batched one (`policy.
+        adapters.StackedLoRA`); returns the transformers model inside the peft wrapper."""
+        from peft import PeftModel
+
+        from flexmarl.policy.adapters import BASE_ADAPTER, StackedLoRA
+
+        if not isinstance(model, PeftModel):  # agents on a base without any adapter
+            return model
+        assert self.adapters is not None
+        names = sorted({a for a in self.adapters.values() if a != BASE_ADAPTER})
+        self._stack = StackedLoRA(model, names)
+        return model.get_base_model()
+
+    def _adapter_of(self, request: GenerationRequest) -> str | None:
+        if self.adapters is None:
+            return None
+        if request.agent not in self.adapters:
+            raise ValueError(f"request {request.sample_id}: agent {request.agent!r} has no "
+                             f"adapter on this model (it serves {sorted(self.adapters)})")
+        return self.adapters[request.agent]
+
+    def _forward(self, adapters: list[str | None], **kwargs: Any) -> Any:
+        if self._net is self.model:  # no adapter on this model
+            return self._net(**kwargs)
+        slot = self._stack.slot
+        self._stack.set_rows([slot.get(a, 0) if a else 0 for a in adapters], self.device)
+        try:
+            return self._net(**kwargs)
+        finally:
+            self._stack.clear()
+
     # --- capacity ----------------------------------------------------------------------------
     @property
     def active(self) -> int:
         return len(self.seqs)
+
+    def active_for(self, agent: str) -> int:
+        """Running sequences of `agent` (on a shared base, the batch holds other agents' too)."""
+        if self.adapters is None:
+            return len(self.seqs)
+        return sum(1 for s in self.seqs if s.request.agent == agent)
 
     def kv_budget_used(self) -> int:
         return sum(s.budget for s in self.seqs)
@@ -157,14 +207,15 @@ class ContinuousBatcher:
         temps = torch.tensor([[r.temperature] for r in requests],
                              dtype=torch.float32).to(self.device)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
         new = [
             _Sequence(r, None if r.allowed_tokens is None
-                      else mask_row(self.vocab, r.allowed_tokens, self.device), now)
+                      else mask_row(self.vocab, r.allowed_tokens, self.device), now,
+                      self._adapter_of(r))
             for r in requests
         ]
+        out = self._forward([s.adapter for s in new], input_ids=input_ids, attention_mask=attn,
+                            position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
         start = len(self.seqs)
         self._merge(new, cache, attn, out.logits[:, -1, :].float(), state, temps)
         return self._sample(start)
@@ -270,8 +321,9 @@ class ContinuousBatcher:
             [self.attn, torch.ones((bsz, 1), dtype=torch.long, device=self.device)], dim=1)
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
-        out = self.model(input_ids=self._choice.unsqueeze(1), attention_mask=self.attn,
-                         position_ids=pos, use_cache=True, **{self._cache_arg: self.cache})
+        out = self._forward([s.adapter for s in self.seqs],
+                            input_ids=self._choice.unsqueeze(1), attention_mask=self.attn,
+                            position_ids=pos, use_cache=True, **{self._cache_arg: self.cache})
         self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         self.logits = out.logits[:, -1, :].float()
         return self._sample()
@@ -294,7 +346,20 @@ class ContinuousBatcher:
 class HFEngine(ContinuousBatcher):
     """The `hf` backend on a replica: continuous batching plus in-place weight updates."""
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], agent: str | None = None) -> None:
+        """A new version: the model's changed tensors, or (shared base) `agent`'s adapter,
+        loaded while other agents' sequences keep running on the base."""
+        if self.adapters is not None:
+            from flexmarl.policy.adapters import BASE_ADAPTER, load_adapter
+
+            if agent not in self.adapters or self.adapters[agent] == BASE_ADAPTER:
+                raise ValueError(f"agent {agent!r} has no adapter on this model to load into")
+            if self.active_for(agent):
+                raise RuntimeError(f"cannot load agent {agent!r}'s adapter while its "
+                                   "sequences are running")
+            load_adapter(self.model, self.adapters[agent], weights)
+            self._stack.refresh(self.adapters[agent])
+            return
         if self.active:
             raise RuntimeError("cannot load weights while sequences are running")
         # a version may carry only the tensors that changed (LoRA: the adapted layers)

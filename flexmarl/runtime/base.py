@@ -1,18 +1,24 @@
-"""The small interfaces the orchestrator is written against (local, Ray and sim implement them).
+"""The declared interfaces the orchestrator is written against (local, Ray, sim and the
+in-memory fakes of `flexmarl.testing` implement them explicitly).
 
-Acme-style: the orchestrator only knows a rollout pool (generate, publish weights) and a
-training pool (accumulate, step, save); where those run is the runtime's business.
+Acme-style: the orchestrator only knows a rollout pool (generate, publish weights, re-plan
+between iterations), a training pool (accumulate, step, states, save) and a runtime that
+hosts both; where those run is the runtime's business. Everything the orchestrator and the
+run driver use is declared here; a runtime with nothing to do for a hook inherits the no-op
+default by subclassing the protocol, so no caller probes runtimes with `getattr`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.training.trainer import Sample
+
+if TYPE_CHECKING:
+    from flexmarl.store.experience import ExperienceStore
 
 Weights = dict[str, np.ndarray]
 
@@ -30,27 +36,78 @@ class SpanSink(Protocol):
     def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None: ...
 
 
+class Unsupported(NotImplementedError):
+    """A runtime does not provide an optional capability (e.g. trainer states in the
+    simulator): the default of the optional members below."""
+
+
 class RolloutPool(Protocol):
-    n_workers: int
+    """Generation for every agent."""
+
+    if TYPE_CHECKING:  # read-only here: a plain attribute (declare `n_workers: int`) or a
+        # property (Ray: the actors started); no class attribute, so subclasses may assign it
+        @property
+        def n_workers(self) -> int:
+            """The number of replicas (busy fractions)."""
+            ...
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult: ...
 
-    async def publish(self, agent: str, version: int, weights: Weights) -> None: ...
+    async def publish(self, agent: str, version: int, weights: Any) -> None: ...
+
+    def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any] | None:
+        """Iteration k's rollout is complete (`stats`: the store's generation statistics of
+        it): re-plan replicas before iteration k+1 submits anything. Returns the plan to
+        record, or None when the pool does not re-plan."""
+        return None
 
 
 class TrainPool(Protocol):
-    n_workers: int
+    """One trainer per trainable agent."""
 
-    async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]: ...
+    if TYPE_CHECKING:  # as `RolloutPool.n_workers`
+        @property
+        def n_workers(self) -> int:
+            """The number of training workers (busy fractions)."""
+            ...
 
-    async def step(self, agent: str) -> tuple[dict[str, float], Weights]: ...
+    async def accumulate(self, agent: str, samples: Any) -> dict[str, float]:
+        """Forward/backward on one micro-batch (`ExperienceStore.micro_batch`'s value),
+        gradients accumulated until `step`."""
+        ...
 
-    async def weights(self, agent: str) -> Weights: ...
+    async def step(self, agent: str) -> tuple[dict[str, float], Any]:
+        """The optimizer step; returns its metrics and the new weights to publish."""
+        ...
+
+    async def weights(self, agent: str) -> Any: ...
 
     async def save(self, agent: str, directory: str) -> str: ...
 
+    def training_slots(self) -> int | None:
+        """How many training slots the agents time-share, or None when every agent has its
+        own trainer (the sync pipeline then trains agents one after another so each state
+        is swapped in once per iteration)."""
+        return None
+
+    def slot_counters(self) -> Mapping[str, Mapping[str, float]] | None:
+        """Per agent, cumulative training-slot counters (`slot_wait_s`, ...) for the metrics,
+        or None when the pool has no slots to wait for."""
+        return None
+
+    async def get_state(self, agent: str) -> tuple[dict, dict]:
+        """The trainer's full state (weights, optimizer, meta with its `version`), for a
+        checkpoint."""
+        raise Unsupported(f"{type(self).__name__} does not checkpoint trainer states")
+
+    async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
+        """Restore a state `get_state` returned (resume)."""
+        raise Unsupported(f"{type(self).__name__} does not restore trainer states")
+
 
 class Runtime(Protocol):
+    """Hosts the two pools; the run driver (`orchestrator/run.py`) starts and stops it."""
+
     rollout: RolloutPool
     train: TrainPool
 
@@ -59,6 +116,20 @@ class Runtime(Protocol):
     async def stop(self) -> None: ...
 
     def placement(self) -> dict[str, Any]: ...
+
+    def make_store(self) -> ExperienceStore | None:
+        """The experience store the orchestrator should use (Ray: one table actor per
+        agent), or None for the default in-process store."""
+        return None
+
+    def pool_devices(self) -> dict[str, list[int]]:
+        """The GPU indices each pool computes on (empty on the CPU): GPU metrics."""
+        return {}
+
+    def fault_counts(self) -> dict[str, Any] | None:
+        """Worker failures and recoveries so far (`{"failures": [...], "recoveries": [...]}`),
+        or None when the runtime does not supervise its workers."""
+        return None
 
 
 async def load_latest(latest: Mapping[str, tuple[int, Any]],

@@ -89,6 +89,14 @@ def weight_candidates(run_dir: Path, agent: str, acfg: AgentConfig) -> list[Weig
     gen = ckpts / latest / "agents" / agent / "model.safetensors" if latest else None
     if gen is not None and gen.is_file() and acfg.lora is None:
         out.append(WeightSource(latest, gen, _policy_version(gen.parent)))
+    # the shadow the server itself promoted last (continual learning, `deploy.py`)
+    try:
+        promoted = (run_dir / "serving" / agent / "SHADOW").read_text().strip()
+    except OSError:
+        promoted = ""
+    snap = run_dir / "serving" / agent / promoted / "model.safetensors" if promoted else None
+    if snap is not None and snap.is_file():
+        out.append(WeightSource(f"promoted-{promoted}", snap, _policy_version(snap.parent)))
     return out
 
 
@@ -146,9 +154,17 @@ def load_weights_file(agent: str, source: WeightSource, model: torch.nn.Module) 
     from safetensors.torch import load_file
 
     from flexmarl.policy.model import check_shapes
+    from flexmarl.serving.compress import is_packed, unpack
 
     assert source.file is not None
-    tensors = load_file(str(source.file))
+    if is_packed(source.file):  # a compressed blob (compress.pack), e.g. from another process
+        try:
+            tensors = unpack(source.file.read_bytes())
+        except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file
+            raise ServeError(f"{source.file}: compressed weights cannot be read: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    else:
+        tensors = load_file(str(source.file))
     check_shapes(agent, str(source.file), {k: tuple(v.shape) for k, v in tensors.items()}, model)
     param = next(model.parameters())
     model.load_state_dict({k: v.to(param.device, param.dtype) if v.is_floating_point() else
@@ -166,10 +182,18 @@ class AgentSpec:
     version: Version
     fingerprint: tuple
     lock: threading.Lock = field(default_factory=threading.Lock)
+    issued: int = 0  # the highest version number handed out (shadow, canary or reload)
+
+    def next_number(self) -> int:
+        """A fresh version number: reloads and canaries never share one."""
+        with self.lock:
+            self.issued = max(self.issued, self.version.number) + 1
+            return self.issued
 
     @property
     def vocab(self) -> int:
-        return int(self.model.config.vocab_size)
+        config: Any = self.model.config  # a transformers config (nn.Module does not type it)
+        return int(config.vocab_size)
 
     @property
     def max_len(self) -> int:
@@ -231,7 +255,11 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
         if source.file is not None:
             load_weights_file(name, source, model)
         model.eval()
+        # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
+        number = int(source.label.removeprefix("promoted-v")) if source.label.startswith(
+            "promoted-v") and source.label[10:].isdigit() else 1
         out[name] = AgentSpec(
             name, acfg, model, load_tokenizer(name, acfg, source),
-            Version(1, source.label, source.policy_version, time.time()), source.fingerprint)
+            Version(number, source.label, source.policy_version, time.time()),
+            source.fingerprint)
     return ServedRun(rd, cfg, task, task_error, out, dev)

@@ -9,6 +9,9 @@ Routes (all under the API key when one is set, except /health):
   POST /v1/feedback                 a reward for a captured response (with --capture)
   POST /v1/admin/reload             load new weights for one or all agents, without a restart
   GET  /v1/admin/versions           each agent's served version and the versions still running
+  GET  /v1/admin/deployment         shadow / canary / training per agent, heartbeats, events
+  POST /v1/admin/canary             deploy weights (or the training policy) as an agent's canary
+  POST /v1/admin/canary/decide      score the canary now: promote or roll back
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from flexmarl.serving.agents import (
     resolve_source,
 )
 from flexmarl.serving.capture import Capture, FeedbackError
+from flexmarl.serving.deploy import DeployConfig, Deployment
 from flexmarl.serving.protocol import (
     ApiError,
     Limits,
@@ -55,6 +59,7 @@ class Piece:
     text: str
     tokens: list[int]
     logprobs: list[float]
+    version: Version | None = None
 
 
 @dataclass
@@ -71,7 +76,7 @@ class Service:
 
     def __init__(self, run: ServedRun, limits: Limits | None = None,
                  api_key: str | None = None, max_batch_seqs: int | None = None,
-                 capture: Capture | None = None) -> None:
+                 capture: Capture | None = None, deploy: DeployConfig | None = None) -> None:
         from flexmarl.policy.device import kv_token_budget
 
         self.run = run
@@ -87,8 +92,11 @@ class Service:
                                              max_batch_seqs or rcfg.max_batch_seqs, budget)
         self.started = time.time()
         self._reload_lock = asyncio.Lock()
+        self.deployment = Deployment(self, deploy) if deploy is not None else None
 
     def close(self) -> None:
+        if self.deployment is not None:
+            self.deployment.close()
         for w in self.workers.values():
             w.stop()
         if self.capture is not None:
@@ -108,7 +116,7 @@ class Service:
         return model
 
     # --- generation ----------------------------------------------------------------------------
-    async def _raw(self, s: Sampling, deltas: bool) -> AsyncIterator[tuple]:
+    async def _raw(self, s: Sampling, deltas: bool) -> AsyncGenerator[tuple, None]:
         if self.pending >= self.limits.max_pending:
             raise ApiError(429, f"server busy: {self.pending} requests in flight (limit "
                                 f"{self.limits.max_pending}, --max-pending); retry later",
@@ -129,6 +137,8 @@ class Service:
             else uuid.uuid4().int & ((1 << 63) - 1),
             top_p=s.top_p)
         worker = self.workers[spec.name]
+        if not worker.alive and not worker._stopped:
+            worker = self.failover(spec.name)
         worker.submit(Job(request, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
                           deltas=deltas))
         finished = False
@@ -178,7 +188,7 @@ class Service:
                             await gen.aclose()  # cancels the rest of the decoding
                     else:
                         piece = (" " if len(tokens) > len(toks) else "") + token_text(toks)
-                    yield Piece(piece, toks, lps)
+                    yield Piece(piece, toks, lps, _version)
                     if stopped:
                         break
                     continue
@@ -202,6 +212,7 @@ class Service:
                     yield Piece(rest, [], [])
                 full = text.text
             else:
+                assert spec.tokenizer is not None  # a text stream implies a tokenizer
                 full = spec.tokenizer.decode(tokens, skip_special_tokens=True)
         else:
             full = token_text(tokens)
@@ -209,8 +220,32 @@ class Service:
             # durable before the response (or a stream's last chunk) is sent
             await asyncio.to_thread(self.capture.record, s.response_id, spec.name,
                                     version.describe(), s.endpoint, s.prompt, tokens, logprobs,
-                                    full, reason)
+                                    full, reason, max(s.temperature, GREEDY_TEMPERATURE),
+                                    s.top_p, s.allowed_token_ids, s.episode)
         yield Outcome(full, tokens, logprobs, reason, version)
+
+    def failover(self, name: str) -> AgentWorker:
+        """Replace an agent's dead engine thread with a fresh one over the same versions (the
+        shadow, and the canary with its share); the dead one's jobs were already answered with
+        an error. Logged in the deployment's events."""
+        old = self.workers[name]
+        if old.alive:
+            return old
+        spec = self.run.agents[name]
+        new = AgentWorker(name, spec.model, spec.version, old.max_seqs, old.max_tokens)
+        dep = self.deployment.agents.get(name) if self.deployment is not None else None
+        if dep is not None and dep.canary is not None:
+            new.set_canary(dep.canary.model, dep.canary.version, old.canary_share)
+        new.admitted = dict(old.admitted)
+        self.workers[name] = new
+        if dep is not None and self.deployment is not None:
+            dep.worker = new
+            self.deployment.events.log("failover", name, component="engine", error=old.error,
+                                       version=spec.version.number)
+        else:
+            print(f"failover: agent {name!r}: engine thread lost ({old.error}); replaced",
+                  flush=True)
+        return new
 
     # --- reload ----------------------------------------------------------------------------------
     async def reload(self, agent: str | None = None, path: str | None = None,
@@ -231,7 +266,7 @@ class Service:
                     out[name] = {"reloaded": False, **spec.version.describe()}
                     continue
                 model = await asyncio.to_thread(spec.next_model, source)
-                version = Version(spec.version.number + 1, source.label, source.policy_version,
+                version = Version(spec.next_number(), source.label, source.policy_version,
                                   time.time())
                 spec.model, spec.version, spec.fingerprint = model, version, source.fingerprint
                 self.workers[name].swap(model, version)
@@ -299,6 +334,11 @@ def _headers(agent: str, version: Version) -> dict[str, str]:
     return {"x-flexmarl-agent": agent, "x-flexmarl-version": str(version.number)}
 
 
+def _first_version(first: Piece | Outcome, fallback: Version) -> Version:
+    """The version decoding a stream (a canary or the shadow), known from its first event."""
+    return first.version if first.version is not None else fallback
+
+
 async def _first(gen: AsyncIterator[Piece | Outcome]) -> Piece | Outcome:
     """The first event (the request admitted and its first token out), so errors that happen
     before any output are real HTTP errors, and headers can carry the version."""
@@ -343,11 +383,13 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        task = asyncio.create_task(service.watch(watch_s)) if watch_s else None
+        tasks = [asyncio.create_task(service.watch(watch_s))] if watch_s else []
+        if service.deployment is not None:
+            tasks.append(asyncio.create_task(service.deployment.run()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
 
     app = FastAPI(title="flexmarl serve", lifespan=lifespan)
@@ -393,8 +435,15 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "pending": service.pending,
-                "agents": {n: s.version.number for n, s in service.run.agents.items()}}
+        out: dict[str, Any] = {
+            "status": "ok", "pending": service.pending,
+            "agents": {n: s.version.number for n, s in service.run.agents.items()}}
+        if service.deployment is not None:
+            beats = service.deployment.heartbeats()
+            out["heartbeats"] = beats
+            if not all(b["ok"] for b in beats.values()):
+                out["status"] = "degraded"
+        return out
 
     def model_card(name: str) -> dict:
         spec = service.run.agents[name]
@@ -450,7 +499,7 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
                 "choices": [choice(out.text, out.tokens, out.logprobs, out.finish_reason)],
                 "usage": _usage(s, len(out.tokens)), "flexmarl": _meta(name, out.version),
             }, headers=_headers(name, out.version))
-        version = service.workers[name].version
+        version = _first_version(first, service.workers[name].version)
         sent = {"chars": 0}
 
         def chunk(p: Piece) -> dict:
@@ -503,7 +552,7 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
                              if s.logprobs else None}],
                 "usage": _usage(s, len(out.tokens)), "flexmarl": _meta(name, out.version),
             }, headers=_headers(name, out.version))
-        version = service.workers[name].version
+        version = _first_version(first, service.workers[name].version)
         state = {"role": False}
 
         def base() -> dict:
@@ -570,6 +619,64 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
             raise bad("path", "must be a path string")
         return {"agents": await service.reload(agent, path, bool(body.get("force", False)))}
 
+    def deployment(agent: Any) -> Any:
+        if service.deployment is None:
+            raise ApiError(400, "canaries need the deployment: start the server with --capture "
+                                "(and --learn AGENT for online training)", code="no_deployment")
+        if not isinstance(agent, str) or agent not in service.deployment.agents:
+            raise ApiError(404 if isinstance(agent, str) else 400,
+                           f"agent: {agent!r} is not served here (agents: "
+                           f"{', '.join(service.workers)})", "agent")
+        return service.deployment.agents[agent]
+
+    @app.get("/v1/admin/deployment")
+    async def deployment_state() -> dict:
+        if service.deployment is None:
+            return {"enabled": False}
+        d = service.deployment
+        return {"enabled": True, "agents": {n: a.describe() for n, a in d.agents.items()},
+                "heartbeats": d.heartbeats(), "events": d.events.recent[-50:]}
+
+    @app.post("/v1/admin/canary")
+    async def canary(request: Request) -> dict:
+        body = await body_of(request)
+        dep = deployment(body.get("agent"))
+        path, share = body.get("path"), body.get("share")
+        if path is not None and not isinstance(path, str):
+            raise bad("path", "must be a path string")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise bad("share", f"must be a number in (0, 1], got {share!r}")
+        if path is None and dep.learner is None:
+            raise bad("path", f"required: agent {dep.name!r} is not trained online (--learn), "
+                              "so name the canary's weights")
+
+        def run() -> dict:
+            with dep.lock:
+                if path is not None:
+                    source = explicit_source(path)
+                    return dep.start_canary(dep.spec.next_model(source), source.label,
+                                            source.policy_version, gate=False, share=share)
+                lr = dep.learner
+                return dep.start_canary(lr.snapshot_model(dep.spec.model),
+                                        f"online-step-{lr.steps}", lr.trainer.version,
+                                        gate=bool(body.get("gate", False)), share=share)
+
+        return {"event": await asyncio.to_thread(run)}
+
+    @app.post("/v1/admin/canary/decide")
+    async def decide(request: Request) -> dict:
+        body = await body_of(request)
+        dep = deployment(body.get("agent"))
+        if dep.canary is None:
+            raise ApiError(409, f"agent {dep.name!r} has no canary", "agent", code="no_canary")
+
+        def run() -> dict | None:
+            with dep.lock:
+                return dep.decide(force=True)
+
+        return {"event": await asyncio.to_thread(run)}
+
     @app.get("/v1/admin/versions")
     async def versions() -> dict:
         return {"agents": {n: {**s.version.describe(),
@@ -589,7 +696,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, device: str = "auto", limits: Limits | None = None,
           watch_s: float | None = None, agents: list[str] | None = None,
           max_batch_seqs: int | None = None, capture: str | Path | None = None,
-          torch_threads: int | None = None) -> None:
+          torch_threads: int | None = None, deploy: DeployConfig | None = None) -> None:
     import uvicorn
 
     from flexmarl.serving.agents import load_run
@@ -601,7 +708,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         # intra-op threads spinning between steps starve the HTTP thread of a CPU
         torch.set_num_threads(torch_threads or run.cfg.runtime.torch_threads)
     service = Service(run, limits, api_key, max_batch_seqs,
-                      Capture(capture) if capture is not None else None)
+                      Capture(capture) if capture is not None else None, deploy)
     app = create_app(service, watch_s)
     names = ", ".join(f"{n} (v{s.version.number}: {s.version.source})"
                       for n, s in run.agents.items())

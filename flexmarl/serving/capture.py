@@ -4,10 +4,15 @@ One SQLite file in WAL mode with `synchronous=FULL`: a row is committed (and so 
 before its response is acknowledged, so a SIGKILL of the server loses no interaction a client
 was answered for; the response id is the primary key, so none is stored twice.
 
-interactions: id (the response id), agent, version (served), source, policy_version,
-              endpoint, prompt (JSON token ids), response (JSON token ids), logprobs (JSON),
-              text, finish_reason, created
+interactions: id (the response id; `ep-X/node` for a node of episode `ep-X`), agent, version
+              (served), source, policy_version, endpoint, prompt (JSON token ids), response
+              (JSON token ids), logprobs (JSON), text, finish_reason, created, and what the
+              trainer needs to recompute the sampled distribution: temperature (as served),
+              top_p, allowed (JSON token ids or null), episode (the episode id or null)
 feedback:     response_id (primary key: one reward per response), reward, comment, created
+consumed:     response_id (primary key), agent, step, outcome, created: a row the online
+              learner claimed; written in the same transaction that picks the rows, before it
+              trains on them, so no row is trained on twice, across restarts too
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +29,40 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS interactions (
   id TEXT PRIMARY KEY, agent TEXT NOT NULL, version INTEGER NOT NULL, source TEXT,
   policy_version INTEGER, endpoint TEXT NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
-  logprobs TEXT NOT NULL, text TEXT, finish_reason TEXT, created REAL NOT NULL);
+  logprobs TEXT NOT NULL, text TEXT, finish_reason TEXT, created REAL NOT NULL,
+  temperature REAL, top_p REAL, allowed TEXT, episode TEXT);
 CREATE TABLE IF NOT EXISTS feedback (
   response_id TEXT PRIMARY KEY REFERENCES interactions(id), reward REAL NOT NULL,
   comment TEXT, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS consumed (
+  response_id TEXT PRIMARY KEY REFERENCES interactions(id), agent TEXT NOT NULL,
+  step INTEGER NOT NULL, outcome TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS interactions_episode ON interactions(episode);
+CREATE INDEX IF NOT EXISTS interactions_agent ON interactions(agent, created);
 """
+# columns added after the first release: a file written by an older server gets them
+_ADDED = {"temperature": "REAL", "top_p": "REAL", "allowed": "TEXT", "episode": "TEXT"}
 
 
 class FeedbackError(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass
+class CapturedRow:
+    """A captured response with its feedback, as the online learner trains on it."""
+
+    id: str
+    agent: str
+    version: int
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    temperature: float
+    allowed: list[int] | None
+    reward: float
 
 
 class Capture:
@@ -44,28 +73,101 @@ class Capture:
                                    isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(interactions)")}
+        if have:
+            for col, kind in _ADDED.items():
+                if col not in have:
+                    self._db.execute(f"ALTER TABLE interactions ADD COLUMN {col} {kind}")
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
 
     def record(self, rid: str, agent: str, version: dict[str, Any], endpoint: str,
                prompt: list[int], tokens: list[int], logprobs: list[float], text: str,
-               finish_reason: str) -> None:
+               finish_reason: str, temperature: float | None = None, top_p: float | None = None,
+               allowed: list[int] | None = None, episode: str | None = None) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO interactions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO interactions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rid, agent, version["version"], version.get("source"),
                  version.get("policy_version"), endpoint, json.dumps(prompt), json.dumps(tokens),
-                 json.dumps(logprobs), text, finish_reason, time.time()))
+                 json.dumps(logprobs), text, finish_reason, time.time(), temperature, top_p,
+                 json.dumps(allowed) if allowed is not None else None, episode))
 
-    def feedback(self, rid: str, reward: float, comment: str | None = None) -> None:
+    def feedback(self, rid: str, reward: float, comment: str | None = None) -> int:
+        """Attach `reward` to response `rid`, or to every node of episode `rid`; returns how
+        many responses got it."""
         with self._lock:
-            if self._db.execute("SELECT 1 FROM interactions WHERE id=?", (rid,)).fetchone() is None:
-                raise FeedbackError(404, f"id: no captured response {rid!r}")
+            ids = [r[0] for r in self._db.execute(
+                "SELECT id FROM interactions WHERE id=? OR episode=?", (rid, rid))]
+            if not ids:
+                raise FeedbackError(404, f"id: no captured response or episode {rid!r}")
+            now = time.time()
             try:
-                self._db.execute("INSERT INTO feedback VALUES (?,?,?,?)",
-                                 (rid, reward, comment, time.time()))
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?)",
+                                     [(i, reward, comment, now) for i in ids])
+                self._db.execute("COMMIT")
             except sqlite3.IntegrityError:
+                self._db.execute("ROLLBACK")
                 raise FeedbackError(409, f"id: response {rid!r} already has feedback") from None
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            return len(ids)
+
+    def claim(self, agent: str, n: int, step: int, min_temperature: float = 0.05
+              ) -> list[CapturedRow]:
+        """The oldest `n` rewarded rows of `agent` not yet consumed, marked consumed (outcome
+        "claimed") in the same transaction: durable before any training on them. Rows decoded
+        (nearly) greedily are not trainable (their log-probs say nothing about the policy)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rows = self._db.execute(
+                    "SELECT i.id, i.agent, i.version, i.prompt, i.response, i.logprobs, "
+                    "i.temperature, i.allowed, f.reward FROM interactions i "
+                    "JOIN feedback f ON f.response_id = i.id "
+                    "LEFT JOIN consumed c ON c.response_id = i.id "
+                    "WHERE i.agent = ? AND c.response_id IS NULL AND i.temperature >= ? "
+                    "AND i.response != '[]' ORDER BY f.created, i.id LIMIT ?",
+                    (agent, min_temperature, n)).fetchall()
+                now = time.time()
+                self._db.executemany("INSERT INTO consumed VALUES (?,?,?,?,?)",
+                                     [(r[0], agent, step, "claimed", now) for r in rows])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return [CapturedRow(r[0], r[1], r[2], json.loads(r[3]), json.loads(r[4]),
+                            json.loads(r[5]), float(r[6]),
+                            json.loads(r[7]) if r[7] is not None else None, float(r[8]))
+                for r in rows]
+
+    def available(self, agent: str, min_temperature: float = 0.05) -> int:
+        """Rewarded, trainable rows of `agent` not consumed yet."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT COUNT(*) FROM interactions i JOIN feedback f ON f.response_id = i.id "
+                "LEFT JOIN consumed c ON c.response_id = i.id WHERE i.agent = ? AND "
+                "c.response_id IS NULL AND i.temperature >= ? AND i.response != '[]'",
+                (agent, min_temperature)).fetchone()[0]
+
+    def settle(self, ids: list[str], outcome: str) -> None:
+        """What became of claimed rows: "trained", or "kl_stop" (the update was undone)."""
+        with self._lock:
+            self._db.executemany("UPDATE consumed SET outcome=? WHERE response_id=?",
+                                 [(outcome, i) for i in ids])
+
+    def feedback_by_version(self, agent: str, since: float = 0.0
+                            ) -> dict[int, tuple[float, int]]:
+        """{served version: (mean reward, count)} of `agent`'s responses created since `since`."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT i.version, AVG(f.reward), COUNT(*) FROM interactions i JOIN feedback f "
+                "ON f.response_id = i.id WHERE i.agent = ? AND i.created >= ? GROUP BY i.version",
+                (agent, since)).fetchall()
+        return {int(v): (float(m), int(n)) for v, m, n in rows}
 
     def count(self) -> int:
         with self._lock:

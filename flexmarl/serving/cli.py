@@ -37,7 +37,62 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
     s.add_argument("--capture", default=None, metavar="DB",
                    help="record every served interaction durably (SQLite, WAL, fsync) before "
                         "answering; enables /v1/feedback")
+    d = s.add_argument_group("triple-buffer deployment and online learning (docs/serving.md)")
+    d.add_argument("--deploy", action="store_true",
+                   help="shadow / canary per agent: canaries through /v1/admin/canary, events in "
+                        "RUN_DIR/serving/events.jsonl (implied by --learn)")
+    d.add_argument("--learn", action="append", default=None, metavar="AGENT",
+                   help="train this agent online from captured, rewarded interactions "
+                        "(repeatable; needs --capture)")
+    d.add_argument("--canary-share", type=float, default=0.05,
+                   help="share of new requests a canary gets (default 0.05)")
+    d.add_argument("--promote-margin", type=float, default=0.0,
+                   help="promote a canary when its score >= the shadow's + this (default 0)")
+    d.add_argument("--kl-max", type=float, default=0.5,
+                   help="undo an online update whose KL to the shadow exceeds this "
+                        "(nats per token, default 0.5)")
+    d.add_argument("--is-max", type=float, default=2.0,
+                   help="truncation of the off-policy importance weights (default 2)")
+    d.add_argument("--online-lr", type=float, default=None,
+                   help="learning rate of online updates (default: the agent's optim.lr)")
+    d.add_argument("--online-batch", type=int, default=64,
+                   help="captured rows per online update (default 64)")
+    d.add_argument("--update-every", type=float, default=0.0, metavar="SECONDS",
+                   help="at most one online update per this many seconds (default 0: whenever "
+                        "a batch is ready; the enterprise document's cadence is 900)")
+    d.add_argument("--canary-every", type=int, default=10,
+                   help="applied online updates between canary candidates (default 10)")
+    d.add_argument("--canary-min-feedback", type=int, default=20,
+                   help="feedback rewards on canary responses before it is scored (default 20)")
+    d.add_argument("--canary-max-s", type=float, default=300.0,
+                   help="score a canary after this long whatever the feedback (default 300)")
+    d.add_argument("--heldout", type=int, default=256,
+                   help="held-out task inputs a version is scored on (0: feedback only)")
+    d.add_argument("--feedback-weight", type=float, default=0.5,
+                   help="weight of traffic feedback in a version's score (default 0.5)")
+    d.add_argument("--snapshot-every", type=float, default=300.0, metavar="SECONDS",
+                   help="snapshot the training policy's state this often (default 300)")
     return s
+
+
+def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imported lazily
+    """The deployment's settings from the flags (None when neither --deploy nor --learn)."""
+    from flexmarl.config.schema import ConfigError
+
+    if not args.deploy and not args.learn:
+        return None
+    if args.learn and not args.capture:
+        raise ConfigError("serve: --learn trains on captured interactions: add --capture DB")
+    from flexmarl.serving.deploy import DeployConfig
+
+    return DeployConfig(
+        learn=list(args.learn or []), canary_share=args.canary_share,
+        margin=args.promote_margin, kl_max=args.kl_max, is_max=args.is_max, lr=args.online_lr,
+        batch=args.online_batch, update_every_s=args.update_every,
+        canary_every=args.canary_every,
+        canary_min_feedback=args.canary_min_feedback, canary_max_s=args.canary_max_s,
+        heldout=args.heldout, feedback_weight=args.feedback_weight,
+        snapshot_every_s=args.snapshot_every).validate()
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -59,6 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"serve: {exc.name} is not installed; pip install "
                           "'flexmarl[serve]'") from None
+    deploy = deploy_config(args)
     from flexmarl.serving.app import serve
     from flexmarl.serving.protocol import Limits
 
@@ -66,5 +122,6 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_tokens=args.max_tokens, max_pending=args.max_pending)
     serve(rd, args.host, args.port, api_key=args.api_key or os.environ.get("FLEXMARL_API_KEY"),
           device=args.device, limits=limits, watch_s=args.watch, agents=args.agent,
-          max_batch_seqs=args.max_batch_seqs, capture=args.capture, torch_threads=args.threads)
+          max_batch_seqs=args.max_batch_seqs, capture=args.capture, torch_threads=args.threads,
+          deploy=deploy)
     return 0

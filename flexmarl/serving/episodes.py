@@ -84,14 +84,20 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
                      stop=list(prompt.stop), stop_token_ids=list(prompt.stop_tokens),
                      allowed_token_ids=prompt.allowed_tokens,
                      token_ids_out=not (is_text and spec.tokenizer is not None))
+        if service.capture is not None:  # each node captured; feedback on the episode id
+            s.response_id, s.endpoint, s.episode = f"ep-{episode_id}/{name}", "episodes", \
+                f"ep-{episode_id}"
         outcome = None
         async for outcome in service.generate(s):  # noqa: B007
             pass
+        if outcome is None:
+            raise RuntimeError(f"node {name!r}: the agent's service returned no outcome")
         ctx.outputs[name] = outcome.tokens
         if is_text:  # cut before the first stop string, as in training
             ctx.texts[name] = renderer.decode(node.agent, outcome.tokens, list(prompt.stop))
         entry: dict[str, Any] = {
             "agent": node.agent, "skipped": False, "version": outcome.version.number,
+            "id": s.response_id,
             "prompt": list(prompt.tokens), "output": outcome.tokens,
             "logprobs": outcome.logprobs}
         if spec.tokenizer is not None:

@@ -114,6 +114,7 @@ class Sampling:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     response_id: str | None = None  # set: the interaction is captured under this id
     endpoint: str = ""
+    episode: str | None = None  # the episode a captured node belongs to
 
 
 def common(body: dict, spec: AgentSpec, prompt: list[int], limits: Limits,

@@ -9,12 +9,20 @@ Hot reload: a new version arrives as a second engine beside the running one. New
 to the newest engine only; older engines keep stepping until their last sequence finishes and
 are then dropped. A request is therefore decoded wholly by the version that admitted it, and a
 reload neither waits for the batch to drain nor fails anything in flight.
+
+Canary (triple-buffer deployment, `deploy.py`): a third engine may run beside the shadow's and
+take `canary_share` of new admissions (error diffusion: after n admissions the canary has had
+floor(n * share) of them, whatever the order). Promotion makes the canary's
+engine the one that takes all new admissions; rollback stops admissions to it. Both are
+messages the engine thread applies between two steps, so they are atomic with respect to
+admission, and the demoted engine drains like an old version after a reload.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +63,7 @@ class ServeEngine(HFEngine):
         return super()._sample(start)
 
 
-Sink = Callable[[tuple], None]
+Sink = Callable[[tuple], object]  # its return value is ignored
 
 
 @dataclass
@@ -70,6 +78,7 @@ class Job:
     emitted: int = 0
     version: Version | None = None
     cancelled: bool = False
+    slot: Any = None  # the engine it was routed to (shadow or canary), at first admission try
 
 
 @dataclass
@@ -80,15 +89,26 @@ class _Slot:
 
 
 class AgentWorker:
+    HEARTBEAT_S = 2.0  # the engine thread beats at least this often, idle or busy
+
     def __init__(self, agent: str, model: torch.nn.Module, version: Version,
                  max_seqs: int = 64, max_tokens: int = 65536) -> None:
         self.agent = agent
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
-        self._slots = [_Slot(version, ServeEngine(model, max_seqs, max_tokens))]
+        self._current = _Slot(version, ServeEngine(model, max_seqs, max_tokens))
+        self._canary: _Slot | None = None
+        self._draining: list[_Slot] = []
+        self.canary_share = 0.0
+        self._owed = 0.0  # error diffusion of the canary's share
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.version = version  # the version new requests get (updated by `swap`)
+        self.canary_version: Version | None = None
+        self.admitted: dict[int, int] = {}  # requests admitted per version number
         self.pending = 0  # jobs submitted and not yet done (read by the HTTP side)
+        self.beat = time.monotonic()  # the engine thread's last heartbeat
+        self.error: str | None = None  # why the engine thread died, if it did
+        self._waiting: list[Job] = []  # submitted, not admitted yet (the engine thread's)
         self._lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"serve-{agent}", daemon=True)
@@ -105,17 +125,39 @@ class AgentWorker:
         self.inbox.put(("cancel", sample_id))
 
     def swap(self, model: torch.nn.Module, version: Version) -> None:
-        """Serve `version` for every request admitted from now on."""
+        """Serve `version` for every request admitted from now on (the canary keeps its share)."""
         self.version = version
         self.inbox.put(("swap", _Slot(version, ServeEngine(model, self.max_seqs,
                                                           self.max_tokens))))
+
+    def set_canary(self, model: torch.nn.Module, version: Version, share: float) -> None:
+        """Send `share` of new admissions to `version` (replacing any canary, which drains)."""
+        self.canary_version = version
+        self.inbox.put(("canary", (_Slot(version, ServeEngine(model, self.max_seqs,
+                                                              self.max_tokens)), share)))
+
+    def promote(self) -> None:
+        """The canary becomes the shadow: it takes every new admission; the old shadow drains."""
+        assert self.canary_version is not None
+        self.version, self.canary_version = self.canary_version, None
+        self.inbox.put(("promote", None))
+
+    def rollback(self) -> None:
+        """No more admissions to the canary; its requests in flight finish on it."""
+        self.canary_version = None
+        self.inbox.put(("rollback", None))
 
     def stop(self) -> None:
         self._stopped = True
         self.inbox.put(("stop", None))
 
     def versions_running(self) -> list[int]:
-        return [s.version.number for s in self._slots]
+        slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
+        return sorted({s.version.number for s in slots})
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     # --- the engine thread -------------------------------------------------------------------
     def _finish(self, job: Job, item: tuple) -> None:
@@ -126,38 +168,113 @@ class AgentWorker:
         except Exception:  # noqa: BLE001 - a closed event loop must not kill the engine
             pass
 
+    def _apply(self, kind: str, payload: Any, waiting: list[Job]) -> bool:
+        """One control message; False on stop."""
+        if kind == "job":
+            waiting.append(payload)
+        elif kind == "swap":
+            self._draining.append(self._current)
+            self._current = payload
+        elif kind == "canary":
+            if self._canary is not None:
+                self._draining.append(self._canary)
+            self._canary, self.canary_share = payload
+            self._owed = 0.0
+        elif kind == "promote" and self._canary is not None:
+            self._draining.append(self._current)
+            self._current, self._canary = self._canary, None
+        elif kind == "rollback" and self._canary is not None:
+            self._draining.append(self._canary)
+            self._canary = None
+        elif kind == "cancel":
+            self._cancel(payload, waiting)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _target(self) -> _Slot:
+        """Where the next admission goes: the canary for its share of them, else the shadow."""
+        if self._canary is None:
+            return self._current
+        self._owed += self.canary_share
+        if self._owed >= 1.0 - 1e-9:
+            self._owed -= 1.0
+            return self._canary
+        return self._current
+
     def _loop(self) -> None:
-        waiting: list[Job] = []
+        """The engine thread; if it dies, every job it holds gets an error (none hangs) and
+        the thread is reported dead (`alive`), for the server to replace it (failover)."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - answered below, then the thread ends
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.fail_all(f"engine thread of agent {self.agent!r} lost ({self.error}); retry")
+
+    def fail_all(self, message: str) -> None:
+        """Answer every job this worker holds (queued, waiting, decoding) with an error; for a
+        worker whose thread is gone."""
+        jobs = list(self._waiting)
+        self._waiting.clear()
+        slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
+        for slot in slots:
+            jobs += list(slot.jobs.values())
+            slot.jobs.clear()
+        while True:
+            try:
+                kind, payload = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "job":
+                jobs.append(payload)
+        for job in jobs:
+            self._finish(job, ("error", message))
+
+    def _run(self) -> None:
+        waiting = self._waiting
         while not self._stopped:
-            busy = bool(waiting) or any(s.engine.active for s in self._slots)
-            msgs = [] if busy else [self.inbox.get()]
+            self.beat = time.monotonic()
+            slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
+            busy = bool(waiting) or any(s.engine.active for s in slots)
+            msgs = []
+            if not busy:
+                try:
+                    msgs.append(self.inbox.get(timeout=self.HEARTBEAT_S))
+                except queue.Empty:
+                    continue
             while True:
                 try:
                     msgs.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
             for kind, payload in msgs:
-                if kind == "job":
-                    waiting.append(payload)
-                elif kind == "swap":
-                    self._slots.append(payload)
-                elif kind == "cancel":
-                    self._cancel(payload, waiting)
-                elif kind == "stop":
+                if not self._apply(kind, payload, waiting):
                     return
-            current = self._slots[-1]
-            take, tokens = [], 0
-            while waiting and current.engine.fits(waiting[0].request, len(take), tokens):
-                job = waiting.pop(0)
-                tokens += len(job.request.prompt) + job.request.max_new_tokens
-                job.version = current.version
-                job.request.version = current.version.number
-                current.jobs[job.request.sample_id] = job
+            takes: dict[int, list[GenerationRequest]] = {}
+            sizes: dict[int, int] = {}
+            while waiting:
+                job = waiting[0]
+                if job.slot is None:  # routed once, at its first admission attempt
+                    job.slot = self._target()
+                slot = job.slot
+                if slot is not self._current and slot is not self._canary:
+                    slot = job.slot = self._current  # its canary was rolled back meanwhile
+                take = takes.setdefault(id(slot), [])
+                if not slot.engine.fits(job.request, len(take), sizes.get(id(slot), 0)):
+                    break
+                waiting.pop(0)
+                sizes[id(slot)] = sizes.get(id(slot), 0) + len(job.request.prompt) + \
+                    job.request.max_new_tokens
+                job.version = slot.version
+                job.request.version = slot.version.number
+                slot.jobs[job.request.sample_id] = job
                 take.append(job.request)
-            for slot in self._slots:
-                self._advance(slot, take if slot is current else [])
-            # older versions leave once their last sequence is done
-            self._slots = [s for s in self._slots[:-1] if s.engine.active] + [self._slots[-1]]
+                self.admitted[slot.version.number] = self.admitted.get(slot.version.number, 0) + 1
+            slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
+            for slot in slots:
+                self._advance(slot, takes.get(id(slot), []))
+            # demoted versions leave once their last sequence is done
+            self._draining = [s for s in self._draining if s.engine.active]
 
     def _cancel(self, sample_id: str, waiting: list[Job]) -> None:
         for i, job in enumerate(waiting):
@@ -165,10 +282,11 @@ class AgentWorker:
                 waiting.pop(i)
                 self._finish(job, ("done", GenerationResult(sample_id, [], [], 0), None))
                 return
-        for slot in self._slots:
-            job = slot.jobs.get(sample_id)
-            if job is not None:
-                job.cancelled = True
+        slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
+        for slot in slots:
+            running = slot.jobs.get(sample_id)
+            if running is not None:
+                running.cancelled = True
                 for seq in slot.engine.seqs:
                     if seq.request.sample_id == sample_id:
                         # finishes at its next sampled token

@@ -25,7 +25,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -365,7 +365,7 @@ class CostModel:
     max_num_seqs: int = MAX_NUM_SEQS
 
     @classmethod
-    def named(cls, accelerator: str, **overrides: float | int) -> CostModel:
+    def named(cls, accelerator: str, **overrides: Any) -> CostModel:
         """A cost model for an accelerator given by name, e.g. ``CostModel.named("H800")``."""
         return cls(get_accelerator(accelerator), **overrides)
 

@@ -359,7 +359,8 @@ class SimRolloutWorker(_Common):
         loop = asyncio.get_running_loop()
         p = self.profile.agents.get(agent)
         queue = sorted(self.waiting[agent], key=lambda item: item[2])
-        take, tokens = [], 0
+        take: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
+        tokens = 0
         for item in queue:
             r = item[1]
             if r.version != self.versions[agent] or not self._fits(agent, r, len(take), tokens):
@@ -384,7 +385,7 @@ class SimRolloutWorker(_Common):
         if batch:
             width = max(s.width for s in batch)
             cost += _cost(p, "decode", seqs=len(batch), tokens=len(batch) * (width + 1))
-            still = []
+            still: list[_Seq] = []
             for s in batch:
                 s.generated += 1
                 (finished if s.generated >= s.out_len else still).append(s)
@@ -561,9 +562,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         # `external` only this run's own processes share the CPUs, at the machine's measured
         # speed with n busy processes (unless `cores` asks for another core count); with it,
         # the difference between the run's other load and the profile's is simulated
-        if external is None:
-            ext, prof_ext = 0.0, 0.0
-        else:
+        ext: float | Sequence[tuple[float, float]] = 0.0
+        prof_ext = 0.0
+        if external is not None:
             ext = external
             prof_ext = (profiled_load(machine) if profiled_external is None
                         else profiled_external)
@@ -575,7 +576,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                                      parent) for i in range(rt.rollout_workers)]
         tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent)
                     for i in range(max(1, min(rt.train_workers, len(trainable))))]
-        workers.extend(rworkers + tworkers)
+        workers.extend(rworkers)
+        workers.extend(tworkers)
         costs = {a: float(approx_params(cfg.agents[a].model, task.vocab_size)) for a in local}
         balancer = Balancer(local, rt.rollout_workers, cfg.rollout.balance, costs)
         rollout = LocalRolloutPool(rworkers, balancer)  # type: ignore[arg-type]

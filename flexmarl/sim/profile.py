@@ -46,12 +46,14 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from flexmarl.runtime.base import RolloutPool, TrainPool
 
 PROFILE_VERSION = 1
 
@@ -80,7 +82,8 @@ class Fit:
                    float(d.get("rmse", 0.0)), int(d.get("n", 0)), d.get("unit", "s"))
 
 
-def fit_linear(terms: Sequence[str], xs: Sequence[dict[str, float]], ys: Sequence[float]) -> Fit:
+def fit_linear(terms: Sequence[str], xs: Sequence[Mapping[str, float]],
+               ys: Sequence[float]) -> Fit:
     """Least squares of ys on the named terms; a term whose coefficient comes out negative is
     dropped (a cost cannot shrink with more work) and the rest refitted."""
     if len(xs) != len(ys) or not ys:
@@ -330,7 +333,8 @@ class OtherLoad:
             self._thread.join()
         busy, wall = _peers_s(), time.perf_counter() - self._t0
         every = _machine_busy_s()
-        if busy is None or self._busy0 is None or every is None or wall <= 0:
+        if busy is None or self._busy0 is None or every is None or self._all0 is None \
+                or wall <= 0:
             return
         other = (busy - self._busy0) - (_own_cpu_s() - self._own0)
         self.cpus = max(0.0, other / wall)
@@ -677,7 +681,7 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
         conn.send((msg_id, True, result, []))
 
 
-async def _ipc_measure(samples_of: Callable[[int], list[Any]], wire: Any,
+async def _ipc_measure(samples_of: Callable[[int], Any], wire: Any,
                        reps: int) -> dict[str, Fit]:
     from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.runtime.local.runtime import WorkerProxy
@@ -908,9 +912,11 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
 
 
 # --- lengths from a short real rollout --------------------------------------------------------
-class _InProcessRollout:
+class _InProcessRollout(RolloutPool):
     """The config's models behind one in-process continuous batch each (the real engine); used
     once to measure the task's real prompt and output lengths per agent."""
+
+    n_workers: int
 
     def __init__(self, engines: dict[str, Any]) -> None:
         self.engines = engines
@@ -939,7 +945,8 @@ class _InProcessRollout:
                 await self.kick.wait()
             await asyncio.sleep(0)
             for agent, engine in self.engines.items():
-                queue, take, tokens = self.waiting[agent], [], 0
+                queue, tokens = self.waiting[agent], 0
+                take: list[Any] = []
                 while queue and engine.fits(queue[0][0], len(take), tokens):
                     r, fut = queue.pop(0)
                     tokens += len(r.prompt) + r.max_new_tokens
@@ -957,7 +964,7 @@ class _InProcessRollout:
         return None
 
 
-class _NullTrain:
+class _NullTrain(TrainPool):
     n_workers = 1
 
     async def accumulate(self, agent: str, samples: list[Any]) -> dict[str, float]:
@@ -968,6 +975,9 @@ class _NullTrain:
 
     async def weights(self, agent: str) -> dict:
         return {}
+
+    async def save(self, agent: str, directory: str) -> str:
+        return directory
 
 
 def measure_lengths(cfg: Any, task: Any, models: dict[str, Any]

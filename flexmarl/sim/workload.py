@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-import numpy as np
 import yaml
 from pydantic import (
     BaseModel,
@@ -74,6 +73,13 @@ def _fail(field: str, detail: str) -> PydanticCustomError:
     return PydanticCustomError(
         _CROSS_FIELD, "{field}: {detail}", {"field": field, "detail": detail}
     )
+
+
+class RandomSource(Protocol):
+    """What `Workload.episode_nodes` draws its conditional edges from: a numpy Generator, or
+    the enumerator of `sim.task` that returns fixed draws."""
+
+    def random(self) -> float: ...
 
 
 class _Strict(BaseModel):
@@ -375,7 +381,7 @@ class Workload(_Strict):
         return self.training.micro_batch_size or max(self.rollout.group_size,
                                                      self.episodes_per_iteration // 32)
 
-    def cost_model(self, **overrides: float | int) -> CostModel:
+    def cost_model(self, **overrides: Any) -> CostModel:
         """A cost model for this cluster's accelerators (efficiency factors overridable)."""
         return CostModel(
             self.cluster.accelerator,
@@ -383,7 +389,7 @@ class Workload(_Strict):
             **overrides,
         )
 
-    def episode_nodes(self, rng: np.random.Generator | None = None) -> list[EpisodeNode]:
+    def episode_nodes(self, rng: RandomSource | None = None) -> list[EpisodeNode]:
         """Unroll the agent graph into one episode's node DAG, in a topological order.
 
         Without ``rng`` every edge is taken (the full graph). With ``rng`` each conditional

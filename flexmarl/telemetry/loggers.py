@@ -20,6 +20,7 @@ import json
 import math
 import struct
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,7 +60,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def check_installed(backends: list[str]) -> None:
+def check_installed(backends: Sequence[str]) -> None:
     """Before a run starts: every configured backend can be imported."""
     import importlib.util
 
@@ -196,7 +197,10 @@ def read_tensorboard(tb_dir: Path) -> dict[str, dict[int, float]]:
 def _wandb_records(run_dir: Path) -> list[Any]:
     """The protobuf records of an offline W&B run's .wandb file: a LevelDB-style log in 32 KiB
     blocks after a 7-byte header."""
-    from wandb.proto import wandb_internal_pb2 as pb
+    import importlib
+
+    # generated protobuf code: its stub does not declare the message classes
+    pb: Any = importlib.import_module("wandb.proto.wandb_internal_pb2")
 
     files = list(Path(run_dir).glob("*.wandb"))
     if not files:
@@ -265,6 +269,8 @@ def read_mlflow(uri: str, experiment: str = "flexmarl") -> dict[str, dict[int, f
     _allow_file_store(uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise LoggerError(f"{uri}: no MLflow experiment {experiment!r}")
     run = client.search_runs([exp.experiment_id])[0]
     return {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
             for key in run.data.metrics}

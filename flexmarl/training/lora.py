@@ -1,7 +1,9 @@
 """LoRA through peft: target validation (one clear error), wrapping, and merged publication.
 
-The rollout replicas keep plain models; after each step the trainer publishes only the tensors
-LoRA changes, merged (W + scale * B @ A) under the base model's names.
+An agent with its own model: the rollout replicas keep plain models, and after each step the
+trainer publishes only the tensors LoRA changes, merged (W + scale * B @ A) under the base
+model's names. An agent on a shared base (`model.base`) publishes its adapter alone
+(`policy.adapters`): the replica holds the base once and every agent's adapter.
 """
 
 from __future__ import annotations
@@ -30,15 +32,13 @@ def check_targets(agent: str, model: torch.nn.Module, cfg: LoraConfig) -> None:
             )
 
 
-def apply(agent: str, model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+def apply(agent: str, model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
+    """`model` wrapped in peft with one adapter, initialised from `seed` alone (the same adapter
+    in every process, whatever was built before it)."""
+    from flexmarl.policy.adapters import add_adapter
 
     check_targets(agent, model, cfg)
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]
-                              lora_dropout=cfg.dropout,
-                              target_modules=list(cfg.target_modules), bias="none")
-    return get_peft_model(model, peft_cfg)
+    return add_adapter(model, "default", cfg, seed)
 
 
 def merged_weights(model: torch.nn.Module, full: bool = False) -> dict[str, torch.Tensor]:

@@ -12,7 +12,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from flexmarl.config.schema import RunConfig
+from flexmarl.policy import adapters
+from flexmarl.policy.device import process_device
+from flexmarl.policy.model import build_model
 from flexmarl.training import state as st
 from flexmarl.training.trainer import AgentTrainer
 
@@ -38,18 +43,47 @@ class TrainSlot:
         self.trainers: dict[str, AgentTrainer] = _Resident()  # resident (at most one)
         # every trainer built in this process, resident or not: swap-ins load into these
         self.kept: dict[str, AgentTrainer] = {}
+        # shared bases (`models:`), built once per process: the trainers of the agents on one
+        # wrap trees over its tensors, so the slot holds it once and a swap moves the adapter
+        self.bases: dict[str, torch.nn.Module] = {}
 
     def _build(self, agent: str) -> AgentTrainer:
-        return AgentTrainer(agent, self.cfg.agents[agent], self.vocab_size, self.max_seq_len,
+        acfg = self.cfg.agents[agent]
+        shared = None
+        if acfg.model.base is not None:
+            name = acfg.model.base
+            if name not in self.bases:
+                self.bases[name] = build_model(f"models.{name}", acfg.model, self.vocab_size,
+                                               self.max_seq_len, self.cfg.seed,
+                                               process_device())
+            shared = self.bases[name]
+        return AgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
                             self.cfg.seed, total_steps=self.cfg.train.iterations,
-                            max_staleness=self.cfg.pipeline.max_staleness)
+                            max_staleness=self.cfg.pipeline.max_staleness, shared_base=shared)
+
+    def resident_bytes(self, agents: list[str] | None = None) -> int:
+        """Memory the slot holds: the kept trainers' (of `agents`, default all) weights,
+        gradients and optimizer states, each shared base once."""
+        objects: list = list(self.bases.values())
+        for agent, trainer in self.kept.items():
+            if agents is None or agent in agents:
+                objects += [*trainer._state_modules().values(), trainer.optimizer]
+                if trainer.ref_model is not None:
+                    objects.append(trainer.ref_model)
+        return adapters.resident_bytes(*objects)
+
+    def agent_bytes(self, agent: str) -> int:
+        """What `agent` adds to the slot: an adapter agent its adapter, gradients and AdamW
+        state (its base is shared); any other agent its whole model and optimizer."""
+        return self.resident_bytes([agent]) - self.resident_bytes([])
 
     def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config)."""
         timings: dict[str, float] = {}
-        out_agent, out_state = None, None
+        out_agent: str | None = None
+        out_state: tuple[str, Any] | None = None
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
@@ -66,11 +100,12 @@ class TrainSlot:
             del captured
         if agent not in self.trainers:
             t0 = time.perf_counter()
-            trainer = self.kept.get(agent)
-            if incoming is None or trainer is None:
+            kept = self.kept.get(agent)
+            if incoming is None or kept is None:
                 # first binding, or a restart point follows (`set_state`): a fresh trainer is
                 # exactly the initial state; built only then
-                trainer = self.kept[agent] = self._build(agent)
+                kept = self.kept[agent] = self._build(agent)
+            trainer = kept
             if incoming is not None:
                 kind, payload = incoming
                 handle = st.StateHandle(st.Disk(payload)) if kind == "disk" else st.at(
@@ -78,4 +113,6 @@ class TrainSlot:
                 st.restore(trainer, handle.load())
             self.trainers[agent] = trainer
             timings["swap_in_s"] = time.perf_counter() - t0
+            timings["resident_bytes"] = float(self.resident_bytes())
+            timings["agent_bytes"] = float(self.agent_bytes(agent))
         return out_agent, out_state, timings

@@ -235,7 +235,9 @@ def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
     from the same config has them bit for bit, so a swap need not move them."""
     tensors: dict[str, torch.Tensor] = {}
     for prefix, mod in _modules(trainer).items():
-        fixed = {k for k, p in mod.named_parameters() if not p.requires_grad}
+        # every name of a tied tensor (an embedding shared with the LM head) is frozen too
+        fixed = {k for k, p in mod.named_parameters(remove_duplicate=False)
+                 if not p.requires_grad}
         for k, v in mod.state_dict().items():
             if frozen or k not in fixed:
                 tensors[f"w/{prefix}/{k}"] = v.detach().clone()

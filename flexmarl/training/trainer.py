@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from flexmarl.config.schema import AgentConfig, OptimConfig
+from flexmarl.policy import adapters
 from flexmarl.policy.device import compute_dtype, memory_stats, process_device
 from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
@@ -64,6 +65,7 @@ class AgentTrainer:
     def __init__(
         self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int, run_seed: int,
         total_steps: int | None = None, max_staleness: int = 0, device: str | None = None,
+        shared_base: torch.nn.Module | None = None,
     ) -> None:
         """`device`: where the trainer computes (None: this process's device, see
         `policy.device`). Weights and optimizer state stay float32 there; forward and backward
@@ -73,7 +75,10 @@ class AgentTrainer:
         accepted (`pipeline.max_staleness`: 0, on-policy, except 1 in one_step_off). Stale rows
         need no extra correction: the loss's ratio pi_theta / pi_behaviour uses the log-probs
         recorded at generation (`Sample.old_logprobs`), the clipped importance weight of
-        one-step off-policy PPO/GRPO."""
+        one-step off-policy PPO/GRPO.
+
+        `shared_base`: the built base of an agent on a shared base (`model.base`), on this
+        trainer's device in float32; the trainer wraps a tree over the same tensors (no copy)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.agent = agent
@@ -86,7 +91,11 @@ class AgentTrainer:
         # float16 gradients underflow without scaling: a fixed loss scale, divided out at the
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
-        base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
+        base: Any  # a transformers causal LM
+        if shared_base is not None:
+            base = adapters.share_base(shared_base)
+        else:
+            base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
         if cfg.model.gradient_checkpointing:
             # transformers renamed it (activation_) after 5.17, kwargs included
             if hasattr(base, "activation_checkpointing_enable"):
@@ -103,7 +112,8 @@ class AgentTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         # a transformers model, or peft's wrapper of one (both duck-typed)
-        self.model: Any = lora.apply(agent, base, cfg.lora) if cfg.lora is not None else base
+        self.model: Any = (lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
+                           if cfg.lora is not None else base)
         self.model.train()
         self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
         self.critic_model = None
@@ -306,8 +316,12 @@ class AgentTrainer:
         return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """What the rollout replicas need to hold this version (LoRA: the merged adapted layers),
-        in the compute dtype (replicas hold the weights autocast computes with)."""
+        """What the rollout replicas need to hold this version (LoRA: the merged adapted layers;
+        on a shared base: the adapter alone, the replica holds the base), in the compute dtype
+        (replicas hold the weights autocast computes with)."""
+        if self.cfg.model.base is not None and self.cfg.lora is not None:
+            return {k: v.to(self.compute_dtype)
+                    for k, v in adapters.adapter_tensors(self.model).items()}
         if self.cfg.lora is not None:
             return {k: v.to(self.compute_dtype) if v.is_floating_point() else v
                     for k, v in lora.merged_weights(self.model).items()}
@@ -346,6 +360,15 @@ class AgentTrainer:
             out["critic"] = self.critic_model
         return out
 
+    def _shared_keys(self, part: str, module: Any) -> set[str]:
+        """The frozen base tensors of an agent on a shared base: the same in every trainer
+        built from the config, and held once per slot, so restart points leave them out."""
+        if part != "model" or self.cfg.model.base is None:
+            return set()
+        return {k for k, p in module.named_parameters(remove_duplicate=False)
+                if not p.requires_grad} | {
+            k for k, _ in module.named_buffers()}
+
     def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Everything a restarted trainer needs to continue bit for bit: weights, optimizer
         moments and step counts, the version and the RNG states, as (arrays, JSON-able meta).
@@ -353,7 +376,7 @@ class AgentTrainer:
         arrays: dict[str, np.ndarray] = {
             f"{part}.{k}": v.detach().cpu().numpy().copy()
             for part, module in self._state_modules().items()
-            for k, v in module.state_dict().items()
+            for k, v in module.state_dict().items() if k not in self._shared_keys(part, module)
         }
         opt: dict[str, Any] = dict(self.optimizer.state_dict())
         for idx, slots in opt["state"].items():
@@ -377,8 +400,15 @@ class AgentTrainer:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
         for part, module in self._state_modules().items():
             prefix = f"{part}."
-            module.load_state_dict({k[len(prefix):]: torch.from_numpy(np.array(v, copy=True))
-                                    for k, v in arrays.items() if k.startswith(prefix)})
+            shared = self._shared_keys(part, module)
+            result = module.load_state_dict(
+                {k[len(prefix):]: torch.from_numpy(np.array(v, copy=True))
+                 for k, v in arrays.items() if k.startswith(prefix)}, strict=not shared)
+            missing = set(result.missing_keys) - shared
+            if missing or result.unexpected_keys:
+                raise TrainingError(f"agent {self.agent!r}: state does not fit the trainer "
+                                    f"(missing {sorted(missing)[:3]}, "
+                                    f"unexpected {sorted(result.unexpected_keys)[:3]})")
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in arrays.items():
             if key.startswith("optim."):

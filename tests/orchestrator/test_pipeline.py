@@ -67,6 +67,8 @@ def test_async_run_consumes_each_row_once_by_its_own_version(tmp_path):
     for agent in cfg.agents:
         assert last[f"agent/{agent}/policy_version"] == 4
     assert 0 < last["pool/rollout/busy_frac"] <= 1 and 0 < last["pool/train/busy_frac"] <= 1
+    # the local pool's slot counters reach the records (`TrainPool.slot_counters`)
+    assert last["pool/train/slot_wait_s"] >= 0 and "agent/relay/slot_wait_s" in last
     trace = (tmp_path / "run" / "trace.json").read_text()
     assert '"cat": "gen"' in trace and '"cat": "acc"' in trace and '"cat": "step"' in trace
 

@@ -104,3 +104,27 @@ def test_sigkill_under_load_loses_no_acknowledged_interaction(toy_run, tmp_path)
     assert len(stored) == len(set(stored))
     missing = set(acked) - set(stored)
     assert not missing, f"{len(missing)} acknowledged interactions lost"
+
+
+def test_episode_nodes_are_captured_and_feedback_on_the_episode_rewards_each(toy_run,
+                                                                              tmp_path):
+    db = tmp_path / "served.sqlite"
+    running = start(toy_run, capture=Capture(db))
+    try:
+        status, ep = post(f"{running.url}/episodes", {"seed": 5, "temperature": 1.0})
+        assert status == 200, ep
+        node_ids = {n["id"] for n in ep["nodes"].values()}
+        assert node_ids == {f"{ep['id']}/speak", f"{ep['id']}/listen"}
+        status, body = post(f"{running.url}/feedback", {"id": ep["id"], "reward": 0.5})
+        assert status == 200
+        status, body = post(f"{running.url}/feedback", {"id": ep["id"], "reward": 0.5})
+        assert status == 409
+    finally:
+        running.close()
+    con = sqlite3.connect(db)
+    rows = con.execute("SELECT i.id, i.episode, i.temperature, i.allowed, f.reward FROM "
+                       "interactions i JOIN feedback f ON f.response_id = i.id").fetchall()
+    assert {r[0] for r in rows} == node_ids
+    assert all(r[1] == ep["id"] and r[2] == 1.0 and r[4] == 0.5 for r in rows)
+    listen = next(r for r in rows if r[0].endswith("/listen"))
+    assert json.loads(listen[3]) == ep["input"]["candidates"]  # the node's token mask

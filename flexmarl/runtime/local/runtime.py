@@ -24,7 +24,16 @@ from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, Weights, WorkerError, WorkerLost, load_latest
+from flexmarl.runtime.base import (
+    RolloutPool,
+    Runtime,
+    SpanSink,
+    TrainPool,
+    Weights,
+    WorkerError,
+    WorkerLost,
+    load_latest,
+)
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
     WorkerSpec,
@@ -44,7 +53,12 @@ class _NullSink:
 class WorkerProxy:
     """Parent side of one worker process: futures by message id, a reader thread per pipe."""
 
-    def __init__(self, pool: str, index: int, target: Any, spec: WorkerSpec, sink: SpanSink):
+    # named in the loss reason of an out-of-memory kill (set by the runtime)
+    memory_hint: str = ""
+
+    def __init__(self, pool: str, index: int, target: Any, spec: Any, sink: SpanSink):
+        """`target(conn, spec)` is the worker's main (`spec`: a `WorkerSpec` for the pools'
+        workers, the calibration's echo workers take their own payload)."""
         self.pool, self.index, self.sink = pool, index, sink
         self.target, self.spec = target, spec
         ctx = mp.get_context("spawn")
@@ -62,6 +76,7 @@ class WorkerProxy:
         # monitor runs there).
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.outstanding_tokens = 0
+        self.resident: dict[str, Any] = {}  # a replica's models and their memory, from "ready"
         self.alive = False
         self.stopping = False
         self.last_beat = time.monotonic()  # any message counts as a heartbeat
@@ -115,7 +130,7 @@ class WorkerProxy:
         reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
         if self.lost_reason is None and self.process.exitcode == -9:  # nobody here killed it
             reason = ("killed by SIGKILL (exit code -9), most likely by the kernel's "
-                      "out-of-memory killer" + getattr(self, "memory_hint", ""))
+                      "out-of-memory killer" + self.memory_hint)
         self.lost_reason = reason
         self.lost_in_flight = sum(1 for f in self._futures.values() if not f.done())
         err = WorkerLost(f"{self.pool} worker {self.index} lost: {reason}")
@@ -134,6 +149,8 @@ class WorkerProxy:
             if span is not None:
                 self.sink.span(self.pool, self.index, *span)
         if msg_id == -1:
+            if isinstance(result, dict):  # a replica's ready message: what it holds
+                self.resident = result.get("memory", {})
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(True)
             return
@@ -215,9 +232,11 @@ class WorkerProxy:
         self._sendq.put(None)
 
 
-class LocalRolloutPool:
+class LocalRolloutPool(RolloutPool):
     """Replicas (each able to host every agent's model) behind the hierarchical balancer;
     agents served by an OpenAI-compatible endpoint bypass the replicas."""
+
+    n_workers: int
 
     def __init__(
         self,
@@ -299,7 +318,7 @@ class _Job:
     on_done: Callable[[list[Any]], None] | None = None
 
 
-class LocalTrainPool:
+class LocalTrainPool(TrainPool):
     """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
     fewer slots than agents, agents time-share slots and their states are swapped.
 
@@ -309,6 +328,8 @@ class LocalTrainPool:
     The orchestrator queues an agent's micro-batches as they become ready, so an agent drains
     them with one swap-in instead of one per micro-batch."""
 
+    n_workers: int
+
     def __init__(self, workers: list[WorkerProxy]) -> None:
         self.workers = workers
         self.n_workers = len(workers)
@@ -317,6 +338,9 @@ class LocalTrainPool:
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
+        # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
+        self.resident_bytes: dict[int, float] = {}
+        self.agent_bytes: dict[str, float] = {}  # per agent: what it adds to a slot
         # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
         self.slot_stats: dict[str, dict[str, float]] = defaultdict(
             lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
@@ -335,6 +359,12 @@ class LocalTrainPool:
         # micro-batches queued since the agent's last step, and in its last iteration
         self._since_step: dict[str, int] = defaultdict(int)
         self._per_iteration: dict[str, int] = {}
+
+    def training_slots(self) -> int | None:
+        return self.slots
+
+    def slot_counters(self) -> dict[str, dict[str, float]]:
+        return self.slot_stats
 
     @property
     def binding(self) -> dict[str, int]:
@@ -456,6 +486,9 @@ class LocalTrainPool:
             for samples in self.journal[agent]:
                 await worker.call("accumulate", (agent, samples))
         swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+        if "resident_bytes" in timings:
+            self.resident_bytes[lease.slot] = timings["resident_bytes"]
+            self.agent_bytes[agent] = timings["agent_bytes"]
         self.swap_seconds += swap_s
         self.slot_stats[agent]["swaps"] += 1
         self.slot_stats[agent]["swap_s"] += swap_s
@@ -518,7 +551,7 @@ class LocalTrainPool:
         return await self._call(agent, "save", (agent, directory))
 
 
-class LocalRuntime:
+class LocalRuntime(Runtime):
     def __init__(
         self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: SpanSink | None = None
     ) -> None:
@@ -596,20 +629,29 @@ class LocalRuntime:
         return {pool: sorted({d for p in at for d in p.visible})
                 for pool, at in self.placements.items()}
 
+    def fault_counts(self) -> dict[str, Any] | None:
+        if self.supervisor is None:
+            return None
+        return {"failures": self.supervisor.failures, "recoveries": self.supervisor.recoveries}
+
     def placement(self) -> dict[str, Any]:
         at = self.placements
         return {
             "rollout": [{"worker": w.index, "pid": w.process.pid,
                          "device": at["rollout"][w.index].kind,
-                         "gpus": list(at["rollout"][w.index].visible)}
+                         "gpus": list(at["rollout"][w.index].visible),
+                         "memory": w.resident}
                         for w in self.rollout_workers],
             "train": [
                 {"worker": w.index, "pid": w.process.pid,
                  "device": at["train"][w.index].kind, "gpus": list(at["train"][w.index].visible),
                  "agents": [a for a, i in self.train.allocator.binding().items()
-                            if i == w.index]}
+                            if i == w.index],
+                 "resident_mb": round(self.train.resident_bytes.get(w.index, 0.0) / 2**20, 3)}
                 for w in self.train_workers
             ],
+            # what each trained agent adds to a slot (an adapter agent: adapter + AdamW)
+            "train_agent_mb": {a: round(b / 2**20, 3) for a, b in self.train.agent_bytes.items()},
             "train_swaps": self.train.allocator.swaps,
             "train_swaps_in": dict(self.train.swaps_in),
             "train_swap_s": self.train.swap_seconds,
@@ -704,7 +746,7 @@ class Supervisor:
                 return
             self.restarts += 1
             new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
-            new.memory_hint = getattr(old, "memory_hint", "")
+            new.memory_hint = old.memory_hint
             try:
                 await new.start()
                 if old.pool == "rollout":

@@ -139,25 +139,45 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     # Deterministic mode decodes each sequence alone: numerics then never depend on which
     # requests happened to share a batch.
     max_seqs = 1 if spec.deterministic else spec.max_batch_seqs
-    engines = {}
-    for a in spec.agents:
-        engines[a] = make_engine(a, cfg, spec, max_seqs)
-    set_kv_budgets(engines, cfg)
+    from flexmarl.policy.adapters import engine_groups
+
+    # one engine per model: agents on a shared base (`models:`) share one engine, whose
+    # continuous batch mixes their requests (each row through its agent's adapter)
+    groups = engine_groups(cfg, spec.agents)
+    group_engines: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
+    engines: dict[str, Any] = {}  # by agent
+    for key, members in groups.items():
+        group_engines[key], memory[key] = make_engine(key, members, cfg, spec, max_seqs)
+        for a in members:
+            engines[a] = group_engines[key]
+    set_kv_budgets(group_engines, cfg)
     versions = dict.fromkeys(spec.agents, 0)
     settle_heap()
     waiting: dict[str, list[tuple[int, Any]]] = {a: [] for a in spec.agents}
     priorities: dict[int, tuple] = {}
-    running_ids: dict[str, dict[str, int]] = {a: {} for a in spec.agents}  # sample_id -> sub_id
+    running_ids: dict[str, dict[str, int]] = {g: {} for g in groups}  # sample_id -> sub_id
     deferred: dict[str, tuple[int, int, Any]] = {}  # agent -> (msg_id, version, weights)
     busy_since: float | None = None
     step_turn = itertools.count()
     running = True
-    conn.send((-1, True, "ready", []))
+    total = sum(m.pop("resident_bytes", 0) for m in memory.values())
+    conn.send((-1, True, {"ready": True, "memory": {"resident_mb": _mb(total),
+                                                    "models": memory}}, []))
+
+    def busy(agent: str) -> int:
+        """Running sequences of `agent` (its weights must not change under them)."""
+        engine = engines[agent]
+        return engine.active_for(agent) if hasattr(engine, "active_for") else engine.active
 
     def load(agent: str, msg_id: int, version: int, weights: Any) -> None:
         t0 = time.time()
         try:
-            engines[agent].load_weights(from_numpy(weights))
+            engine = engines[agent]
+            if getattr(engine, "adapters", None) is not None:
+                engine.load_weights(from_numpy(weights), agent)
+            else:
+                engine.load_weights(from_numpy(weights))
             versions[agent] = version
             conn.send((msg_id, True, version, [(t0, time.time(), f"load:{agent}")]))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
@@ -166,7 +186,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     def has_work() -> bool:
         """Something to decode now: running sequences, or requests the loaded weights serve
         (requests for a newer version wait for its weights without spinning)."""
-        return any(e.active for e in engines.values()) or any(
+        return any(e.active for e in group_engines.values()) or any(
             r.version <= versions[a] for a, queue in waiting.items() for _, r in queue)
 
     while running:
@@ -180,7 +200,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                     priorities[sub_id] = priority
             elif command == "load_weights":
                 agent, version, weights = payload
-                if engines[agent].active:  # never swap weights under running sequences
+                if busy(agent):  # never swap weights under running sequences
                     deferred[agent] = (msg_id, version, weights)
                 else:
                     load(agent, msg_id, version, weights)
@@ -188,7 +208,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                 running = False
                 conn.send((msg_id, True, None, []))
         for agent in list(deferred):
-            if not engines[agent].active:
+            if not busy(agent):
                 load(agent, *deferred.pop(agent))
         if not running or not has_work():
             continue
@@ -203,66 +223,89 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             if stale:
                 waiting[agent] = [item for item in queue if item not in stale]
 
-        candidates = [a for a in engines if engines[a].active or any(
-            r.version == versions[a] for _, r in waiting[a])]
+        candidates = [g for g, e in group_engines.items() if e.active or any(
+            r.version == versions[a] for a in groups[g] for _, r in waiting[a])]
         if busy_since is None:
             busy_since = time.time()
         if candidates:
             # models sharing a replica take decode steps in turn: an upstream agent with a few
             # short requests is never starved behind another model's long generations
             turn = next(step_turn)
-            agent = candidates[turn % len(candidates)]
-            engine = engines[agent]
-            queue = sorted(waiting[agent], key=lambda item: priorities[item[0]])
-            take, tokens = [], 0
+            group = candidates[turn % len(candidates)]
+            engine = group_engines[group]
+            queue = sorted(((sub_id, r) for a in groups[group] for sub_id, r in waiting[a]),
+                           key=lambda item: priorities[item[0]])
+            take: list[tuple[int, Any]] = []
+            tokens = 0
             for sub_id, r in queue:
-                if r.version != versions[agent] or not engine.fits(r, len(take), tokens):
+                if r.version != versions[r.agent] or not engine.fits(r, len(take), tokens):
                     continue
                 take.append((sub_id, r))
                 tokens += len(r.prompt) + r.max_new_tokens
             if take:
                 taken = {sub_id for sub_id, _ in take}
-                waiting[agent] = [item for item in waiting[agent] if item[0] not in taken]
+                for a in groups[group]:
+                    waiting[a] = [item for item in waiting[a] if item[0] not in taken]
                 for sub_id, r in take:
-                    running_ids[agent][r.sample_id] = sub_id
+                    running_ids[group][r.sample_id] = sub_id
             try:
                 finished = engine.admit([r for _, r in take]) + engine.step()
             except Exception as exc:  # noqa: BLE001 - fail this model's batch, keep serving
                 err = _error(exc)
                 finished = []
-                for sub_id in running_ids[agent].values():
+                for sub_id in running_ids[group].values():
                     replies.append((sub_id, False, err))
                     priorities.pop(sub_id, None)
-                running_ids[agent].clear()
+                running_ids[group].clear()
                 engine.reset()
             for result in finished:
-                sub_id = running_ids[agent].pop(result.sample_id)
+                sub_id = running_ids[group].pop(result.sample_id)
                 priorities.pop(sub_id, None)
                 replies.append((sub_id, True, result))
         if replies:
             now = time.time()
-            label = f"gen:{'+'.join(a for a in engines if engines[a].active) or 'idle'}"
+            label = f"gen:{'+'.join(a for a in engines if busy(a)) or 'idle'}"
             conn.send((-2, True, replies, [(busy_since, now, label)]))
             busy_since = now if has_work() else None
 
 
-def make_engine(agent: str, cfg: Any, spec: WorkerSpec, max_seqs: int) -> Any:
-    """The agent's inference engine on this replica: transformers (hf) or vLLM. The hf model
-    sits on this process's device in the agent's compute dtype."""
+def _mb(nbytes: float) -> float:
+    return round(nbytes / 2**20, 3)
+
+
+def make_engine(key: str, agents: list[str], cfg: Any, spec: WorkerSpec, max_seqs: int
+                ) -> tuple[Any, dict[str, Any]]:
+    """The engine of one model on this replica and what it holds in memory: transformers (hf)
+    or vLLM for one agent's own model; for agents on a shared base (`key` "base:NAME"), one hf
+    engine over the base with each agent's adapter. The hf model sits on this process's
+    device in the agent's compute dtype."""
+    from flexmarl.policy.adapters import build_replica_model, resident_bytes
     from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS, compute_dtype, process_device
     from flexmarl.policy.model import build_model
     from flexmarl.rollout.engine import HFEngine
 
-    acfg = cfg.agents[agent]
+    acfg = cfg.agents[agents[0]]
+    kv_tokens = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
+    dev = process_device()
+    dtype = compute_dtype(acfg.model.dtype, dev)
+    if acfg.model.base is not None:
+        model, names, mem = build_replica_model(cfg, agents, spec.vocab_size, spec.max_seq_len,
+                                                dev, dtype)
+        memory = {"agents": agents, "resident_bytes": resident_bytes(model),
+                  "base_mb": _mb(mem["base_bytes"]),
+                  "agent_mb": {a: _mb(b) for a, b in mem["agent_bytes"].items()}}
+        return HFEngine(model, max_seqs, kv_tokens, adapters=names,
+                        tokenizer=tokenizer_loader(agents[0], acfg, spec.vocab_size)), memory
+    agent = agents[0]
     if acfg.backend.kind == "vllm":
         from flexmarl.rollout.backends.vllm import VLLMEngine
 
-        return VLLMEngine(agent, acfg, max_seqs)
-    dev = process_device()
-    model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed, dev,
-                        compute_dtype(acfg.model.dtype, dev))
-    return HFEngine(model, max_seqs, cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS,
-                    tokenizer=tokenizer_loader(agent, acfg, spec.vocab_size))
+        return VLLMEngine(agent, acfg, max_seqs), {"agents": agents}
+    model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed, dev, dtype)
+    nbytes = resident_bytes(model)
+    return HFEngine(model, max_seqs, kv_tokens,
+                    tokenizer=tokenizer_loader(agent, acfg, spec.vocab_size)), {
+        "agents": agents, "resident_bytes": nbytes, "agent_mb": {agent: _mb(nbytes)}}
 
 
 def tokenizer_loader(agent: str, acfg: Any, vocab_size: int) -> Any:
@@ -300,6 +343,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     while True:
         msg_id, command, payload = conn.recv()
         t0 = time.time()
+        result: Any  # each command's own reply
         try:
             if command == "stop":
                 conn.send((msg_id, True, None, []))

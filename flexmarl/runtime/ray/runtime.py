@@ -23,7 +23,15 @@ from flexmarl.config.schema import RayBundle, RunConfig
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import SpanSink, WorkerError, WorkerLost, load_latest
+from flexmarl.runtime.base import (
+    RolloutPool,
+    Runtime,
+    SpanSink,
+    TrainPool,
+    WorkerError,
+    WorkerLost,
+    load_latest,
+)
 from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
 from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
@@ -100,7 +108,7 @@ class _Actor:
             raise WorkerError(f"{self.pool} worker {self.index} ({method}): {exc}") from exc
 
 
-class RayRolloutPool:
+class RayRolloutPool(RolloutPool):
     """Replicas each hosting every agent's model, behind the same hierarchical balancer as the
     local pool; requests queued in one loop tick for one replica travel as one actor call."""
 
@@ -207,7 +215,7 @@ class RayRolloutPool:
                 self.latest[agent] = (version, ref)
 
 
-class RayTrainPool:
+class RayTrainPool(TrainPool):
     """Training actors; each trainable agent is bound to one of them (round robin).
 
     With a supervisor, a recovery journal as on the local runtime: each agent's restart point
@@ -436,7 +444,7 @@ class RaySupervisor:
                 self.rt.rollout.latest[agent] = (latest[0], ref)
 
 
-class RayRuntime:
+class RayRuntime(Runtime):
     def __init__(
         self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: SpanSink | None = None
     ) -> None:
@@ -625,6 +633,11 @@ class RayRuntime:
         self.train_actors.clear()
         self.tables.clear()
         self.session.stop()
+
+    def fault_counts(self) -> dict[str, Any] | None:
+        if self.supervisor is None:
+            return None
+        return {"failures": self.supervisor.failures, "recoveries": self.supervisor.recoveries}
 
     def placement(self) -> dict[str, Any]:
         def pool(name: str, actors: list[_Actor]) -> list[dict[str, Any]]:

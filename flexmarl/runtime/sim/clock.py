@@ -25,11 +25,12 @@ import concurrent.futures
 import math
 import selectors
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 __all__ = ["SimDeadlockError", "VirtualTimeEventLoop", "run_virtual"]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 # How many waiting tasks a deadlock report lists, and how much of each task's repr it keeps:
 # enough to see who waits on what, short enough to read in a test failure.
@@ -95,6 +96,8 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
     -- works unchanged and sees simulated seconds.
     """
 
+    _scheduled: list[asyncio.TimerHandle]  # BaseEventLoop's timer heap (not in its stub)
+
     def __init__(self, start: float = 0.0) -> None:
         if not math.isfinite(start):
             raise ValueError(f"start must be a finite number of seconds, got {start!r}")
@@ -129,7 +132,8 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
         self._clock_resolution = max(_BASE_CLOCK_RESOLUTION, 2.0 * math.ulp(self._virtual_time))
 
     def run_in_executor(
-        self, executor: concurrent.futures.Executor | None, func: Callable[..., T], *args: Any
+        self, executor: concurrent.futures.Executor | None, func: Callable[[*Ts], T],
+        *args: *Ts,
     ) -> asyncio.Future[T]:
         """Run ``func`` in a thread; the clock stands still until it reports back."""
         future = super().run_in_executor(executor, func, *args)

@@ -247,15 +247,16 @@ def test_small_trainers_time_share_slots_through_the_production_allocator():
 def test_planner_prices_fewer_slots_by_the_pools_work_and_its_swaps():
     rt = simulate_system(load_workload(WORKLOAD.parent / "star_hub.yaml"), "flexmarl",
                          iterations=1).runtime
-    train_d = rt._train_demand(False)
+    planner = rt.planner
+    train_d = planner.train_demand(False)
     mins = {a: rt.cost.min_train_accelerators(rt.wl.agent(a).model) for a in rt.trainable}
-    members, g = rt._pool_candidates(train_d, mins)
+    members, g = planner.pool_candidates(train_d, mins)
     assert len(members) >= 2 and "hub" not in members
-    calls = rt._train_calls()
+    calls = planner.train_calls()
     budget = rt.total - 40
     times = []
     for slots in range(len(members), 0, -1):
-        alloc, train_s = rt._pooled_split(train_d, budget, mins, members, g, slots, calls)
+        alloc, train_s = planner.pooled_split(train_d, budget, mins, members, g, slots, calls)
         assert sum(alloc.values()) == budget - slots * g + len(members) * g
         times.append(train_s[members[0]])
     # all slots: no swaps, and no slower than the agent's own work on g accelerators

@@ -1,0 +1,1 @@
+"""Classic MARL environments (PettingZoo Parallel and AEC) as FlexMARL episodes."""

@@ -1,0 +1,184 @@
+"""Configuration of a classic MARL run (a PettingZoo environment, network policies, MAPPO/IPPO).
+
+A YAML with `kind: marl` at the top level is read by this schema instead of the LLM run's
+(`flexmarl train` dispatches on it). Unknown keys are errors, as everywhere in FlexMARL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from flexmarl.config.schema import (
+    ConfigError,
+    LoggingConfig,
+    Strict,
+    _format_errors,
+    apply_overrides,
+)
+
+
+class EnvConfig(Strict):
+    # module path (`mpe2.simple_spread_v3`) or a bare scenario name (looked up in mpe2, then
+    # PettingZoo's classic / butterfly / sisl families); the Parallel API is used for training
+    id: str
+    options: dict[str, Any] = {}
+    num_envs: int = Field(32, gt=0)  # environments per rollout worker, stepped as one batch
+
+
+class NetworkConfig(Strict):
+    kind: Literal["mlp", "gru"] = "mlp"
+    hidden: list[int] = [64, 64]
+    activation: Literal["tanh", "relu"] = "relu"
+    gru_hidden: int = Field(64, gt=0)
+
+
+class PolicyConfig(Strict):
+    # one network for every agent (agent one-hot id in its input) or one per agent; shared
+    # agents must have the same action space (or Discrete ones, padded and masked)
+    share_parameters: bool = True
+    network: NetworkConfig = NetworkConfig()
+    obs_norm: bool = True  # running mean/std of observations and critic inputs
+
+
+class MappoConfig(Strict):
+    """MAPPO (centralised critic) or IPPO (decentralised critics): clipped PPO with GAE."""
+
+    name: Literal["mappo", "ippo"] = "mappo"
+    # MAPPO's critic input: the environment's global state() or the concatenated observations;
+    # IPPO's critic sees the agent's own observation (this field must stay unset)
+    critic_input: Literal["state", "concat_obs"] | None = None
+    lr: float = Field(7e-4, gt=0)
+    critic_lr: float = Field(7e-4, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    gamma: float = Field(0.99, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    clip_eps: float = Field(0.2, gt=0)
+    epochs: int = Field(10, gt=0)
+    minibatches: int = Field(1, gt=0)
+    entropy_coef: float = Field(0.01, ge=0)
+    value_coef: float = Field(1.0, ge=0)
+    value_norm: bool = True
+    clip_value: bool = True
+    huber_delta: float | None = Field(10.0, gt=0)  # None: squared error
+    normalize_advantages: bool = True
+    max_grad_norm: float | None = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _critic(self) -> MappoConfig:
+        if self.name == "ippo" and self.critic_input is not None:
+            raise ValueError("critic_input: IPPO's critics see each agent's own observation; "
+                             "leave critic_input unset or use name: mappo")
+        if self.name == "mappo" and self.critic_input is None:
+            self.critic_input = "state"
+        return self
+
+
+class VdnConfig(Strict):
+    """VDN with a prioritized, age-weighted replay table (off-policy; docs/marl.md)."""
+
+    name: Literal["vdn"] = "vdn"
+    lr: float = Field(5e-4, gt=0)
+    gamma: float = Field(0.99, ge=0, le=1)
+    batch_size: int = Field(256, gt=0)
+    updates_per_step: int = Field(1, gt=0)  # gradient steps per vectorised env step
+    target_every: int = Field(200, gt=0)  # updates between target-network copies
+    eps_end: float = Field(0.05, ge=0, le=1)
+    eps_decay_steps: int = Field(100_000, gt=0)  # env steps
+    max_grad_norm: float | None = Field(10.0, gt=0)
+    # the replay table (the enterprise document's configuration)
+    capacity: int = Field(100_000, gt=0)
+    min_size: int = Field(5000, gt=0)
+    prioritized: bool = True
+    priority_fraction: float = Field(0.15, ge=0, le=1)  # of each batch, drawn by priority
+    priority_alpha: float = Field(0.6, ge=0)
+    age_weight: bool = True  # w = 1 / (1 + log(age)) on each sampled row's loss
+
+    @model_validator(mode="after")
+    def _sizes(self) -> VdnConfig:
+        if self.capacity < self.min_size:
+            raise ValueError(f"capacity ({self.capacity}) must be >= min_size "
+                             f"({self.min_size})")
+        return self
+
+
+class MarlTrainConfig(Strict):
+    env_steps: int = Field(200_000, gt=0)  # environment steps in total (all envs)
+    rollout_steps: int = Field(25, gt=0)  # steps per environment per iteration
+
+
+class MarlStoreConfig(Strict):
+    # FP16 quantisation + Zstandard for the observation and critic-input payloads of the
+    # store's rows; the policies then act on the FP16-rounded observations too, so the
+    # trainer's log-probs still equal the rollout's (on-policy). Needs `zstandard`.
+    compress_obs: bool = False
+    zstd_level: int = Field(3, ge=1, le=22)
+
+
+class MarlRuntimeConfig(Strict):
+    kind: Literal["local"] = "local"
+    torch_threads: int = Field(1, gt=0)
+
+
+class MarlRunConfig(Strict):
+    kind: Literal["marl"]
+    name: str = "marl"
+    seed: int = 0
+    env: EnvConfig
+    policy: PolicyConfig = PolicyConfig()
+    algorithm: MappoConfig | VdnConfig = Field(MappoConfig(), discriminator="name")
+    train: MarlTrainConfig = MarlTrainConfig()
+    store: MarlStoreConfig = MarlStoreConfig()
+    runtime: MarlRuntimeConfig = MarlRuntimeConfig()
+    logging: LoggingConfig = LoggingConfig()
+    out: str | None = None
+
+    @property
+    def iterations(self) -> int:
+        per = self.env.num_envs * self.train.rollout_steps
+        return max(1, self.train.env_steps // per)
+
+
+def is_marl(raw: Any) -> bool:
+    return isinstance(raw, dict) and raw.get("kind") == "marl"
+
+
+def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> MarlRunConfig:
+    try:
+        cfg = MarlRunConfig.model_validate(raw)
+    except ValidationError as exc:
+        text = _format_errors(exc, source)
+        for tag in ("mappo", "ippo", "vdn"):  # the union's tag is not part of the YAML path
+            text = text.replace(f"  algorithm.{tag}.", "  algorithm.")
+        lines = []
+        for line in text.splitlines():
+            key = line.strip().split(":", 1)[0].removeprefix("algorithm.")
+            if line.startswith("  algorithm.") and line.endswith("unknown key"):
+                owners = [n for n, c in (("mappo/ippo", MappoConfig), ("vdn", VdnConfig))
+                          if key in c.model_fields]
+                if owners:
+                    line += f" (an option of {owners[0]}, not of this algorithm)"
+            lines.append(line)
+        text = "\n".join(lines)
+        if any(e["loc"][:1] == ("runtime",) and e["type"] == "literal_error"
+               for e in exc.errors()):
+            text += "\n  (classic MARL runs on the local runtime only, so far)"
+        raise ConfigError(text) from None
+    if cfg.logging.backends != ["jsonl"]:
+        raise ConfigError(f"{source}: logging.backends: classic MARL runs write metrics.jsonl "
+                          "only, so far")
+    return cfg
+
+
+def load_marl_config(path: str | Path, overrides: list[str] | None = None) -> MarlRunConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return marl_config_from_dict(apply_overrides(raw, overrides or []), str(path))

@@ -1,0 +1,184 @@
+"""The checkpoint coordinator: checkpoints at iteration boundaries, resume, stop requests.
+
+`checkpoint.py` is the on-disk format (generations, manifests); this is when and what the
+orchestrator saves: the position (iterations done, versions, records, the audit trail) and
+the store's rows are taken synchronously at the boundary, the trainer states right after,
+before any trainer may step again, and the files are written in a thread while the pipeline
+goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from flexmarl.config.schema import ConfigError, RunConfig
+from flexmarl.graph.meg import GraphError
+from flexmarl.orchestrator.episodes import EpisodeRunner
+from flexmarl.orchestrator.training import MicroBatchTrainer
+from flexmarl.orchestrator.versions import Versions
+from flexmarl.runtime.base import TrainPool
+from flexmarl.store.experience import ExperienceStore, Status
+from flexmarl.telemetry.recorder import Telemetry
+
+# save(completed, position, trainer_states, rows) -> path: the checkpoint writer (blocking; it
+# runs in a thread while the pipeline goes on).
+SaveCheckpoint = Callable[[int, dict[str, Any], dict[str, Any], list[dict[str, Any]]], Any]
+
+
+class RunInterrupted(RuntimeError):
+    """SIGTERM / Ctrl-C: the run stopped at an iteration boundary (after a checkpoint, when
+    checkpointing is configured)."""
+
+    def __init__(self, message: str, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class CheckpointCoordinator:
+    """Saves a generation every `train.checkpoint_every` iterations and on a stop request;
+    restores the orchestrator's position from `resume` (a `checkpoint.Checkpoint`).
+
+    `stop` is set when the run should end now (after the requested checkpoint, or at once);
+    `step_allowed` is cleared while the trainer states of a boundary are being read."""
+
+    def __init__(self, cfg: RunConfig, telemetry: Telemetry, store: ExperienceStore,
+                 train: TrainPool, versions: Versions, episodes: EpisodeRunner,
+                 trainer: MicroBatchTrainer, records: list[dict[str, Any]],
+                 agents: list[str], save: SaveCheckpoint | None, resume: Any) -> None:
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self.store = store
+        self.train = train
+        self.versions = versions
+        self.episodes = episodes
+        self.trainer = trainer
+        self.records = records
+        self.agents = agents
+        self.save = save
+        self.resume = resume
+        self.last_checkpoint: str | None = None
+        self.step_allowed = trainer.step_allowed
+        self.step_allowed.set()
+        self._writing: asyncio.Future | None = None
+        self.stop_requests = 0
+        self.stop = asyncio.Event()
+        if versions.staleness:
+            if resume is not None:
+                raise ConfigError(f"resume {getattr(resume, 'path', resume)}: checkpoints are "
+                                  "not supported with pipeline.mode=one_step_off")
+            # no boundary has a resumable state (iteration k+1 is in flight on version k
+            # weights no trainer holds): a stop request stops at once, without a checkpoint
+            self.save = None
+        if resume is not None:
+            self._load_position(resume)
+
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop. A second
+        request stops at once, without a checkpoint."""
+        self.stop_requests += 1
+        self.telemetry.fault("stop_requested", count=self.stop_requests)
+        if self.stop_requests > 1 or self.save is None:
+            self.stop.set()
+
+    def position(self, completed: int) -> dict[str, Any]:
+        """What a checkpoint after `completed` iterations records besides states and rows."""
+        return {
+            "completed": completed,
+            "versions": dict(self.versions.current),
+            "records": list(self.records),
+            "consumed": {a: {str(k): list(ids) for k, ids in per.items() if k < completed}
+                         for a, per in self.trainer.consumed.items()},
+            "audit": {a: [list(t) for t in trail if t[2] < completed]
+                      for a, trail in self.trainer.audit.items()},
+            "evicted": {a: dict(c) for a, c in self.store.evicted.items()},
+            "skipped_steps": self.trainer.skipped_steps,
+            "seed": self.cfg.seed,
+            "agents": self.agents,
+        }
+
+    def _load_position(self, ckpt: Any) -> None:
+        pos = ckpt.position
+        if sorted(pos["agents"]) != sorted(self.agents):
+            raise GraphError(f"resume {ckpt.path}: the checkpoint has agents {pos['agents']}, "
+                             f"the config has {self.agents}")
+        start = int(pos["completed"])
+        self.episodes.start_iteration = start
+        self.versions.current.update({a: int(v) for a, v in pos["versions"].items()})
+        self.records[:] = list(pos["records"])
+        for agent, per in pos["consumed"].items():
+            for k, ids in per.items():
+                self.trainer.consumed[agent][int(k)] = list(ids)
+        for agent, trail in pos["audit"].items():
+            self.trainer.audit[agent] = [(sid, int(v), int(step)) for sid, v, step in trail]
+        for agent, counts in pos["evicted"].items():
+            self.store.evicted[agent].update(counts)
+        self.trainer.skipped_steps = int(pos.get("skipped_steps", 0))
+        # Episodes of the next iteration that had finished (all rows rewarded, payload kept)
+        # are restored instead of re-run; the rest are generated again (same keyed sampling).
+        by_episode: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        for d in ckpt.rows:
+            if d["iteration"] == start:
+                index = int(d["input_id"].split("-")[1])
+                by_episode[(index, int(d["trajectory_id"]))].append(d)
+        for key, rows in by_episode.items():
+            if rows and all(d["status"] in (Status.REWARDED.value, Status.READY.value)
+                            and "logprobs" in d["arrays"] for d in rows):
+                self.episodes.restored[key] = rows
+
+    async def restore_trainers(self, trainable: list[str]) -> None:
+        """Resumed: the trainers get their states from the checkpoint."""
+        if self.resume is not None:
+            for agent in trainable:
+                await self.train.set_state(agent, self.resume.trainer_states[agent])
+
+    def due(self, k: int) -> bool:
+        """Whether the boundary after iteration k takes a checkpoint."""
+        every = self.cfg.train.checkpoint_every
+        if self.save is None:
+            return False
+        return self.stop_requests > 0 or (every is not None and (k + 1) % every == 0)
+
+    def capture(self, k: int, trainable: list[str]) -> None:
+        """Checkpoint at the boundary after iteration k: the position and the store are taken
+        now (synchronously), the trainer states next, before any trainer may step again."""
+        position = self.position(k + 1)
+        rows = self.store.snapshot(k + 1)
+        self.step_allowed.clear()
+        previous = self._writing
+        save = self.save
+        assert save is not None
+
+        async def capture() -> None:
+            try:
+                if previous is not None:  # generations are written one after another
+                    await previous
+                states = dict(zip(trainable, await asyncio.gather(
+                    *(self.train.get_state(a) for a in trainable)), strict=True))
+                for agent, (_, meta) in states.items():
+                    if int(meta["version"]) != k + 1:
+                        raise RuntimeError(f"checkpoint after iteration {k}: trainer of "
+                                           f"{agent!r} is at version {meta['version']}")
+            finally:
+                self.step_allowed.set()
+            t0 = self.telemetry.now()
+            path = await asyncio.to_thread(save, k + 1, position, states, rows)
+            self.last_checkpoint = str(path)
+            self.telemetry.fault("checkpoint", completed=k + 1, path=str(path),
+                                 rows_in_flight=len(rows), save_s=self.telemetry.now() - t0)
+            if self.stop_requests > 0:
+                self.stop.set()
+
+        self._writing = asyncio.ensure_future(capture())
+        self._writing.add_done_callback(self._write_done)
+
+    def _write_done(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self.telemetry.fault("checkpoint_failed", error=str(fut.exception()))
+            self.stop.set()  # a failed save stops the run loudly (run() re-raises it)
+
+    async def wait_writes(self) -> None:
+        if self._writing is not None:
+            await self._writing  # re-raises a failed save

@@ -1,0 +1,473 @@
+"""Episodes along the graph: each iteration's inputs, every episode's nodes run as their
+inputs and their agent's version exist, credit assignment, group advantages, and the
+iteration state the training driver and the metrics read.
+
+The rollout half of the joint orchestrator (`joint.py` composes it with the training driver,
+the versions, the checkpoint coordinator and a schedule).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flexmarl.config.schema import CreditConfig, RunConfig
+from flexmarl.errors import UserError
+from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.meg import MEG, EpisodeContext, GraphError
+from flexmarl.graph.task import Task
+from flexmarl.orchestrator import contracts
+from flexmarl.orchestrator.versions import Versions
+from flexmarl.policy.model import stable_seed
+from flexmarl.policy.sampling import GenerationRequest
+from flexmarl.runtime.base import RolloutPool
+from flexmarl.store.experience import (
+    ExperienceStore,
+    Row,
+    Status,
+    TensorRef,
+    make_sample_id,
+    parse_sample_id,
+)
+from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.training import algorithms
+
+
+class EpisodeFailure(RuntimeError):
+    """A user function (prompt builder, condition, reward) raised inside an episode."""
+
+
+@dataclass
+class IterationState:
+    index: int
+    episodes_total: int
+    started_at: float = 0.0
+    episodes_done: int = 0
+    episodes_failed: int = 0
+    successes: int = 0
+    rollout_done: asyncio.Event = field(default_factory=asyncio.Event)
+    rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    groups: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
+    groups_done: set[int] = field(default_factory=set)
+    trained: dict[str, dict[str, float]] = field(default_factory=dict)
+    train_done: dict[str, float] = field(default_factory=dict)
+    rollout_finished_at: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    # rollout measurements: per agent queue waits (s) and tokens generated, per node latency
+    queue_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # how often each agent gave each response (doctor: an agent stuck on one answer)
+    responses: dict[str, dict[tuple, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    node_latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    episode_latency: list[float] = field(default_factory=list)
+    # algorithm.normalize agent / batch: set once every group of the iteration is in and the
+    # rows of those agents are normalised over the whole iteration (and ready)
+    wide_ready: bool = False
+    plan: dict[str, Any] | None = None
+    # rollout.schedule=stage: node tasks still unresolved per graph level, and one event per
+    # level that opens when every lower level is resolved in every episode
+    stage_left: list[int] = field(default_factory=list)
+    stage_open: list[asyncio.Event] = field(default_factory=list)
+
+
+def assign_credit(
+    team: float, own: dict[str, float], downstream: dict[str, dict[str, int]], credit: CreditConfig
+) -> dict[str, float]:
+    """Node rewards of one episode: team * team reward + node * own reward + the discounted own
+    rewards of the nodes downstream (upstream_discount ** hops); `own` holds the nodes that ran."""
+    out = {}
+    for name in own:
+        value = credit.team * team + credit.node * own[name]
+        if credit.upstream_discount > 0:
+            for down, hops in downstream.get(name, {}).items():
+                if down in own:
+                    value += credit.upstream_discount ** hops * own[down]
+        out[name] = value
+    return out
+
+
+def graph_levels(graph: MEG, order: list[str]) -> dict[str, int]:
+    """Graph level of each node: 0 without inputs, else one more than its deepest input."""
+    level: dict[str, int] = {}
+    for name in order:  # topological
+        inputs = graph.nodes[name].inputs
+        level[name] = 1 + max((level[i] for i in inputs), default=-1)
+    return level
+
+
+def downstream_hops(graph: MEG) -> dict[str, dict[str, int]]:
+    """For each node, the nodes that (transitively) consume its output, by fewest hops."""
+    consumers: dict[str, list[str]] = {n: [] for n in graph.nodes}
+    for name, node in graph.nodes.items():
+        for dep in node.inputs:
+            consumers[dep].append(name)
+    out: dict[str, dict[str, int]] = {}
+    for start in graph.nodes:
+        hops: dict[str, int] = {}
+        frontier, h = [start], 0
+        while frontier:
+            h += 1
+            nxt = []
+            for n in frontier:
+                for c in consumers[n]:
+                    if c not in hops:
+                        hops[c] = h
+                        nxt.append(c)
+            frontier = nxt
+        out[start] = hops
+    return out
+
+
+class EpisodeRunner:
+    """Runs iterations' episodes against the rollout pool and writes their rows to the store.
+
+    `on_group_ready` is called whenever all trajectories of an input are in (their rows are
+    READY): the training driver's wake-up. `start_iteration` and `restored` come from a
+    checkpoint: episodes of the first iteration that had finished before it are replayed from
+    their rows instead of generated again."""
+
+    def __init__(self, cfg: RunConfig, task: Task, store: ExperienceStore, rollout: RolloutPool,
+                 telemetry: Telemetry, versions: Versions, trainable: list[str],
+                 on_group_ready: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.graph = task.graph
+        self.order = self.graph.validate(cfg.agents.keys())
+        self.turns = self.graph.turn_of()
+        self.level = graph_levels(self.graph, self.order)
+        self.downstream = downstream_hops(self.graph)
+        self.store = store
+        self.rollout = rollout
+        self.telemetry = telemetry
+        self.versions = versions
+        self.trainable = trainable
+        self.on_group_ready = on_group_ready
+        self.iterations: dict[int, IterationState] = {}
+        self._started: dict[int, asyncio.Event] = {}
+        self.start_iteration = 0
+        self.restored: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        self.first_error: str | None = None
+        # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
+        self._check_prompts = cfg.runtime.kind != "sim"
+        # text- and chat-level nodes: each agent's tokenizer and sampling defaults
+        self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
+
+    async def run_episode(
+        self, it: IterationState, index: int, traj: int, data: dict[str, Any]
+    ) -> None:
+        k = it.index
+        input_id = f"{k}-{index}"
+        ctx = EpisodeContext(input_id=input_id, trajectory_id=traj, data=data)
+        restored = self.restored.pop((index, traj), None) if k == self.start_iteration else None
+        if restored is not None:  # finished before the checkpoint: its rows, not a re-run
+            self._replay_episode(it, ctx, restored)
+            return
+        vector = self.versions.vector(k)
+        rows: dict[str, Row] = {}
+        done: dict[str, asyncio.Future] = {
+            n: asyncio.get_running_loop().create_future() for n in self.order
+        }
+        priority = (k, index, traj)
+        episode_start = self.telemetry.now()
+
+        async def run_node(name: str) -> None:
+            node = self.graph.nodes[name]
+            deps_ok = [await done[d] for d in node.inputs]
+            if not all(deps_ok):
+                done[name].set_result(False)  # an upstream branch ended: so does this one
+                return
+            try:
+                if node.when is not None and not contracts.check_condition(name, node.when(ctx)):
+                    done[name].set_result(False)
+                    return
+                prompt = node.prompt(ctx)
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - user code
+                raise EpisodeFailure(f"node {name!r}: prompt builder raised {exc!r}") from exc
+            # text or chat messages -> token ids with the agent's tokenizer and chat template
+            prompt, is_text = self.renderer.render(name, node.agent, prompt)
+            # wrong types, token ids outside the vocabulary, empty or over-long prompts, a zero
+            # budget: a bug in the task, not a flaky episode: stop the run with the node named
+            if self._check_prompts:
+                contracts.check_prompt(name, node.agent, prompt, self._vocab(node.agent, is_text),
+                                       self.task.max_seq_len)
+            if it.stage_open:  # rollout.schedule=stage: the level barrier
+                await it.stage_open[self.level[name]].wait()
+            agent = node.agent
+            version = vector[agent]
+            await self.versions.gate(agent, version).wait()
+            sample_id = make_sample_id(input_id, self.turns[name], traj)
+            row = self.store.add(Row(
+                sample_id=sample_id, agent=agent, node=name, input_id=input_id,
+                turn=self.turns[name], trajectory_id=traj, iteration=k,
+                policy_version=version, version_vector=vector,
+            ))
+            rows[name] = row
+            acfg = self.cfg.agents[agent]
+            request = GenerationRequest(
+                sample_id=sample_id, agent=agent, version=version, prompt=prompt.tokens,
+                max_new_tokens=prompt.max_new_tokens, allowed_tokens=prompt.allowed_tokens,
+                stop_tokens=prompt.stop_tokens, temperature=acfg.sampling.temperature,
+                seed=self.cfg.seed, stop=list(prompt.stop), top_p=acfg.sampling.top_p,
+            )
+            submitted = self.telemetry.now()
+            result = await self.rollout.generate(request, priority)
+            it.node_latency[name].append(self.telemetry.now() - submitted)
+            it.queue_waits[agent].append(result.queue_s)
+            it.tokens[agent] += len(result.tokens)
+            it.responses[agent][tuple(result.tokens)] += 1
+            self.store.set_generated(
+                agent, sample_id,
+                {"prompt": request.prompt, "response": result.tokens,
+                 "allowed": prompt.allowed_tokens, "temperature": request.temperature,
+                 **({"stop": list(prompt.stop)} if is_text else {})},
+                {"logprobs": result.logprobs if isinstance(result.logprobs, TensorRef)
+                 else np.asarray(result.logprobs, dtype=np.float32)},
+            )
+            ctx.outputs[name] = result.tokens
+            if is_text:  # the sampled ids stay as they are; downstream reads them decoded
+                ctx.texts[name] = self.renderer.decode(agent, result.tokens, prompt.stop)
+            done[name].set_result(True)
+
+        tasks = [asyncio.ensure_future(run_node(n)) for n in self.order]
+        if it.stage_open:
+            for n, t in zip(self.order, tasks, strict=True):
+                # ran, skipped, failed or cancelled with its episode: the level counts it
+                t.add_done_callback(functools.partial(self._node_resolved, it, self.level[n]))
+        error: str | None = None
+        try:
+            await asyncio.gather(*tasks)
+            rewards = self._score(ctx, rows)
+        except EpisodeFailure as exc:
+            error = str(exc)
+        except UserError:  # a contract violation (contracts.py): the run stops, exit code 2
+            raise
+        except Exception as exc:  # noqa: BLE001 - worker or user failure: fail this episode only
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+        if error is not None:
+            for row in rows.values():
+                if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
+                    self.store.set_failed(row.agent, row.sample_id, error)
+            it.episodes_failed += 1
+            if self.first_error is None:
+                self.first_error = f"iteration {k}, episode {input_id}/{traj}: {error}"
+            if len(it.errors) < 5:
+                it.errors.append(error)
+            self.telemetry.event("episode_failed", iteration=k, input_id=input_id,
+                                 trajectory=traj, error=error)
+        else:
+            for name, row in rows.items():
+                self.store.set_rewarded(row.agent, row.sample_id, rewards[name])
+                it.rewards[row.agent].append(rewards[name])
+            if self.graph.success is not None:
+                try:
+                    it.successes += int(bool(self.graph.success(ctx)))
+                except Exception:  # noqa: BLE001 - a metric must not kill the run
+                    pass
+        it.groups[input_id].append({n: r.sample_id for n, r in rows.items()} if error is None
+                                   else {})
+        it.episode_latency.append(self.telemetry.now() - episode_start)
+        self._maybe_group_ready(it, input_id)
+        it.episodes_done += 1
+        if it.episodes_done == it.episodes_total:
+            self._rollout_finished(it)
+
+    def _node_resolved(self, it: IterationState, level: int, _task: asyncio.Future) -> None:
+        self._resolved(it, level)
+
+    def _resolved(self, it: IterationState, level: int, count: int = 1) -> None:
+        it.stage_left[level] -= count
+        for lvl in range(1, len(it.stage_open)):
+            if it.stage_left[lvl - 1] > 0:
+                break
+            if not it.stage_open[lvl].is_set():
+                it.stage_open[lvl].set()
+
+    def _rollout_finished(self, it: IterationState) -> None:
+        """Iteration k's last episode is in: let the rollout pool re-plan from the store's
+        statistics (hierarchical balancing) before iteration k+1 submits anything."""
+        it.rollout_finished_at = self.telemetry.now()
+        it.plan = self.rollout.end_iteration(it.index, self.store.generation_stats(it.index))
+        if it.plan is not None:
+            self.telemetry.event("rollout_plan", **it.plan)
+        it.rollout_done.set()
+
+    def _replay_episode(
+        self, it: IterationState, ctx: EpisodeContext, saved: list[dict[str, Any]]
+    ) -> None:
+        """Account a restored episode exactly as `run_episode` accounted it the first time."""
+        rows = {}
+        for d in sorted(saved, key=lambda d: d["turn"]):
+            row = self.store.restore_row(d)
+            rows[row.node] = row
+            ctx.outputs[row.node] = list(d["data"]["response"])
+            if "stop" in d["data"]:  # a text-level node: the same decoding as the first time
+                ctx.texts[row.node] = self.renderer.decode(
+                    row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
+            it.rewards[row.agent].append(float(d["data"]["reward"]))
+        if self.graph.success is not None:
+            try:
+                it.successes += int(bool(self.graph.success(ctx)))
+            except Exception:  # noqa: BLE001 - a metric must not kill the run
+                pass
+        it.groups[ctx.input_id].append({n: r.sample_id for n, r in rows.items()})
+        if it.stage_open:
+            for name in self.order:
+                self._resolved(it, self.level[name])
+        self._maybe_group_ready(it, ctx.input_id)
+        it.episodes_done += 1
+        if it.episodes_done == it.episodes_total:
+            it.rollout_finished_at = self.telemetry.now()
+            it.rollout_done.set()
+
+    def _score(self, ctx: EpisodeContext, rows: dict[str, Row]) -> dict[str, float]:
+        """Credit assignment across the graph (`train.credit`): each node that ran gets
+        team * team reward + node * its own reward + a discounted share of the own rewards of
+        the nodes downstream of it (upstream_discount ** hops)."""
+        credit = self.cfg.train.credit
+        team = 0.0
+        if self.graph.episode_reward is not None:
+            try:
+                team = self.graph.episode_reward(ctx)
+            except Exception as exc:  # noqa: BLE001
+                raise EpisodeFailure(f"episode reward raised {exc!r}") from exc
+            team = contracts.check_reward("episode reward", team)
+        own: dict[str, float] = {}
+        for name in rows:
+            node = self.graph.nodes[name]
+            own[name] = 0.0
+            if node.reward is not None:
+                try:
+                    value = node.reward(ctx)
+                except Exception as exc:  # noqa: BLE001
+                    raise EpisodeFailure(f"node {name!r}: reward raised {exc!r}") from exc
+                own[name] = contracts.check_reward(f"node {name!r}: reward", value)
+        out = assign_credit(team, own, self.downstream, credit)
+        for name, value in out.items():
+            if not np.isfinite(value):
+                raise EpisodeFailure(f"node {name!r}: reward is not finite ({value})")
+        return out
+
+    def _maybe_group_ready(self, it: IterationState, input_id: str) -> None:
+        """When all G trajectories of an input are in, compute group advantages per node."""
+        group = it.groups[input_id]
+        if len(group) < self.cfg.train.group_size:
+            return
+        # Trajectory order, not completion order: advantages and the row order inside
+        # micro-batches (hence float summation order) then never depend on timing, so a resumed
+        # or recovered run (whose episodes finish in another order) equals an uninterrupted one.
+        group.sort(key=lambda g: min((parse_sample_id(s)[2] for s in g.values()), default=-1))
+        it.groups_done.add(int(input_id.split("-")[1]))
+        self.on_group_ready()
+        for name in self.order:
+            ids = [g[name] for g in group if name in g]
+            if not ids:
+                continue
+            agent = self.graph.nodes[name].agent
+            if agent not in self.trainable or self.normalize(agent) != "group":
+                continue
+            table = self.store.table(agent)
+            rewards = [table.get(i).data["reward"] for i in ids]
+            algo_cfg = self.cfg.agents[agent].algorithm
+            advs = algorithms.get(algo_cfg.name).sequence_advantages(rewards, algo_cfg)
+            for sid, adv in zip(ids, advs, strict=True):
+                self.store.set_ready(agent, sid, adv)
+        if len(it.groups_done) == self.cfg.train.inputs_per_iteration:
+            self._normalize_wide(it)
+
+    def normalize(self, agent: str) -> str:
+        """`algorithm.normalize` of a GRPO agent (group, agent or batch); others: group."""
+        return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
+
+    def _normalize_wide(self, it: IterationState) -> None:
+        """Every group of the iteration is in: advantages of the agents whose GRPO normalises
+        over more than one group. `agent`: over all of the agent's rows of the iteration (its
+        own mean and std, Dr. MAS's agent-wise normalisation); `batch`: over the rows of every
+        trainable agent (one global baseline). Rows of failed episodes take no part."""
+        wide = [a for a in self.trainable if self.normalize(a) != "group"]
+        if not wide or it.wide_ready:
+            it.wide_ready = True
+            return
+        ids: dict[str, list[str]] = {a: [] for a in self.trainable}
+        for i in range(self.cfg.train.inputs_per_iteration):
+            for episode in it.groups[f"{it.index}-{i}"]:
+                for name, sid in sorted(episode.items()):
+                    agent = self.graph.nodes[name].agent
+                    if agent in ids:
+                        ids[agent].append(sid)
+        rewards = {a: [self.store.table(a).get(s).data["reward"] for s in ids[a]] for a in ids}
+        pooled = [r for a in self.trainable for r in rewards[a]]
+        for agent in wide:
+            if not ids[agent]:
+                continue
+            algo_cfg = self.cfg.agents[agent].algorithm
+            advs = algorithms.get(algo_cfg.name).normalized_advantages(
+                rewards[agent], pooled if self.normalize(agent) == "batch" else rewards[agent],
+                algo_cfg)
+            for sid, adv in zip(ids[agent], advs, strict=True):
+                self.store.set_ready(agent, sid, adv)
+        it.wide_ready = True
+        self.on_group_ready()  # the trainers of those agents were waiting for this
+
+    def _vocab(self, agent: str, is_text: bool) -> int:
+        """The ids a prompt may hold: the task's vocabulary, or for text-level nodes that of
+        the agent's model (its tokenizer was checked to fit it when loaded)."""
+        if not is_text:
+            return self.task.vocab_size
+        from flexmarl.policy.tokenizer import model_vocab
+
+        return model_vocab(self.cfg.agents[agent].model, self.task.vocab_size)
+
+    async def rollout_iteration(self, k: int) -> IterationState:
+        n_inputs = self.cfg.train.inputs_per_iteration
+        group = self.cfg.train.group_size
+        it = IterationState(index=k, episodes_total=n_inputs * group,
+                            started_at=self.telemetry.now())
+        self.iterations[k] = it
+        self.started_event(k).set()
+        if self.cfg.rollout.schedule == "stage":
+            levels = 1 + max(self.level.values(), default=0)
+            it.stage_left = [0] * levels
+            for name in self.order:
+                it.stage_left[self.level[name]] += it.episodes_total
+            it.stage_open = [asyncio.Event() for _ in range(levels)]
+            it.stage_open[0].set()
+        rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k))
+        try:
+            inputs = self.task.sample_inputs(rng, n_inputs)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise contracts.ContractError(f"task {self.cfg.task.builder}: sample_inputs raised "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        contracts.check_inputs(self.cfg.task.builder, inputs)
+        if len(inputs) != n_inputs:
+            raise GraphError(f"task returned {len(inputs)} inputs, expected {n_inputs}")
+        episodes = [
+            self.run_episode(it, i, j, inputs[i])
+            for i in range(n_inputs) for j in range(group)
+        ]
+        await asyncio.gather(*episodes)
+        return it
+
+    def started_event(self, k: int) -> asyncio.Event:
+        """Set once iteration k's rollout has started (its `IterationState` exists)."""
+        if k not in self._started:
+            self._started[k] = asyncio.Event()
+            if k in self.iterations:
+                self._started[k].set()
+        return self._started[k]
+
+    async def iterations_ready(self, k: int) -> None:
+        await self.started_event(k).wait()
+        await self.iterations[k].rollout_done.wait()

@@ -1,0 +1,154 @@
+"""Per-iteration records (the fixed metric names of docs/training.md) and the failure budget.
+
+The joint orchestrator calls `IterationMetrics.record` once per finished iteration; what it
+reads (iteration state, trace spans, versions, rows consumed) is passed in, so the record
+is a function of the run's state, not of which runtime or schedule produced it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from flexmarl.config.schema import RunConfig
+from flexmarl.orchestrator.episodes import IterationState
+from flexmarl.runtime.base import RolloutPool, TrainPool
+from flexmarl.telemetry.recorder import Telemetry
+
+
+class FailureBudgetExceeded(RuntimeError):
+    """Episodes failed beyond `train.max_failed_fraction` in more consecutive iterations than
+    `train.max_consecutive_failed_iterations` allows: the run stops (exit code 1), with the first error."""
+
+    def __init__(self, message: str, first_error: str | None) -> None:
+        super().__init__(message)
+        self.first_error = first_error
+
+
+def quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(values, q)) if values else 0.0
+
+
+class IterationMetrics:
+    """Builds iteration records from the iteration state, the trace and the training audit."""
+
+    def __init__(self, telemetry: Telemetry, rollout: RolloutPool, train: TrainPool,
+                 agents: list[str], trainable: list[str], versions: dict[str, int],
+                 consumed: dict[str, dict[int, list[str]]]) -> None:
+        self.telemetry = telemetry
+        self.rollout = rollout
+        self.train = train
+        self.agents = agents
+        self.trainable = trainable
+        self.versions = versions
+        self.consumed = consumed
+        # more per-iteration metrics (GPU utilisation and memory): each called once per record
+        self.sources: list[Callable[[], dict[str, Any]]] = []
+
+    def rollout_metrics(self, it: IterationState) -> dict[str, Any]:
+        """Balance and latency of one iteration's rollout (docs/design.md section 9 names)."""
+        t0, t1 = it.started_at, it.rollout_finished_at
+        span = max(t1 - t0, 1e-9)
+        busy = self.telemetry.busy_by_worker("rollout", self.rollout.n_workers, t0, t1)
+        out: dict[str, Any] = {}
+        for i, b in enumerate(busy):
+            out[f"rollout/replica/{i}/busy_frac"] = b / span
+        mean = float(np.mean(busy)) if busy else 0.0
+        # max/mean busy time across the pool's replicas: 1.0 is perfect balance
+        out["rollout/imbalance"] = max(busy) / mean if mean > 0 else 1.0
+        lat = it.episode_latency
+        out["rollout/episode_latency_p50_s"] = quantile(lat, 0.5)
+        out["rollout/episode_latency_p95_s"] = quantile(lat, 0.95)
+        for agent in self.agents:
+            waits = it.queue_waits.get(agent, [])
+            out[f"agent/{agent}/queue_wait_p50_s"] = quantile(waits, 0.5)
+            out[f"agent/{agent}/queue_wait_p95_s"] = quantile(waits, 0.95)
+            out[f"agent/{agent}/tokens_per_s"] = it.tokens.get(agent, 0) / span
+            out[f"agent/{agent}/tokens_generated"] = it.tokens.get(agent, 0)
+            counts = it.responses.get(agent) or {}
+            n = sum(counts.values())
+            out[f"agent/{agent}/distinct_responses"] = len(counts)
+            out[f"agent/{agent}/top_response_frac"] = max(counts.values()) / n if n else 0.0
+        for node, values in it.node_latency.items():
+            out[f"node/{node}/latency_p50_s"] = quantile(values, 0.5)
+        if it.plan is not None:
+            out["rollout/plan"] = it.plan
+        return out
+
+    def record(self, it: IterationState, t0: float, now: float, start: float) -> dict[str, Any]:
+        """Iteration `it.index`'s record: its window is (t0, now], `start` the run's start."""
+        k = it.index
+        n_ok = it.episodes_total - it.episodes_failed
+        record: dict[str, Any] = {
+            "iteration": k,
+            "wall_s": now - t0,
+            "time_s": now - start,
+            "task/success_rate": it.successes / max(n_ok, 1),
+            "episodes/total": it.episodes_total,
+            "episodes/failed": it.episodes_failed,
+            "pool/rollout/busy_frac": self.telemetry.busy_frac(
+                "rollout", self.rollout.n_workers, t0, now),
+            "pool/train/busy_frac": self.telemetry.busy_frac("train", self.train.n_workers, t0, now),
+            "rollout/makespan_s": it.rollout_finished_at - it.started_at,
+        }
+        record.update(self.rollout_metrics(it))
+        for source in self.sources:
+            record.update(source())
+        diffs = [it.trained[a] for a in self.trainable
+                 if "logprob_diff_mean" in it.trained.get(a, {})]
+        if diffs:  # rollout vs trainer log-probs of the same weights, over every agent
+            record["rollout/logprob_diff_mean"] = float(np.mean(
+                [d["logprob_diff_mean"] for d in diffs]))
+            record["rollout/logprob_diff_max"] = max(d["logprob_diff_max"] for d in diffs)
+        # training-state swaps (a trainer bound to a slot it was not resident on) that ended
+        # in this iteration's window: agents time-sharing training slots
+        swaps = self.telemetry.labelled("train", "swap:", t0, now)
+        record["pool/train/swaps"] = sum(n for n, _ in swaps.values())
+        record["pool/train/swap_s"] = sum(secs for _, secs in swaps.values())
+        for agent in self.agents:
+            # fsum is exactly rounded, so the mean does not depend on the order in which
+            # episodes finished (placement changes that order, never the rewards).
+            rewards = it.rewards.get(agent, [])
+            record[f"agent/{agent}/reward_mean"] = (
+                math.fsum(rewards) / len(rewards) if rewards else 0.0)
+            record[f"agent/{agent}/policy_version"] = self.versions[agent]
+            record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
+            if agent in self.trainable:
+                record[f"agent/{agent}/swaps"] = swaps.get(agent, (0, 0.0))[0]
+            for key, value in it.trained.get(agent, {}).items():
+                record[f"agent/{agent}/{key}"] = value
+        if it.errors:
+            record["errors"] = it.errors
+        return record
+
+
+class FailureBudget:
+    """`train.max_failed_fraction` / `train.max_consecutive_failed_iterations`: stop a run whose
+    episodes keep failing, before it writes "final" checkpoints of an untrained model."""
+
+    def __init__(self, cfg: RunConfig, telemetry: Telemetry) -> None:
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self.failed_iterations = 0  # consecutive iterations over the fraction
+
+    def check(self, it: IterationState, first_error: str | None) -> None:
+        limit = self.cfg.train.max_failed_fraction
+        fraction = it.episodes_failed / max(it.episodes_total, 1)
+        if it.episodes_failed == 0 or fraction <= limit:
+            self.failed_iterations = 0
+            return
+        self.failed_iterations += 1
+        if self.failed_iterations <= self.cfg.train.max_consecutive_failed_iterations:
+            return
+        self.telemetry.fault("failure_budget_exceeded", iteration=it.index,
+                             failed=it.episodes_failed, total=it.episodes_total,
+                             first_error=first_error)
+        raise FailureBudgetExceeded(
+            f"iteration {it.index}: {it.episodes_failed} of {it.episodes_total} episodes failed "
+            f"({fraction:.0%} > train.max_failed_fraction={limit:g}) in "
+            f"{self.failed_iterations} consecutive iteration(s) (train.max_consecutive_failed_iterations="
+            f"{self.cfg.train.max_consecutive_failed_iterations}); first error: {first_error}",
+            first_error)

@@ -1,0 +1,1 @@
+"""Resource planning between iterations (`planner.ResourcePlanner`)."""
