@@ -74,13 +74,13 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
                 sid = make_sample_id(f"0-{i}", orch.turns[node], traj)
                 agent = agent_of[node]
                 orch.store.add(Row(sid, agent, node, f"0-{i}", orch.turns[node], traj, 0, 0,
-                                   orch.vector(0)))
+                                   orch.version_book.vector(0)))
                 orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
                                          {"logprobs": np.zeros(1, np.float32)})
                 orch.store.set_rewarded(agent, sid, rewards[(node, i, traj)])
                 ids[node] = sid
             it.groups[f"0-{i}"].append(ids)
-            orch._maybe_group_ready(it, f"0-{i}")
+            orch.episodes._maybe_group_ready(it, f"0-{i}")
         assert it.wide_ready == (i == 1)  # only once every group of the iteration is in
 
     def adv(node, i, traj):
