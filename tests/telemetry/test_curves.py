@@ -23,3 +23,13 @@ def test_first_and_last_three_iterations_per_agent():
     short = reward_curves(_records({"a": [0.0, 1.0]}) + [{"event": "checkpoint"}], ["a"])
     assert short[0].startswith("reward per agent (first 1 vs last 1") and "+1.000" in short[2]
     assert reward_curves([{"event": "x"}], ["a"]) == []
+
+
+def test_a_long_run_prints_window_means():
+    values = [i / 99 for i in range(100)]
+    lines = reward_curves(_records({"a": values}), ["a"], points=10)
+    assert "10 means of ~10.0 iterations" in lines[0]
+    curve = [float(x) for x in lines[2].split()[-10:]]
+    assert len(curve) == 10
+    assert abs(curve[0] - sum(values[:10]) / 10) < 0.005  # printed with 2 decimals
+    assert abs(curve[-1] - sum(values[-10:]) / 10) < 0.005
