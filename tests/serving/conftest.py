@@ -16,6 +16,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_serve(client, proc, timeout: float = 120.0) -> None:
+    """Block until the `flexmarl serve` subprocess `proc` answers `client`; fail the test with its
+    output if it exits or does not come up within `timeout` seconds."""
+    import openai
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"flexmarl serve did not come up: {proc.stdout.read()}")
+            time.sleep(0.3)
+
+
 class Running:
     def __init__(self, service, app) -> None:
         import uvicorn

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import openai
-import pytest
 
 from flexmarl.serving.capture import Capture
-from tests.serving.conftest import free_port, post, start
+from tests.serving.conftest import free_port, post, start, wait_for_serve
 
 
 def test_capture_and_feedback(toy_run, tmp_path):
@@ -65,15 +64,8 @@ def test_sigkill_under_load_loses_no_acknowledged_interaction(toy_run, tmp_path)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                max_retries=0, timeout=30)
+        wait_for_serve(client, proc)
         deadline = time.time() + 120
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"flexmarl serve did not come up: {proc.stdout.read()}")
-                time.sleep(0.3)
 
         def load(i: int) -> None:
             while not stop.is_set():

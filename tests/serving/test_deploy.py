@@ -26,7 +26,7 @@ from flexmarl.serving.agents import load_run
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.deploy import DeployConfig
 from flexmarl.serving.toy import save_llama
-from tests.serving.conftest import free_port, post, start
+from tests.serving.conftest import free_port, post, start, wait_for_serve
 
 PROMPT = [5, 9, 40, 41, 42]
 
@@ -253,15 +253,8 @@ def test_sigkill_of_a_learning_server_under_load(run_copy, tmp_path):
         stop = threading.Event()
         try:
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=30)
+            wait_for_serve(client, proc)
             deadline = time.time() + 120
-            while True:
-                try:
-                    client.models.list()
-                    break
-                except openai.APIConnectionError:
-                    if proc.poll() is not None or time.time() > deadline:
-                        pytest.fail(f"flexmarl serve did not come up: {proc.stdout.read()}")
-                    time.sleep(0.3)
 
             def load(k: int, url: str, base: int, stop: threading.Event) -> None:
                 j = 0
