@@ -28,7 +28,14 @@ def pack(tensors: dict[str, torch.Tensor], fp16: bool = True, zstd_level: int | 
     """One blob holding `tensors` (FP16 for float32 ones when `fp16`; zstd when a level)."""
     from safetensors.torch import save
 
+    from flexmarl.store.compression import check_fp16_range
+
     dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
+    if fp16:
+        for k, v in tensors.items():
+            if v.dtype == torch.float32:
+                check_fp16_range(v.detach().cpu().numpy(), f"tensor {k!r}",
+                                 "pack it with fp16=False")
     out = {k: (v.detach().to(torch.float16) if fp16 and v.dtype == torch.float32 else
                v.detach()).contiguous().cpu() for k, v in tensors.items()}
     payload = save(out, metadata={"dtypes": json.dumps(dtypes)})

@@ -23,6 +23,14 @@ class CompressionError(UserError, ValueError):
     """A payload that cannot be quantised to FP16 without losing it (too large, not finite)."""
 
 
+def check_fp16_range(a: np.ndarray, what: str, advice: str) -> None:
+    """Refuse to quantise `a` to FP16 when that would turn values into inf (the one check shared
+    by the store's observation codec and `serving.compress`'s weight blobs)."""
+    if a.size and (not np.isfinite(a).all() or np.abs(a).max() > FP16_MAX):
+        raise CompressionError(f"{what}: values beyond FP16's range (|x| <= {FP16_MAX:g}) "
+                               f"or not finite; {advice}")
+
+
 @dataclass(frozen=True)
 class Codec:
     """`level`: zstd level (1 fast .. 19 small)."""
@@ -37,10 +45,7 @@ class Codec:
         if not np.issubdtype(a.dtype, np.floating):
             raise CompressionError(f"{what}: FP16 compression is for continuous (float) "
                                    f"payloads, got dtype {a.dtype}")
-        if a.size and (not np.isfinite(a).all() or np.abs(a).max() > FP16_MAX):
-            raise CompressionError(f"{what}: values beyond FP16's range (|x| <= {FP16_MAX:g}) "
-                                   "or not finite; normalise observations or turn "
-                                   "compression off")
+        check_fp16_range(a, what, "normalise observations or turn compression off")
         raw = np.ascontiguousarray(a.astype(np.float16)).tobytes()
         packed = zstandard.ZstdCompressor(level=self.level).compress(raw)
         header = {"shape": list(a.shape), "dtype": str(a.dtype), "raw_bytes": int(a.nbytes)}

@@ -167,3 +167,13 @@ def test_compression_round_trip_within_fp16_tolerance(toy_run):
                 assert torch.equal(out[k], v.half().float()), k  # exactly FP16 rounding
     with pytest.raises(ValueError, match="FMW1"):
         unpack(b"not weights")
+
+
+def test_fp16_packing_refuses_weights_beyond_fp16_range():
+    """A float32 weight FP16 cannot hold would come back as inf: refused by name instead."""
+    from flexmarl.store.compression import CompressionError
+
+    tensors = {"ok": torch.ones(2), "scale": torch.tensor([1.0, 1e6])}
+    with pytest.raises(CompressionError, match="'scale'.*FP16"):
+        pack(tensors, fp16=True)
+    assert torch.equal(unpack(pack(tensors, fp16=False))["scale"], tensors["scale"])
