@@ -110,6 +110,20 @@ def test_vllm_agent_on_ray_is_refused_by_name():
 HEARTBEAT = ["runtime.heartbeat_interval_s=0.5", "runtime.heartbeat_misses=6"]
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP `pid`; SIGCONT it after 60 s should nothing have killed it, so a broken
+    heartbeat fails the test (no `worker_failed`) instead of hanging it."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def thaw() -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    asyncio.get_running_loop().call_later(60, thaw)
+
+
 def _hung(out, pool: str) -> None:
     (failed,) = events(out, "worker_failed")
     assert failed["pool"] == pool and "missed 6 heartbeats" in failed["reason"]
@@ -131,7 +145,7 @@ def test_trainer_actor_hung_mid_iteration_is_killed_and_restored(tmp_path, ray_h
             state["n"] += 1
             if state["n"] == 4 + 1:  # iteration 1, after its first micro-batch was summed
                 state["pid"] = pool.actors[0].where["pid"]
-                os.kill(state["pid"], signal.SIGSTOP)
+                _freeze(state["pid"])
             return out
 
         pool.accumulate = accumulate
@@ -155,7 +169,7 @@ def test_rollout_actor_hung_mid_iteration_is_killed_and_restarted(tmp_path, ray_
             state["n"] += 1
             if state["n"] == REQUESTS_PER_ITERATION + 20:
                 state["pid"] = pool.actors[0].where["pid"]
-                os.kill(state["pid"], signal.SIGSTOP)
+                _freeze(state["pid"])
             return await original(request, priority)
 
         pool.generate = generate
