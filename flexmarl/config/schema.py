@@ -406,8 +406,9 @@ class RuntimeConfig(Strict):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{value!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
         return addr
-    # Liveness of worker processes: each sends a heartbeat every interval; a worker silent for
-    # `heartbeat_misses` intervals is declared lost, killed and restarted.
+    # Liveness of worker processes: each sends a heartbeat every interval (Ray: the driver pings
+    # each actor); one silent for `heartbeat_misses` intervals is declared lost, killed and
+    # restarted.
     heartbeat_interval_s: float = Field(2.0, gt=0)
     heartbeat_misses: int = Field(3, gt=0)
     # Restarts of lost workers allowed per run before the run fails.
