@@ -194,6 +194,12 @@ class OptimConfig(Strict):
     decay: float = Field(0.005, ge=0)  # lambda of critic_scaled (seed document: 0.001-0.01)
 
 
+# The Ray replica hosts hf models only (openai agents are served from the driver, as locally).
+VLLM_ON_RAY = ("agents.{agent}.backend.kind: vllm is not supported on runtime.kind=ray (the Ray "
+               "replicas host hf models only); use runtime.kind=local for a vllm agent, or "
+               "backend.kind hf or openai on Ray")
+
+
 class BackendConfig(Strict):
     """Where the agent's rollout requests are served (docs/design.md section 6).
 
@@ -400,8 +406,9 @@ class RuntimeConfig(Strict):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{value!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
         return addr
-    # Liveness of worker processes: each sends a heartbeat every interval; a worker silent for
-    # `heartbeat_misses` intervals is declared lost, killed and restarted.
+    # Liveness of worker processes: each sends a heartbeat every interval (Ray: the driver pings
+    # each actor); one silent for `heartbeat_misses` intervals is declared lost, killed and
+    # restarted.
     heartbeat_interval_s: float = Field(2.0, gt=0)
     heartbeat_misses: int = Field(3, gt=0)
     # Restarts of lost workers allowed per run before the run fails.
@@ -494,6 +501,8 @@ class RunConfig(Strict):
             if not name.isidentifier():
                 raise ValueError(f"agents: agent name {name!r} must be an identifier")
             backend = agent.backend
+            if backend.kind == "vllm" and self.runtime.kind == "ray":
+                raise ValueError(VLLM_ON_RAY.format(agent=name))
             if backend.kind == "openai":
                 if not backend.url:
                     raise ValueError(f"agents.{name}.backend.url: required for the openai "

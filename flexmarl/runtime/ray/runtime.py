@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -19,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flexmarl.config.schema import RayBundle, RunConfig
+from flexmarl.config.schema import VLLM_ON_RAY, RayBundle, RunConfig
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import (
     RolloutPool,
@@ -36,6 +39,9 @@ from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
 from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
 from flexmarl.training.trainer import Sample
+
+# The actors' concurrency group for heartbeat pings: its own thread, so a busy actor answers.
+HEALTH_GROUP = "health"
 
 
 @dataclass(frozen=True)
@@ -109,12 +115,16 @@ class _Actor:
 
 
 class RayRolloutPool(RolloutPool):
-    """Replicas each hosting every agent's model, behind the same hierarchical balancer as the
-    local pool; requests queued in one loop tick for one replica travel as one actor call."""
+    """Replicas each hosting every local agent's model, behind the same hierarchical balancer
+    as the local pool; requests queued in one loop tick for one replica travel as one actor
+    call. Agents served by an OpenAI-compatible endpoint (`backend.kind: openai`) bypass the
+    replicas: the driver calls the endpoint, as the local runtime does."""
 
-    def __init__(self, actors: list[_Actor], balancer: Balancer) -> None:
+    def __init__(self, actors: list[_Actor], balancer: Balancer,
+                 remote: dict[str, OpenAIBackend] | None = None) -> None:
         self.actors = actors  # filled by RayRuntime.start
         self.balancer = balancer
+        self.remote = remote or {}
         # The last weights published per agent: what a restarted replica must load.
         self.latest: dict[str, tuple[int, Any]] = {}
         self.supervisor: RaySupervisor | None = None
@@ -127,6 +137,9 @@ class RayRolloutPool(RolloutPool):
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         """Dispatch; a request whose replica died goes again once it is restarted (sampling
         is keyed by (seed, sample_id, version): the re-run produces the same tokens)."""
+        remote = self.remote.get(request.agent)
+        if remote is not None:
+            return await remote.generate(request)
         while True:
             try:
                 return await self._dispatch(request, priority)
@@ -187,6 +200,9 @@ class RayRolloutPool(RolloutPool):
         successor (`refetch`, the train pool's `weights`: the same version) and loaded."""
         import ray
 
+        if agent in self.remote:
+            raise WorkerError(f"agent {agent!r} is served by an external endpoint: its weights "
+                              "cannot be published")
         ref = weights.ref if isinstance(weights, RayWeights) else ray.put(weights)
         while True:
             self.latest[agent] = (version, ref)
@@ -342,46 +358,145 @@ class RayTrainPool(TrainPool):
 
 
 class RaySupervisor:
-    """Restarts a dead actor in its own placement-group bundle and restores it, up to
-    `runtime.max_worker_restarts` restarts per run (then the run fails, naming the actor).
+    """Liveness and recovery of the Ray runtime's actors: restarts a dead or hung actor in its
+    own placement-group bundle and restores it, up to `runtime.max_worker_restarts` restarts
+    per run (then the run fails, naming the actor).
 
-    Ray reports the death (`RayActorError`) to every call in flight; the first caller starts
-    the restart, the others wait for it. A rollout replica reloads every agent's latest
-    weights (its requests are then re-sent); a trainer gets each of its agents' restart point
-    and replays the micro-batches accumulated since. Each failure and recovery is a
-    `worker_failed` / `worker_recovered` event in metrics.jsonl and the trace. An actor Ray
-    reports unavailable (`ActorUnavailableError`, a `RayActorError`) is replaced the same way:
-    its state can be restored exactly, so killing it is safe.
+    Liveness: every `runtime.heartbeat_interval_s` the driver pings each actor (its `where`,
+    in a concurrency group of its own, so a long step or generation still answers); one that
+    leaves a ping unanswered for `runtime.heartbeat_misses` intervals (a frozen or stuck
+    process) is killed and recovered like a dead one, as the local runtime's heartbeats do.
+
+    Ray reports a death (`RayActorError`) to every call in flight and to the ping; the first
+    to see it starts the restart, the others wait for it. A rollout replica reloads every
+    agent's latest weights (its requests are then re-sent); a trainer gets each of its agents'
+    restart point and replays the micro-batches accumulated since. Each failure and recovery
+    is a `worker_failed` / `worker_recovered` event in metrics.jsonl and the trace. An actor
+    Ray reports unavailable (`ActorUnavailableError`, a `RayActorError`) is replaced the same
+    way: its state can be restored exactly, so killing it is safe.
     """
 
     def __init__(self, runtime: RayRuntime) -> None:
         self.rt = runtime
-        self.max_restarts = runtime.cfg.runtime.max_worker_restarts
+        rt = runtime.cfg.runtime
+        self.max_restarts = rt.max_worker_restarts
+        self.interval, self.misses = rt.heartbeat_interval_s, rt.heartbeat_misses
         self.restarts = 0
         self.failures: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
         self._tasks: dict[tuple[str, int], tuple[int, asyncio.Future]] = {}
+        self._monitor: asyncio.Task | None = None
+        # per actor: (generation pinged, monotonic time of its last answer, ping in flight)
+        self._beats: dict[tuple[str, int], tuple[int, float, asyncio.Future | None]] = {}
 
     def _event(self, name: str, **fields: Any) -> None:
         fault = getattr(self.rt.sink, "fault", None)
         if fault is not None:
             fault(name, **fields)
 
-    async def recover(self, lost: ActorLost) -> None:
-        """Return once `lost.actor` runs again (restarted by this call or a concurrent one)."""
-        actor = lost.actor
-        if actor.generation != lost.generation:
-            return  # already restarted since that call was sent
+    def start(self) -> None:
+        """Start the heartbeat monitor (the actors are up and answered `where`)."""
+        self._monitor = asyncio.ensure_future(self._watch())
+
+    async def stop(self) -> None:
+        """Stop watching before the actors are killed on purpose."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+            self._monitor = None
+        for _, _, ping in self._beats.values():
+            if ping is not None:
+                ping.cancel()
+        self._beats.clear()
+
+    async def _watch(self) -> None:
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            # a tick this late means the driver's loop was blocked: answers may wait unread
+            stalled, last_tick = now - last_tick > 2 * self.interval, now
+            for actor in self.rt.rollout_actors + self.rt.train_actors:
+                self._check(actor, now, stalled)
+
+    def _check(self, actor: _Actor, now: float, stalled: bool = False) -> None:
+        """Ping `actor` unless a ping is in flight; declare it hung if that ping is older
+        than `heartbeat_misses` intervals (after a stall of the driver: another chance)."""
         key = (actor.pool, actor.index)
         entry = self._tasks.get(key)
-        if entry is None or entry[0] != lost.generation:
+        if entry is not None and entry[0] == actor.generation:
+            return  # being restarted, or its restarts are used up (callers get the error)
+        beat = self._beats.get(key)
+        if beat is None or beat[0] != actor.generation:  # a new incarnation: a fresh start
+            beat = (actor.generation, now, None)
+        generation, last, ping = beat
+        if stalled:
+            last = now
+        if ping is None or ping.done():
+            ping = asyncio.ensure_future(self._ping(actor, generation))
+        elif now - last > self.interval * self.misses:
+            self._kill_hung(actor)
+            self._begin(actor, generation, f"missed {self.misses} heartbeats "
+                        f"({now - last:.1f} s without an answer to a ping)")
+        self._beats[key] = (generation, last, ping)
+
+    async def _ping(self, actor: _Actor, generation: int) -> None:
+        import ray
+
+        try:
+            await actor.handle.where.options(concurrency_group=HEALTH_GROUP).remote()
+        except ray.exceptions.RayActorError as exc:  # dead: recover now, as locally
+            self._begin(actor, generation, f"{actor.pool} worker {actor.index} lost "
+                        f"(heartbeat): {exc}")
+            return
+        except ray.exceptions.RayError:
+            return
+        key = (actor.pool, actor.index)
+        beat = self._beats.get(key)
+        if beat is not None and beat[0] == generation == actor.generation:
+            self._beats[key] = (generation, time.monotonic(), beat[2])
+
+    @staticmethod
+    def _kill_hung(actor: _Actor) -> None:
+        """SIGKILL a hung actor's process when it runs on the driver's node, so its calls in
+        flight fail now; elsewhere Ray's own kill in `_restart` ends it (a frozen process
+        takes Ray a few seconds)."""
+        import ray
+
+        pid, node = actor.where.get("pid"), actor.where.get("node_id")
+        if not pid or node != ray.get_runtime_context().get_node_id():
+            return
+        try:  # the pid is still a Ray worker (not reused since `where` reported it)
+            if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
+                return
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+    def _begin(self, actor: _Actor, generation: int, reason: str) -> asyncio.Future | None:
+        """Start restarting `actor` once per incarnation; the restart's future (None: that
+        incarnation was already replaced)."""
+        if actor.generation != generation:
+            return None
+        key = (actor.pool, actor.index)
+        entry = self._tasks.get(key)
+        if entry is None or entry[0] != generation:
             info = {"pool": actor.pool, "worker": actor.index, "pid": actor.where.get("pid"),
-                    "reason": str(lost.__cause__ or lost)[:300]}
+                    "reason": reason[:300]}
             self.failures.append(info)
             self._event("worker_failed", **info)
-            entry = (lost.generation, asyncio.ensure_future(self._restart(actor)))
+            task = asyncio.ensure_future(self._restart(actor))
+            # a failed restart is raised to the callers that wait for it, not logged here
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            entry = (generation, task)
             self._tasks[key] = entry
-        await asyncio.shield(entry[1])
+        return entry[1]
+
+    async def recover(self, lost: ActorLost) -> None:
+        """Return once `lost.actor` runs again (restarted by this call or a concurrent one)."""
+        restart = self._begin(lost.actor, lost.generation, str(lost.__cause__ or lost))
+        if restart is not None:
+            await asyncio.shield(restart)
 
     async def _restart(self, actor: _Actor) -> None:
         import ray
@@ -454,6 +569,11 @@ class RayRuntime(Runtime):
         self.config = cfg.model_dump(mode="json")
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.agents = list(cfg.agents)
+        for agent in self.agents:
+            if cfg.agents[agent].backend.kind == "vllm":  # also refused by the config schema
+                raise RayRuntimeError(VLLM_ON_RAY.format(agent=agent))
+        # agents served by an external endpoint need no model in the replicas
+        self.local_agents = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
         trainable = [a for a in self.agents if cfg.agents[a].trainable]
         self.n_train = max(1, min(rt.train_workers, len(trainable)))
         self.binding = {a: i % self.n_train for i, a in enumerate(trainable)}
@@ -481,10 +601,15 @@ class RayRuntime(Runtime):
         self.tables: dict[str, Any] = {}  # agent -> its AgentTableActor handle
         self.table_where: dict[str, dict[str, Any]] = {}
         self.store: RayExperienceStore | None = None  # made by make_store, for the run
-        costs = {a: float(approx_params(cfg.agents[a].model, vocab_size)) for a in self.agents}
+        costs = {a: float(approx_params(cfg.agents[a].model, vocab_size))
+                 for a in self.local_agents}
+        remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
+                  for a in self.agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = RayRolloutPool(
             self.rollout_actors,
-            Balancer(self.agents, rt.rollout_workers, cfg.rollout.balance, costs))
+            Balancer(self.local_agents or self.agents, rt.rollout_workers, cfg.rollout.balance,
+                     costs),
+            remote)
         self.train = RayTrainPool(self.train_actors, self.binding)
         self.supervisor = RaySupervisor(self) if rt.max_worker_restarts > 0 else None
         self.rollout.supervisor = self.train.supervisor = self.supervisor
@@ -541,11 +666,14 @@ class RayRuntime(Runtime):
         from flexmarl.runtime.ray.actors import RolloutReplica, TrainWorker
 
         options = self._actor_options(pool, self.groups[pool], index)
+        # heartbeat pings run in a concurrency group (thread) of their own: a busy actor answers
+        make_remote: Any = ray.remote  # its typed overloads omit `concurrency_groups`
+        remote = make_remote(concurrency_groups={HEALTH_GROUP: 1})
         if pool == "rollout":
-            return ray.remote(RolloutReplica).options(**options).remote(
-                self._spec(self.agents, pool), self.tables)
+            return remote(RolloutReplica).options(**options).remote(
+                self._spec(self.local_agents, pool), self.tables)
         names = [a for a, j in self.binding.items() if j == index]
-        return ray.remote(TrainWorker).options(**options).remote(
+        return remote(TrainWorker).options(**options).remote(
             self._spec(names, pool), {a: self.tables[a] for a in names})
 
     def make_store(self) -> RayExperienceStore:
@@ -583,6 +711,7 @@ class RayRuntime(Runtime):
             if self.supervisor is not None:  # restart points: the trainers' states now
                 for agent in self.binding:
                     await self.train.keep_restart_point(agent)
+                self.supervisor.start()
         except BaseException:
             await self.stop()
             raise
@@ -602,6 +731,8 @@ class RayRuntime(Runtime):
         for agent, w in placement["tables"].items():
             lines.append(f"ray: table[{agent}] actor {w['actor_id'][:12]} on node "
                          f"{w['node_id'][:12]} ({w['ip']}) pid {w['pid']}")
+        for agent, url in placement["endpoints"].items():
+            lines.append(f"ray: agent {agent} served by the endpoint {url} (called by the driver)")
         print("\n".join(lines), file=sys.stderr, flush=True)
         log = getattr(self.sink, "log", None)
         if log is not None:
@@ -614,6 +745,10 @@ class RayRuntime(Runtime):
     async def stop(self) -> None:
         import ray
 
+        if self.supervisor is not None:  # before the actors are killed on purpose
+            await self.supervisor.stop()
+        for backend in self.rollout.remote.values():
+            backend.close()
         if ray.is_initialized():
             handles = [a.handle for a in self.rollout_actors + self.train_actors]
             for handle in [*handles, *self.tables.values()]:
@@ -656,4 +791,6 @@ class RayRuntime(Runtime):
             "rollout": pool("rollout", self.rollout_actors),
             "train": pool("train", self.train_actors),
             "tables": {a: dict(w) for a, w in self.table_where.items()},
+            # agents with backend.kind openai: no replica hosts them
+            "endpoints": {a: b.url for a, b in self.rollout.remote.items()},
         }
