@@ -534,6 +534,7 @@ class SlotPool(TrainPool):
         for agent, index in self.binding.items():
             if index != slot:
                 continue
+            self.swapped.pop(agent, None)  # a swap-in the loss interrupted: superseded
             await run("bind", (agent, None))
             versions[agent] = await run(*self._restore_command(agent, self.saved_state[agent]))
             for batch in self.journal[agent]:
