@@ -254,9 +254,10 @@ class FakeSlotHost:
 class FakeSlotPool(SlotPool):
     """`training.host.SlotPool` over `FakeSlotHost`s in this process: each command yields to
     the event loop a few times (so agents' calls interleave as over pipes or actor calls), and
-    `lose(slot, after)` makes the slot's `after`-th next command find it dead (`WorkerLost`:
-    its memory is gone); with `recover` the pool then restarts it as a fresh host, restored
-    through `SlotPool.restore_slot`, as the runtimes' supervisors do."""
+    `lose(slot, after)` makes the slot's `after`-th next command find it dead: its memory is
+    gone and every call to it fails (`WorkerLost`) until, with `recover`, the first caller's
+    restart (shared by the others) brings up a fresh host restored through
+    `SlotPool.restore_slot`, as the runtimes' supervisors do."""
 
     def __init__(self, n_slots: int, recover: bool = False, yields: int = 2) -> None:
         super().__init__(n_slots)
@@ -264,18 +265,22 @@ class FakeSlotPool(SlotPool):
         self.yields = yields
         self.hosts = [FakeSlotHost() for _ in range(n_slots)]
         self.doomed: dict[int, int] = {}  # slot -> commands left before it is lost
+        self.dead: set[int] = set()
         self.restarts = 0
+        self._restarting: dict[int, asyncio.Task] = {}
 
     def lose(self, slot: int, after: int = 0) -> None:
         self.doomed[slot] = after
 
     async def _run(self, slot: int, command: str, payload: Any) -> Any:
         await _yields(self.yields)
+        if slot in self.dead:
+            raise WorkerLost(f"fake slot {slot} is down ({command})")
         left = self.doomed.get(slot)
         if left is not None:
             if left == 0:
                 del self.doomed[slot]
-                self.hosts[slot] = FakeSlotHost()  # its memory is gone
+                self.dead.add(slot)
                 raise WorkerLost(f"fake slot {slot} lost ({command})")
             self.doomed[slot] = left - 1
         return self.hosts[slot].handle(command, payload)
@@ -286,11 +291,21 @@ class FakeSlotPool(SlotPool):
     async def _recover(self, slot: int, lost: WorkerLost) -> None:
         if not self.recover:
             raise lost
+        task = self._restarting.get(slot)
+        if task is None or task.done():
+            if slot not in self.dead:
+                return  # restarted since that call failed
+            task = self._restarting[slot] = asyncio.ensure_future(self._restart(slot))
+        await asyncio.shield(task)
+
+    async def _restart(self, slot: int) -> None:
         self.restarts += 1
         fresh = FakeSlotHost()
 
         async def run(command: str, payload: Any) -> Any:
+            await _yields(self.yields)
             return fresh.handle(command, payload)
 
         await self.restore_slot(slot, run)
-        self.hosts[slot] = fresh
+        self.hosts[slot] = fresh  # in place with no await since restore_slot's last check
+        self.dead.discard(slot)

@@ -528,15 +528,20 @@ class SlotPool(TrainPool):
                            run: Callable[[str, Any], Awaitable[Any]]) -> dict[str, int]:
         """Bring a restarted slot (reached through `run(command, payload)`, before it is in
         place) back to where its lost predecessor was: each agent resident on it gets its
-        restart point and replays the micro-batches accumulated since. Returns the restored
-        versions by agent."""
+        restart point and replays the micro-batches accumulated since. Another agent may be
+        bound to the slot meanwhile (its call to the lost slot failed): it is restored too,
+        and the state it evicts goes back to `swapped`. Returns the restored versions."""
         versions: dict[str, int] = {}
-        for agent, index in self.binding.items():
-            if index != slot:
-                continue
-            self.swapped.pop(agent, None)  # a swap-in the loss interrupted: superseded
-            await run("bind", (agent, None))
-            versions[agent] = await run(*self._restore_command(agent, self.saved_state[agent]))
-            for batch in self.journal[agent]:
-                await run(*self._accumulate_command(agent, batch, True))
-        return versions
+        while True:
+            todo = [a for a, i in self.binding.items() if i == slot and a not in versions]
+            if not todo:  # no await between this check and the caller putting the slot in place
+                return {a: v for a, v in versions.items() if self.binding.get(a) == slot}
+            for agent in todo:
+                self.swapped.pop(agent, None)  # a swap-in the loss interrupted: superseded
+                out_agent, out_state, _ = await run("bind", (agent, None))
+                if out_agent is not None:  # restored here a moment ago: exact
+                    self.swapped[out_agent] = out_state
+                versions[agent] = await run(*self._restore_command(agent,
+                                                                   self.saved_state[agent]))
+                for batch in self.journal[agent]:
+                    await run(*self._accumulate_command(agent, batch, True))

@@ -113,10 +113,13 @@ def test_one_slot_is_sticky_and_ends_with_the_weights_of_one_slot_per_agent():
     assert all(n == 0 for it in own_swaps[1:] for n in it.values())
 
 
-@pytest.mark.parametrize("after", [0, 3, 9, 17])
-def test_a_lost_slot_is_restored_from_the_journal_exactly(after):
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("after", [0, 1, 3, 9, 17])
+def test_a_lost_slot_is_restored_from_the_journal_exactly(after, slots):
+    """Other agents' calls that reach the lost slot meanwhile wait for its restart (and may
+    bind it while it is restored); every agent ends as without the loss."""
     async def run(lose: bool):
-        pool = FakeSlotPool(1, recover=True)
+        pool = FakeSlotPool(slots, recover=True)
         for agent in AGENTS:  # restart points at the start, as the supervisors keep them
             await pool.keep_restart_point(agent)
         await _iterations(pool, AGENTS, iterations=1, batches=3)

@@ -162,12 +162,18 @@ class TrainWorker:
     the object store, owned by the agent's table actor: a swapped-out state and a restart point
     outlive this actor. Weights leave it as one `ray.put` each."""
 
-    def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None,
+                 tables_own_weights: bool = False) -> None:
+        """`tables_own_weights`: published weights are handed to the agent's table actor (one
+        more copy), so they outlive this actor also when the agent has moved to another slot
+        meanwhile (agents time-share slots); otherwise this actor owns them and the supervisor
+        re-puts them from the restored trainer."""
         _setup_torch(spec)
         from flexmarl.config.schema import RunConfig
         from flexmarl.training.host import TrainHost
 
         self.owners = owners or {}
+        self.tables_own_weights = tables_own_weights
         cfg = RunConfig.model_validate(spec.config)
         # on this actor's device (set by _setup_torch); swapped states go to the object store
         self.host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len)
@@ -228,6 +234,8 @@ class TrainWorker:
     def _weights_ref(self, agent: str) -> Any:
         import ray
 
+        if self.tables_own_weights:
+            return self._adopt(agent, self.host.weights(agent), "weights")
         # Owned by this actor (publication stays one copy); after a restart the supervisor
         # re-publishes `latest` from the restored trainer.
         return ray.put(self.host.weights(agent))

@@ -478,9 +478,11 @@ class RayRuntime(Runtime):
         if pool == "rollout":
             return ray.remote(RolloutReplica).options(**options).remote(
                 self._spec(self.agents, pool), self.tables)
-        # a training slot may host any trainable agent (the pool binds them on demand)
+        # a training slot may host any trainable agent (the pool binds them on demand); when
+        # they time-share slots, an agent's weights may outlive the slot that stepped it
         return ray.remote(TrainWorker).options(**options).remote(
-            self._spec(self.trainable, pool), {a: self.tables[a] for a in self.trainable})
+            self._spec(self.trainable, pool), {a: self.tables[a] for a in self.trainable},
+            self.n_train < len(self.trainable))
 
     def make_store(self) -> RayExperienceStore:
         """The run's experience store: the driver's facade over the per-agent table actors."""
