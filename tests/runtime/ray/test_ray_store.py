@@ -57,10 +57,12 @@ def test_table_actor_holds_100k_rows_and_serves_micro_batches_by_reference(ray_h
         # Store -> trainer without the driver: the trainer actor gets only the table's handle,
         # pulls a micro-batch, fetches its payloads from the object store and trains on them.
         trainer = ray.remote(TrainWorker).options(num_cpus=1).remote(_spec())
+        (evicted, _, _), _ = ray.get(trainer.bind.remote("speaker", None))  # the slot's agent
+        assert evicted is None
         result, spans = ray.get(trainer.accumulate_from_table.remote("speaker", table, 0, 32, 0))
         assert result == {"rows": 32.0}
         assert [s[2] for s in spans] == ["pull:speaker:32", "acc:speaker:32"]
-        metrics, (ref,), _ = ray.get(trainer.step.remote("speaker"))
+        (metrics, (ref,)), _ = ray.get(trainer.step.remote("speaker"))
         assert metrics["rows"] == 32.0 and metrics["grad_norm"] > 0
         assert isinstance(ref, ray.ObjectRef)  # the new weights: a reference, fetched on demand
         assert ray.get(table.counts.remote())["consumed"] == 32
