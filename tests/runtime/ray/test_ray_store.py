@@ -115,19 +115,26 @@ def test_live_run_keeps_rows_in_table_actors_and_payloads_in_the_object_store(tm
     def hook(runtime):
         state["runtime"] = runtime
         pool = runtime.train
-        # the inner call runs under the agent's call-order lock: inspecting there keeps the
-        # micro-batches ahead of the step the orchestrator queued behind them
-        original = pool._accumulate
+        # inspect when the slot runs the pull (in the agent's call order, ahead of the step
+        # the orchestrator queued behind it): the micro-batch's command names its rows
+        batches: dict[tuple, RayMicroBatch] = {}
+        queue, run = pool.accumulate, pool._run
 
-        async def accumulate(agent, batch):
-            table = runtime.tables[agent]
-            # Ordered after the store's writes (one caller, one actor): the rows are in.
-            rows = {r["sample_id"]: r for r in await table.rows.remote()}
-            mirror = {sid: runtime.store.table(agent).get(sid) for sid in batch.sample_ids}
-            seen[agent].append((batch, table, rows, mirror))
-            return await original(agent, batch)
+        def accumulate(agent, batch):
+            batches[tuple(batch.sample_ids)] = batch
+            return queue(agent, batch)
 
-        pool._accumulate = accumulate
+        async def run_command(slot, command, payload):
+            if command == "accumulate_from_table":
+                agent, table = payload[0], payload[1]
+                batch = batches[tuple(payload[6])]
+                # Ordered after the store's writes (one caller, one actor): the rows are in.
+                rows = {r["sample_id"]: r for r in await table.rows.remote()}
+                mirror = {sid: runtime.store.table(agent).get(sid) for sid in batch.sample_ids}
+                seen[agent].append((batch, table, rows, mirror))
+            return await run(slot, command, payload)
+
+        pool.accumulate, pool._run = accumulate, run_command
 
     result = train(cfg, tmp_path / "run", on_runtime=hook)
     runtime = state["runtime"]
