@@ -29,7 +29,7 @@ from flexmarl.policy.model import build_model
 from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.training import state as st
-from flexmarl.training.slots import TrainSlot
+from flexmarl.training.host import TrainHost
 from flexmarl.training.trainer import AgentTrainer, Sample
 
 MB = 1024 * 1024
@@ -91,7 +91,7 @@ def trainer_memory(model: dict[str, Any], vocab: int, n: int) -> dict[str, float
     """A slot that has trained each of `n` adapter agents once (so every AdamW state exists)
     vs `n` times one trainer with its own base and adapter (today's LoRA agent)."""
     cfg = run_config(model, n)
-    slot = TrainSlot(cfg, vocab, MAX_SEQ_LEN)
+    slot = TrainHost(cfg, vocab, MAX_SEQ_LEN)
     for i, agent in enumerate(cfg.agents):
         slot.bind(agent, None)
         _one_step(slot.trainers[agent], vocab, i)
@@ -167,7 +167,7 @@ def swap_time(model: dict[str, Any], vocab: int, rounds: int) -> dict[str, float
     a shared base vs an agent training its whole model."""
     out: dict[str, float] = {}
     cfg = run_config(model, 1)
-    slot = TrainSlot(cfg, vocab, MAX_SEQ_LEN)
+    slot = TrainHost(cfg, vocab, MAX_SEQ_LEN)
     slot.bind("a0", None)
     trainers = {"adapter": slot.trainers["a0"],
                 "full": AgentTrainer("a0", own_model_config(model, False).agents["a0"], vocab,

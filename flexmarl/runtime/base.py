@@ -11,6 +11,7 @@ default by subclassing the protocol, so no caller probes runtimes with `getattr`
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -34,6 +35,34 @@ class WorkerLost(WorkerError):
 
 class SpanSink(Protocol):
     def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None: ...
+
+
+class RuntimeSink(SpanSink, Protocol):
+    """What a runtime reports to (`telemetry.Telemetry` implements it): its workers' spans,
+    fault events (a worker failed or recovered: metrics.jsonl and the trace), records such as
+    its placement, and the run's folder for its log lines (None: the run writes no files)."""
+
+    @property
+    def out_dir(self) -> Path | None: ...
+
+    def fault(self, name: str, **fields: Any) -> None: ...
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+
+class NullSink(RuntimeSink):
+    """A runtime started without telemetry: everything it reports is dropped."""
+
+    out_dir: Path | None = None
+
+    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
+        pass
+
+    def fault(self, name: str, **fields: Any) -> None:
+        pass
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
 
 
 class Unsupported(NotImplementedError):

@@ -2,7 +2,7 @@
 --profile-local CONFIG`.
 
 For every agent's real model, with the real engine and trainer code (`rollout.engine.HFEngine`,
-`training.trainer.AgentTrainer`, `training.slots.TrainSlot`), in this process and with the
+`training.trainer.AgentTrainer`, `training.host.TrainHost`), in this process and with the
 config's `runtime.torch_threads`, the profiler times:
 
 - `prefill`: `HFEngine.admit` of `seqs` new requests, left-padded to `width` prompt tokens
@@ -568,9 +568,9 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                     reps: int = 5) -> dict[str, Fit]:
     """accumulate / step / weights / swap / get_state of one agent's real trainer."""
     from flexmarl.runtime.local.workers import publish_form, state_to_numpy
-    from flexmarl.training.slots import TrainSlot
+    from flexmarl.training.host import TrainHost
 
-    slot = TrainSlot(cfg, vocab, max_seq_len)
+    slot = TrainHost(cfg, vocab, max_seq_len)
     t0 = time.perf_counter()
     slot.bind(agent, None)
     build_s = time.perf_counter() - t0
@@ -604,7 +604,7 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
     state_s = _timed(lambda: state_to_numpy(trainer.get_state()), reps)
     # swapping: another agent's trainer takes the slot, then this one comes back
     outs, ins = [], []
-    spare = TrainSlot(cfg, vocab, max_seq_len)
+    spare = TrainHost(cfg, vocab, max_seq_len)
     for _ in range(reps):
         _, state, timings = _swap_out(slot, agent)
         outs.append(timings["swap_out_s"])
@@ -624,7 +624,7 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
 
 
 def _swap_out(slot: Any, agent: str) -> tuple[str | None, Any, dict[str, float]]:
-    """Evict `agent` from `slot` exactly as `TrainSlot.bind` does for a newcomer."""
+    """Evict `agent` from `slot` exactly as `TrainHost.bind` does for a newcomer."""
     from flexmarl.training import state as st
 
     t0 = time.perf_counter()

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.runtime.base import RolloutPool, TrainPool, WorkerError
+from flexmarl.runtime.base import RolloutPool, TrainPool, WorkerError, WorkerLost
+from flexmarl.training.host import SlotPool
 
 
 def digest(*parts: Any) -> str:
@@ -192,3 +193,119 @@ class FakeTrainPool(TrainPool):
         weights, meta = state
         self.trainers[agent] = _Trainer(int(meta["version"]), digest_of(weights),
                                         list(meta["pending"]))
+
+
+# --- the shared training host's driver side, over fake slots --------------------------------
+class FakeSlotHost:
+    """One training slot without models: the slot protocol of `training.host.TrainHost`
+    (bind, accumulate, step, weights, save, get_state, set_state) over digest states, with
+    the same rule that only the resident agent takes commands. A state is
+    `(weights digest, version, pending micro-batch digests)`."""
+
+    def __init__(self) -> None:
+        self.resident: str | None = None
+        self.states: dict[str, tuple[str, int, list[str]]] = {}
+        self.builds: dict[str, int] = defaultdict(int)  # initial states made, per agent
+        self.commands: list[tuple[str, str]] = []  # (command, agent), in order
+
+    def _state(self, agent: str) -> tuple[str, int, list[str]]:
+        if agent != self.resident:
+            raise WorkerError(f"agent {agent!r} is not resident on this fake slot "
+                              f"(resident: {self.resident})")
+        return self.states[agent]
+
+    def handle(self, command: str, payload: Any) -> Any:
+        agent = payload if isinstance(payload, str) else payload[0]
+        self.commands.append((command, agent))
+        if command == "bind":
+            _, incoming = payload
+            out_agent, out_state = None, None
+            if self.resident is not None and self.resident != agent:
+                out_agent, out_state = self.resident, ("host", self.states.pop(self.resident))
+            if incoming is not None:
+                self.states[agent] = incoming[1]
+            elif agent not in self.states:
+                self.builds[agent] += 1
+                self.states[agent] = (digest("init", agent), 0, [])
+            self.resident = agent
+            return out_agent, out_state, {"swap_in_s": 0.0}
+        weights, version, pending = self._state(agent)
+        if command == "accumulate":
+            rows = payload[1]
+            self.states[agent] = (weights, version, [*pending, digest([s.sample_id
+                                                                      for s in rows])])
+            return {"rows": float(len(rows))}
+        if command == "step":
+            self.states[agent] = (digest(weights, pending), version + 1, [])
+            return {"micro_batches": float(len(pending))}, weights_of(self.states[agent][0])
+        if command == "weights":
+            return weights_of(weights)
+        if command == "save":
+            return f"{payload[1]}/{agent}"
+        if command == "get_state":
+            return weights_of(weights), {"version": version, "pending": list(pending)}
+        if command == "set_state":
+            _, arrays, meta = payload
+            self.states[agent] = (digest_of(arrays), int(meta["version"]), list(meta["pending"]))
+            return int(meta["version"])
+        raise WorkerError(f"fake slot: unknown command {command!r}")
+
+
+class FakeSlotPool(SlotPool):
+    """`training.host.SlotPool` over `FakeSlotHost`s in this process: each command yields to
+    the event loop a few times (so agents' calls interleave as over pipes or actor calls), and
+    `lose(slot, after)` makes the slot's `after`-th next command find it dead: its memory is
+    gone and every call to it fails (`WorkerLost`) until, with `recover`, the first caller's
+    restart (shared by the others) brings up a fresh host restored through
+    `SlotPool.restore_slot`, as the runtimes' supervisors do."""
+
+    def __init__(self, n_slots: int, recover: bool = False, yields: int = 2) -> None:
+        super().__init__(n_slots)
+        self.recover = recover
+        self.yields = yields
+        self.hosts = [FakeSlotHost() for _ in range(n_slots)]
+        self.doomed: dict[int, int] = {}  # slot -> commands left before it is lost
+        self.dead: set[int] = set()
+        self.restarts = 0
+        self._restarting: dict[int, asyncio.Task] = {}
+
+    def lose(self, slot: int, after: int = 0) -> None:
+        self.doomed[slot] = after
+
+    async def _run(self, slot: int, command: str, payload: Any) -> Any:
+        await _yields(self.yields)
+        if slot in self.dead:
+            raise WorkerLost(f"fake slot {slot} is down ({command})")
+        left = self.doomed.get(slot)
+        if left is not None:
+            if left == 0:
+                del self.doomed[slot]
+                self.dead.add(slot)
+                raise WorkerLost(f"fake slot {slot} lost ({command})")
+            self.doomed[slot] = left - 1
+        return self.hosts[slot].handle(command, payload)
+
+    def _recovers(self) -> bool:
+        return self.recover
+
+    async def _recover(self, slot: int, lost: WorkerLost) -> None:
+        if not self.recover:
+            raise lost
+        task = self._restarting.get(slot)
+        if task is None or task.done():
+            if slot not in self.dead:
+                return  # restarted since that call failed
+            task = self._restarting[slot] = asyncio.ensure_future(self._restart(slot))
+        await asyncio.shield(task)
+
+    async def _restart(self, slot: int) -> None:
+        self.restarts += 1
+        fresh = FakeSlotHost()
+
+        async def run(command: str, payload: Any) -> Any:
+            await _yields(self.yields)
+            return fresh.handle(command, payload)
+
+        await self.restore_slot(slot, run)
+        self.hosts[slot] = fresh  # in place with no await since restore_slot's last check
+        self.dead.discard(slot)

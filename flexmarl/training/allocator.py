@@ -104,8 +104,9 @@ class SlotAllocator:
         if fut is not None and not fut.done():
             if error is None:
                 fut.set_result(None)
-            else:
+            else:  # a swap-in waiting for it fails too; nobody may be waiting: retrieved
                 fut.set_exception(error)
+                fut.exception()
 
     async def acquire(self, agent: str, priority: tuple = (), may_swap: MaySwap = None) -> Lease:
         """A slot for one call of `agent`; lower `priority` first (the pools pass

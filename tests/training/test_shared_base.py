@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from flexmarl.config.schema import load_config
 from flexmarl.policy.model import build_model
 from flexmarl.training import state as st
-from flexmarl.training.slots import TrainSlot
+from flexmarl.training.host import TrainHost
 from tests.smollm import have_smollm
 
 RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
@@ -30,7 +30,7 @@ SMALL = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_i
 
 def test_slot_holds_the_base_once_and_swaps_only_the_adapter():
     cfg = load_config(RELAY, SHARED)
-    slot = TrainSlot(cfg, vocab_size=32, max_seq_len=16)
+    slot = TrainHost(cfg, vocab_size=32, max_seq_len=16)
     slot.bind("speaker", None)
     one = slot.resident_bytes()
     slot.bind("listener", None)
@@ -51,7 +51,7 @@ def test_slot_holds_the_base_once_and_swaps_only_the_adapter():
 
 def test_adapter_only_publication_fits_the_replica():
     cfg = load_config(RELAY, SHARED)
-    slot = TrainSlot(cfg, vocab_size=32, max_seq_len=16)
+    slot = TrainHost(cfg, vocab_size=32, max_seq_len=16)
     slot.bind("listener", None)
     published = slot.kept["listener"].weights()
     assert published and all(k.endswith((".lora_A", ".lora_B")) for k in published)
@@ -64,7 +64,7 @@ def test_restart_point_leaves_the_base_out_and_restores_exactly():
     from flexmarl.bench.lora_agents import _samples
 
     cfg = load_config(RELAY, SHARED)
-    slots = [TrainSlot(cfg, vocab_size=32, max_seq_len=24) for _ in range(2)]
+    slots = [TrainHost(cfg, vocab_size=32, max_seq_len=24) for _ in range(2)]
     for slot in slots:
         slot.bind("speaker", None)
     first, second = slots[0].trainers["speaker"], slots[1].trainers["speaker"]

@@ -13,9 +13,7 @@ import queue
 import tempfile
 import threading
 import time
-from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
@@ -25,10 +23,11 @@ from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import (
+    NullSink,
     RolloutPool,
     Runtime,
+    RuntimeSink,
     SpanSink,
-    TrainPool,
     Weights,
     WorkerError,
     WorkerLost,
@@ -40,14 +39,7 @@ from flexmarl.runtime.local.workers import (
     rollout_worker_main,
     train_worker_main,
 )
-from flexmarl.store.experience import parse_sample_id, sample_iteration
-from flexmarl.training.allocator import SlotAllocator
-from flexmarl.training.trainer import Sample
-
-
-class _NullSink:
-    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
-        pass
+from flexmarl.training.host import SlotPool
 
 
 class WorkerProxy:
@@ -306,258 +298,34 @@ class LocalRolloutPool(RolloutPool):
         return plan.to_dict()
 
 
-@dataclass
-class _Job:
-    """Commands of one agent that run on its slot under one lease, one after another."""
-
-    commands: list[tuple[str, Any]]
-    priority: tuple
-    future: asyncio.Future
-    retry: bool = True
-    # runs synchronously when the job succeeded, before any later job of the agent starts
-    on_done: Callable[[list[Any]], None] | None = None
-
-
-class LocalTrainPool(TrainPool):
-    """Training slots (worker processes) bound to agents on demand by a `SlotAllocator`; with
-    fewer slots than agents, agents time-share slots and their states are swapped.
-
-    Each agent's calls go through its own queue, served in order by one runner task: the runner
-    takes a lease for the call at the head and keeps it while the agent has calls queued
-    (sticky slots), unless the allocator says an older iteration's work waits for the slot.
-    The orchestrator queues an agent's micro-batches as they become ready, so an agent drains
-    them with one swap-in instead of one per micro-batch."""
-
-    n_workers: int
+class LocalTrainPool(SlotPool):
+    """Training slots as worker processes (`train_worker_main`, each a `TrainHost`), bound to
+    agents on demand by the shared `SlotPool`. A slot lost meanwhile is restarted by the
+    supervisor (`on_lost(slot)` returns once it runs again, restored) and the call runs again."""
 
     def __init__(self, workers: list[WorkerProxy]) -> None:
+        super().__init__(len(workers))
         self.workers = workers
-        self.n_workers = len(workers)
-        self.slots = len(workers)  # agents time-share them when fewer than agents
-        self.allocator = SlotAllocator(len(workers))
-        self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot (wire or path)
-        self.swap_seconds = 0.0
-        self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
-        # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
-        self.resident_bytes: dict[int, float] = {}
-        self.agent_bytes: dict[str, float] = {}  # per agent: what it adds to a slot
-        # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
-        self.slot_stats: dict[str, dict[str, float]] = defaultdict(
-            lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
-        # Recovery journal, kept when `on_lost` is set: each agent's full trainer state after
-        # its last step and the micro-batches accumulated since, so a restarted worker resumes
-        # from exactly there and no row is lost or counted twice in a gradient.
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
-        self.saved_state: dict[str, tuple[dict, dict]] = {}
-        self.journal: dict[str, list[list[Sample]]] = defaultdict(list)
-        # the iteration each agent is training on (its last micro-batch's) and its first turn
-        # in the graph: slot priority
-        self.iteration: dict[str, int] = {}
-        self.turn: dict[str, int] = {}
-        self._queues: dict[str, deque[_Job]] = defaultdict(deque)
-        self._runners: dict[str, asyncio.Task] = {}
-        # micro-batches queued since the agent's last step, and in its last iteration
-        self._since_step: dict[str, int] = defaultdict(int)
-        self._per_iteration: dict[str, int] = {}
 
-    def training_slots(self) -> int | None:
-        return self.slots
+    async def _run(self, slot: int, command: str, payload: Any) -> Any:
+        return await self.workers[slot].call(command, payload)
 
-    def slot_counters(self) -> dict[str, dict[str, float]]:
-        return self.slot_stats
+    def _recovers(self) -> bool:
+        return self.on_lost is not None
 
-    @property
-    def binding(self) -> dict[str, int]:
-        """Which slot each resident agent is on right now."""
-        return self.allocator.binding()
-
-    def _submit(self, agent: str, commands: list[tuple[str, Any]], priority: tuple = (),
-                retry: bool = True,
-                on_done: Callable[[list[Any]], None] | None = None) -> asyncio.Future:
-        """Queue `commands` for `agent`; the future gets their results. Jobs of one agent run
-        in the order they were submitted."""
-        fut = asyncio.get_running_loop().create_future()
-        self._queues[agent].append(_Job(commands, tuple(priority), fut, retry, on_done))
-        runner = self._runners.get(agent)
-        if runner is None or runner.done():
-            self._runners[agent] = asyncio.ensure_future(self._serve(agent))
-        else:  # it may be waiting for a slot until it has enough queued to be worth a swap
-            self.allocator.poke()
-        return fut
-
-    def _may_swap(self, agent: str) -> bool:
-        """Whether `agent` has enough queued to be worth evicting another agent's state: its
-        step (then all of its iteration's remaining work is queued, and it runs to the step
-        in one go), any other call (state, weight reads: needed now), or half of the
-        micro-batches its last iteration had. So a trained agent is swapped in at most twice
-        per iteration (a session from the half-way mark on, and a last one up to its step),
-        instead of once per micro-batch whenever training keeps up with rollout."""
-        queued = 0
-        for job in self._queues[agent]:
-            if job.future.done():
-                continue
-            if job.commands[0][0] != "accumulate":
-                return True
-            queued += 1
-        per_iteration = self._per_iteration.get(agent)
-        return per_iteration is not None and queued >= max(1, (per_iteration + 1) // 2)
-
-    async def _call(self, agent: str, command: str, payload: Any, retry: bool = True,
-                    priority: tuple = ()) -> Any:
-        """Run `command` on the slot bound to `agent` (binding, and swapping, on demand); a
-        slot lost meanwhile is restarted by the supervisor and the command runs again.
-        `priority`: the allocator serves lower first (an older iteration's work first)."""
-        (result,) = await self._submit(agent, [(command, payload)], priority, retry)
-        return result
-
-    async def _serve(self, agent: str) -> None:
-        """The agent's runner: drain its queue, holding a slot across consecutive jobs."""
-        queue = self._queues[agent]
-
-        def fail_head(exc: BaseException) -> None:
-            job = queue.popleft()
-            if not job.future.done():
-                job.future.set_exception(exc)
-
-        while queue:
-            if queue[0].future.done():  # cancelled by its caller
-                queue.popleft()
-                continue
-            asked = time.monotonic()
-            lease = await self.allocator.acquire(agent, queue[0].priority,
-                                                 lambda: self._may_swap(agent))
-            self.slot_stats[agent]["slot_wait_s"] += time.monotonic() - asked
-            lost: int | None = None
-            try:
-                worker = self.workers[lease.slot]
-                if lease.swap_in:
-                    await self._swap_in(agent, lease, worker)
-                while queue:
-                    job = queue[0]
-                    if not job.future.done():
-                        results = [await worker.call(c, p) for c, p in job.commands]
-                        queue.popleft()
-                        if job.on_done is not None:  # it ran: the journal knows it
-                            job.on_done(results)
-                        if not job.future.done():  # (its caller may be gone)
-                            job.future.set_result(results)
-                    else:
-                        queue.popleft()
-                    if queue and self.allocator.should_yield(lease, queue[0].priority):
-                        break
-            except WorkerLost as exc:
-                if self.on_lost is not None and queue[0].retry:
-                    lost = lease.slot  # restart the slot, then run the head job again
-                else:
-                    fail_head(exc)
-            except Exception as exc:  # noqa: BLE001 - the job's caller gets it
-                fail_head(exc)
-            finally:
-                self.allocator.release(lease)
-            if lost is not None:
-                assert self.on_lost is not None
-                try:
-                    await self.on_lost(lost)
-                except BaseException as exc:  # unrecoverable: fail everything queued
-                    while queue:
-                        fail_head(exc)
-                    raise
-
-    async def _swap_in(self, agent: str, lease: Any, worker: WorkerProxy) -> None:
-        await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
-        try:
-            incoming = self.swapped.pop(agent, None)
-            out_agent, out_state, timings = await worker.call("bind", (agent, incoming))
-        except BaseException as exc:
-            if incoming is not None:  # not delivered: it is still the state
-                self.swapped[agent] = incoming
-            if lease.evict is not None:
-                self.allocator.state_arrived(lease.evict, exc)
-            raise
-        if out_agent is not None:
-            self.swapped[out_agent] = out_state
-        if lease.evict is not None:
-            self.allocator.state_arrived(lease.evict)
-        self.swaps_in[agent] += 1
-        if incoming is None and agent in self.saved_state:
-            # its state went down with a slot (lost mid-swap): the restart point after its
-            # last step, plus the micro-batches accumulated since
-            await worker.call("set_state", (agent, *self.saved_state[agent]))
-            for samples in self.journal[agent]:
-                await worker.call("accumulate", (agent, samples))
-        swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
-        if "resident_bytes" in timings:
-            self.resident_bytes[lease.slot] = timings["resident_bytes"]
-            self.agent_bytes[agent] = timings["agent_bytes"]
-        self.swap_seconds += swap_s
-        self.slot_stats[agent]["swaps"] += 1
-        self.slot_stats[agent]["swap_s"] += swap_s
-
-    def _priority(self, agent: str, kind: int) -> tuple:
-        """Slot priority of the agent's next call: older iterations first, then agents earlier
-        in the graph (their rows' turn: the next iteration's episodes need their steps first),
-        then a step (0) before a micro-batch (1)."""
-        return (self.iteration.get(agent, 0), self.turn.get(agent, 0), kind)
-
-    async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
-        """Queue one micro-batch; callers may queue several before the first is done (they
-        run in order), which lets the agent keep its slot across them."""
-        if samples:
-            self.iteration[agent] = sample_iteration(samples[0].sample_id)
-            self.turn[agent] = min(parse_sample_id(s.sample_id)[1] for s in samples)
-        self._since_step[agent] += 1
-
-        def journal(_: list[Any]) -> None:
-            if self.on_lost is not None:
-                self.journal[agent].append(samples)
-
-        (result,) = await self._submit(agent, [("accumulate", (agent, samples))],
-                                       self._priority(agent, 1), on_done=journal)
-        return result
-
-    async def step(self, agent: str) -> tuple[dict[str, float], Weights]:
-        """The step and, with recovery on, the state after it (the new restart point), under
-        one lease: a loss of either restores the last restart point, replays the journal and
-        steps again."""
-        self._per_iteration[agent] = self._since_step.pop(agent, 0)
-        commands: list[tuple[str, Any]] = [("step", agent)]
-        if self.on_lost is not None:
-            commands.append(("get_state", agent))
-
-        def restart_point(results: list[Any]) -> None:
-            if self.on_lost is not None:
-                self.saved_state[agent] = results[1]
-                self.journal[agent] = []
-
-        results = await self._submit(agent, commands, self._priority(agent, 0),
-                                     on_done=restart_point)
-        return results[0]
-
-    async def get_state(self, agent: str) -> tuple[dict, dict]:
-        return await self._call(agent, "get_state", agent)
-
-    async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
-        def restart_point(_: list[Any]) -> None:
-            if self.on_lost is not None:
-                self.saved_state[agent] = state
-                self.journal[agent] = []
-
-        await self._submit(agent, [("set_state", (agent, *state))], on_done=restart_point)
-
-    async def weights(self, agent: str) -> Weights:
-        return await self._call(agent, "weights", agent)
-
-    async def save(self, agent: str, directory: str) -> str:
-        return await self._call(agent, "save", (agent, directory))
+    async def _recover(self, slot: int, lost: WorkerLost) -> None:
+        assert self.on_lost is not None
+        await self.on_lost(slot)
 
 
 class LocalRuntime(Runtime):
     def __init__(
-        self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: SpanSink | None = None
+        self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: RuntimeSink | None = None
     ) -> None:
         self.cfg = cfg
-        sink = sink or _NullSink()
-        self.sink = sink
+        sink = sink or NullSink()
+        self.sink: RuntimeSink = sink
         rt = cfg.runtime
         config = cfg.model_dump(mode="json")
         agents = list(cfg.agents)
@@ -686,9 +454,7 @@ class Supervisor:
         return self.rt.rollout_workers + self.rt.train_workers
 
     def _event(self, name: str, **fields: Any) -> None:
-        fault = getattr(self.rt.sink, "fault", None)
-        if fault is not None:
-            fault(name, **fields)
+        self.rt.sink.fault(name, **fields)
 
     async def start(self) -> None:
         for w in self._workers():
@@ -697,7 +463,7 @@ class Supervisor:
         self.rt.train.on_lost = self._wait_train
         # Restart point of every trainer: its state now (version 0, or a resumed one later).
         for agent in self.rt.trainable:
-            self.rt.train.saved_state[agent] = await self.rt.train.get_state(agent)
+            await self.rt.train.keep_restart_point(agent)
         self._monitor = asyncio.ensure_future(self._watch())
 
     async def stop(self, timeout: float = 60.0) -> None:
@@ -774,15 +540,7 @@ class Supervisor:
         await load_latest(self.rt.rollout.latest, load)
 
     async def _restore_trainers(self, new: WorkerProxy) -> None:
-        pool = self.rt.train
-        for agent, index in pool.binding.items():
-            if index != new.index:
-                continue
-            await new.call("bind", (agent, None))  # the agent was resident on the lost slot
-            arrays, meta = pool.saved_state[agent]
-            await new.call("set_state", (agent, arrays, meta))
-            for samples in pool.journal[agent]:
-                await new.call("accumulate", (agent, samples))
+        await self.rt.train.restore_slot(new.index, new.call)
 
     async def _wait_rollout(self) -> None:
         while True:

@@ -328,60 +328,25 @@ def set_kv_budgets(engines: dict[str, Any], cfg: Any) -> None:
 
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
-    """A training slot: hosts the trainer of whichever agent the parent's allocator binds to it
-    (`bind` swaps the resident out and the new agent in); the other commands act on it."""
+    """A training slot: a `TrainHost` running the slot protocol's commands from the parent's
+    `LocalTrainPool` (`bind` swaps the resident out and the new agent in)."""
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
-    from flexmarl.training.slots import TrainSlot
+    from flexmarl.training.host import TrainHost
 
     cfg = RunConfig.model_validate(spec.config)
-    slot = TrainSlot(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
-    trainers = slot.trainers  # the resident trainer(s), by agent
+    host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
     settle_heap()
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
         t0 = time.time()
-        result: Any  # each command's own reply
         try:
             if command == "stop":
                 conn.send((msg_id, True, None, []))
                 return
-            if command == "bind":
-                agent, incoming = payload
-                result = slot.bind(agent, incoming)
-                label = f"swap:{agent}"
-            elif command == "accumulate":
-                agent, samples = payload
-                result = trainers[agent].accumulate(samples)
-                label = f"acc:{agent}:{len(samples)}"
-            elif command == "step":
-                agent = payload
-                metrics = trainers[agent].step()
-                trainer = trainers[agent]
-                result = (metrics, publish_form(trainer.weights(), agent, trainer.version))
-                label = f"step:{agent}"
-            elif command == "weights":
-                agent = payload
-                trainer = trainers[agent]
-                result = publish_form(trainer.weights(), agent, trainer.version)
-                label = f"weights:{agent}"
-            elif command == "save":
-                agent, directory = payload
-                result = str(trainers[agent].save(directory))
-                label = f"save:{agent}"
-            elif command == "get_state":
-                agent = payload
-                result = state_to_numpy(trainers[agent].get_state())
-                label = f"state:{agent}"
-            elif command == "set_state":
-                agent, arrays, meta = payload
-                trainers[agent].set_state(arrays, meta)
-                result = int(meta["version"])
-                label = f"restore:{agent}"
-            else:
-                raise ValueError(f"unknown command {command!r}")
+            result, label = host.handle(command, payload)
             conn.send((msg_id, True, result, [(t0, time.time(), label)]))
         except Exception as exc:  # noqa: BLE001
             conn.send((msg_id, False, _error(exc), []))

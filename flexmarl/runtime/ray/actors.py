@@ -26,8 +26,6 @@ from flexmarl.runtime.local.workers import (
     _error,
     _setup_torch,
     from_numpy,
-    publish_form,
-    state_to_numpy,
 )
 
 Span = tuple[float, float, str]
@@ -159,34 +157,56 @@ class RolloutReplica:
 
 
 class TrainWorker:
-    """Holds the trainers of the agents bound to it; weights leave it as one ray.put each."""
+    """A training slot as an actor: the shared `TrainHost` (the local training worker's too),
+    its commands as actor methods. The resident agent changes with `bind`; states move through
+    the object store, owned by the agent's table actor: a swapped-out state and a restart point
+    outlive this actor. Weights leave it as one `ray.put` each."""
 
-    def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None,
+                 tables_own_weights: bool = False) -> None:
+        """`tables_own_weights`: published weights are handed to the agent's table actor (one
+        more copy), so they outlive this actor also when the agent has moved to another slot
+        meanwhile (agents time-share slots); otherwise this actor owns them and the supervisor
+        re-puts them from the restored trainer."""
         _setup_torch(spec)
         from flexmarl.config.schema import RunConfig
-        from flexmarl.training.trainer import AgentTrainer
+        from flexmarl.training.host import TrainHost
 
         self.owners = owners or {}
+        self.tables_own_weights = tables_own_weights
         cfg = RunConfig.model_validate(spec.config)
-        self.trainers = {  # on this actor's device (set by _setup_torch)
-            a: AgentTrainer(a, cfg.agents[a], spec.vocab_size, spec.max_seq_len, cfg.seed,
-                            max_staleness=cfg.pipeline.max_staleness)
-            for a in spec.agents
-        }
+        # on this actor's device (set by _setup_torch); swapped states go to the object store
+        self.host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len)
 
     def where(self) -> dict[str, Any]:
         return where()
 
-    def _trainer(self, agent: str):
-        try:
-            return self.trainers[agent]
-        except KeyError:
-            raise KeyError(f"agent {agent!r} is not bound to this train worker "
-                           f"(holds {sorted(self.trainers)})") from None
+    def _adopt(self, agent: str, value: Any, kind: str) -> Any:
+        """`value` into the object store, owned (and pinned as `kind`) by the agent's table."""
+        import ray
+
+        owner = self.owners.get(agent)
+        if owner is None:
+            raise RuntimeError(f"agent {agent!r}: no table actor to keep its {kind} state")
+        (ref,) = ray.get(owner.adopt.remote(value, kind))
+        return ref
+
+    def bind(self, agent: str, incoming: Any) -> tuple[tuple[str | None, Any, dict], list[Span]]:
+        """Swap `agent` in (`incoming`: None, or `("ref", [ObjectRef])` of its swapped-out
+        state) and the resident out (its state comes back as `("ref", [ObjectRef])`)."""
+        import ray
+
+        t0 = time.time()
+        if incoming is not None and incoming[0] == "ref":
+            incoming = ("host", ray.get(incoming[1][0]))
+        out_agent, out_state, timings = self.host.bind(agent, incoming)
+        if out_agent is not None and out_state is not None and out_state[0] == "host":
+            out_state = ("ref", [self._adopt(out_agent, out_state[1], "swap")])
+        return (out_agent, out_state, timings), [(t0, time.time(), f"swap:{agent}")]
 
     def accumulate(self, agent: str, samples: list) -> tuple[dict[str, float], list[Span]]:
         t0 = time.time()
-        result = self._trainer(agent).accumulate(samples)
+        result = self.host.accumulate(agent, samples)
         return result, [(t0, time.time(), f"acc:{agent}:{len(samples)}")]
 
     def accumulate_from_table(
@@ -207,38 +227,32 @@ class TrainWorker:
                                           sample_ids, replay))
         samples = samples_from_rows(rows)
         t1 = time.time()
-        result = self._trainer(agent).accumulate(samples)
+        result = self.host.accumulate(agent, samples)
         return result, [(t0, t1, f"pull:{agent}:{len(samples)}"),
                         (t1, time.time(), f"acc:{agent}:{len(samples)}")]
 
     def _weights_ref(self, agent: str) -> Any:
         import ray
 
+        if self.tables_own_weights:
+            return self._adopt(agent, self.host.weights(agent), "weights")
         # Owned by this actor (publication stays one copy); after a restart the supervisor
         # re-publishes `latest` from the restored trainer.
-        trainer = self._trainer(agent)
-        # the wire form carries any dtype (bf16/fp16 have no numpy equivalent)
-        return ray.put(publish_form(trainer.weights(), agent, trainer.version))
+        return ray.put(self.host.weights(agent))
 
     def get_state(self, agent: str) -> tuple[tuple[dict, dict], list[Span]]:
-        """The trainer's full state (weights, AdamW moments, RNG, version), as checkpoints and
-        the local runtime hold it; a restart point for a lost actor."""
+        """The trainer's full state (weights, AdamW moments, RNG, version), by value: a
+        checkpoint is written on the driver."""
         t0 = time.time()
-        state = state_to_numpy(self._trainer(agent).get_state())
+        state = self.host.get_state(agent)
         return state, [(t0, time.time(), f"state:{agent}")]
 
     def restart_point(self, agent: str) -> tuple[list, list[Span]]:
         """The full state into the object store, owned by the agent's table actor: what a
         successor of this actor restores if it dies. Nested in a list: the driver keeps the
         reference only."""
-        import ray
-
         t0 = time.time()
-        state = state_to_numpy(self._trainer(agent).get_state())
-        owner = self.owners.get(agent)
-        if owner is None:
-            raise RuntimeError(f"agent {agent!r}: no table actor to keep its restart point")
-        (ref,) = ray.get(owner.adopt.remote(state))
+        ref = self._adopt(agent, self.host.get_state(agent), "restart")
         return [ref], [(t0, time.time(), f"keep:{agent}")]
 
     def restore_point(self, agent: str, state: tuple[dict, dict]) -> tuple[int, list[Span]]:
@@ -247,14 +261,14 @@ class TrainWorker:
 
     def set_state(self, agent: str, arrays: dict, meta: dict) -> tuple[int, list[Span]]:
         t0 = time.time()
-        self._trainer(agent).set_state(arrays, meta)
-        return int(meta["version"]), [(t0, time.time(), f"restore:{agent}")]
+        version = self.host.set_state(agent, arrays, meta)
+        return version, [(t0, time.time(), f"restore:{agent}")]
 
-    def step(self, agent: str) -> tuple[dict[str, float], list, list[Span]]:
+    def step(self, agent: str) -> tuple[tuple[dict[str, float], list], list[Span]]:
         t0 = time.time()
-        metrics = self._trainer(agent).step()
+        metrics = self.host.trainers[agent].step()
         ref = self._weights_ref(agent)  # nested in a list: the driver gets the ref, not the data
-        return metrics, [ref], [(t0, time.time(), f"step:{agent}")]
+        return (metrics, [ref]), [(t0, time.time(), f"step:{agent}")]
 
     def weights(self, agent: str) -> tuple[list, list[Span]]:
         t0 = time.time()
@@ -265,6 +279,6 @@ class TrainWorker:
         """The checkpoint files' bytes: this actor may run on a node without the driver's disk."""
         t0 = time.time()
         with tempfile.TemporaryDirectory(prefix="fm-ckpt-") as tmp:
-            path = Path(self._trainer(agent).save(tmp))
+            path = Path(self.host.save(agent, tmp))
             files = {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
         return files, [(t0, time.time(), f"save:{agent}")]

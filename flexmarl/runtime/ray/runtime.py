@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,11 @@ from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import (
+    NullSink,
     RolloutPool,
     Runtime,
+    RuntimeSink,
     SpanSink,
-    TrainPool,
     WorkerError,
     WorkerLost,
     load_latest,
@@ -38,7 +38,7 @@ from flexmarl.runtime.base import (
 from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
 from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch
-from flexmarl.training.trainer import Sample
+from flexmarl.training.host import SlotPool
 
 # The actors' concurrency group for heartbeat pings: its own thread, so a busy actor answers.
 HEALTH_GROUP = "health"
@@ -50,11 +50,6 @@ class RayWeights:
     `Weights` on this runtime (opaque to it), so publication never copies through the driver."""
 
     ref: Any  # ray.ObjectRef to dict[str, np.ndarray]
-
-
-class _NullSink:
-    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
-        pass
 
 
 def bundle_of(b: RayBundle) -> dict[str, float]:
@@ -231,122 +226,66 @@ class RayRolloutPool(RolloutPool):
                 self.latest[agent] = (version, ref)
 
 
-class RayTrainPool(TrainPool):
-    """Training actors; each trainable agent is bound to one of them (round robin).
+class RayTrainPool(SlotPool):
+    """Training slots as actors (`TrainWorker`, each a `TrainHost`), bound to agents on demand
+    by the shared `SlotPool` as on the local runtime: fewer slots than agents time-share them,
+    sticky leases, swapped states through the object store (owned by the agent's table actor).
 
-    With a supervisor, a recovery journal as on the local runtime: each agent's restart point
+    With a supervisor, the recovery journal as on the local runtime: each agent's restart point
     (its full state after its last step, put into the object store by the trainer and owned by
     the agent's table actor, so it never travels through the driver) and the micro-batches
     accumulated since, so a restarted actor resumes exactly there: no row lost, none counted
     twice in a gradient."""
 
-    def __init__(self, actors: list[_Actor], binding: dict[str, int]) -> None:
+    def __init__(self, actors: list[_Actor], n_slots: int) -> None:
+        super().__init__(n_slots)
         self.actors = actors  # filled by RayRuntime.start
-        self.binding = binding
         self.supervisor: RaySupervisor | None = None
-        self.saved_state: dict[str, Any] = {}  # agent -> ObjectRef of its restart point
-        self.journal: dict[str, list[Any]] = defaultdict(list)
-        self._order: dict[str, asyncio.Lock] = {}
 
-    @property
-    def n_workers(self) -> int:
-        return len(self.actors)
-
-    def _actor(self, agent: str) -> _Actor:
-        return self.actors[self.binding[agent]]
-
-    async def _call(self, agent: str, method: str, *args: Any) -> Any:
-        """One call on the agent's actor, again on its restarted successor if it died."""
-        while True:
-            actor = self._actor(agent)
-            try:
-                out = await actor.call(method, *args)
-            except ActorLost as lost:
-                if self.supervisor is None:
-                    raise
-                await self.supervisor.recover(lost)
-                continue
-            result, spans = out
-            actor.spans(spans)
-            return result
-
-    async def accumulate(self, agent: str, batch: RayMicroBatch | list[Sample]
-                         ) -> dict[str, float]:
-        """A `RayMicroBatch` is pulled by the trainer actor from the agent's table actor (the
-        driver sends ids, not rows); a list of samples travels by value."""
-        # the orchestrator may queue an agent's next micro-batch before this one is done: one
-        # at a time per agent, in call order (asyncio locks are first come, first served)
-        async with self._order.setdefault(agent, asyncio.Lock()):
-            return await self._accumulate(agent, batch)
-
-    async def _accumulate(self, agent: str, batch: RayMicroBatch | list[Sample]
-                          ) -> dict[str, float]:
-        replay = False
-        while True:
-            actor = self._actor(agent)
-            try:
-                result, spans = await self._send_batch(actor, agent, batch, replay)
-            except ActorLost as lost:
-                if self.supervisor is None:
-                    raise
-                await self.supervisor.recover(lost)
-                replay = True  # its predecessor may have taken the rows from the table
-                continue
-            actor.spans(spans)
-            if self.supervisor is not None:
-                self.journal[agent].append(batch)
-            return result
+    async def _run(self, slot: int, command: str, payload: Any) -> Any:
+        return await self.run_on(self.actors[slot], command, payload)
 
     @staticmethod
-    async def _send_batch(actor: _Actor, agent: str, batch: Any, replay: bool) -> Any:
+    async def run_on(actor: _Actor, command: str, payload: Any) -> Any:
+        """One command of the slot protocol as an actor call (a tuple payload: its arguments,
+        so an ObjectRef among them is resolved by Ray); the reply's spans go to telemetry."""
+        args = payload if isinstance(payload, tuple) else (payload,)
+        result, spans = await actor.call(command, *args)
+        actor.spans(spans)
+        return result
+
+    def _recovers(self) -> bool:
+        return self.supervisor is not None
+
+    async def _recover(self, slot: int, lost: WorkerLost) -> None:
+        if self.supervisor is None or not isinstance(lost, ActorLost):
+            raise lost
+        await self.supervisor.recover(lost)
+
+    def _accumulate_command(self, agent: str, batch: Any, replay: bool) -> tuple[str, Any]:
+        """A `RayMicroBatch` is pulled by the trainer actor from the agent's table actor (the
+        driver sends ids, not rows; `replay`: its lost predecessor may have taken them); a
+        list of samples travels by value."""
         if isinstance(batch, RayMicroBatch):
-            return await actor.call(
-                "accumulate_from_table", agent, batch.table, batch.version, len(batch),
-                batch.step, batch.expected_vector, list(batch.sample_ids), replay,
-                None if replay else batch.after)
-        return await actor.call("accumulate", agent, batch)
+            return ("accumulate_from_table", (
+                agent, batch.table, batch.version, len(batch), batch.step, batch.expected_vector,
+                list(batch.sample_ids), replay, None if replay else batch.after))
+        return ("accumulate", (agent, batch))
+
+    def _keep_command(self, agent: str) -> tuple[str, Any]:
+        return ("restart_point", agent)
+
+    def _restore_command(self, agent: str, saved: Any) -> tuple[str, Any]:
+        (ref,) = saved  # top level: the actor gets the state, never the driver
+        return ("restore_point", (agent, ref))
 
     async def step(self, agent: str) -> tuple[dict[str, float], RayWeights]:
-        async with self._order.setdefault(agent, asyncio.Lock()):  # after queued micro-batches
-            return await self._step(agent)
-
-    async def _step(self, agent: str) -> tuple[dict[str, float], RayWeights]:
-        while True:
-            actor = self._actor(agent)
-            try:
-                metrics, (ref,), spans = await actor.call("step", agent)
-                actor.spans(spans)
-                if self.supervisor is None:
-                    return metrics, RayWeights(ref)
-                (state,), spans = await actor.call("restart_point", agent)
-            except ActorLost as lost:  # lost with the step: restore, replay, step again
-                if self.supervisor is None:
-                    raise
-                await self.supervisor.recover(lost)
-                continue
-            actor.spans(spans)
-            self.saved_state[agent] = state
-            self.journal[agent] = []
-            return metrics, RayWeights(ref)
+        metrics, (ref,) = await super().step(agent)
+        return metrics, RayWeights(ref)
 
     async def weights(self, agent: str) -> RayWeights:
         (ref,) = await self._call(agent, "weights", agent)
         return RayWeights(ref)
-
-    async def get_state(self, agent: str) -> tuple[dict, dict]:
-        """By value: a checkpoint is written on the driver."""
-        return await self._call(agent, "get_state", agent)
-
-    async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
-        arrays, meta = state
-        await self._call(agent, "set_state", agent, arrays, meta)
-        if self.supervisor is not None:
-            await self.keep_restart_point(agent)
-
-    async def keep_restart_point(self, agent: str) -> None:
-        (ref,) = await self._call(agent, "restart_point", agent)
-        self.saved_state[agent] = ref
-        self.journal[agent] = []
 
     async def save(self, agent: str, directory: str) -> str:
         files = await self._call(agent, "save", agent)
@@ -390,9 +329,7 @@ class RaySupervisor:
         self._beats: dict[tuple[str, int], tuple[int, float, asyncio.Future | None]] = {}
 
     def _event(self, name: str, **fields: Any) -> None:
-        fault = getattr(self.rt.sink, "fault", None)
-        if fault is not None:
-            fault(name, **fields)
+        self.rt.sink.fault(name, **fields)
 
     def start(self) -> None:
         """Start the heartbeat monitor (the actors are up and answered `where`)."""
@@ -542,29 +479,26 @@ class RaySupervisor:
 
     async def _restore_trainers(self, fresh: _Actor) -> None:
         pool = self.rt.train
-        for agent, index in pool.binding.items():
-            if index != fresh.index:
-                continue
-            version, spans = await fresh.call("restore_point", agent, pool.saved_state[agent])
-            fresh.spans(spans)
-            for batch in pool.journal[agent]:
-                _, spans = await pool._send_batch(fresh, agent, batch, True)
-                fresh.spans(spans)
+
+        async def run(command: str, payload: Any) -> Any:
+            return await pool.run_on(fresh, command, payload)
+
+        versions = await pool.restore_slot(fresh.index, run)
+        for agent, version in versions.items():
             # The published weights were the lost actor's objects: the restored trainer holds
             # the same weights (its state after the step that made them), so they are put again.
             latest = self.rt.rollout.latest.get(agent)
             if latest is not None and latest[0] == version:
-                (ref,), spans = await fresh.call("weights", agent)
-                fresh.spans(spans)
+                (ref,) = await run("weights", agent)
                 self.rt.rollout.latest[agent] = (latest[0], ref)
 
 
 class RayRuntime(Runtime):
     def __init__(
-        self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: SpanSink | None = None
+        self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: RuntimeSink | None = None
     ) -> None:
         self.cfg = cfg
-        self.sink = sink or _NullSink()
+        self.sink: RuntimeSink = sink or NullSink()
         rt = cfg.runtime
         self.config = cfg.model_dump(mode="json")
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
@@ -575,8 +509,8 @@ class RayRuntime(Runtime):
         # agents served by an external endpoint need no model in the replicas
         self.local_agents = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
         trainable = [a for a in self.agents if cfg.agents[a].trainable]
+        self.trainable = trainable
         self.n_train = max(1, min(rt.train_workers, len(trainable)))
-        self.binding = {a: i % self.n_train for i, a in enumerate(trainable)}
         self.bundles = {
             "rollout": bundle_of(rt.ray.rollout_bundle),
             "train": bundle_of(rt.ray.train_bundle),
@@ -610,7 +544,7 @@ class RayRuntime(Runtime):
             Balancer(self.local_agents or self.agents, rt.rollout_workers, cfg.rollout.balance,
                      costs),
             remote)
-        self.train = RayTrainPool(self.train_actors, self.binding)
+        self.train = RayTrainPool(self.train_actors, self.n_train)
         self.supervisor = RaySupervisor(self) if rt.max_worker_restarts > 0 else None
         self.rollout.supervisor = self.train.supervisor = self.supervisor
         if self.supervisor is not None:
@@ -672,9 +606,11 @@ class RayRuntime(Runtime):
         if pool == "rollout":
             return remote(RolloutReplica).options(**options).remote(
                 self._spec(self.local_agents, pool), self.tables)
-        names = [a for a, j in self.binding.items() if j == index]
+        # a training slot may host any trainable agent (the pool binds them on demand); when
+        # they time-share slots, an agent's weights may outlive the slot that stepped it
         return remote(TrainWorker).options(**options).remote(
-            self._spec(names, pool), {a: self.tables[a] for a in names})
+            self._spec(self.trainable, pool), {a: self.tables[a] for a in self.trainable},
+            self.n_train < len(self.trainable))
 
     def make_store(self) -> RayExperienceStore:
         """The run's experience store: the driver's facade over the per-agent table actors."""
@@ -709,7 +645,7 @@ class RayRuntime(Runtime):
             tables = await asyncio.gather(*(t.where.remote() for t in self.tables.values()))
             self.table_where = dict(zip(self.tables, tables, strict=True))
             if self.supervisor is not None:  # restart points: the trainers' states now
-                for agent in self.binding:
+                for agent in self.trainable:
                     await self.train.keep_restart_point(agent)
                 self.supervisor.start()
         except BaseException:
@@ -734,12 +670,9 @@ class RayRuntime(Runtime):
         for agent, url in placement["endpoints"].items():
             lines.append(f"ray: agent {agent} served by the endpoint {url} (called by the driver)")
         print("\n".join(lines), file=sys.stderr, flush=True)
-        log = getattr(self.sink, "log", None)
-        if log is not None:
-            log({"event": "placement", "runtime": "ray", **placement})
-        out_dir = getattr(self.sink, "out_dir", None)
-        if out_dir is not None:
-            with (Path(out_dir) / "run.log").open("a") as fh:
+        self.sink.log({"event": "placement", "runtime": "ray", **placement})
+        if self.sink.out_dir is not None:
+            with (Path(self.sink.out_dir) / "run.log").open("a") as fh:
                 fh.write("\n".join(lines) + "\n")
 
     async def stop(self) -> None:
@@ -781,8 +714,9 @@ class RayRuntime(Runtime):
                 entry = {"worker": a.index, "bundle": a.index, "resources": self.bundles[name],
                          "placement_group": self.groups[name].id.hex()
                          if name in self.groups else None, **a.where}
-                if name == "train":
-                    entry["agents"] = [g for g, i in self.binding.items() if i == a.index]
+                if name == "train":  # resident now (the pool binds agents on demand)
+                    entry["agents"] = [g for g, i in self.train.binding.items()
+                                       if i == a.index]
                 out.append(entry)
             return out
 
@@ -793,4 +727,7 @@ class RayRuntime(Runtime):
             "tables": {a: dict(w) for a, w in self.table_where.items()},
             # agents with backend.kind openai: no replica hosts them
             "endpoints": {a: b.url for a, b in self.rollout.remote.items()},
+            "train_swaps": self.train.allocator.swaps,
+            "train_swaps_in": dict(self.train.swaps_in),
+            "train_swap_s": self.train.swap_seconds,
         }

@@ -89,9 +89,10 @@ class AgentTableActor:
         self.table = AgentTable(agent)
         # The owner pins what it adopted: relying on borrowers alone loses the object when the
         # borrower that carried the reference to the driver is killed before Ray has recorded
-        # the driver's borrow (Ray's ReferenceCountingAssertionError). The last two are kept: the
-        # driver holds the previous restart point until the new one has reached it.
-        self.adopted: deque[Any] = deque(maxlen=2)
+        # the driver's borrow (Ray's ReferenceCountingAssertionError). The last two of each kind
+        # are kept: the driver holds the previous restart point (swapped-out training state)
+        # until the new one has reached it.
+        self.adopted: dict[str, deque[Any]] = {}
 
     def where(self) -> dict[str, Any]:
         from flexmarl.runtime.ray.actors import where
@@ -126,13 +127,15 @@ class AgentTableActor:
             self.table.transition(sample_id, Status.READY).data["advantage"] = float(adv)
         return len(advantages)
 
-    def adopt(self, value: Any) -> list[Any]:
+    def adopt(self, value: Any, kind: str = "block") -> list[Any]:
         """Put `value` into the object store from this actor, which then owns it (it lives as
-        long as this table, not as long as its producer); the reference comes back nested."""
+        long as this table, not as long as its producer); the reference comes back nested.
+        `kind` ("restart": a restart point, "swap": a swapped-out training state, "block": a
+        replica's payload block) pins the last two of each kind apart."""
         import ray
 
         ref = ray.put(value)
-        self.adopted.append(ref)
+        self.adopted.setdefault(kind, deque(maxlen=2)).append(ref)
         return [ref]
 
     def apply(self, ops: list[tuple], objects: list[Any] | None = None) -> int:

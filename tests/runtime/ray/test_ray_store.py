@@ -57,10 +57,12 @@ def test_table_actor_holds_100k_rows_and_serves_micro_batches_by_reference(ray_h
         # Store -> trainer without the driver: the trainer actor gets only the table's handle,
         # pulls a micro-batch, fetches its payloads from the object store and trains on them.
         trainer = ray.remote(TrainWorker).options(num_cpus=1).remote(_spec())
+        (evicted, _, _), _ = ray.get(trainer.bind.remote("speaker", None))  # the slot's agent
+        assert evicted is None
         result, spans = ray.get(trainer.accumulate_from_table.remote("speaker", table, 0, 32, 0))
         assert result == {"rows": 32.0}
         assert [s[2] for s in spans] == ["pull:speaker:32", "acc:speaker:32"]
-        metrics, (ref,), _ = ray.get(trainer.step.remote("speaker"))
+        (metrics, (ref,)), _ = ray.get(trainer.step.remote("speaker"))
         assert metrics["rows"] == 32.0 and metrics["grad_norm"] > 0
         assert isinstance(ref, ray.ObjectRef)  # the new weights: a reference, fetched on demand
         assert ray.get(table.counts.remote())["consumed"] == 32
@@ -113,19 +115,26 @@ def test_live_run_keeps_rows_in_table_actors_and_payloads_in_the_object_store(tm
     def hook(runtime):
         state["runtime"] = runtime
         pool = runtime.train
-        # the inner call runs under the agent's call-order lock: inspecting there keeps the
-        # micro-batches ahead of the step the orchestrator queued behind them
-        original = pool._accumulate
+        # inspect when the slot runs the pull (in the agent's call order, ahead of the step
+        # the orchestrator queued behind it): the micro-batch's command names its rows
+        batches: dict[tuple, RayMicroBatch] = {}
+        queue, run = pool.accumulate, pool._run
 
-        async def accumulate(agent, batch):
-            table = runtime.tables[agent]
-            # Ordered after the store's writes (one caller, one actor): the rows are in.
-            rows = {r["sample_id"]: r for r in await table.rows.remote()}
-            mirror = {sid: runtime.store.table(agent).get(sid) for sid in batch.sample_ids}
-            seen[agent].append((batch, table, rows, mirror))
-            return await original(agent, batch)
+        def accumulate(agent, batch):
+            batches[tuple(batch.sample_ids)] = batch
+            return queue(agent, batch)
 
-        pool._accumulate = accumulate
+        async def run_command(slot, command, payload):
+            if command == "accumulate_from_table":
+                agent, table = payload[0], payload[1]
+                batch = batches[tuple(payload[6])]
+                # Ordered after the store's writes (one caller, one actor): the rows are in.
+                rows = {r["sample_id"]: r for r in await table.rows.remote()}
+                mirror = {sid: runtime.store.table(agent).get(sid) for sid in batch.sample_ids}
+                seen[agent].append((batch, table, rows, mirror))
+            return await run(slot, command, payload)
+
+        pool.accumulate, pool._run = accumulate, run_command
 
     result = train(cfg, tmp_path / "run", on_runtime=hook)
     runtime = state["runtime"]

@@ -1,0 +1,547 @@
+"""The training host: one implementation of training slots for every real runtime.
+
+Two halves, written once and used by the local runtime (worker processes over pipes) and the
+Ray runtime (actors over the object store) alike:
+
+- `TrainHost`, the per-process part (a local training worker, a Ray `TrainWorker` actor): one
+  slot holding the resident agent's trainer. Trainer objects (model, optimizer) are built once
+  per agent and process, the first time the agent is bound here, and kept: a swap-out captures
+  the state (it leaves the slot as wire bytes or a disk file), a swap-in loads a state into the
+  agent's kept trainer; nothing is rebuilt on a swap. Same config and seed give the same
+  initial weights in every process. `handle` runs the commands of the slot protocol.
+- `SlotPool`, the driver-side part (a `TrainPool`): agent-centric slot allocation with sticky
+  leases through `SlotAllocator`, one queue and runner per agent, swap accounting (`swaps`,
+  `swap_s` per agent; the slots' `swap:<agent>` spans give `pool/train/swaps` and `swap_s` per
+  iteration) and the recovery journal (each agent's restart point after its last step and the
+  micro-batches accumulated since). A runtime subclasses it with its transport (`_run`,
+  `_recover`) and, where it differs, the form of a few commands.
+
+The slot protocol (command, payload) -> result:
+  bind (agent, incoming)  -> (evicted agent | None, its state | None, timings)
+  accumulate (agent, samples) -> metrics;   step agent -> (metrics, published weights)
+  weights agent -> published weights;       save (agent, directory) -> path
+  get_state agent -> (arrays, meta);        set_state (agent, arrays, meta) -> version
+A state in transit is `("host", wire)`, `("disk", path)` or a runtime's own form (Ray: an
+object-store reference, resolved by the actor before it reaches `bind`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flexmarl.runtime.base import TrainPool, WorkerLost
+from flexmarl.store.experience import parse_sample_id, sample_iteration
+from flexmarl.training.allocator import Lease, SlotAllocator
+
+if TYPE_CHECKING:
+    import torch
+
+    from flexmarl.config.schema import RunConfig
+    from flexmarl.training.trainer import AgentTrainer
+
+Command = tuple[str, Any]
+
+
+class SlotError(RuntimeError):
+    """A command for an agent that is not resident on this slot."""
+
+
+class _Resident(dict):
+    """`TrainHost.trainers`: the resident trainer by agent, with a clear error for the others."""
+
+    def __missing__(self, agent: str) -> AgentTrainer:
+        raise SlotError(f"agent {agent!r} is not resident on this training slot "
+                        f"(resident: {sorted(self) or 'none'})")
+
+
+def published(trainer: AgentTrainer) -> Any:
+    """The trainer's weights as published: the state interface's wire form (one flat buffer,
+    any dtype; bf16/fp16 have no numpy equivalent)."""
+    from flexmarl.runtime.local.workers import publish_form
+
+    return publish_form(trainer.weights(), trainer.agent, trainer.version)
+
+
+class TrainHost:
+    """One training slot in one process (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, vocab_size: int, max_seq_len: int,
+                 swap_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.swap_dir = swap_dir  # None: swapped states go to the caller's host memory
+        self.trainers: dict[str, AgentTrainer] = _Resident()  # resident (at most one)
+        # every trainer built in this process, resident or not: swap-ins load into these
+        self.kept: dict[str, AgentTrainer] = {}
+        # shared bases (`models:`), built once per process: the trainers of the agents on one
+        # wrap trees over its tensors, so the slot holds it once and a swap moves the adapter
+        self.bases: dict[str, torch.nn.Module] = {}
+        self.builds = 0  # trainers built (a swap never builds one)
+
+    def _build(self, agent: str) -> AgentTrainer:
+        from flexmarl.policy.device import process_device
+        from flexmarl.policy.model import build_model
+        from flexmarl.training.trainer import AgentTrainer
+
+        if agent not in self.cfg.agents:
+            raise SlotError(f"agent {agent!r} is not in the run's config "
+                            f"(agents: {sorted(self.cfg.agents)})")
+        acfg = self.cfg.agents[agent]
+        shared = None
+        if acfg.model.base is not None:
+            name = acfg.model.base
+            if name not in self.bases:
+                self.bases[name] = build_model(f"models.{name}", acfg.model, self.vocab_size,
+                                               self.max_seq_len, self.cfg.seed,
+                                               process_device())
+            shared = self.bases[name]
+        self.builds += 1
+        return AgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
+                            self.cfg.seed, total_steps=self.cfg.train.iterations,
+                            max_staleness=self.cfg.pipeline.max_staleness, shared_base=shared)
+
+    def resident_bytes(self, agents: list[str] | None = None) -> int:
+        """Memory the slot holds: the kept trainers' (of `agents`, default all) weights,
+        gradients and optimizer states, each shared base once."""
+        from flexmarl.policy import adapters
+
+        objects: list = list(self.bases.values())
+        for agent, trainer in self.kept.items():
+            if agents is None or agent in agents:
+                objects += [*trainer._state_modules().values(), trainer.optimizer]
+                if trainer.ref_model is not None:
+                    objects.append(trainer.ref_model)
+        return adapters.resident_bytes(*objects)
+
+    def agent_bytes(self, agent: str) -> int:
+        """What `agent` adds to the slot: an adapter agent its adapter, gradients and AdamW
+        state (its base is shared); any other agent its whole model and optimizer."""
+        return self.resident_bytes([agent]) - self.resident_bytes([])
+
+    def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
+        """Make `agent` resident: swap out the current resident (its state goes back, as wire
+        bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
+        state, as built from its config, or a restart point `set_state` loads next)."""
+        from flexmarl.training import state as st
+
+        timings: dict[str, float] = {}
+        out_agent: str | None = None
+        out_state: tuple[str, Any] | None = None
+        for resident in [a for a in self.trainers if a != agent]:
+            t0 = time.perf_counter()
+            trainer = self.trainers.pop(resident)
+            captured = st.capture(trainer, frozen=False)  # frozen base: kept in the object
+            if self.swap_dir is not None:
+                path = f"{self.swap_dir}/{resident}.safetensors"
+                st.move(captured, st.Disk(path))
+                out_state = ("disk", path)
+            else:
+                out_state = ("host", st.to_wire(captured))
+            out_agent = resident
+            timings["swap_out_s"] = time.perf_counter() - t0
+            timings["swap_bytes"] = float(captured.nbytes)
+            del captured
+        if agent not in self.trainers:
+            t0 = time.perf_counter()
+            kept = self.kept.get(agent)
+            if kept is None:  # first binding in this process: built once, then kept
+                trainer = self.kept[agent] = self._build(agent)
+            else:
+                trainer = kept
+            if kept is not None and incoming is None:
+                # kept, but its state is gone (lost with another slot): a restart point
+                # follows; until then it is exactly the initial state, as a fresh build
+                st.restore(trainer, self._initial(agent))
+            if incoming is not None:
+                kind, payload = incoming
+                handle = st.StateHandle(st.Disk(payload)) if kind == "disk" else st.at(
+                    st.from_wire(payload))
+                st.restore(trainer, handle.load())
+            self.trainers[agent] = trainer
+            timings["swap_in_s"] = time.perf_counter() - t0
+            timings["resident_bytes"] = float(self.resident_bytes())
+            timings["agent_bytes"] = float(self.agent_bytes(agent))
+        return out_agent, out_state, timings
+
+    def _initial(self, agent: str) -> Any:
+        """The agent's initial state (a trainer built from its config, then dropped)."""
+        from flexmarl.training import state as st
+
+        return st.capture(self._build(agent), frozen=False)
+
+    # --- commands on the resident agent ------------------------------------------------------
+    def accumulate(self, agent: str, samples: Any) -> dict[str, float]:
+        return self.trainers[agent].accumulate(samples)
+
+    def step(self, agent: str) -> tuple[dict[str, float], Any]:
+        metrics = self.trainers[agent].step()
+        return metrics, published(self.trainers[agent])
+
+    def weights(self, agent: str) -> Any:
+        return published(self.trainers[agent])
+
+    def save(self, agent: str, directory: str) -> str:
+        return str(self.trainers[agent].save(directory))
+
+    def get_state(self, agent: str) -> tuple[dict, dict]:
+        from flexmarl.runtime.local.workers import state_to_numpy
+
+        return state_to_numpy(self.trainers[agent].get_state())
+
+    def set_state(self, agent: str, arrays: dict, meta: dict) -> int:
+        self.trainers[agent].set_state(arrays, meta)
+        return int(meta["version"])
+
+    def handle(self, command: str, payload: Any) -> tuple[Any, str]:
+        """Run one command of the slot protocol; returns its result and its span label."""
+        if command == "bind":
+            agent, incoming = payload
+            return self.bind(agent, incoming), f"swap:{agent}"
+        if command == "accumulate":
+            agent, samples = payload
+            return self.accumulate(agent, samples), f"acc:{agent}:{len(samples)}"
+        if command == "step":
+            return self.step(payload), f"step:{payload}"
+        if command == "weights":
+            return self.weights(payload), f"weights:{payload}"
+        if command == "save":
+            agent, directory = payload
+            return self.save(agent, directory), f"save:{agent}"
+        if command == "get_state":
+            return self.get_state(payload), f"state:{payload}"
+        if command == "set_state":
+            agent, arrays, meta = payload
+            return self.set_state(agent, arrays, meta), f"restore:{agent}"
+        raise ValueError(f"training slot: unknown command {command!r}")
+
+
+# --- driver side ----------------------------------------------------------------------------
+@dataclass
+class _Job:
+    """Commands of one agent that run on its slot under one lease, one after another.
+    `build(retried)` gives them: a job run again after its slot was lost may need another
+    form (Ray: a micro-batch its lost predecessor took from the table is replayed)."""
+
+    build: Callable[[bool], list[Command]]
+    priority: tuple
+    future: asyncio.Future
+    retry: bool = True
+    # runs synchronously when the job succeeded, before any later job of the agent starts
+    on_done: Callable[[list[Any]], None] | None = None
+    kind: str = ""  # the first command's name (`_may_swap` reads it)
+    retried: bool = False
+
+
+def _sample_ids(batch: Any) -> Sequence[str]:
+    """The rows of a micro-batch: samples (local) or ids served by reference (Ray)."""
+    ids = getattr(batch, "sample_ids", None)
+    return list(ids) if ids is not None else [s.sample_id for s in batch]
+
+
+class SlotPool(TrainPool):
+    """Training slots bound to agents on demand by a `SlotAllocator`; with fewer slots than
+    agents, agents time-share slots and their states are swapped.
+
+    Each agent's calls go through its own queue, served in order by one runner task: the runner
+    takes a lease for the call at the head and keeps it while the agent has calls queued
+    (sticky slots), unless the allocator says an older iteration's work waits for the slot.
+    The orchestrator queues an agent's micro-batches as they become ready, so an agent drains
+    them with one swap-in instead of one per micro-batch.
+
+    With recovery on (`_recovers`), a journal: each agent's restart point (its full state
+    after its last step) and the micro-batches accumulated since, so a restarted slot resumes
+    from exactly there: no row lost, none counted twice in a gradient.
+
+    Subclasses give the transport: `_run(slot, command, payload)` (raises `WorkerLost` when
+    the slot is gone), `_recovers()`, `_recover(slot, lost)` (returns once the slot runs again,
+    restored through `restore_slot`)."""
+
+    n_workers: int
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_workers = n_slots
+        self.slots = n_slots  # agents time-share them when fewer than agents
+        self.allocator = SlotAllocator(n_slots)
+        self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot
+        self.swap_seconds = 0.0
+        self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
+        # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
+        self.resident_bytes: dict[int, float] = {}
+        self.agent_bytes: dict[str, float] = {}  # per agent: what it adds to a slot
+        # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
+        self.slot_stats: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
+        # recovery journal (see the class docstring): restart points in the form the
+        # runtime's `_keep_command` returns them, and micro-batches as accumulated
+        self.saved_state: dict[str, Any] = {}
+        self.journal: dict[str, list[Any]] = defaultdict(list)
+        # the iteration each agent is training on (its last micro-batch's) and its first turn
+        # in the graph: slot priority
+        self.iteration: dict[str, int] = {}
+        self.turn: dict[str, int] = {}
+        self._queues: dict[str, deque[_Job]] = defaultdict(deque)
+        self._runners: dict[str, asyncio.Task] = {}
+        # micro-batches queued since the agent's last step, and in its last iteration
+        self._since_step: dict[str, int] = defaultdict(int)
+        self._per_iteration: dict[str, int] = {}
+
+    # --- transport (subclasses) ---------------------------------------------------------------
+    async def _run(self, slot: int, command: str, payload: Any) -> Any:
+        raise NotImplementedError
+
+    def _recovers(self) -> bool:
+        """Whether lost slots are restarted (then the journal is kept)."""
+        return False
+
+    async def _recover(self, slot: int, lost: WorkerLost) -> None:
+        raise lost
+
+    # --- command forms (the local slot protocol; a runtime may override) ----------------------
+    def _accumulate_command(self, agent: str, batch: Any, replay: bool) -> Command:
+        return ("accumulate", (agent, batch))
+
+    def _keep_command(self, agent: str) -> Command:
+        """The command whose result is the agent's restart point (kept in `saved_state`)."""
+        return ("get_state", agent)
+
+    def _restore_command(self, agent: str, saved: Any) -> Command:
+        """The command that loads a restart point `_keep_command` returned."""
+        return ("set_state", (agent, *saved))
+
+    # --- TrainPool ----------------------------------------------------------------------------
+    def training_slots(self) -> int | None:
+        return self.slots
+
+    def slot_counters(self) -> dict[str, dict[str, float]]:
+        return self.slot_stats
+
+    @property
+    def binding(self) -> dict[str, int]:
+        """Which slot each resident agent is on right now."""
+        return self.allocator.binding()
+
+    def _priority(self, agent: str, kind: int) -> tuple:
+        """Slot priority of the agent's next call: older iterations first, then agents earlier
+        in the graph (their rows' turn: the next iteration's episodes need their steps first),
+        then a step (0) before a micro-batch (1)."""
+        return (self.iteration.get(agent, 0), self.turn.get(agent, 0), kind)
+
+    async def accumulate(self, agent: str, batch: Any) -> dict[str, float]:
+        """Queue one micro-batch; callers may queue several before the first is done (they
+        run in order), which lets the agent keep its slot across them."""
+        ids = _sample_ids(batch)
+        if ids:
+            self.iteration[agent] = sample_iteration(ids[0])
+            self.turn[agent] = min(parse_sample_id(i)[1] for i in ids)
+        self._since_step[agent] += 1
+
+        def journal(_: list[Any]) -> None:
+            if self._recovers():
+                self.journal[agent].append(batch)
+
+        (result,) = await self._submit(
+            agent, lambda retried: [self._accumulate_command(agent, batch, retried)],
+            self._priority(agent, 1), on_done=journal)
+        return result
+
+    async def step(self, agent: str) -> tuple[dict[str, float], Any]:
+        """The step and, with recovery on, the restart point after it, under one lease: a loss
+        of either restores the last restart point, replays the journal and steps again."""
+        self._per_iteration[agent] = self._since_step.pop(agent, 0)
+        recovers = self._recovers()
+        commands: list[Command] = [("step", agent)]
+        if recovers:
+            commands.append(self._keep_command(agent))
+
+        def restart_point(results: list[Any]) -> None:
+            if recovers:
+                self._kept(agent, results[1])
+
+        results = await self._submit(agent, lambda _: commands, self._priority(agent, 0),
+                                     on_done=restart_point)
+        return results[0]
+
+    def _kept(self, agent: str, saved: Any) -> None:
+        self.saved_state[agent] = saved
+        self.journal[agent] = []
+
+    async def keep_restart_point(self, agent: str) -> None:
+        """The agent's state now becomes its restart point (a run's start, a resume)."""
+        def keep(results: list[Any]) -> None:
+            self._kept(agent, results[0])
+
+        await self._submit(agent, lambda _: [self._keep_command(agent)], on_done=keep)
+
+    async def get_state(self, agent: str) -> tuple[dict, dict]:
+        return await self._call(agent, "get_state", agent)
+
+    async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
+        recovers = self._recovers()
+        commands: list[Command] = [("set_state", (agent, *state))]
+        if recovers:
+            commands.append(self._keep_command(agent))
+
+        def restart_point(results: list[Any]) -> None:
+            if recovers:
+                self._kept(agent, results[1])
+
+        await self._submit(agent, lambda _: commands, on_done=restart_point)
+
+    async def weights(self, agent: str) -> Any:
+        return await self._call(agent, "weights", agent)
+
+    async def save(self, agent: str, directory: str) -> str:
+        return await self._call(agent, "save", (agent, directory))
+
+    # --- queues and leases --------------------------------------------------------------------
+    def _submit(self, agent: str, build: Callable[[bool], list[Command]], priority: tuple = (),
+                retry: bool = True,
+                on_done: Callable[[list[Any]], None] | None = None) -> asyncio.Future:
+        """Queue the commands `build` gives for `agent`; the future gets their results. Jobs of
+        one agent run in the order they were submitted."""
+        fut = asyncio.get_running_loop().create_future()
+        kind = build(False)[0][0]
+        self._queues[agent].append(_Job(build, tuple(priority), fut, retry, on_done, kind))
+        runner = self._runners.get(agent)
+        if runner is None or runner.done():
+            self._runners[agent] = asyncio.ensure_future(self._serve(agent))
+        else:  # it may be waiting for a slot until it has enough queued to be worth a swap
+            self.allocator.poke()
+        return fut
+
+    async def _call(self, agent: str, command: str, payload: Any, retry: bool = True,
+                    priority: tuple = ()) -> Any:
+        """Run `command` on the slot bound to `agent` (binding, and swapping, on demand); a
+        slot lost meanwhile is restarted and the command runs again."""
+        (result,) = await self._submit(agent, lambda _: [(command, payload)], priority, retry)
+        return result
+
+    def _may_swap(self, agent: str) -> bool:
+        """Whether `agent` has enough queued to be worth evicting another agent's state: its
+        step (then all of its iteration's remaining work is queued, and it runs to the step
+        in one go), any other call (state, weight reads: needed now), or half of the
+        micro-batches its last iteration had. So a trained agent is swapped in at most twice
+        per iteration (a session from the half-way mark on, and a last one up to its step),
+        instead of once per micro-batch whenever training keeps up with rollout."""
+        queued = 0
+        for job in self._queues[agent]:
+            if job.future.done():
+                continue
+            if job.kind != "accumulate" and not job.kind.startswith("accumulate_"):
+                return True
+            queued += 1
+        per_iteration = self._per_iteration.get(agent)
+        return per_iteration is not None and queued >= max(1, (per_iteration + 1) // 2)
+
+    async def _serve(self, agent: str) -> None:
+        """The agent's runner: drain its queue, holding a slot across consecutive jobs."""
+        queue = self._queues[agent]
+
+        def fail_head(exc: BaseException) -> None:
+            job = queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(exc)
+
+        while queue:
+            if queue[0].future.done():  # cancelled by its caller
+                queue.popleft()
+                continue
+            asked = time.monotonic()
+            lease = await self.allocator.acquire(agent, queue[0].priority,
+                                                 lambda: self._may_swap(agent))
+            self.slot_stats[agent]["slot_wait_s"] += time.monotonic() - asked
+            lost: WorkerLost | None = None
+            try:
+                if lease.swap_in:
+                    await self._swap_in(agent, lease)
+                while queue:
+                    job = queue[0]
+                    if not job.future.done():
+                        results = [await self._run(lease.slot, c, p)
+                                   for c, p in job.build(job.retried)]
+                        queue.popleft()
+                        if job.on_done is not None:  # it ran: the journal knows it
+                            job.on_done(results)
+                        if not job.future.done():  # (its caller may be gone)
+                            job.future.set_result(results)
+                    else:
+                        queue.popleft()
+                    if queue and self.allocator.should_yield(lease, queue[0].priority):
+                        break
+            except WorkerLost as exc:
+                if self._recovers() and queue and queue[0].retry:
+                    lost = exc  # restart the slot, then run the head job again
+                    queue[0].retried = True
+                elif queue:
+                    fail_head(exc)
+            except Exception as exc:  # noqa: BLE001 - the job's caller gets it
+                if queue:
+                    fail_head(exc)
+            finally:
+                self.allocator.release(lease)
+            if lost is not None:
+                try:
+                    await self._recover(lease.slot, lost)
+                except BaseException as exc:  # unrecoverable: fail everything queued
+                    while queue:
+                        fail_head(exc)
+                    raise
+
+    async def _swap_in(self, agent: str, lease: Lease) -> None:
+        await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
+        incoming = self.swapped.pop(agent, None)
+        try:
+            out_agent, out_state, timings = await self._run(lease.slot, "bind",
+                                                            (agent, incoming))
+        except BaseException as exc:
+            if incoming is not None:  # not delivered: it is still the state
+                self.swapped[agent] = incoming
+            if lease.evict is not None:
+                self.allocator.state_arrived(lease.evict, exc)
+            raise
+        if out_agent is not None:
+            self.swapped[out_agent] = out_state
+        if lease.evict is not None:
+            self.allocator.state_arrived(lease.evict)
+        self.swaps_in[agent] += 1
+        if incoming is None and agent in self.saved_state:
+            # its state went down with a slot (lost mid-swap): the restart point after its
+            # last step, plus the micro-batches accumulated since
+            await self._run(lease.slot, *self._restore_command(agent, self.saved_state[agent]))
+            for batch in self.journal[agent]:
+                await self._run(lease.slot, *self._accumulate_command(agent, batch, True))
+        swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
+        if "resident_bytes" in timings:
+            self.resident_bytes[lease.slot] = timings["resident_bytes"]
+            self.agent_bytes[agent] = timings["agent_bytes"]
+        self.swap_seconds += swap_s
+        self.slot_stats[agent]["swaps"] += 1
+        self.slot_stats[agent]["swap_s"] += swap_s
+
+    async def restore_slot(self, slot: int,
+                           run: Callable[[str, Any], Awaitable[Any]]) -> dict[str, int]:
+        """Bring a restarted slot (reached through `run(command, payload)`, before it is in
+        place) back to where its lost predecessor was: each agent resident on it gets its
+        restart point and replays the micro-batches accumulated since. Another agent may be
+        bound to the slot meanwhile (its call to the lost slot failed): it is restored too,
+        and the state it evicts goes back to `swapped`. Returns the restored versions."""
+        versions: dict[str, int] = {}
+        while True:
+            todo = [a for a, i in self.binding.items() if i == slot and a not in versions]
+            if not todo:  # no await between this check and the caller putting the slot in place
+                return {a: v for a, v in versions.items() if self.binding.get(a) == slot}
+            for agent in todo:
+                self.swapped.pop(agent, None)  # a swap-in the loss interrupted: superseded
+                out_agent, out_state, _ = await run("bind", (agent, None))
+                if out_agent is not None:  # restored here a moment ago: exact
+                    self.swapped[out_agent] = out_state
+                versions[agent] = await run(*self._restore_command(agent,
+                                                                   self.saved_state[agent]))
+                for batch in self.journal[agent]:
+                    await run(*self._accumulate_command(agent, batch, True))

@@ -1,0 +1,145 @@
+"""The shared training host in one process: `TrainHost` (a real trainer swapped out and back in
+is exact and is never rebuilt) and `SlotPool`'s logic over fake slots (sticky leases, swap
+accounting, the recovery journal)."""
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flexmarl.config.schema import load_config
+from flexmarl.runtime.base import WorkerLost
+from flexmarl.testing.fakes import FakeSlotPool
+from flexmarl.training import state as st
+from flexmarl.training.host import SlotError, TrainHost
+from flexmarl.training.trainer import Sample
+
+RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
+VOCAB, SEQ = 32, 16
+
+
+def _samples(tag: str, n: int = 4) -> list[Sample]:
+    rng = np.random.default_rng(abs(hash(tag)) % 2**32)
+    return [Sample(f"0-{tag}{i}_0_0", rng.integers(3, VOCAB, size=4).tolist(),
+                   rng.integers(3, VOCAB, size=3).tolist(), [-1.0] * 3,
+                   float(rng.normal()), None, 1.0, 0) for i in range(n)]
+
+
+def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
+    cfg = load_config(RELAY, ["runtime.deterministic=true"])
+    swapped, plain = TrainHost(cfg, VOCAB, SEQ), TrainHost(cfg, VOCAB, SEQ)
+    plain.bind("speaker", None)
+    swapped.bind("speaker", None)
+    speaker = swapped.kept["speaker"]
+    for host in (swapped, plain):
+        host.handle("accumulate", ("speaker", _samples("a")))
+    # relay takes the slot mid-iteration: speaker's state (gradients included) leaves it
+    out_agent, out_state, timings = swapped.bind("relay", None)
+    assert out_agent == "speaker" and out_state[0] == "host" and timings["swap_out_s"] >= 0
+    swapped.handle("accumulate", ("relay", _samples("r")))
+    with pytest.raises(SlotError, match="'speaker' is not resident"):
+        swapped.handle("accumulate", ("speaker", _samples("b")))
+    assert swapped.bind("speaker", out_state)[0] == "relay"
+    assert swapped.kept["speaker"] is speaker and swapped.builds == 2  # loaded, not rebuilt
+    for host in (swapped, plain):
+        host.handle("accumulate", ("speaker", _samples("b")))
+    (_, a), _ = swapped.handle("step", "speaker")
+    (_, b), _ = plain.handle("step", "speaker")
+    wa, wb = st.from_wire(a).tensors, st.from_wire(b).tensors
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(SlotError, match="'ghost' is not in the run's config"):
+        swapped.bind("ghost", None)
+
+
+@dataclass
+class Row:
+    sample_id: str
+
+
+def _batch(k: int, agent: str, j: int, rows: int = 2) -> list[Row]:
+    return [Row(f"{k}-{agent}.{j * rows + i}_0_0") for i in range(rows)]
+
+
+async def _iterations(pool, agents: list[str], iterations: int, batches: int,
+                      per_iteration: list[dict[str, int]] | None = None) -> dict[str, str]:
+    """Micro-batches arrive interleaved across agents (as episodes finish), each agent's step
+    queued right behind its last one (as `MicroBatchTrainer` does); returns each agent's final
+    weights digest."""
+    weights: dict[str, str] = {}
+    for k in range(iterations):
+        before = dict(pool.swaps_in)
+        calls = []
+        steps = []
+        for j in range(batches):
+            for agent in agents:
+                calls.append(asyncio.ensure_future(pool.accumulate(agent, _batch(k, agent, j))))
+                if j == batches - 1:
+                    steps.append(asyncio.ensure_future(pool.step(agent)))
+            for _ in range(12):  # longer than a command: the slot's holder runs out of work
+                await asyncio.sleep(0)
+        await asyncio.gather(*calls)
+        for agent, (_, w) in zip(agents, await asyncio.gather(*steps), strict=True):
+            weights[agent] = bytes(w["digest"]).hex()
+        if per_iteration is not None:
+            per_iteration.append({a: pool.swaps_in[a] - before.get(a, 0) for a in agents})
+    return weights
+
+
+AGENTS = ["speaker", "relay", "listener"]
+
+
+def test_one_slot_is_sticky_and_ends_with_the_weights_of_one_slot_per_agent():
+    async def run(slots: int):
+        pool = FakeSlotPool(slots)
+        swaps: list[dict[str, int]] = []
+        weights = await _iterations(pool, AGENTS, iterations=4, batches=6, per_iteration=swaps)
+        return pool, swaps, weights
+
+    shared, swaps, weights = asyncio.run(run(1))
+    own, own_swaps, own_weights = asyncio.run(run(3))
+    assert weights == own_weights  # each agent's micro-batches in its own order
+    # sticky: an agent drains its queue once it holds the slot (at most 2 swap-ins per agent
+    # and iteration), instead of one per micro-batch (6 per iteration)
+    assert all(n <= 2 for it in swaps for n in it.values()), swaps
+    assert all(sum(it.values()) >= 2 for it in swaps)  # 3 agents did time-share 1 slot
+    # accounting: the pool's per-agent counters are its swap-ins, evictions the allocator's
+    assert {a: shared.slot_stats[a]["swaps"] for a in AGENTS} == dict(shared.swaps_in)
+    assert shared.allocator.swaps == sum(shared.swaps_in.values()) - 1  # the first was empty
+    assert all(h.builds[a] == 1 for h in shared.hosts for a in AGENTS)  # states moved, kept
+    assert own.allocator.swaps == 0 and all(n == 1 for n in own.swaps_in.values())
+    assert all(n == 0 for it in own_swaps[1:] for n in it.values())
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("after", [0, 1, 3, 9, 17])
+def test_a_lost_slot_is_restored_from_the_journal_exactly(after, slots):
+    """Other agents' calls that reach the lost slot meanwhile wait for its restart (and may
+    bind it while it is restored); every agent ends as without the loss."""
+    async def run(lose: bool):
+        pool = FakeSlotPool(slots, recover=True)
+        for agent in AGENTS:  # restart points at the start, as the supervisors keep them
+            await pool.keep_restart_point(agent)
+        await _iterations(pool, AGENTS, iterations=1, batches=3)
+        if lose:
+            pool.lose(0, after)
+        weights = await _iterations(pool, AGENTS, iterations=2, batches=3)
+        return pool, weights
+
+    lost, weights = asyncio.run(run(True))
+    _, expected = asyncio.run(run(False))
+    assert lost.restarts == 1
+    assert weights == expected  # no micro-batch lost, none counted twice
+
+
+def test_without_recovery_a_lost_slot_fails_the_call_naming_it():
+    async def run():
+        pool = FakeSlotPool(1)
+        pool.lose(0)
+        with pytest.raises(WorkerLost, match="fake slot 0 lost"):
+            await pool.accumulate("speaker", _batch(0, "speaker", 0))
+        assert not pool.journal["speaker"]  # no journal without recovery
+
+    asyncio.run(run())
