@@ -62,6 +62,61 @@ class Allotment:
     first_start_s: dict[str, float] = field(default_factory=dict)
 
 
+class _PathModel:
+    """The predicted critical path of one iteration's rollout for given replicas (see
+    `latency_allotments`): every node at its agent's mean phase time, plus the largest tail
+    of any agent. Phase times are memoised: a search asks for the same ones many times."""
+
+    def __init__(self, nodes: Sequence[tuple[str, str, Sequence[str]]],
+                 phase_time: Callable[[str, int], tuple[float, float]]) -> None:
+        self.nodes = [(node, agent, tuple(inputs)) for node, agent, inputs in nodes]
+        self.agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
+        self.calls = {a: sum(1 for _, agent, _ in nodes if agent == a) for a in self.agents}
+        self.phase_time = phase_time
+        self.memo: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def d(self, agent: str, r: int) -> tuple[float, float]:
+        key = (agent, r)
+        out = self.memo.get(key)
+        if out is None:
+            out = self.memo[key] = self.phase_time(agent, r)
+        return out
+
+    def mean(self, agent: str, r: int) -> float:
+        return self.d(agent, r)[0]
+
+    def typical_of(self, means: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+        """The longest path with every node at its agent's mean time, and when each agent's
+        first node starts on it."""
+        end: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for node, agent, inputs in self.nodes:
+            start = max((end[i] for i in inputs if i in end), default=0.0)
+            first[agent] = min(first.get(agent, start), start)
+            end[node] = start + means[agent]
+        return max(end.values(), default=0.0), first
+
+    def tail(self, replicas: Mapping[str, int]) -> float:
+        return max(self.d(a, replicas[a])[1] - self.d(a, replicas[a])[0] for a in self.agents)
+
+    def allotment(self, replicas: Mapping[str, int], used: int) -> Allotment:
+        mean, first = self.typical_of({a: self.mean(a, replicas[a]) for a in self.agents})
+        return Allotment(dict(replicas), used, mean + self.tail(replicas), mean, first)
+
+
+def path_allotment(
+    nodes: Sequence[tuple[str, str, Sequence[str]]],
+    phase_time: Callable[[str, int], tuple[float, float]],
+    replicas: Mapping[str, int],
+    units: Mapping[str, int] | None = None,
+) -> Allotment:
+    """Any allotment (e.g. the equal split, or the previous plan) predicted as
+    `latency_allotments` predicts its own steps, so a planner can compare them."""
+    units = dict(units or dict.fromkeys(replicas, 1))
+    return _PathModel(nodes, phase_time).allotment(
+        replicas, sum(units[a] * n for a, n in replicas.items()))
+
+
 def latency_allotments(
     nodes: Sequence[tuple[str, str, Sequence[str]]],
     phase_time: Callable[[str, int], tuple[float, float]],
@@ -90,37 +145,16 @@ def latency_allotments(
     """
     agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
     units = dict(units or dict.fromkeys(agents, 1))
-    calls = {a: sum(1 for _, agent, _ in nodes if agent == a) for a in agents}
-    memo: dict[tuple[str, int], tuple[float, float]] = {}
-
-    def d(agent: str, r: int) -> tuple[float, float]:
-        key = (agent, r)
-        if key not in memo:
-            memo[key] = phase_time(agent, r)
-        return memo[key]
-
-    def typical(replicas: Mapping[str, int]) -> tuple[float, dict[str, float]]:
-        end: dict[str, float] = {}
-        first: dict[str, float] = {}
-        for node, agent, inputs in nodes:
-            start = max((end[i] for i in inputs if i in end), default=0.0)
-            first[agent] = min(first.get(agent, start), start)
-            end[node] = start + d(agent, replicas[agent])[0]
-        return max(end.values(), default=0.0), first
-
-    def tail(replicas: Mapping[str, int]) -> float:
-        return max(d(a, replicas[a])[1] - d(a, replicas[a])[0] for a in agents)
-
-    def path(replicas: Mapping[str, int]) -> float:
-        return typical(replicas)[0] + tail(replicas)
-
-    def allotment(replicas: Mapping[str, int], used: int) -> Allotment:
-        mean, first = typical(replicas)
-        return Allotment(dict(replicas), used, mean + tail(replicas), mean, first)
+    model = _PathModel(nodes, phase_time)
+    calls = model.calls
+    d = model.d
+    mean = model.mean
+    allotment = model.allotment
 
     def objective(replicas: Mapping[str, int]) -> float:
-        spread = sum(calls[a] * d(a, replicas[a])[0] for a in agents) / max(1, sum(calls.values()))
-        return path(replicas) + 0.1 * spread
+        means = {a: mean(a, replicas[a]) for a in agents}
+        spread = sum(calls[a] * means[a] for a in agents) / max(1, sum(calls.values()))
+        return model.typical_of(means)[0] + model.tail(replicas) + 0.1 * spread
 
     def near_critical() -> tuple[str, ...]:
         """Agents with a node on a path within 1% of the longest (typical) one: the branches
