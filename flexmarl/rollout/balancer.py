@@ -137,9 +137,10 @@ def latency_allotments(
     time, plus the largest tail (largest - mean) of any agent on it: requests finish at
     different times, so one episode meets one agent's slowest request, not every agent's.
     Each step makes the move that shortens the path the most per accelerator: one more
-    replica for one agent, for two agents together, or for every agent on a near-critical
-    path (parallel branches that tie only shorten the iteration together; a small term for
-    the mean node time breaks ties between branches). It stops when no move helps or the
+    replica for one agent, for two agents together, for every agent on a near-critical
+    path (within 1% or 10% of the longest), or for every agent (parallel branches that tie
+    only shorten the iteration together; a small term for the mean node time breaks ties
+    between branches). It stops when no move helps or the
     capacity is used. Every step is returned, so the caller can trade rollout capacity
     against training capacity.
     """
@@ -156,9 +157,9 @@ def latency_allotments(
         spread = sum(calls[a] * means[a] for a in agents) / max(1, sum(calls.values()))
         return model.typical_of(means)[0] + model.tail(replicas) + 0.1 * spread
 
-    def near_critical() -> tuple[str, ...]:
-        """Agents with a node on a path within 1% of the longest (typical) one: the branches
-        that only shorten the iteration when they all get replicas together."""
+    def near_critical(band: float) -> tuple[str, ...]:
+        """Agents with a node on a path within `band` of the longest (typical) one: the
+        branches that only shorten the iteration when they all get replicas together."""
         end: dict[str, float] = {}
         dur: dict[str, float] = {}
         for node, agent, inputs in nodes:
@@ -171,7 +172,7 @@ def latency_allotments(
                     after[i] = max(after[i], dur[node] + after[node])
         longest = max((end[n] + after[n] for n in end), default=0.0)
         return tuple(dict.fromkeys(agent for node, agent, _ in nodes
-                                   if end[node] + after[node] >= 0.99 * longest))
+                                   if end[node] + after[node] >= (1 - band) * longest))
 
     replicas = dict.fromkeys(agents, 1)
     used = sum(units[a] for a in agents)
@@ -183,14 +184,19 @@ def latency_allotments(
     # Moves: one replica to one agent, to two agents at once, or to every agent on a
     # near-critical path. One agent at a time stalls on parallel branches that tie: a replica
     # for either alone leaves the longest branch as long while its tail term grows, so no
-    # single move gains even though both together shorten the iteration.
+    # single move gains even though both together shorten the iteration. Three or more
+    # branches that nearly tie (measured lengths differ a little) stall pairs too: the agents
+    # within 1% and within 10% of the longest path, and every agent at once, are moves too.
     pairs = list(itertools.combinations(agents, 2))
     while True:
         moves: list[tuple[str, ...]] = [(a,) for a in agents]
         moves += pairs
-        group = near_critical()
-        if len(group) > 2:
-            moves.append(group)
+        for band in (0.01, 0.1):
+            group = near_critical(band)
+            if len(group) > 2 and group not in moves:
+                moves.append(group)
+        if len(agents) > 2 and tuple(agents) not in moves:
+            moves.append(tuple(agents))
         best, best_gain, best_value = None, 0.0, current
         for move in moves:
             cost = sum(units[a] for a in move)
