@@ -7,10 +7,11 @@ Prints, for `examples/sim/paper_ma.yaml` and `paper_ca.yaml`, each system's s/it
 the ratios the paper reports (arXiv 2602.09578 v1, as quoted in issue 21): MARTI / FlexMARL
 (1.38 MA, 1.43 CA), MAS-RL / FlexMARL (7.3, 5.6), no load balancing / FlexMARL (1.21, MA) and
 no async pipeline / FlexMARL (2.03, MA), with the simulator's efficiency against its lower
-bound and the wall time of each simulation. The sweep varies one assumption of paper_ma at a
-time: the training cost (MFU of training, i.e. the training share of a step), episodes per
-iteration, the output-length tail (log-normal sigma of the specialists) and the cluster size.
-Every figure is the simulator's; only *real s* depends on this machine.
+bound and the wall and CPU time of each simulation. The sweep varies one assumption of
+paper_ma at a time: the training cost (MFU of training, i.e. the training share of a step),
+episodes per iteration, the output-length tail (log-normal sigma of the specialists) and the
+cluster size. Every figure is the simulator's; only *real s* and *cpu s* depend on this
+machine.
 """
 
 import argparse
@@ -49,14 +50,14 @@ def table(name, wl, iterations):
           f"{wl.cluster.accelerator.name}, {len(wl.agents)} agents, "
           f"{wl.episodes_per_iteration} episodes/iteration, {iterations} iterations")
     print(f"{'system':<24}{'s/iteration':>12}{'ratio':>8}{'paper':>8}{'within 25%':>11}"
-          f"{'efficiency':>11}{'real s':>8}")
+          f"{'efficiency':>11}{'real s':>8}{'cpu s':>7}")
     for system, (res, real) in out.items():
         ratio = res.per_iteration_s / flex.per_iteration_s
         paper = next((r[col] for r in ROWS if r[0] == system), None)
         p = f"{paper:.2f}" if paper else "-"
         ok = ("yes" if abs(ratio / paper - 1) <= 0.25 else "no") if paper else "-"
         print(f"{system:<24}{res.per_iteration_s:>12.1f}{ratio:>8.2f}{p:>8}{ok:>11}"
-              f"{res.efficiency:>11.2f}{real:>8.1f}")
+              f"{res.efficiency:>11.2f}{real:>8.1f}{res.cpu_s:>7.1f}")
     print()
 
 

@@ -31,7 +31,8 @@ baseline and ablation ({systems}). The columns:
 - *lower bound*: max(the on-policy pipeline's per-iteration cycle, work / capacity), from that
   system's own run (so it differs between systems);
 - *efficiency*: lower bound / s per iteration;
-- *real s*: wall time of that one simulation on a 2-core machine.
+- *real s*: wall time of that one simulation on a 2-core machine shared with other jobs;
+- *cpu s*: the CPU seconds that simulation took (what the machine's load does not inflate).
 
 Pictures: {pictures} (one panel per system; one lane per worker, at most an equal number of
 lanes per pool and agent; colour = agent; solid = rollout, hatched = training).

@@ -94,6 +94,8 @@ class Node:
     prompt: PromptBuilder
     when: Condition | None = None
     reward: RewardFn | None = None
+    # `when` reads only the episode's input and trajectory, never an output
+    static_when: bool = False
 
 
 @dataclass
@@ -113,13 +115,19 @@ class MEG:
         inputs: Iterable[str] = (),
         when: Condition | None = None,
         reward: RewardFn | None = None,
+        static_when: bool = False,
     ) -> MEG:
-        """Add a node; `when` may skip it (and so end its branch) for a given episode."""
+        """Add a node; `when` may skip it (and so end its branch) for a given episode.
+
+        `static_when`: `when` reads only the episode's input and trajectory, not its outputs,
+        so it is decided when the episode starts and a node it skips, with everything
+        downstream, costs nothing (a graph with many conditional variants of a node, as the
+        simulator's, would otherwise run a task per variant per episode)."""
         if not name or "_" in name:
             raise GraphError(f"node name {name!r} must be non-empty and contain no '_'")
         if name in self.nodes:
             raise GraphError(f"node {name!r} is defined twice")
-        self.nodes[name] = Node(name, agent, tuple(inputs), prompt, when, reward)
+        self.nodes[name] = Node(name, agent, tuple(inputs), prompt, when, reward, static_when)
         return self
 
     def set_episode_reward(self, fn: RewardFn) -> MEG:

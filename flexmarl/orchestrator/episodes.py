@@ -156,6 +156,9 @@ class EpisodeRunner:
         self.first_error: str | None = None
         # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
         self._check_prompts = cfg.runtime.kind != "sim"
+        # nodes whose condition is decided at the episode's start (`MEG.node(static_when=)`)
+        self._static = frozenset(n for n, nd in self.graph.nodes.items()
+                                 if nd.when is not None and nd.static_when)
         # text- and chat-level nodes: each agent's tokenizer and sampling defaults
         self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
 
@@ -171,8 +174,10 @@ class EpisodeRunner:
             return
         vector = self.versions.vector(k)
         rows: dict[str, Row] = {}
+        skipped = self._skipped_at_start(ctx)
+        names = [n for n in self.order if n not in skipped] if skipped else self.order
         done: dict[str, asyncio.Future] = {
-            n: asyncio.get_running_loop().create_future() for n in self.order
+            n: asyncio.get_running_loop().create_future() for n in names
         }
         priority = (k, index, traj)
         episode_start = self.telemetry.now()
@@ -237,9 +242,11 @@ class EpisodeRunner:
                 ctx.texts[name] = self.renderer.decode(agent, result.tokens, prompt.stop)
             done[name].set_result(True)
 
-        tasks = [asyncio.ensure_future(run_node(n)) for n in self.order]
+        tasks = [asyncio.ensure_future(run_node(n)) for n in names]
         if it.stage_open:
-            for n, t in zip(self.order, tasks, strict=True):
+            for n in skipped:
+                self._resolved(it, self.level[n])
+            for n, t in zip(names, tasks, strict=True):
                 # ran, skipped, failed or cancelled with its episode: the level counts it
                 t.add_done_callback(functools.partial(self._node_resolved, it, self.level[n]))
         error: str | None = None
@@ -283,6 +290,25 @@ class EpisodeRunner:
         it.episodes_done += 1
         if it.episodes_done == it.episodes_total:
             self._rollout_finished(it)
+
+    def _skipped_at_start(self, ctx: EpisodeContext) -> set[str]:
+        """Nodes whose `static_when` condition skips them in this episode, with everything
+        downstream of them: they get no task (what run_node would decide after their inputs,
+        decided up front). A condition that raises is left to run_node, which reports it."""
+        if not self._static:
+            return set()
+        out: set[str] = set()
+        for name in self.order:
+            node = self.graph.nodes[name]
+            if any(i in out for i in node.inputs):
+                out.add(name)
+            elif name in self._static:
+                try:
+                    if not contracts.check_condition(name, node.when(ctx)):  # type: ignore[misc]
+                        out.add(name)
+                except Exception:  # noqa: BLE001, S110 - run_node raises it as it would
+                    pass
+        return out
 
     def _node_resolved(self, it: IterationState, level: int, _task: asyncio.Future) -> None:
         self._resolved(it, level)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from flexmarl.rollout.balancer import allot_replicas, latency_allotments
+from flexmarl.rollout.balancer import allot_replicas, latency_allotments, path_allotment
 from flexmarl.sim.cost import CostModel
 from flexmarl.sim.workload import Workload
 
@@ -92,6 +92,10 @@ class ResourcePlanner:
         self.train_cost = train_cost
         self.measured_rollout = measured_rollout
         self.pool_plan: tuple[tuple[str, ...], int, int] | None = None
+        # hierarchical: the last plan's replicas (a candidate of the next), and every
+        # candidate's predicted iteration (seconds, replicas) of the last plan
+        self.previous: dict[str, int] | None = None
+        self.predicted: list[tuple[float, dict[str, int]]] = []
 
     def plan(self, measured: bool = False) -> ResourcePlan:
         """The next plan: from the workload's distributions, or (`measured`) from what the
@@ -136,9 +140,24 @@ class ResourcePlanner:
             calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
             tokens = calls * a.output_length.mean
             # per-token cost at a typical batch of 64 sequences
-            step = cost.decode_step_time(a.model, a.tp, 64, 64 * (a.prompt_length.mean + 256))
+            step = cost.decode_step_time(a.model, a.tp, 64, 64 * (self.expected_prompt(a.name)
+                                                                   + 256))
             out[a.name] = tokens * step * a.tp / 64
         return out
+
+    def expected_prompt(self, agent: str) -> float:
+        """An agent's mean prompt over its nodes of the full graph: its own prompt plus, with
+        `append_inputs`, its inputs' mean outputs (a summariser reading three 2,048-token
+        drafts trains on 4x the tokens its own prompt says; leaving them out once made the
+        first plan starve its training)."""
+        spec = self.wl.agent(agent)
+        mine = [inputs for _, a, inputs in self.nodes if a == agent]
+        if not spec.append_inputs or not mine:
+            return spec.prompt_length.mean
+        agent_of = {node: a for node, a, _ in self.nodes}
+        added = sum(self.wl.agent(agent_of[i]).output_length.mean
+                    for inputs in mine for i in inputs) / len(mine)
+        return spec.prompt_length.mean + added
 
     def train_demand(self, measured: bool) -> dict[str, float]:
         """Accelerator-seconds of training each agent needs per iteration: its rows' tokens
@@ -155,7 +174,7 @@ class ResourcePlanner:
                 tokens = float(sum(self.lengths[a.name]) + sum(self.prompts[a.name]))
             else:
                 calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
-                tokens = calls * (a.prompt_length.mean + a.output_length.mean)
+                tokens = calls * (self.expected_prompt(a.name) + a.output_length.mean)
             spent, trained = self.train_cost[a.name]
             rate = (spent / trained if measured and trained > 0
                     else cost.train_compute_time(a.model, 1, 1.0) + cost.policy_forwards_time(
@@ -210,7 +229,7 @@ class ResourcePlanner:
                 ordered = np.array([max(1, a.output_length.draw(1 - (i + 0.5) / n))
                                     for i in range(n)], dtype=np.int64)
                 ordered[::-1].sort()
-                prompt = round(a.prompt_length.mean)
+                prompt = round(self.expected_prompt(a.name))
             out[a.name] = (ordered, prompt)
         return out
 
@@ -224,20 +243,30 @@ class ResourcePlanner:
         wl, cost = self.wl, self.cost
         phases = self.phases(measured)
 
+        memo: dict[tuple[str, int], tuple[float, float]] = {}
+
         def phase_time(agent: str, r: int) -> tuple[float, float]:
-            lengths, prompt = phases[agent]
-            spec = wl.agent(agent)
-            timing = cost.generation_timing(spec.model, spec.tp, prompt, lengths[::r])
-            return float(timing.finish_s.mean()), timing.total_s
+            if (agent, r) not in memo:
+                lengths, prompt = phases[agent]
+                spec = wl.agent(agent)
+                timing = cost.generation_timing(spec.model, spec.tp, prompt, lengths[::r])
+                memo[agent, r] = float(timing.finish_s.mean()), timing.total_s
+            return memo[agent, r]
 
         units = {a.name: a.tp for a in wl.agents}
         members, g = self.pool_candidates(train_d, mins)
         # a shared pool of S slots frees (len(members) - S) x g accelerators for rollout
         spare = (len(members) - 1) * g if members else 0
-        steps = latency_allotments(self.nodes, phase_time,
-                                   self.total - sum(mins.values()) + spare, units)
+        capacity = self.total - sum(mins.values()) + spare
+        steps = latency_allotments(self.nodes, phase_time, capacity, units)
+        # The greedy steps are a heuristic: the equal splits (the static baseline's rule, at
+        # a range of rollout capacities) and the previous plan are candidates too, predicted
+        # the same way, so the plan is never worse than them by its own prediction.
+        steps += [path_allotment(self.nodes, phase_time, reps, units)
+                  for reps in self.other_allotments(capacity, units)]
         calls = self.train_calls()
         best: tuple[float, dict[str, int], int, dict[str, int], int] | None = None
+        self.predicted = []
         for step in steps:
             budget = self.total - step.accelerators
             for slots in range(len(members), 0, -1) if members else [0]:
@@ -257,12 +286,32 @@ class ResourcePlanner:
                     cycle = path + max((max(0.0, step.typical_path_s + t - path
                                             - step.first_start_s[a])
                                         for a, t in train_s.items()), default=0.0)
+                self.predicted.append((cycle, step.replicas))
                 if best is None or cycle < best[0]:
                     best = (cycle, step.replicas, step.accelerators, alloc,
                             slots if shared else 0)
         assert best is not None
         self.pool_plan = (tuple(members), g, best[4]) if best[4] else None
+        self.previous = best[1]
         return best[1], best[2], best[3]
+
+    def other_allotments(self, capacity: int, units: dict[str, int]) -> list[dict[str, int]]:
+        """Candidates beside the greedy search's steps: equal splits (whole replicas of each
+        agent's tp, as the static baseline deals them) of 5%, 10%, ... of the cluster, and
+        the previous plan, each where it fits in `capacity`."""
+        out = []
+        floor = sum(units.values())
+        for pct in range(5, 100, 5):
+            acc = min(capacity, self.total * pct // 100)
+            if acc >= floor:
+                reps = allot_replicas(dict.fromkeys(units, 1.0), acc, "static", units)
+                if reps not in out:
+                    out.append(reps)
+        prev = self.previous
+        if prev is not None and set(prev) == set(units) \
+                and sum(units[a] * n for a, n in prev.items()) <= capacity and prev not in out:
+            out.append(dict(prev))
+        return out
 
     def pin_replicas(self, replicas: dict[str, int], train_d: dict[str, float],
                       mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:

@@ -62,6 +62,61 @@ class Allotment:
     first_start_s: dict[str, float] = field(default_factory=dict)
 
 
+class _PathModel:
+    """The predicted critical path of one iteration's rollout for given replicas (see
+    `latency_allotments`): every node at its agent's mean phase time, plus the largest tail
+    of any agent. Phase times are memoised: a search asks for the same ones many times."""
+
+    def __init__(self, nodes: Sequence[tuple[str, str, Sequence[str]]],
+                 phase_time: Callable[[str, int], tuple[float, float]]) -> None:
+        self.nodes = [(node, agent, tuple(inputs)) for node, agent, inputs in nodes]
+        self.agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
+        self.calls = {a: sum(1 for _, agent, _ in nodes if agent == a) for a in self.agents}
+        self.phase_time = phase_time
+        self.memo: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def d(self, agent: str, r: int) -> tuple[float, float]:
+        key = (agent, r)
+        out = self.memo.get(key)
+        if out is None:
+            out = self.memo[key] = self.phase_time(agent, r)
+        return out
+
+    def mean(self, agent: str, r: int) -> float:
+        return self.d(agent, r)[0]
+
+    def typical_of(self, means: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+        """The longest path with every node at its agent's mean time, and when each agent's
+        first node starts on it."""
+        end: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for node, agent, inputs in self.nodes:
+            start = max((end[i] for i in inputs if i in end), default=0.0)
+            first[agent] = min(first.get(agent, start), start)
+            end[node] = start + means[agent]
+        return max(end.values(), default=0.0), first
+
+    def tail(self, replicas: Mapping[str, int]) -> float:
+        return max(self.d(a, replicas[a])[1] - self.d(a, replicas[a])[0] for a in self.agents)
+
+    def allotment(self, replicas: Mapping[str, int], used: int) -> Allotment:
+        mean, first = self.typical_of({a: self.mean(a, replicas[a]) for a in self.agents})
+        return Allotment(dict(replicas), used, mean + self.tail(replicas), mean, first)
+
+
+def path_allotment(
+    nodes: Sequence[tuple[str, str, Sequence[str]]],
+    phase_time: Callable[[str, int], tuple[float, float]],
+    replicas: Mapping[str, int],
+    units: Mapping[str, int] | None = None,
+) -> Allotment:
+    """Any allotment (e.g. the equal split, or the previous plan) predicted as
+    `latency_allotments` predicts its own steps, so a planner can compare them."""
+    units = dict(units or dict.fromkeys(replicas, 1))
+    return _PathModel(nodes, phase_time).allotment(
+        replicas, sum(units[a] * n for a, n in replicas.items()))
+
+
 def latency_allotments(
     nodes: Sequence[tuple[str, str, Sequence[str]]],
     phase_time: Callable[[str, int], tuple[float, float]],
@@ -82,49 +137,29 @@ def latency_allotments(
     time, plus the largest tail (largest - mean) of any agent on it: requests finish at
     different times, so one episode meets one agent's slowest request, not every agent's.
     Each step makes the move that shortens the path the most per accelerator: one more
-    replica for one agent, for two agents together, or for every agent on a near-critical
-    path (parallel branches that tie only shorten the iteration together; a small term for
-    the mean node time breaks ties between branches). It stops when no move helps or the
+    replica for one agent, for two agents together, for every agent on a near-critical
+    path (within 1% or 10% of the longest), or for every agent (parallel branches that tie
+    only shorten the iteration together; a small term for the mean node time breaks ties
+    between branches). It stops when no move helps or the
     capacity is used. Every step is returned, so the caller can trade rollout capacity
     against training capacity.
     """
     agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
     units = dict(units or dict.fromkeys(agents, 1))
-    calls = {a: sum(1 for _, agent, _ in nodes if agent == a) for a in agents}
-    memo: dict[tuple[str, int], tuple[float, float]] = {}
-
-    def d(agent: str, r: int) -> tuple[float, float]:
-        key = (agent, r)
-        if key not in memo:
-            memo[key] = phase_time(agent, r)
-        return memo[key]
-
-    def typical(replicas: Mapping[str, int]) -> tuple[float, dict[str, float]]:
-        end: dict[str, float] = {}
-        first: dict[str, float] = {}
-        for node, agent, inputs in nodes:
-            start = max((end[i] for i in inputs if i in end), default=0.0)
-            first[agent] = min(first.get(agent, start), start)
-            end[node] = start + d(agent, replicas[agent])[0]
-        return max(end.values(), default=0.0), first
-
-    def tail(replicas: Mapping[str, int]) -> float:
-        return max(d(a, replicas[a])[1] - d(a, replicas[a])[0] for a in agents)
-
-    def path(replicas: Mapping[str, int]) -> float:
-        return typical(replicas)[0] + tail(replicas)
-
-    def allotment(replicas: Mapping[str, int], used: int) -> Allotment:
-        mean, first = typical(replicas)
-        return Allotment(dict(replicas), used, mean + tail(replicas), mean, first)
+    model = _PathModel(nodes, phase_time)
+    calls = model.calls
+    d = model.d
+    mean = model.mean
+    allotment = model.allotment
 
     def objective(replicas: Mapping[str, int]) -> float:
-        spread = sum(calls[a] * d(a, replicas[a])[0] for a in agents) / max(1, sum(calls.values()))
-        return path(replicas) + 0.1 * spread
+        means = {a: mean(a, replicas[a]) for a in agents}
+        spread = sum(calls[a] * means[a] for a in agents) / max(1, sum(calls.values()))
+        return model.typical_of(means)[0] + model.tail(replicas) + 0.1 * spread
 
-    def near_critical() -> tuple[str, ...]:
-        """Agents with a node on a path within 1% of the longest (typical) one: the branches
-        that only shorten the iteration when they all get replicas together."""
+    def near_critical(band: float) -> tuple[str, ...]:
+        """Agents with a node on a path within `band` of the longest (typical) one: the
+        branches that only shorten the iteration when they all get replicas together."""
         end: dict[str, float] = {}
         dur: dict[str, float] = {}
         for node, agent, inputs in nodes:
@@ -137,7 +172,7 @@ def latency_allotments(
                     after[i] = max(after[i], dur[node] + after[node])
         longest = max((end[n] + after[n] for n in end), default=0.0)
         return tuple(dict.fromkeys(agent for node, agent, _ in nodes
-                                   if end[node] + after[node] >= 0.99 * longest))
+                                   if end[node] + after[node] >= (1 - band) * longest))
 
     replicas = dict.fromkeys(agents, 1)
     used = sum(units[a] for a in agents)
@@ -149,14 +184,19 @@ def latency_allotments(
     # Moves: one replica to one agent, to two agents at once, or to every agent on a
     # near-critical path. One agent at a time stalls on parallel branches that tie: a replica
     # for either alone leaves the longest branch as long while its tail term grows, so no
-    # single move gains even though both together shorten the iteration.
+    # single move gains even though both together shorten the iteration. Three or more
+    # branches that nearly tie (measured lengths differ a little) stall pairs too: the agents
+    # within 1% and within 10% of the longest path, and every agent at once, are moves too.
     pairs = list(itertools.combinations(agents, 2))
     while True:
         moves: list[tuple[str, ...]] = [(a,) for a in agents]
         moves += pairs
-        group = near_critical()
-        if len(group) > 2:
-            moves.append(group)
+        for band in (0.01, 0.1):
+            group = near_critical(band)
+            if len(group) > 2 and group not in moves:
+                moves.append(group)
+        if len(agents) > 2 and tuple(agents) not in moves:
+            moves.append(tuple(agents))
         best, best_gain, best_value = None, 0.0, current
         for move in moves:
             cost = sum(units[a] for a in move)

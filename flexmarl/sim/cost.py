@@ -487,7 +487,20 @@ class CostModel:
     ) -> float:
         """Sum of ``steps`` decode steps of a fixed batch whose total KV grows by one token per
         sequence per step, starting at ``kv_start`` (closed form of the roofline's max)."""
-        weights_s, kv_token_s, compute_s = self._decode_parts(model, tp, batch_size)
+        return self._segment_time(self._segment_parts(model, tp, batch_size), batch_size,
+                                  kv_start, steps)
+
+    def _segment_parts(self, model: ModelSpec, tp: int,
+                       batch_size: int) -> tuple[float, float, float, float]:
+        """What a decode segment's time needs of the batch size: `_decode_parts` and the fixed
+        seconds per step (TP all-reduces and overhead); callers may keep them per size."""
+        fixed = self.tp_comm_time(model, tp, batch_size) + self.decode_step_overhead_s
+        return (*self._decode_parts(model, tp, batch_size), fixed)
+
+    @staticmethod
+    def _segment_time(parts: tuple[float, float, float, float], batch_size: int,
+                      kv_start: float, steps: int) -> float:
+        weights_s, kv_token_s, compute_s, fixed = parts
         m0 = weights_s + kv_token_s * kv_start  # memory time of the first step
         d = kv_token_s * batch_size  # growth of memory time per step
         if d <= 0.0:
@@ -501,7 +514,6 @@ class CostModel:
                 + tail * m0
                 + d * ((steps - 1) * steps - (k_star - 1) * k_star) / 2
             )
-        fixed = self.tp_comm_time(model, tp, batch_size) + self.decode_step_overhead_s
         return body + steps * fixed
 
     def generation_timing(
@@ -543,8 +555,13 @@ class CostModel:
                 f"tp={tp} x {self.accelerator.name} holds {cap_tokens}"
             )
 
-        finish = np.zeros(n, dtype=float)
-        join = np.zeros(n, dtype=np.int64)
+        # plain lists: the loop below reads one element at a time (numpy scalars are slow)
+        outs_l: list[int] = outs.tolist()
+        prompts_l: list[int] = prompts.tolist()
+        need_l: list[int] = need.tolist()
+        finish = [0.0] * n
+        join = [0] * n
+        seg_parts: dict[int, tuple[float, float, float, float]] = {}  # per batch size
         waiting = deque(range(n))
         running: list[tuple[int, int]] = []  # (last decode step index, sequence)
         t = prefill_s = decode_s = 0.0
@@ -560,24 +577,24 @@ class CostModel:
                 while (
                     waiting
                     and len(running) + len(batch) < cap_seqs
-                    and reserved + need[waiting[0]] <= cap_tokens
+                    and reserved + need_l[waiting[0]] <= cap_tokens
                 ):
                     i = waiting.popleft()
                     batch.append(i)
-                    reserved += int(need[i])
+                    reserved += need_l[i]
                 if not batch:
                     return  # KV cache full: wait for a running sequence to finish
-                dt = self.prefill_time(model, tp, float(prompts[batch].sum()))
+                dt = self.prefill_time(model, tp, float(sum(prompts_l[i] for i in batch)))
                 t += dt
                 prefill_s += dt
                 for i in batch:
-                    if outs[i] == 1:  # prefill's token was the only one
+                    if outs_l[i] == 1:  # prefill's token was the only one
                         finish[i] = t
-                        reserved -= int(need[i])
+                        reserved -= need_l[i]
                         continue
                     join[i] = step
-                    heapq.heappush(running, (step + int(outs[i]) - 2, i))
-                    kv_offset += float(prompts[i]) + 1 - step
+                    heapq.heappush(running, (step + outs_l[i] - 2, i))
+                    kv_offset += float(prompts_l[i]) + 1 - step
                 peak = max(peak, len(running))
 
         admit()
@@ -585,17 +602,18 @@ class CostModel:
             last = running[0][0]
             steps = last - step + 1
             batch_size = len(running)
-            dt = self._decode_segment_time(
-                model, tp, batch_size, kv_offset + batch_size * step, steps
-            )
+            parts = seg_parts.get(batch_size)
+            if parts is None:
+                parts = seg_parts[batch_size] = self._segment_parts(model, tp, batch_size)
+            dt = self._segment_time(parts, batch_size, kv_offset + batch_size * step, steps)
             t += dt
             decode_s += dt
             step += steps
             while running and running[0][0] == last:
                 _, i = heapq.heappop(running)
                 finish[i] = t
-                kv_offset -= float(prompts[i]) + 1 - int(join[i])
-                reserved -= int(need[i])
+                kv_offset -= float(prompts_l[i]) + 1 - join[i]
+                reserved -= need_l[i]
             admit()
 
         return GenerationTiming(
@@ -604,7 +622,7 @@ class CostModel:
             decode_s=float(decode_s),
             decode_steps=step,
             peak_batch=peak,
-            finish_s=finish,
+            finish_s=np.asarray(finish, dtype=float),
         )
 
     def batch_generation_time(

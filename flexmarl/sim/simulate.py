@@ -86,6 +86,8 @@ class SimResult:
     efficiency: float
     real_s: float
     runtime: SimRuntime
+    # this process's CPU seconds (on a shared machine, wall time counts the others' too)
+    cpu_s: float
     records: list[dict[str, Any]]
     orchestrator: JointOrchestrator
 
@@ -103,6 +105,7 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None,
     cfg = workload_config(wl, mode=mode, schedule=schedule, iterations=iterations)
     task = workload_task(wl)
     started = time.perf_counter()
+    cpu_started = time.process_time()
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -128,6 +131,7 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None,
         gc.set_threshold(*threshold)
         gc.unfreeze()
     real = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
     n = len(records)
     makespan = records[-1]["time_s"]
     busy = rt.busy_accel_seconds()
@@ -135,7 +139,7 @@ def simulate_system(wl: Workload, system: str, iterations: int | None = None,
     lower = lower_bound(rt, orch, n)
     per_it = makespan / n
     return SimResult(system, n, makespan, per_it, utilisation, lower, lower / per_it, real, rt,
-                     records, orch)
+                     cpu, records, orch)
 
 
 def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> float:
@@ -275,11 +279,11 @@ def simulate(path: str | Path, systems: list[str] | None = None, iterations: int
           f"{wl.cluster.accelerator.name}, {len(wl.agents)} agents, "
           f"{wl.episodes_per_iteration} episodes/iteration, {flex.iterations} iterations")
     print(f"{'system':<24}{'s/iteration':>12}{'speedup':>9}{'util':>7}{'util x':>8}"
-          f"{'lower bound':>12}{'efficiency':>11}{'real s':>8}")
+          f"{'lower bound':>12}{'efficiency':>11}{'real s':>8}{'cpu s':>7}")
     for r in results:
         print(f"{r.system:<24}{r.per_iteration_s:>12.1f}{r.per_iteration_s and flex.per_iteration_s and r.per_iteration_s / flex.per_iteration_s:>9.2f}"  # noqa: E501
               f"{r.utilisation:>7.2f}{flex.utilisation / r.utilisation:>8.2f}"
-              f"{r.lower_bound_s:>12.1f}{r.efficiency:>11.2f}{r.real_s:>8.1f}")
+              f"{r.lower_bound_s:>12.1f}{r.efficiency:>11.2f}{r.real_s:>8.1f}{r.cpu_s:>7.1f}")
     print("(speedup = that system's s/iteration / FlexMARL's; util x = FlexMARL's utilisation / "
           "that system's)")
     if out is not None:
@@ -289,7 +293,7 @@ def simulate(path: str | Path, systems: list[str] | None = None, iterations: int
         summary = [{"system": r.system, "per_iteration_s": r.per_iteration_s,
                     "makespan_s": r.makespan_s, "utilisation": r.utilisation,
                     "lower_bound_s": r.lower_bound_s, "efficiency": r.efficiency,
-                    "real_s": r.real_s, "plan": r.runtime.plans[-1]} for r in results]
+                    "real_s": r.real_s, "cpu_s": r.cpu_s, "plan": r.runtime.plans[-1]} for r in results]
         (out / "report.json").write_text(json.dumps(summary, indent=2))
         print(f"trace: {out / 'trace.json'}")
         if pictures:

@@ -43,7 +43,8 @@ class SyntheticTokens(Sequence[int]):
         return 0
 
     def __iter__(self) -> Iterator[int]:
-        return iter(())  if self.n == 0 else (0 for _ in range(self.n))
+        # the orchestrator counts distinct responses (tuple(tokens)): iterate in C
+        return itertools.repeat(0, self.n)
 
     def __repr__(self) -> str:
         return f"SyntheticTokens({self.n})"
@@ -123,10 +124,18 @@ def episode_variants(wl: Workload) -> tuple[list[tuple[str, EpisodeNode, tuple[s
     probs = [e.probability for _ in range(wl.graph.rounds) for e in wl.graph.edges
              if e.probability < 1.0]
 
+    drawn: dict[tuple[str, int], frozenset[str]] = {}  # every node asks: draw once
+
     def running(input_id: str, traj: int) -> frozenset[str]:
-        combo = tuple(keyed_uniform(wl.seed, "edge", input_id, traj, j) < p
-                      for j, p in enumerate(probs))
-        return runs[combo]
+        key = (input_id, traj)
+        out = drawn.get(key)
+        if out is None:
+            combo = tuple(keyed_uniform(wl.seed, "edge", input_id, traj, j) < p
+                          for j, p in enumerate(probs))
+            out = drawn[key] = runs[combo]
+            if len(drawn) > 65536:  # episodes of iterations long gone
+                drawn.pop(next(iter(drawn)))
+        return out
 
     return out, running, frozenset.intersection(*runs.values())
 
@@ -148,8 +157,9 @@ def workload_task(wl: Workload) -> Task:
         def when(ctx: EpisodeContext, name=name) -> bool:
             return name in running(ctx.input_id, ctx.trajectory_id)
 
+        # the draws are keyed by the episode, not by outputs: decided at its start
         graph.node(name, agent=node.agent, prompt=prompt, inputs=list(inputs),
-                   when=None if name in always else when)
+                   when=None if name in always else when, static_when=True)
 
     def reward(ctx: EpisodeContext) -> float:
         # A keyed coin: rewards only shape advantages, which the simulator does not time.

@@ -228,3 +228,42 @@ def test_a_frozen_agent_generates_at_version_zero_and_is_never_trained():
     assert all(acc.agent != "relay" for acc in train.accumulated)
     assert orch.records[-1]["agent/relay/policy_version"] == 0
     assert_on_policy(orch, rollout, train)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_static_condition_skips_its_branch_as_a_dynamic_one_does(mode):
+    """`static_when` (decided at the episode's start, no task for what it skips) serves the
+    very same requests, rows and weights as the same condition evaluated after the inputs;
+    a static condition that raises still fails its episode, naming the node."""
+    cfg = config(f"pipeline.mode={mode}")
+
+    def once(static: bool, when: Any) -> tuple[FakeRolloutPool, FakeTrainPool]:
+        task = load_task(cfg.task.builder, cfg.task.options)
+        order = task.graph.topological_order()
+        node = task.graph.nodes[order[1]]  # has a node downstream of it
+        node.when, node.static_when = when, static
+        rollout = FakeRolloutPool(cfg.seed)
+        train = FakeTrainPool([a for a in cfg.agents if cfg.agents[a].trainable])
+
+        async def main() -> None:
+            await asyncio.wait_for(JointOrchestrator(cfg, task, rollout, train,
+                                                     Telemetry(None)).run(), timeout=20)
+
+        asyncio.run(main())
+        return rollout, train
+
+    def odd(ctx: Any) -> bool:
+        return ctx.trajectory_id % 2 == 1
+
+    static, dynamic = once(True, odd), once(False, odd)
+    everything, _ = once(False, None)
+    assert static[0].generated == dynamic[0].generated
+    assert len(static[0].generated) < len(everything.generated)  # branches were skipped
+    assert per_step(static[1]) == per_step(dynamic[1])
+    assert final_weights(static[1]) == final_weights(dynamic[1])
+
+    def broken(ctx: Any) -> bool:
+        raise KeyError("no such field")
+
+    with pytest.raises(FailureBudgetExceeded, match="prompt builder raised KeyError"):
+        once(True, broken)

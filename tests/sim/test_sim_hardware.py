@@ -58,3 +58,15 @@ def test_profiles_are_immutable_and_sane() -> None:
         assert spec.intra_node_unidirectional > spec.inter_node_bandwidth > 0
     with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen-instance error
         get_accelerator("H800").memory_bytes = 1.0  # type: ignore[misc]
+
+
+def test_npu_64g_is_half_an_ascend_910c_chip() -> None:
+    """issue 21's 64 GB NPU-class profile: per die, half of the CloudMatrix384 paper's per-chip
+    figures (752 TFLOPS BF16, 128 GB at 3.2 TB/s, 392 GB/s UB, a 400 Gb/s RDMA plane)."""
+    npu = get_accelerator("NPU-64G")
+    assert npu.memory_bytes == pytest.approx(128e9 / 2)
+    assert npu.peak_bf16_flops == pytest.approx(752e12 / 2)
+    assert npu.hbm_bandwidth == pytest.approx(3.2e12 / 2)
+    assert npu.intra_node_bandwidth == pytest.approx(392e9)  # 196 GB/s each way, summed
+    assert npu.inter_node_bandwidth == pytest.approx(400e9 / 8 / 2)
+    assert get_accelerator("ascend 910c") is npu and get_accelerator("npu") is npu
