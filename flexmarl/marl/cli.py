@@ -34,10 +34,10 @@ def train_command(args: argparse.Namespace) -> int:
     check_out_dir(out, "--out" if args.out else "out (the run's output folder)")
     from flexmarl.marl.config import VdnConfig
     from flexmarl.marl.offpolicy import VdnTrainer
-    from flexmarl.marl.run import MarlTrainer
+    from flexmarl.marl.run import MarlRun
 
     # environments and networks built: spaces checked
-    trainer = VdnTrainer(cfg) if isinstance(cfg.algorithm, VdnConfig) else MarlTrainer(cfg)
+    trainer = VdnTrainer(cfg) if isinstance(cfg.algorithm, VdnConfig) else MarlRun(cfg)
     console = Console(stderr=True)
     console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {cfg.env.id}, "
                   f"{len(trainer.agents)} agents, {cfg.algorithm.name}, "

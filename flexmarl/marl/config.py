@@ -120,7 +120,13 @@ class MarlStoreConfig(Strict):
 
 class MarlRuntimeConfig(Strict):
     kind: Literal["local"] = "local"
-    torch_threads: int = Field(1, gt=0)
+    torch_threads: int = Field(1, gt=0)  # per worker process
+    # MAPPO/IPPO: worker processes of the local runtime. Each rollout worker steps its own
+    # `env.num_envs` environments; policies share `train_workers` training slots (swapped
+    # when fewer). VDN runs in one process and ignores them.
+    rollout_workers: int = Field(1, gt=0)
+    train_workers: int = Field(1, gt=0)
+    swap_to: Literal["host", "disk"] = "host"
 
 
 class MarlRunConfig(Strict):
@@ -138,7 +144,7 @@ class MarlRunConfig(Strict):
 
     @property
     def iterations(self) -> int:
-        per = self.env.num_envs * self.train.rollout_steps
+        per = self.env.num_envs * self.runtime.rollout_workers * self.train.rollout_steps
         return max(1, self.train.env_steps // per)
 
 

@@ -23,7 +23,8 @@ import torch
 from flexmarl.config.schema import ConfigError
 from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.marl.config import MarlRunConfig, VdnConfig
-from flexmarl.marl.run import MarlResult, _group_spec
+from flexmarl.marl.policies import group_spec
+from flexmarl.marl.run import MarlResult
 from flexmarl.policy.nets import RunningMeanStd
 from flexmarl.store.replay import ReplayTable
 from flexmarl.training.algorithms import vdn
@@ -45,7 +46,7 @@ class VdnTrainer:
         self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, cfg.env.num_envs, cfg.seed)
         self.venv.reset()
         self.agents = list(self.venv.agents)
-        spec = _group_spec(self.agents, self.venv.action_specs, cfg.env.id)
+        spec = group_spec(self.agents, self.venv.action_specs, cfg.env.id)
         if spec.kind != "discrete":
             raise ConfigError(f"algorithm.name: VDN needs discrete actions; {cfg.env.id} has "
                               f"{spec.kind} actions (use mappo or ippo)")
