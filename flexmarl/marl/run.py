@@ -44,7 +44,6 @@ from flexmarl.marl.policies import (
     layouts,
 )
 from flexmarl.marl.rollout import RolloutResult
-from flexmarl.orchestrator.schedules import SyncSchedule
 from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
 
 __all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "train_marl"]
@@ -156,7 +155,10 @@ class MarlRun:
 
     # --- the run -----------------------------------------------------------------------------
     async def _run(self, out: Path | None, on_iteration, n_iter: int) -> MarlResult:
+        # imported here: a spawned worker re-imports the parent's main module, and these
+        # pull in the LLM stack (transformers), which a worker does not need
         from flexmarl.marl.runtime import MarlRuntime
+        from flexmarl.orchestrator.schedules import SyncSchedule
 
         log = None
         records: list[dict[str, Any]] = []
