@@ -151,7 +151,7 @@ class VdnTrainer:
         try:
             while env_steps < cfg.train.env_steps:
                 o, m = self._joint(venv.obs, venv.masks)
-                state = venv.state.copy()
+                s_now = venv.state.copy()
                 eps = vdn.epsilon(env_steps, self.algo.eps_end, self.algo.eps_decay_steps)
                 actions = self.act(o, m, eps)
                 res = venv.step({a: actions[:, i:i + 1] for i, a in enumerate(self.agents)})
@@ -168,7 +168,7 @@ class VdnTrainer:
                 self.replay.add({"obs": o, "mask": m, "actions": actions.astype(np.int64),
                                  "reward": reward.astype(np.float32), "next_obs": no,
                                  "next_mask": nm, "done": np.asarray(terminal, dtype=np.float32),
-                                 **({"state": state, "next_state": np.where(
+                                 **({"state": s_now, "next_state": np.where(
                                      ended, res["final_state"], venv.state).astype(np.float32)}
                                     if self.mixer is not None else {})},
                                 env_steps)
