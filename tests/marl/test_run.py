@@ -176,8 +176,9 @@ def _speaker_listener(steps: int):
 
 
 def test_mappo_speaker_listener_rises_well_above_random() -> None:
-    """About 20 s on an idle 2-core machine: 24k environment steps (the random floor is
-    -40.4 per agent; benchmarks/mpe.py measures -18.4 here at this budget)."""
+    """24k environment steps in the runtime's worker processes (the random floor is -40.4
+    per agent; benchmarks/mpe_runtime.py measured -16.1 at 20k steps). About 20 s of training
+    plus the workers' start on an idle 2-core machine; 170 s at load average 20."""
     records = _speaker_listener(24_000)
     first = np.mean([r["return_mean"] for r in records[:3]])
     last = np.mean([r["return_mean"] for r in records[-8:]])
