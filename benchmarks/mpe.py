@@ -3,7 +3,8 @@
     python benchmarks/mpe.py [--steps 200000 | --steps spread=100000,speaker_listener=150000]
                              [--scenarios spread,speaker_listener,reference]
                              [--algos mappo,ippo] [--part ppo|vdn|all|print]
-                             [--vdn-steps 60000] [--out docs/marl] [--seed 0]
+                             [--vdn-steps 60000] [--mixers vdn,qmix] [--out docs/marl]
+                             [--seed 0]
 
 Prints three tables:
 1. returns (mean episode return per agent, 25 steps) at the env-step budget, averaged over the
@@ -12,11 +13,11 @@ Prints three tables:
    target <= 1/3 of random; spread: landmarks covered at episode end, target >= 2 of 3);
 2. rollout-worker env steps/s, vectorised (32 envs, one forward pass per step for all of them)
    vs one environment at a time, and of each whole training run;
-3. VDN on simple_spread with the prioritized, age-weighted replay table vs uniform replay,
-   at the same number of env steps;
+3. VDN and QMIX on simple_spread with the prioritized, age-weighted replay table vs uniform
+   replay, at the same number of env steps;
 4. published numbers, and why they are not comparable where they are not.
-Writes `OUT/results.json` (part ppo), `OUT/results_vdn.json` (part vdn), one learning-curve
-PNG per scenario (`OUT/<scenario>.png`, `OUT/vdn_spread.png`); `--part print` only prints
+Writes `OUT/results.json` (part ppo), `OUT/results_{vdn,qmix}.json` (part vdn), one
+learning-curve PNG per scenario (`OUT/<scenario>.png`, `OUT/spread_{vdn,qmix}.png`); `--part print` only prints
 the tables from those files. The parts can run as two processes.
 """
 
@@ -31,7 +32,8 @@ import numpy as np
 
 from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.marl.config import MarlRunConfig, load_marl_config
-from flexmarl.marl.run import MarlTrainer, train_marl
+from flexmarl.marl.rollout import EnvRollout
+from flexmarl.marl.run import MarlRun, train_marl
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = {
@@ -73,20 +75,27 @@ def tail_mean(records: list[dict], key: str) -> float:
 
 
 def rollout_throughput(cfg: MarlRunConfig, env_steps: int) -> dict[str, float]:
-    """Env steps/s of the rollout worker alone (store writes included, no training): 32
-    envs per forward pass vs 1; the policy stays at version 0."""
+    """Env steps/s of one rollout worker's computation alone (in this process, store writes
+    included, no training): 32 envs per forward pass vs 1; the policy stays at version 0."""
+    from flexmarl.marl.learner import PolicyLearner
+
     out = {}
     for n in (32, 1):
         c = cfg.model_copy(deep=True)
         c.env.num_envs = n
-        trainer = MarlTrainer(c)
+        run = MarlRun(c)
+        env = EnvRollout(c, run.layouts)
+        for name, lay in run.layouts.items():
+            env.load(name, 0, PolicyLearner(c, lay).weights())
         rounds = max(1, env_steps // (n * c.train.rollout_steps))
         t0 = time.perf_counter()
         for k in range(rounds):
-            trainer.rollout(k)
-            for a in trainer.agents:  # hand the rows out and drop them, without training
-                trainer.store.release(trainer.store.take_ready(a, k, n, k))
-                trainer.store.evict(a, k)
+            for actor in env.actors.values():
+                actor.version = k  # the same weights, relabelled: no training here
+            run.put_rows(k, [env.run(k)])
+            for a in run.agents:  # hand the rows out and drop them, without training
+                run.store.release(run.store.take_ready(a, k, n, k))
+                run.store.evict(a, k)
         out[f"envs{n}"] = rounds * n * c.train.rollout_steps / (time.perf_counter() - t0)
     return out
 
@@ -120,6 +129,7 @@ def main() -> None:
                     help="env steps per training run: N, or scenario=N,... per scenario")
     ap.add_argument("--part", choices=["ppo", "vdn", "all", "print"], default="all")
     ap.add_argument("--vdn-steps", type=int, default=60_000)
+    ap.add_argument("--mixers", default="vdn,qmix", help="replay learners of part vdn")
     ap.add_argument("--scenarios", default="spread,speaker_listener,reference")
     ap.add_argument("--algos", default="mappo,ippo")
     ap.add_argument("--random-episodes", type=int, default=640)
@@ -136,7 +146,7 @@ def main() -> None:
     else:
         budget = dict.fromkeys(scenarios, int(args.steps))
     if args.part in ("vdn", "all"):
-        run_vdn(args.vdn_steps, args.seed, out)
+        run_vdn(args.vdn_steps, args.seed, out, args.mixers.split(","))
     if args.part in ("ppo", "all"):
         run_ppo(scenarios, algos, budget, args, out)
     print_all(out)
@@ -176,45 +186,50 @@ def run_ppo(scenarios: list[str], algos: list[str], budget: dict[str, int], args
         (out / "results.json").write_text(json.dumps(results, indent=1))  # after each
 
 
-def run_vdn(steps: int, seed: int, out: Path) -> None:
-    """VDN on simple_spread: prioritized + age-weighted replay vs uniform, same env steps."""
+def run_vdn(steps: int, seed: int, out: Path, mixers: list[str]) -> None:
+    """VDN / QMIX on simple_spread: prioritized + age-weighted replay vs uniform, same env
+    steps. One file per mixer (`results_<mixer>.json`), so mixers can run as two processes."""
     from flexmarl.marl.offpolicy import train_vdn
 
-    res: dict = {"steps": steps, "seed": seed, "runs": {}}
-    curves = {}
-    for label, prio in (("prioritized", True), ("uniform", False)):
-        sets = [f"train.env_steps={steps}", "algorithm={name: vdn}", f"seed={seed}",
-                f"algorithm.prioritized={str(prio).lower()}",
-                f"algorithm.age_weight={str(prio).lower()}",
-                f"algorithm.eps_decay_steps={steps // 2}"]
-        cfg = load_marl_config(ROOT / SCENARIOS["spread"][0], sets)
-        t0 = time.perf_counter()
-        r = train_vdn(cfg, None)
-        wall = time.perf_counter() - t0
-        res["runs"][label] = {"return": tail_mean(r.records, "return_mean"),
-                              "landmarks_covered": tail_mean(r.records,
-                                                             "task/landmarks_covered"),
-                              "env_steps": r.env_steps, "wall_s": wall}
-        curves[f"VDN {label}"] = r.records
-        print(f"[vdn {label}] {r.env_steps} steps in {wall:.0f} s: return "
-              f"{res['runs'][label]['return']:.2f}", flush=True)
-    plot("spread_vdn", curves, SCENARIOS["spread"][1], out)
-    (out / "results_vdn.json").write_text(json.dumps(res, indent=1))
+    for mixer in mixers:
+        res: dict = {"steps": steps, "seed": seed, "mixer": mixer, "runs": {}}
+        curves = {}
+        for label, prio in (("prioritized", True), ("uniform", False)):
+            sets = [f"train.env_steps={steps}", f"algorithm={{name: {mixer}}}", f"seed={seed}",
+                    f"algorithm.prioritized={str(prio).lower()}",
+                    f"algorithm.age_weight={str(prio).lower()}",
+                    f"algorithm.eps_decay_steps={steps // 2}"]
+            cfg = load_marl_config(ROOT / SCENARIOS["spread"][0], sets)
+            t0 = time.perf_counter()
+            r = train_vdn(cfg, None)
+            wall = time.perf_counter() - t0
+            res["runs"][label] = {"return": tail_mean(r.records, "return_mean"),
+                                  "landmarks_covered": tail_mean(r.records,
+                                                                 "task/landmarks_covered"),
+                                  "env_steps": r.env_steps, "wall_s": wall}
+            curves[f"{mixer.upper()} {label}"] = r.records
+            print(f"[{mixer} {label}] {r.env_steps} steps in {wall:.0f} s: return "
+                  f"{res['runs'][label]['return']:.2f}", flush=True)
+        plot(f"spread_{mixer}", curves, SCENARIOS["spread"][1], out)
+        (out / f"results_{mixer}.json").write_text(json.dumps(res, indent=1))
 
 
 def print_all(out: Path) -> None:
     if (out / "results.json").exists():
         results = json.loads((out / "results.json").read_text())
         print_tables(results, results["algos"])
-    if (out / "results_vdn.json").exists():
-        v = json.loads((out / "results_vdn.json").read_text())
-        print(f"\n## VDN on simple_spread, {v['steps']} env steps: prioritized (15% of each "
-              "batch by priority) + age-weighted replay vs uniform\n")
-        print("| replay | return | landmarks covered | wall s |")
-        print("|---|---|---|---|")
-        for label, r in v["runs"].items():
-            print(f"| {label} | {r['return']:.2f} | {r['landmarks_covered']:.3f} | "
-                  f"{r['wall_s']:.0f} |")
+    files = [out / f"results_{m}.json" for m in ("vdn", "qmix")]
+    vals = [json.loads(f.read_text()) for f in files if f.exists()]
+    if vals:
+        steps = sorted({v["steps"] for v in vals})
+        print(f"\n## VDN / QMIX on simple_spread, {'/'.join(map(str, steps))} env steps: "
+              "prioritized (15% of each batch by priority) + age-weighted replay vs uniform\n")
+        print("| learner | replay | return | landmarks covered | wall s |")
+        print("|---|---|---|---|---|")
+        for v in vals:
+            for label, r in v["runs"].items():
+                print(f"| {v.get('mixer', 'vdn').upper()} | {label} | {r['return']:.2f} | "
+                      f"{r['landmarks_covered']:.3f} | {r['wall_s']:.0f} |")
 
 
 def print_tables(results: dict, algos: list[str]) -> None:

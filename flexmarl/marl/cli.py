@@ -34,15 +34,16 @@ def train_command(args: argparse.Namespace) -> int:
     check_out_dir(out, "--out" if args.out else "out (the run's output folder)")
     from flexmarl.marl.config import VdnConfig
     from flexmarl.marl.offpolicy import VdnTrainer
-    from flexmarl.marl.run import MarlTrainer
+    from flexmarl.marl.run import MarlRun
 
     # environments and networks built: spaces checked
-    trainer = VdnTrainer(cfg) if isinstance(cfg.algorithm, VdnConfig) else MarlTrainer(cfg)
+    trainer = VdnTrainer(cfg) if isinstance(cfg.algorithm, VdnConfig) else MarlRun(cfg)
     console = Console(stderr=True)
+    envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
     console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {cfg.env.id}, "
                   f"{len(trainer.agents)} agents, {cfg.algorithm.name}, "
-                  f"{cfg.env.num_envs} envs, {cfg.iterations} iterations "
-                  f"({cfg.iterations * cfg.env.num_envs * cfg.train.rollout_steps} env steps) "
+                  f"{envs} envs, {cfg.iterations} iterations "
+                  f"({cfg.iterations * envs * cfg.train.rollout_steps} env steps) "
                   f"-> {out}")
     progress = Progress(TextColumn("[bold blue]iteration {task.completed}/{task.total}"),
                         BarColumn(), TextColumn("return {task.fields[ret]:.2f}"),

@@ -78,9 +78,15 @@ class MappoConfig(Strict):
 
 
 class VdnConfig(Strict):
-    """VDN with a prioritized, age-weighted replay table (off-policy; docs/marl.md)."""
+    """VDN (sum of agent values) or QMIX (monotonic mixing network of the global state), with
+    a prioritized, age-weighted replay table (off-policy; docs/marl.md)."""
 
-    name: Literal["vdn"] = "vdn"
+    name: Literal["vdn", "qmix"] = "vdn"
+    # QMIX's mixer (training/algorithms/qmix.py): embedding width, hypernetwork depth (1 or 2)
+    # and hidden width
+    mixing_embed: int = Field(32, gt=0)
+    hypernet_layers: Literal[1, 2] = 2
+    hypernet_embed: int = Field(64, gt=0)
     lr: float = Field(5e-4, gt=0)
     gamma: float = Field(0.99, ge=0, le=1)
     batch_size: int = Field(256, gt=0)
@@ -120,7 +126,13 @@ class MarlStoreConfig(Strict):
 
 class MarlRuntimeConfig(Strict):
     kind: Literal["local"] = "local"
-    torch_threads: int = Field(1, gt=0)
+    torch_threads: int = Field(1, gt=0)  # per worker process
+    # MAPPO/IPPO: worker processes of the local runtime. Each rollout worker steps its own
+    # `env.num_envs` environments; policies share `train_workers` training slots (swapped
+    # when fewer). VDN runs in one process and ignores them.
+    rollout_workers: int = Field(1, gt=0)
+    train_workers: int = Field(1, gt=0)
+    swap_to: Literal["host", "disk"] = "host"
 
 
 class MarlRunConfig(Strict):
@@ -138,7 +150,7 @@ class MarlRunConfig(Strict):
 
     @property
     def iterations(self) -> int:
-        per = self.env.num_envs * self.train.rollout_steps
+        per = self.env.num_envs * self.runtime.rollout_workers * self.train.rollout_steps
         return max(1, self.train.env_steps // per)
 
 
@@ -151,13 +163,13 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
         cfg = MarlRunConfig.model_validate(raw)
     except ValidationError as exc:
         text = _format_errors(exc, source)
-        for tag in ("mappo", "ippo", "vdn"):  # the union's tag is not part of the YAML path
+        for tag in ("mappo", "ippo", "vdn", "qmix"):  # the union's tag is not part of the YAML path
             text = text.replace(f"  algorithm.{tag}.", "  algorithm.")
         lines = []
         for line in text.splitlines():
             key = line.strip().split(":", 1)[0].removeprefix("algorithm.")
             if line.startswith("  algorithm.") and line.endswith("unknown key"):
-                owners = [n for n, c in (("mappo/ippo", MappoConfig), ("vdn", VdnConfig))
+                owners = [n for n, c in (("mappo/ippo", MappoConfig), ("vdn/qmix", VdnConfig))
                           if key in c.model_fields]
                 if owners:
                     line += f" (an option of {owners[0]}, not of this algorithm)"
@@ -167,6 +179,11 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
                for e in exc.errors()):
             text += "\n  (classic MARL runs on the local runtime only, so far)"
         raise ConfigError(text) from None
+    if isinstance(cfg.algorithm, VdnConfig) and (cfg.runtime.rollout_workers != 1
+                                                 or cfg.runtime.train_workers != 1):
+        raise ConfigError(f"{source}: runtime.rollout_workers / train_workers: "
+                          f"{cfg.algorithm.name} runs its replay loop in one process; leave "
+                          "them at 1")
     if cfg.logging.backends != ["jsonl"]:
         raise ConfigError(f"{source}: logging.backends: classic MARL runs write metrics.jsonl "
                           "only, so far")

@@ -23,16 +23,17 @@ import torch
 from flexmarl.config.schema import ConfigError
 from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.marl.config import MarlRunConfig, VdnConfig
-from flexmarl.marl.run import MarlResult, _group_spec
+from flexmarl.marl.policies import group_spec
+from flexmarl.marl.run import MarlResult
 from flexmarl.policy.nets import RunningMeanStd
 from flexmarl.store.replay import ReplayTable
-from flexmarl.training.algorithms import vdn
+from flexmarl.training.algorithms import qmix, vdn
 
 
 class VdnTrainer:
     def __init__(self, cfg: MarlRunConfig) -> None:
         if not isinstance(cfg.algorithm, VdnConfig):
-            raise ConfigError("algorithm.name: VdnTrainer needs algorithm.name vdn")
+            raise ConfigError("algorithm.name: VdnTrainer needs algorithm.name vdn or qmix")
         if not cfg.policy.share_parameters:
             raise ConfigError("policy.share_parameters: VDN here uses one Q-network shared "
                               "by all agents (agent id in its input); set it to true")
@@ -45,7 +46,7 @@ class VdnTrainer:
         self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, cfg.env.num_envs, cfg.seed)
         self.venv.reset()
         self.agents = list(self.venv.agents)
-        spec = _group_spec(self.agents, self.venv.action_specs, cfg.env.id)
+        spec = group_spec(self.agents, self.venv.action_specs, cfg.env.id)
         if spec.kind != "discrete":
             raise ConfigError(f"algorithm.name: VDN needs discrete actions; {cfg.env.id} has "
                               f"{spec.kind} actions (use mappo or ippo)")
@@ -54,7 +55,18 @@ class VdnTrainer:
         n = len(self.agents)
         self.q = vdn.QNet(self.obs_dim + n, self.n_actions, list(cfg.policy.network.hidden))
         self.q_target = copy.deepcopy(self.q)
-        self.opt = torch.optim.Adam(self.q.parameters(), lr=self.algo.lr)
+        # QMIX: a mixing network of the global state in place of VDN's sum
+        self.mixer: qmix.QMixer | None = None
+        self.mixer_target: qmix.QMixer | None = None
+        params = list(self.q.parameters())
+        if self.algo.name == "qmix":
+            state_dim = self.venv.state.shape[1]
+            self.mixer = qmix.QMixer(n, state_dim, self.algo.mixing_embed,
+                                     self.algo.hypernet_layers, self.algo.hypernet_embed)
+            self.mixer_target = copy.deepcopy(self.mixer)
+            params += list(self.mixer.parameters())
+        self.params = params
+        self.opt = torch.optim.Adam(params, lr=self.algo.lr)
         self.norm = RunningMeanStd(self.obs_dim) if cfg.policy.obs_norm else None
         a = self.algo
         self.replay = ReplayTable(a.capacity, a.min_size,
@@ -91,22 +103,32 @@ class VdnTrainer:
         d = {k: torch.from_numpy(v) for k, v in b.data.items()}
         with torch.no_grad():
             x_next = self._input(d["next_obs"])
-            targets = vdn.td_targets(self.q(x_next, d["next_mask"]),
-                                     self.q_target(x_next, d["next_mask"]),
-                                     d["reward"], d["done"], self.algo.gamma)
+            q_next, q_next_target = (self.q(x_next, d["next_mask"]),
+                                     self.q_target(x_next, d["next_mask"]))
+            if self.mixer_target is not None:
+                targets = qmix.td_targets(q_next, q_next_target, d["reward"], d["done"],
+                                          self.algo.gamma, self.mixer_target, d["next_state"])
+            else:
+                targets = vdn.td_targets(q_next, q_next_target, d["reward"], d["done"],
+                                         self.algo.gamma)
         q = self.q(self._input(d["obs"]), d["mask"])
         w = torch.from_numpy(b.age_weight if self.algo.age_weight
                              else np.ones_like(b.age_weight)).float()
-        loss, td = vdn.loss(q, d["actions"], targets, w)
+        if self.mixer is not None:
+            loss, td = qmix.loss(q, d["actions"], targets, w, self.mixer, d["state"])
+        else:
+            loss, td = vdn.loss(q, d["actions"], targets, w)
         self.opt.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(
-            self.q.parameters(), self.algo.max_grad_norm or float("inf"))
+            self.params, self.algo.max_grad_norm or float("inf"))
         self.opt.step()
         self.replay.update_priorities(b.index, td.numpy())
         self.updates += 1
         if self.updates % self.algo.target_every == 0:
             self.q_target.load_state_dict(self.q.state_dict())
+            if self.mixer is not None and self.mixer_target is not None:
+                self.mixer_target.load_state_dict(self.mixer.state_dict())
         return {"loss/value": float(loss.detach()), "q_mean": float(q.detach().max(-1).values
                                                                    .mean()),
                 "td_abs_mean": float(td.abs().mean()), "grad_norm": float(norm),
@@ -129,6 +151,7 @@ class VdnTrainer:
         try:
             while env_steps < cfg.train.env_steps:
                 o, m = self._joint(venv.obs, venv.masks)
+                s_now = venv.state.copy()
                 eps = vdn.epsilon(env_steps, self.algo.eps_end, self.algo.eps_decay_steps)
                 actions = self.act(o, m, eps)
                 res = venv.step({a: actions[:, i:i + 1] for i, a in enumerate(self.agents)})
@@ -144,7 +167,10 @@ class VdnTrainer:
                     self.norm.update(torch.from_numpy(o))
                 self.replay.add({"obs": o, "mask": m, "actions": actions.astype(np.int64),
                                  "reward": reward.astype(np.float32), "next_obs": no,
-                                 "next_mask": nm, "done": np.asarray(terminal, dtype=np.float32)},
+                                 "next_mask": nm, "done": np.asarray(terminal, dtype=np.float32),
+                                 **({"state": s_now, "next_state": np.where(
+                                     ended, res["final_state"], venv.state).astype(np.float32)}
+                                    if self.mixer is not None else {})},
                                 env_steps)
                 if self.replay.ready:
                     for _ in range(self.algo.updates_per_step):
@@ -172,6 +198,9 @@ class VdnTrainer:
             d = out / "checkpoints" / "final" / "shared"
             d.mkdir(parents=True, exist_ok=True)
             state = {f"q.{k}": v.contiguous() for k, v in self.q.state_dict().items()}
+            if self.mixer is not None:
+                state.update({f"mixer.{k}": v.contiguous()
+                              for k, v in self.mixer.state_dict().items()})
             if self.norm is not None:
                 state.update({f"obs_norm.{k}": v for k, v in self.norm.state_dict().items()})
             save_file(state, str(d / "model.safetensors"))

@@ -23,6 +23,19 @@ from flexmarl.orchestrator.versions import Versions
 from flexmarl.runtime.base import TrainPool
 
 
+class IterationRollout(Protocol):
+    """What `SyncSchedule` needs of a rollout: `EpisodeRunner`, or the classic MARL driver."""
+
+    async def rollout_iteration(self, k: int) -> Any: ...
+
+
+class IterationTrainer(Protocol):
+    """What `SyncSchedule` needs of training: `MicroBatchTrainer`, or the classic MARL
+    driver (which steps a network policy in its training slot)."""
+
+    async def train_iteration(self, agent: str, k: int) -> Any: ...
+
+
 class Schedule(Protocol):
     async def drive(self, first: int, iterations: int) -> None:
         """Run iterations [first, iterations); `finish(k)` is called once k is rolled out and
@@ -31,7 +44,7 @@ class Schedule(Protocol):
 
 
 class SyncSchedule(Schedule):
-    def __init__(self, episodes: EpisodeRunner, trainer: MicroBatchTrainer, train: TrainPool,
+    def __init__(self, episodes: IterationRollout, trainer: IterationTrainer, train: TrainPool,
                  trainable: list[str], finish: Callable[[int], None]) -> None:
         self.episodes = episodes
         self.trainer = trainer

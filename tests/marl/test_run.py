@@ -1,5 +1,7 @@
-"""The classic MARL driver end to end on real MPE environments: the consistency contract over
-PPO epochs, GRU and Gaussian policies, config errors, and a short run that learns."""
+"""The classic MARL driver end to end on real MPE environments, in the local runtime's worker
+processes (rollout workers, training slots): the consistency contract over PPO epochs, exact
+swaps of policies sharing a slot, GRU and Gaussian policies, config errors, and a short run
+that learns. In-process pieces (`EnvRollout`, `PolicyLearner`) test what a worker computes."""
 
 from __future__ import annotations
 
@@ -7,14 +9,18 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("mpe2")
 
 from flexmarl.cli.main import main  # noqa: E402
 from flexmarl.config.schema import ConfigError  # noqa: E402
 from flexmarl.marl.config import marl_config_from_dict  # noqa: E402
-from flexmarl.marl.run import MarlTrainer, PolicyError, train_marl  # noqa: E402
+from flexmarl.marl.learner import LearnerError, PolicyLearner  # noqa: E402
+from flexmarl.marl.rollout import EnvRollout  # noqa: E402
+from flexmarl.marl.run import MarlRun, PolicyError, train_marl  # noqa: E402
 from flexmarl.store.experience import ConsistencyError  # noqa: E402
+from flexmarl.training import state as st  # noqa: E402
 
 SPEAKER_LISTENER_RANDOM = -40.4  # mean episode return per agent, random policy (issue 18)
 
@@ -35,7 +41,30 @@ def cfg(**over):
     return marl_config_from_dict(raw)
 
 
+def in_process(c):
+    """A run's layout and store, one rollout worker and one learner per policy, in this
+    process (what the worker processes compute), at version 0."""
+    run = MarlRun(c)
+    env = EnvRollout(c, run.layouts)
+    learners = {name: PolicyLearner(c, lay) for name, lay in run.layouts.items()}
+    for name, learner in learners.items():
+        env.load(name, 0, learner.weights())
+    return run, env, learners
+
+
+def step_in_process(run, env, learners, k: int) -> None:
+    """Iteration k: rollout, store, step of every learner, version k+1 to the rollout."""
+    run.put_rows(k, [env.run(k)])
+    for name, learner in learners.items():
+        for _, samples in run.take(name, k).values():
+            learner.accumulate(samples)
+        learner.step()
+        env.load(name, k + 1, learner.weights())
+
+
 def test_every_epoch_of_step_k_uses_only_iteration_k_rows(tmp_path) -> None:
+    """Two policies time-share one training slot (swapped each iteration); the same run with
+    a slot each gives bit-identical losses: a swap moves the whole learner state."""
     c = cfg(**{"train.env_steps": 300})  # 3 iterations of 4 envs x 25 steps
     res = train_marl(c, tmp_path / "run")
     assert len(res.records) == 3 and res.env_steps == 300
@@ -51,39 +80,75 @@ def test_every_epoch_of_step_k_uses_only_iteration_k_rows(tmp_path) -> None:
         assert set(epochs.values()) == {4}  # each epoch of each step saw all 4 rows
     for stats in res.store_stats.values():
         assert stats["consumed"] == 12 and stats["ready"] == 0 and stats["failed"] == 0
+    assert res.placement["train_swaps_in"]["speaker_0"] >= 3  # swapped in every iteration
     assert (tmp_path / "run" / "metrics.jsonl").exists()
     assert (tmp_path / "run" / "checkpoints" / "final" / "listener_0" / "model.safetensors"
             ).exists()
+    two = train_marl(cfg(**{"train.env_steps": 300, "runtime.train_workers": 2}), None)
+    assert len(two.placement["train"]) == 2 and two.placement["train_swaps"] == 0
+    for a, b in zip(res.records, two.records, strict=True):
+        for key in ("agent/speaker_0/loss/policy", "agent/listener_0/loss/value",
+                    "return_mean"):
+            assert a[key] == b[key], key
 
 
 def test_a_step_refuses_rows_of_another_iteration() -> None:
-    trainer = MarlTrainer(cfg())
-    trainer.rollout(0)
+    c = cfg()
+    run, env, learners = in_process(c)
+    run.put_rows(0, [env.run(0)])
     with pytest.raises(ConsistencyError, match="iteration 0, but step 1"):
-        trainer.store.take_ready("speaker_0", 0, 4, 1)
+        run.store.take_ready("speaker_0", 0, 4, 1)
+    _, samples = run.take("speaker_0", 0)["speaker_0"]
+    learners["speaker_0"].version = 1  # a learner past step 0 refuses iteration 0's rows
+    with pytest.raises(LearnerError, match="step 1 trains on iteration 1's rows"):
+        learners["speaker_0"].accumulate(samples)
+    with pytest.raises(RuntimeError, match="holds version 0, iteration 1 needs version 1"):
+        env.run(1)  # a rollout never runs on weights of another version
+
+
+def test_a_swapped_out_learner_resumes_exactly() -> None:
+    """capture -> wire -> restore into a fresh learner, with rows held (accumulated, not
+    stepped): its step equals the unswapped learner's, weights and metrics bit for bit."""
+    c = cfg(**{"policy.share_parameters": True, "policy.network.kind": "gru"})
+    run, env, learners = in_process(c)
+    step_in_process(run, env, learners, 0)  # Adam state, statistics, version 1
+    run.put_rows(1, [env.run(1)])
+    a = learners["shared"]
+    for _, samples in run.take("shared", 1).values():
+        a.accumulate(samples)
+    b = PolicyLearner(c, run.layouts["shared"])
+    b.restore(st.from_wire(st.to_wire(a.capture())))
+    ma, _ = a.step()
+    mb, _ = b.step()
+    assert ma == mb and a.version == b.version == 2
+    for key, value in a.weights().items():
+        assert torch.equal(value, b.weights()[key]), key
 
 
 def test_gru_shared_and_gaussian_policies_run() -> None:
     gru = cfg(**{"env.id": "mpe2.simple_spread_v3", "policy.share_parameters": True,
-                 "policy.network.kind": "gru", "algorithm.name": "ippo"})
-    res = train_marl(gru, None)
+                 "policy.network.kind": "gru", "algorithm.name": "ippo",
+                 "runtime.rollout_workers": 2})
+    res = train_marl(gru, None)  # 2 rollout workers x 4 envs: 1 iteration of 200 steps
     assert np.isfinite(res.records[-1]["agent/shared/loss/policy"])
-    trainer = MarlTrainer(gru)
-    assert trainer.policies["shared"].hidden.shape == (3 * 4, 64)  # carried across steps
+    envs = {sid.split("_")[0].split("-")[1] for sid, *_ in res.audit["shared"]}
+    assert envs == {str(e) for e in range(8)}  # both workers' environments, distinct ids
+    _, env, _ = in_process(gru)
+    assert env.actors["shared"].hidden.shape == (3 * 4, 64)  # carried across iterations
     box = cfg(**{"env.id": "mpe2.simple_spread_v3", "env.options.continuous_actions": True,
                  "policy.share_parameters": True})
     res = train_marl(box, None)
-    assert MarlTrainer(box).policies["shared"].spec.kind == "box"
+    assert MarlRun(box).layouts["shared"].spec.kind == "box"
     assert np.isfinite(res.records[-1]["agent/shared/entropy"])
 
 
 def test_shared_speaker_listener_pads_discrete_heads() -> None:
-    trainer = MarlTrainer(cfg(**{"policy.share_parameters": True}))
-    p = trainer.policies["shared"]
-    assert p.spec.nvec == (5,) and p.net.obs_dim == 11
-    trainer.rollout(0)
-    rows = trainer.store.take_ready("speaker_0", 0, 4, 0)
-    actions = np.concatenate([trainer.store.fetch(r, "actions") for r in rows])
+    run, env, _ = in_process(cfg(**{"policy.share_parameters": True}))
+    lay = run.layouts["shared"]
+    assert lay.spec.nvec == (5,) and lay.obs_dim == 11
+    run.put_rows(0, [env.run(0)])
+    rows = run.store.take_ready("speaker_0", 0, 4, 0)
+    actions = np.concatenate([run.store.fetch(r, "actions") for r in rows])
     assert actions.max() < 3  # the speaker's 3 words only: padded actions are masked
 
 
@@ -97,10 +162,10 @@ def test_config_errors_name_the_field(tmp_path, capsys) -> None:
     assert main(["train", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "env.id: unknown environment 'mpe2.simple_nothing_v9'" in capsys.readouterr().err
     from flexmarl.envs.spaces import ActionSpec
-    from flexmarl.marl.run import _group_spec
+    from flexmarl.marl.policies import group_spec
 
     with pytest.raises(PolicyError, match="agents of env 'e' have different action spaces"):
-        _group_spec(["a", "b"], {"a": ActionSpec("discrete", nvec=(3,)),
+        group_spec(["a", "b"], {"a": ActionSpec("discrete", nvec=(3,)),
                                  "b": ActionSpec("box", dim=2, low=(-1, -1), high=(1, 1))}, "e")
 
 
@@ -111,8 +176,9 @@ def _speaker_listener(steps: int):
 
 
 def test_mappo_speaker_listener_rises_well_above_random() -> None:
-    """About 20 s on an idle 2-core machine: 24k environment steps (the random floor is
-    -40.4 per agent; benchmarks/mpe.py measures -18.4 here at this budget)."""
+    """24k environment steps in the runtime's worker processes (the random floor is -40.4
+    per agent; benchmarks/mpe_runtime.py measured -16.1 at 20k steps). About 20 s of training
+    plus the workers' start on an idle 2-core machine; 170 s at load average 20."""
     records = _speaker_listener(24_000)
     first = np.mean([r["return_mean"] for r in records[:3]])
     last = np.mean([r["return_mean"] for r in records[-8:]])
@@ -132,24 +198,25 @@ def test_mappo_speaker_listener_longer_run_halves_the_distance() -> None:
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
-    """On-policy: at the first epoch the trainer's log-probs of iteration k's rows are the
+    """On-policy: at the first epoch the learner's log-probs of iteration k's rows are the
     rollout's, also when the store holds FP16 + zstd observations (the policy acts on the
     rounded ones), and the compressed rows take fewer bytes."""
-    import torch
-
     c = cfg(**{"env.id": "mpe2.simple_spread_v3", "policy.share_parameters": True,
                "store.compress_obs": compress, "train.env_steps": 200})
-    trainer = MarlTrainer(c)
-    trainer.run(None, iterations=1)  # obs statistics exist: version 1 normalises
-    trainer.rollout(1)
-    p = trainer.policies["shared"]
-    batch, _ = trainer._batch(p, 1)
+    run, env, learners = in_process(c)
+    step_in_process(run, env, learners, 0)  # obs statistics exist: version 1 normalises
+    run.payload_bytes = [0, 0]
+    run.put_rows(1, [env.run(1)])
+    learner = learners["shared"]
+    samples = [s for _, ss in run.take("shared", 1).values() for s in ss]
+    batch = learner._batch(samples, 1)
+    net = learner.net
     with torch.no_grad():
-        out = p.net.actor.sequence(p.net.actor_input(batch.obs, batch.agent_ids), None,
-                                   batch.starts)
-        logp = p.net.actor.dist(out, batch.action_mask).log_prob(batch.actions)
+        out = net.actor.sequence(net.actor_input(batch.obs, batch.agent_ids), None,
+                                 batch.starts)
+        logp = net.actor.dist(out, batch.action_mask).log_prob(batch.actions)
     torch.testing.assert_close(logp, batch.logp, rtol=0, atol=1e-5)
-    raw, stored = trainer.payload_bytes
+    raw, stored = run.payload_bytes
     assert raw > 0 and (stored < 0.5 * raw if compress else stored == raw)
 
 

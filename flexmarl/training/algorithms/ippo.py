@@ -2,7 +2,7 @@
 
 Everything else is MAPPO's (`mappo.py`): GAE, value normalisation, clipped surrogate, clipped
 value loss, epochs x mini-batches over one iteration's rows. The only difference is the
-critic's input, which the rollout driver (flexmarl/marl/run.py) chooses from
+critic's input, which the rollout (flexmarl/marl/policies.py: `critic_x`) chooses from
 `critic_features`: MAPPO the global state or the concatenated observations, IPPO the local
 observation. Comparing the two on the same budget isolates what centralisation buys.
 """

@@ -1,7 +1,7 @@
 """MAPPO (Yu et al., 2022): PPO for cooperative agents with a centralised critic.
 
 Read top to bottom:
-1. rollout (flexmarl/marl/run.py) records, per agent and environment, T steps of observation,
+1. rollout (flexmarl/marl/rollout.py, in a rollout worker) records, per agent and environment, T steps of observation,
    critic input (the global state, or concatenated observations; `ippo.py`: the agent's own
    observation), action, behaviour log-prob, the critic's output, reward, `done` (the agent's
    chain of nodes ends at this step) and `alive` (the agent acted at this step). A truncated

@@ -1,0 +1,115 @@
+"""Whole-run env steps/s of classic MARL before and after it moved onto the local runtime
+(rollout worker processes, training slots), side by side, rounds alternating.
+
+    python benchmarks/mpe_runtime.py [--before 9215ce1] [--steps 20000] [--rounds 2]
+                                     [--scenario speaker_listener] [--variants ...]
+
+`--before` is a git revision whose `flexmarl/` is exported to a temporary folder and run in a
+subprocess (its in-process driver); every variant of this tree runs in a subprocess too, so
+each run pays its own imports and, here, its worker processes' start. Prints one row per
+variant: the whole run's env steps/s (wall clock from the call to the result, worker start
+included), the steady-state figure (median of the iterations' env_steps_per_s) and the
+return of the last 10% of iterations. The machine is shared: rounds alternate so that load
+changes hit every variant, and the figures are floors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = {"speaker_listener": "examples/mpe_speaker_listener.yaml",
+            "spread": "examples/mpe_spread.yaml"}
+
+CHILD = """
+import json, sys, time
+from flexmarl.marl.config import load_marl_config
+from flexmarl.marl.run import train_marl
+def main():
+    cfg = load_marl_config(sys.argv[1], json.loads(sys.argv[2]))
+    t0 = time.perf_counter()
+    res = train_marl(cfg, None)
+    wall = time.perf_counter() - t0
+    recs = res.records
+    tail = recs[-max(1, len(recs) // 10):]
+    rets = [r["return_mean"] for r in tail if "return_mean" in r]
+    steady = sorted(r["env_steps_per_s"] for r in recs[1:] or recs)
+    print(json.dumps({"env_steps": res.env_steps, "wall_s": wall,
+                      "steady": steady[len(steady) // 2],
+                      "return": sum(rets) / max(len(rets), 1)}))
+if __name__ == "__main__":
+    main()
+"""
+
+
+def export(rev: str, into: Path) -> Path:
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "flexmarl"],
+                          check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def run_one(tree: Path, config: Path, sets: list[str], workdir: Path) -> dict:
+    script = workdir / "child.py"
+    script.write_text(CHILD)
+    out = subprocess.run([sys.executable, str(script), str(config), json.dumps(sets)],
+                         cwd=workdir, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--before", default="9215ce1")
+    ap.add_argument("--steps", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--scenario", default="speaker_listener", choices=list(EXAMPLES))
+    ap.add_argument("--variants", default="before,after,after-2rollout,after-2slots",
+                    help="before | after | after-2rollout | after-2slots")
+    args = ap.parse_args()
+    config = ROOT / EXAMPLES[args.scenario]
+    base = [f"train.env_steps={args.steps}"]
+    variants = {
+        "before": ("in-process driver (before)", None, base),
+        "after": ("runtime: 1 rollout worker, 1 training slot", ROOT, base),
+        # the same env steps per iteration, split over two worker processes
+        "after-2rollout": ("runtime: 2 rollout workers x 16 envs, 1 slot", ROOT,
+                           [*base, "runtime.rollout_workers=2", "env.num_envs=16"]),
+        "after-2slots": ("runtime: 1 rollout worker, 2 training slots", ROOT,
+                         [*base, "runtime.train_workers=2"]),
+    }
+    chosen = args.variants.split(",")
+    results: dict[str, list[dict]] = {v: [] for v in chosen}
+    with tempfile.TemporaryDirectory() as tmp:
+        before = export(args.before, Path(tmp) / "before")
+        for r in range(args.rounds):
+            for v in chosen:
+                _, tree, sets = variants[v]
+                res = run_one(tree or before, config, sets, Path(tmp))
+                results[v].append(res)
+                print(f"round {r} {v}: {json.dumps(res)}", flush=True)
+    print(f"\n{args.scenario}, {args.steps} env steps per run, {args.rounds} rounds "
+          f"alternating, mean over rounds (before = {args.before})\n")
+    print("| variant | whole run env steps/s | steady-state env steps/s (median iteration) "
+          "| wall s | return (last 10%) |")
+    print("|---|---|---|---|---|")
+    for v in chosen:
+        rs = results[v]
+        whole = statistics.mean(x["env_steps"] / x["wall_s"] for x in rs)
+        print(f"| {variants[v][0]} | {whole:.0f} | "
+              f"{statistics.mean(x['steady'] for x in rs):.0f} | "
+              f"{statistics.mean(x['wall_s'] for x in rs):.1f} | "
+              f"{statistics.mean(x['return'] for x in rs):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The MAPPO / IPPO learner of one policy, as a training slot hosts it.
+
+It speaks the training pool's commands (`runtime/local/workers.py`: bind, accumulate, step,
+weights, save, get_state, set_state), so the local runtime's `LocalTrainPool` drives it
+unchanged: its allocator binds policies to slots, and with fewer slots than policies their
+states are swapped out and in through `training/state.py` (wire bytes or a safetensors file).
+
+- `accumulate(rows)`: PPO's epochs need every row of the iteration before the first
+  gradient, so a micro-batch is *held* (its iteration and version checked against the
+  learner's), not differentiated; `step` then runs `epochs` x `minibatches` updates on exactly
+  the held rows and returns the audit of which row each epoch used.
+- A captured state is exact: weights, both Adam states, the value and observation
+  normalisers, the mini-batch generator and the held rows.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.marl.policies import MarlSample, PolicyLayout, build_net
+from flexmarl.store.compression import Codec
+from flexmarl.training import state as st
+from flexmarl.training.algorithms import mappo
+
+Audit = list[tuple[str, int, int, int]]  # (sample_id, version, step, epoch)
+
+
+class LearnerError(RuntimeError):
+    """A learner was handed rows it must not train on (another iteration or version)."""
+
+
+class PolicyLearner:
+    def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
+        assert isinstance(cfg.algorithm, MappoConfig)
+        self.cfg, self.algo, self.layout = cfg, cfg.algorithm, layout
+        self.agent = layout.name  # the training pool's key
+        self.net = build_net(cfg, layout)
+        self.actor_opt = torch.optim.Adam(self.net.actor.parameters(), lr=self.algo.lr,
+                                          eps=self.algo.adam_eps)
+        self.critic_opt = torch.optim.Adam(self.net.critic.parameters(),
+                                           lr=self.algo.critic_lr, eps=self.algo.adam_eps)
+        self.vnorm = mappo.ValueNorm()
+        self.gen = torch.Generator().manual_seed(cfg.seed * 1009 + layout.index + 7)
+        self.version = 0
+        self.pending: list[MarlSample] = []
+
+    # --- the pool's commands -----------------------------------------------------------------
+    def accumulate(self, samples: list[MarlSample]) -> dict[str, float]:
+        for s in samples:
+            if s.iteration != self.version or s.version != self.version:
+                raise LearnerError(
+                    f"policy {self.agent!r}: row {s.sample_id} is of iteration {s.iteration}, "
+                    f"version {s.version}; step {self.version} trains on iteration "
+                    f"{self.version}'s rows of version {self.version} only")
+        self.pending += samples
+        return {"rows": float(len(samples))}
+
+    def step(self) -> tuple[dict[str, float], Audit]:
+        """Step k = `version`: PPO on exactly the held rows of iteration k; then version k+1
+        (its observation statistics too)."""
+        if not self.pending:
+            raise LearnerError(f"policy {self.agent!r}: step {self.version} has no rows")
+        k = self.version
+        batch = self._batch(self.pending, k)
+        mappo.compute_advantages(batch, self.vnorm, self.algo)
+        audit: Audit = []
+
+        def on_epoch(epoch: int, ids: list[str]) -> None:
+            audit.extend((sid, k, k, epoch) for sid in ids)
+
+        metrics = mappo.update(self.net, self.actor_opt, self.critic_opt, batch, self.vnorm,
+                               self.algo, self.gen, on_epoch)
+        live = batch.alive.bool()
+        self.net.update_stats(batch.obs[live], batch.critic_x[live])
+        self.pending = []
+        self.version = k + 1
+        return metrics, audit
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a rollout worker needs: the network (with its normalisers) and `vnorm.*`."""
+        out = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        out.update({f"vnorm.{k}": v.clone() for k, v in self.vnorm.state_dict().items()})
+        return out
+
+    def save(self, directory: str) -> str:
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in self.weights().items()}, str(path))
+        return str(path)
+
+    # --- batches -----------------------------------------------------------------------------
+    def _batch(self, rows: list[MarlSample], k: int) -> mappo.PolicyBatch:
+        def f(row: MarlSample, name: str) -> np.ndarray:
+            header = row.codec.get(name)
+            array = row.arrays[name]
+            return Codec.decode(array, header) if header is not None else array
+
+        def stack(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.from_numpy(np.stack([f(r, name) for r in rows], 1)).to(dtype)
+
+        gru = "h0" in rows[0].arrays
+        return mappo.PolicyBatch(
+            sample_ids=[r.sample_id for r in rows], iteration=k,
+            obs=stack("obs"), critic_x=stack("critic_x"),
+            agent_ids=torch.tensor([r.agent_index for r in rows]),
+            actions=stack("actions"), action_mask=stack("mask", torch.bool),
+            logp=stack("logp"), values=stack("values"), rewards=stack("rewards"),
+            dones=stack("dones"), alive=stack("alive"), starts=stack("starts", torch.bool),
+            h0=torch.from_numpy(np.stack([f(r, "h0") for r in rows])) if gru else None,
+            last_values=torch.from_numpy(
+                np.concatenate([f(r, "last_value").reshape(-1) for r in rows])),
+        )
+
+    # --- exact states ------------------------------------------------------------------------
+    def capture(self) -> st.TrainingState:
+        tensors: dict[str, torch.Tensor] = {}
+        for k, v in self.net.state_dict().items():
+            tensors[f"w/net/{k}"] = v.detach().clone()
+        for k, v in self.vnorm.state_dict().items():
+            tensors[f"w/vnorm/{k}"] = v.clone()
+        groups: dict[str, Any] = {}
+        for oname, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
+            sd = opt.state_dict()
+            for idx, slots in sd["state"].items():
+                for key, value in slots.items():
+                    tensors[f"o/{oname}/{idx}/{key}"] = torch.as_tensor(value).detach().clone()
+            groups[oname] = [dict(g) for g in sd["param_groups"]]
+        tensors["rng/gen"] = self.gen.get_state()
+        pending = []
+        for i, s in enumerate(self.pending):
+            for name, arr in s.arrays.items():
+                tensors[f"p/{i}/{name}"] = torch.from_numpy(np.array(arr, copy=True))
+            pending.append({"sample_id": s.sample_id, "iteration": s.iteration,
+                            "version": s.version, "agent_index": s.agent_index,
+                            "codec": s.codec, "names": list(s.arrays)})
+        meta = {"agent": self.agent, "version": self.version, "param_groups": groups,
+                "pending": pending}
+        return st.TrainingState(tensors, meta)
+
+    def restore(self, state: st.TrainingState) -> None:
+        if state.meta.get("agent") != self.agent:
+            raise ValueError(f"state of policy {state.meta.get('agent')!r} offered to "
+                             f"learner {self.agent!r}")
+        t = state.tensors
+        self.net.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("w/net/")})
+        self.vnorm.load_state_dict({k[8:]: v for k, v in t.items() if k.startswith("w/vnorm/")})
+        for oname, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
+            opt_state: dict[int, dict[str, torch.Tensor]] = {}
+            for k, v in t.items():
+                if k.startswith(f"o/{oname}/"):
+                    _, _, idx, key = k.split("/", 3)
+                    opt_state.setdefault(int(idx), {})[key] = v.clone()
+            groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
+                      for g in state.meta["param_groups"][oname]]
+            opt.load_state_dict({"state": opt_state, "param_groups": groups})
+        self.gen.set_state(t["rng/gen"].clone())
+        self.version = int(state.meta["version"])
+        self.pending = [
+            MarlSample(p["sample_id"], p["iteration"], p["version"], p["agent_index"],
+                       {n: t[f"p/{i}/{n}"].numpy() for n in p["names"]}, p["codec"])
+            for i, p in enumerate(state.meta["pending"])]
+
+
+class MarlSlot:
+    """One training slot: the learner of whichever policy is bound to it (`TrainSlot`'s
+    contract for network policies). Learners are built once per policy and process and
+    kept; a swap moves only their state."""
+
+    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
+                 swap_dir: str | None = None) -> None:
+        self.cfg, self.layouts, self.swap_dir = cfg, layouts, swap_dir
+        self.resident: dict[str, PolicyLearner] = {}
+        self.kept: dict[str, PolicyLearner] = {}
+
+    def learner(self, agent: str) -> PolicyLearner:
+        try:
+            return self.resident[agent]
+        except KeyError:
+            raise LearnerError(f"policy {agent!r} is not resident on this training slot"
+                               ) from None
+
+    def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
+        timings: dict[str, float] = {}
+        out_agent: str | None = None
+        out_state: tuple[str, Any] | None = None
+        for resident in [a for a in self.resident if a != agent]:
+            t0 = time.perf_counter()
+            captured = self.resident.pop(resident).capture()
+            if self.swap_dir is not None:
+                path = f"{self.swap_dir}/{resident}.safetensors"
+                st.move(captured, st.Disk(path))
+                out_state = ("disk", path)
+            else:
+                out_state = ("host", st.to_wire(captured))
+            out_agent = resident
+            timings["swap_out_s"] = time.perf_counter() - t0
+            timings["swap_bytes"] = float(captured.nbytes)
+        if agent not in self.resident:
+            t0 = time.perf_counter()
+            learner = self.kept.get(agent)
+            if learner is None or incoming is None:
+                if agent not in self.layouts:
+                    raise LearnerError(f"no policy {agent!r} in this run "
+                                       f"(policies: {', '.join(self.layouts)})")
+                learner = self.kept[agent] = PolicyLearner(self.cfg, self.layouts[agent])
+            if incoming is not None:
+                kind, payload = incoming
+                handle = (st.StateHandle(st.Disk(payload)) if kind == "disk"
+                          else st.at(st.from_wire(payload)))
+                learner.restore(handle.load())
+            self.resident[agent] = learner
+            timings["swap_in_s"] = time.perf_counter() - t0
+        return out_agent, out_state, timings
+
+
+def weights_form(learner: PolicyLearner, audit: Audit | None = None) -> Any:
+    """Published weights in the state interface's wire form; the step's audit rides along in
+    the metadata (the rows each epoch used, as the learner saw them)."""
+    meta: dict[str, Any] = {"agent": learner.agent, "version": learner.version}
+    if audit is not None:
+        meta["trained_on"] = audit
+    return st.to_wire(st.TrainingState(learner.weights(), meta))
+
+
+def marl_train_worker_main(conn: Connection, spec: Any) -> None:
+    """A training slot process for network policies (`MarlWorkerSpec`)."""
+    from flexmarl.marl.config import MarlRunConfig
+    from flexmarl.runtime.local.workers import _error, _setup_torch, start_heartbeat
+
+    conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
+    _setup_torch(spec)
+    cfg = MarlRunConfig.model_validate(spec.config)
+    slot = MarlSlot(cfg, spec.layouts, spec.swap_dir)
+    conn.send((-1, True, "ready", []))
+    while True:
+        msg_id, command, payload = conn.recv()
+        t0 = time.time()
+        result: Any
+        try:
+            if command == "stop":
+                conn.send((msg_id, True, None, []))
+                return
+            if command == "bind":
+                agent, incoming = payload
+                result = slot.bind(agent, incoming)
+            elif command == "accumulate":
+                agent, samples = payload
+                result = slot.learner(agent).accumulate(samples)
+            elif command == "step":
+                agent = payload
+                learner = slot.learner(agent)
+                metrics, audit = learner.step()
+                result = (metrics, weights_form(learner, audit))
+            elif command == "weights":
+                agent = payload
+                result = weights_form(slot.learner(agent))
+            elif command == "save":
+                agent, directory = payload
+                result = slot.learner(agent).save(directory)
+            elif command == "get_state":
+                agent = payload
+                state = slot.learner(agent).capture()
+                result = ({k: v.numpy() for k, v in state.tensors.items()}, state.meta)
+            elif command == "set_state":
+                agent, arrays, meta = payload
+                tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in arrays.items()}
+                slot.learner(agent).restore(st.TrainingState(tensors, meta))
+                result = int(meta["version"])
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            label = f"{command}:{payload if isinstance(payload, str) else payload[0]}"
+            conn.send((msg_id, True, result, [(t0, time.time(), label)]))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send((msg_id, False, _error(exc), []))

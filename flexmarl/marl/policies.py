@@ -1,0 +1,106 @@
+"""Which network serves which agents, and its sizes: decided once in the driver from the
+environment's spaces, then handed to every rollout worker and training slot, so all of them
+build the same networks without building an environment of their own.
+
+Also the one definition of what the rollout records per step and what a learner trains on
+(`COMPRESSED`, `MarlSample`), shared by both sides of the pipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexmarl.envs.pettingzoo import VecParallelEnv
+from flexmarl.envs.spaces import ActionSpec
+from flexmarl.errors import UserError
+from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.policy.nets import NetConfigView, NetPolicy
+from flexmarl.training.algorithms import ippo
+
+COMPRESSED = ("obs", "critic_x")  # the continuous payloads `store.compress_obs` compresses
+
+
+class PolicyError(UserError, ValueError):
+    """Agents that cannot share one network: names them and their spaces."""
+
+
+@dataclass(frozen=True)
+class PolicyLayout:
+    """One policy: its agents (in order: their index is the agent id), input sizes, head."""
+
+    name: str
+    index: int  # position among the run's policies (seeds its initial weights)
+    agents: tuple[str, ...]
+    obs_dim: int
+    critic_dim: int
+    spec: ActionSpec
+
+
+@dataclass
+class MarlSample:
+    """One store row on its way to a training slot: its arrays as the store holds them
+    (observations FP16 + zstd when `store.compress_obs`, decoded by the learner)."""
+
+    sample_id: str
+    iteration: int
+    version: int
+    agent_index: int  # within its policy
+    arrays: dict[str, np.ndarray]
+    codec: dict[str, Any] = field(default_factory=dict)
+
+
+def group_spec(agents: list[str], specs: dict[str, ActionSpec], env_id: str) -> ActionSpec:
+    """The action spec one shared network emits for `agents`: identical specs, or Discrete
+    ones of different sizes padded to the largest (the extra actions masked per agent)."""
+    first = specs[agents[0]]
+    if all(specs[a] == first for a in agents):
+        return first
+    if all(specs[a].kind == "discrete" for a in agents):
+        return ActionSpec("discrete", nvec=(max(specs[a].nvec[0] for a in agents),))
+    raise PolicyError(f"policy.share_parameters: agents of env {env_id!r} have different "
+                      f"action spaces ({', '.join(f'{a}: {specs[a].kind}' for a in agents)}); "
+                      "set policy.share_parameters: false")
+
+
+def pad(x: np.ndarray, dim: int) -> np.ndarray:
+    if x.shape[-1] == dim:
+        return x
+    return np.concatenate([x, np.zeros((*x.shape[:-1], dim - x.shape[-1]), x.dtype)], -1)
+
+
+def critic_x(algo: MappoConfig, agents: list[str], agent: str, obs_dim: int,
+             obs: dict[str, np.ndarray], state: np.ndarray) -> np.ndarray:
+    """[E, C] critic input of `agent` (MAPPO: state or concatenated observations; IPPO: own)."""
+    return ippo.critic_features(algo.name, algo.critic_input, pad(obs[agent], obs_dim),
+                                state, [obs[b] for b in agents]).astype(np.float32)
+
+
+def layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]:
+    """`policy.share_parameters`: one policy "shared" for every agent, else one per agent."""
+    algo = cfg.algorithm
+    if not isinstance(algo, MappoConfig):
+        raise TypeError(f"the on-policy driver runs mappo/ippo, not {algo.name}")
+    agents = list(venv.agents)
+    groups = {"shared": agents} if cfg.policy.share_parameters else {a: [a] for a in agents}
+    out = {}
+    for i, (name, members) in enumerate(groups.items()):
+        spec = group_spec(members, venv.action_specs, cfg.env.id)
+        obs_dim = max(venv.obs_specs[a].dim for a in members)
+        cdim = critic_x(algo, agents, members[0], obs_dim, venv.obs, venv.state).shape[-1]
+        out[name] = PolicyLayout(name, i, tuple(members), obs_dim, cdim, spec)
+    return out
+
+
+def build_net(cfg: MarlRunConfig, layout: PolicyLayout) -> NetPolicy:
+    """The policy's network with its initial weights: the same in every process (seeded by
+    the run's seed and the policy's index)."""
+    n = cfg.policy.network
+    net = NetConfigView(n.kind, list(n.hidden), n.activation, n.gru_hidden)
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed * 1009 + layout.index)
+        return NetPolicy(list(layout.agents), layout.obs_dim, layout.critic_dim, layout.spec,
+                         net, cfg.policy.obs_norm)

@@ -1,0 +1,209 @@
+"""What a classic-MARL rollout worker computes: its `num_envs` environments stepped together
+for `rollout_steps` steps with the published version of every policy (one forward pass per
+policy covers every environment and every agent it serves), returned as one row payload per
+(agent, environment) for the driver to put into the experience store.
+
+It holds actor and critic copies only (the critic gives the rollout's values and the
+truncation bootstrap); the learners are in the training slots. Worker `index` owns the
+environments `index * num_envs ...`, seeded apart, so sample ids are unique across workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexmarl.envs.pettingzoo import VecParallelEnv
+from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.marl.policies import COMPRESSED, PolicyLayout, build_net, critic_x, pad
+from flexmarl.policy.nets import NetPolicy
+from flexmarl.store.compression import Codec
+from flexmarl.training.algorithms.mappo import ValueNorm
+
+WORKER_SEED_STRIDE = 100_003  # worker i's environments are seeded at seed + i * stride
+
+
+@dataclass
+class RolledRow:
+    """One (agent, environment) row of an iteration: what the driver writes to the store."""
+
+    agent: str
+    env: int  # global environment index (worker * num_envs + local)
+    agent_index: int  # within its policy
+    payload: dict[str, np.ndarray]
+    data: dict[str, Any]
+
+
+@dataclass
+class RolloutResult:
+    rows: list[RolledRow]
+    episodes: list[dict[str, Any]]  # returns, length, task metrics of episodes that ended
+    payload_bytes: tuple[int, int]  # observation payloads: raw, as stored
+    env_steps: int
+    seconds: float
+
+
+class _Actor:
+    def __init__(self, layout: PolicyLayout, net: NetPolicy, num_envs: int, gru: int | None):
+        self.layout = layout
+        self.agents = list(layout.agents)
+        self.net = net
+        self.vnorm = ValueNorm()
+        self.version = -1  # nothing loaded yet
+        self.hidden = torch.zeros(num_envs * len(self.agents), gru) if gru else None
+
+
+def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Published weights: the network's state dict plus the value normaliser's (`vnorm.*`)."""
+    net = {k: v for k, v in weights.items() if not k.startswith("vnorm.")}
+    vn = {k[6:]: v for k, v in weights.items() if k.startswith("vnorm.")}
+    return net, vn
+
+
+class EnvRollout:
+    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout], index: int = 0
+                 ) -> None:
+        assert isinstance(cfg.algorithm, MappoConfig)
+        self.cfg, self.algo, self.index = cfg, cfg.algorithm, index
+        E = cfg.env.num_envs
+        self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, E,
+                                   cfg.seed + WORKER_SEED_STRIDE * index)
+        self.venv.reset()
+        self.agents = list(self.venv.agents)
+        self.gen = torch.Generator().manual_seed(cfg.seed + WORKER_SEED_STRIDE * index)
+        gru = cfg.policy.network.gru_hidden if cfg.policy.network.kind == "gru" else None
+        self.actors = {name: _Actor(lay, build_net(cfg, lay), E, gru)
+                       for name, lay in layouts.items()}
+        self.codec = Codec(cfg.store.zstd_level) if cfg.store.compress_obs else None
+        self._start_flag = {a: np.ones(E, bool) for a in self.agents}
+
+    def load(self, name: str, version: int, weights: dict[str, torch.Tensor]) -> None:
+        actor = self.actors[name]
+        net, vn = split_weights(weights)
+        actor.net.load_state_dict(net)
+        actor.vnorm.load_state_dict(vn)
+        actor.version = version
+
+    # --- inputs ------------------------------------------------------------------------------
+    def _inputs(self, p: _Actor, obs=None, state=None) -> tuple[torch.Tensor, ...]:
+        """Per policy: obs [E*n, D], critic input [E*n, C], agent ids [E*n], masks [E*n, L]."""
+        venv, lay = self.venv, p.layout
+        obs = venv.obs if obs is None else obs
+        state = venv.state if state is None else state
+        xs = [pad(obs[a], lay.obs_dim) for a in p.agents]
+        cs = [critic_x(self.algo, self.agents, a, lay.obs_dim, obs, state) for a in p.agents]
+        E = venv.num_envs
+        masks = []
+        for a in p.agents:
+            m = venv.masks[a]
+            if m.shape[1] != lay.spec.logits_dim:  # a padded discrete head: mask the extra
+                m = np.concatenate([m, np.zeros((E, lay.spec.logits_dim - m.shape[1]), bool)], 1)
+            masks.append(m)
+        ids = np.repeat(np.arange(len(p.agents)), E)
+        x, c = np.concatenate(xs), np.concatenate(cs)
+        if self.codec is not None:  # act on what the store will hand the trainer
+            x, c = x.astype(np.float16).astype(np.float32), c.astype(np.float16).astype(np.float32)
+        return (torch.from_numpy(x), torch.from_numpy(c),
+                torch.from_numpy(ids), torch.from_numpy(np.concatenate(masks)))
+
+    # --- one iteration -----------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, k: int) -> RolloutResult:
+        """Iteration k's steps with version k of every policy."""
+        for name, actor in self.actors.items():
+            if actor.version != k:
+                raise RuntimeError(f"rollout worker {self.index}: policy {name!r} holds "
+                                   f"version {actor.version}, iteration {k} needs version {k}")
+        t0 = time.perf_counter()
+        venv = self.venv
+        E, T = venv.num_envs, self.cfg.train.rollout_steps
+        buf: dict[str, dict[str, list]] = {a: defaultdict(list) for a in self.agents}
+        h0 = {name: (p.hidden.clone() if p.hidden is not None else None)
+              for name, p in self.actors.items()}
+        for _ in range(T):
+            actions: dict[str, np.ndarray] = {}
+            for p in self.actors.values():
+                obs, cx, ids, masks = self._inputs(p)
+                starts = torch.from_numpy(np.concatenate([self._start_flag[a]
+                                                          for a in p.agents]))
+                out, p.hidden = p.net.actor.step(p.net.actor_input(obs, ids), p.hidden, starts)
+                dist = p.net.actor.dist(out, masks)
+                act = dist.sample(self.gen)
+                logp = dist.log_prob(act)
+                value = p.net.value(cx, ids)
+                for i, a in enumerate(p.agents):
+                    cols = slice(i * E, (i + 1) * E)
+                    b = buf[a]
+                    b["obs"].append(obs[cols].numpy())
+                    b["critic_x"].append(cx[cols].numpy())
+                    b["actions"].append(act[cols].numpy())
+                    b["mask"].append(masks[cols].numpy())
+                    b["logp"].append(logp[cols].numpy())
+                    b["values"].append(value[cols].numpy())
+                    b["starts"].append(starts[cols].numpy())
+                    b["alive"].append(venv.alive[a].copy())
+                    actions[a] = act[cols].numpy()
+            res = venv.step(actions)
+            boot = self._truncation_values(res)
+            for a in self.agents:
+                b = buf[a]
+                reward = res["reward"][a] + self.algo.gamma * boot[a] * res["truncated"][a]
+                b["rewards"].append(reward.astype(np.float32))
+                b["dones"].append(res["done"][a])
+                alive_now = b["alive"][-1]
+                self._start_flag[a] = res["done"][a] | (self._start_flag[a] & ~alive_now)
+        last = {}
+        for p in self.actors.values():
+            _, cx, ids, _ = self._inputs(p)
+            v = p.net.value(cx, ids).numpy()
+            for i, a in enumerate(p.agents):
+                last[a] = v[i * E:(i + 1) * E]
+        rows, nbytes = self._rows(buf, last, h0)
+        episodes = [{"returns": e.returns, "length": e.length, **e.metrics}
+                    for e in venv.pop_episodes()]
+        return RolloutResult(rows, episodes, nbytes, E * T, time.perf_counter() - t0)
+
+    def _truncation_values(self, res: dict[str, Any]) -> dict[str, np.ndarray]:
+        """V(final state) of chains cut by a time limit, unnormalised, for bootstrapping."""
+        out = {a: np.zeros(self.venv.num_envs, np.float32) for a in self.agents}
+        if not any(res["truncated"][a].any() for a in self.agents):
+            return out
+        E = self.venv.num_envs
+        for p in self.actors.values():
+            _, cx, ids, _ = self._inputs(p, res["final_obs"], res["final_state"])
+            v = p.net.value(cx, ids)
+            if self.algo.value_norm:
+                v = p.vnorm.denormalize(v)
+            for i, a in enumerate(p.agents):
+                out[a] = v[i * E:(i + 1) * E].numpy()
+        return out
+
+    def _rows(self, buf, last, h0) -> tuple[list[RolledRow], tuple[int, int]]:
+        E = self.venv.num_envs
+        raw = stored = 0
+        rows = []
+        for a in self.agents:
+            arrays = {name: np.stack(vals) for name, vals in buf[a].items()}  # [T, E, ...]
+            p = next(p for p in self.actors.values() if a in p.agents)
+            col = p.agents.index(a)
+            for e in range(E):
+                payload = {name: np.ascontiguousarray(arr[:, e]) for name, arr in arrays.items()}
+                payload["last_value"] = np.asarray(last[a][e], np.float32)
+                h = h0[p.layout.name]
+                if h is not None:
+                    payload["h0"] = h[col * E + e].numpy()
+                data: dict[str, Any] = {"env": self.index * E + e, "agent_index": col}
+                for name in COMPRESSED:
+                    raw += payload[name].nbytes
+                    if self.codec is not None:
+                        payload[name], header = self.codec.encode(
+                            payload[name], f"agent {a!r}: {name}")
+                        data.setdefault("codec", {})[name] = header
+                    stored += payload[name].nbytes
+                rows.append(RolledRow(a, self.index * E + e, col, payload, data))
+        return rows, (raw, stored)

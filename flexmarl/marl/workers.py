@@ -1,0 +1,55 @@
+"""The classic MARL worker processes' entry points and spec, in a module that imports no LLM
+stack (a spawned worker unpickles its spec first: importing the runtime's pools there would
+pull in transformers, seconds of start-up per worker for nothing)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from flexmarl.marl.policies import PolicyLayout
+from flexmarl.runtime.local.workers import WorkerSpec
+
+
+@dataclass
+class MarlWorkerSpec(WorkerSpec):
+    """`WorkerSpec` (threads, heartbeats, swap folder) plus the run's policies and this
+    worker's index (which environments it owns)."""
+
+    layouts: dict[str, PolicyLayout] = field(default_factory=dict)
+    index: int = 0
+
+
+def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
+    """A rollout worker: `load_weights` (policy, version, wire) and `rollout` (k)."""
+    from flexmarl.marl.config import MarlRunConfig
+    from flexmarl.marl.rollout import EnvRollout
+    from flexmarl.runtime.local.workers import _error, _setup_torch, from_numpy, start_heartbeat
+
+    conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
+    _setup_torch(spec)
+    cfg = MarlRunConfig.model_validate(spec.config)
+    env = EnvRollout(cfg, spec.layouts, spec.index)  # spaces were checked in the driver
+    conn.send((-1, True, "ready", []))
+    while True:
+        msg_id, command, payload = conn.recv()
+        t0 = time.time()
+        try:
+            if command == "stop":
+                conn.send((msg_id, True, None, []))
+                return
+            if command == "load_weights":
+                name, version, weights = payload
+                env.load(name, version, from_numpy(weights))
+                result: Any = version
+                label = f"load:{name}"
+            elif command == "rollout":
+                result = env.run(payload)
+                label = f"rollout:{payload}"
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send((msg_id, True, result, [(t0, time.time(), label)]))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send((msg_id, False, _error(exc), []))
