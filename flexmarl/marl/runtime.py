@@ -22,8 +22,15 @@ from flexmarl.marl.policies import PolicyLayout
 from flexmarl.marl.rollout import RolloutResult
 from flexmarl.marl.workers import MarlWorkerSpec, marl_rollout_worker_main
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.runtime.base import RolloutPool, Runtime, SpanSink, Unsupported, WorkerError
-from flexmarl.runtime.local.runtime import LocalTrainPool, WorkerProxy, _NullSink
+from flexmarl.runtime.base import (
+    NullSink,
+    RolloutPool,
+    Runtime,
+    SpanSink,
+    Unsupported,
+    WorkerError,
+)
+from flexmarl.runtime.local.runtime import LocalTrainPool, WorkerProxy
 
 
 class MarlRolloutPool(RolloutPool):
@@ -59,7 +66,7 @@ class MarlRuntime(Runtime):
         from flexmarl.marl.learner import marl_train_worker_main
 
         rt = cfg.runtime
-        sink = sink or _NullSink()
+        sink = sink or NullSink()
         self._swap_tmp = None
         swap_dir = None
         if rt.swap_to == "disk":
