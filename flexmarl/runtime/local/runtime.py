@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
+from flexmarl.planning.measured import MeasuredPlan
 from flexmarl.policy.device import Placement, plan_placements
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
-from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.balancer import Balancer, RolloutPlan
 from flexmarl.runtime.base import (
     RolloutPool,
     Runtime,
@@ -305,6 +306,15 @@ class LocalRolloutPool(RolloutPool):
         plan = self.balancer.replan(k + 1, self.balancer.demand_from(stats))
         return plan.to_dict()
 
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        """The planner's replicas per agent (critical path), over the demand plan."""
+        if plan.replicas is None:
+            return
+        current = self.balancer.plan
+        self.balancer.plan = RolloutPlan(plan.iteration, current.mode, dict(plan.replicas),
+                                         current.demand)
+        self.balancer.plans.append(self.balancer.plan)
+
 
 @dataclass
 class _Job:
@@ -354,6 +364,7 @@ class LocalTrainPool(TrainPool):
         # in the graph: slot priority
         self.iteration: dict[str, int] = {}
         self.turn: dict[str, int] = {}
+        self.rank: dict[str, int] = {}  # the planner's order (`follow_plan`)
         self._queues: dict[str, deque[_Job]] = defaultdict(deque)
         self._runners: dict[str, asyncio.Task] = {}
         # micro-batches queued since the agent's last step, and in its last iteration
@@ -443,7 +454,8 @@ class LocalTrainPool(TrainPool):
                             job.future.set_result(results)
                     else:
                         queue.popleft()
-                    if queue and self.allocator.should_yield(lease, queue[0].priority):
+                    if queue and (self.allocator.should_yield(lease, queue[0].priority)
+                                  or self._outranked(agent, lease, queue[0].priority)):
                         break
             except WorkerLost as exc:
                 if self.on_lost is not None and queue[0].retry:
@@ -462,6 +474,25 @@ class LocalTrainPool(TrainPool):
                     while queue:
                         fail_head(exc)
                     raise
+
+    def _outranked(self, agent: str, lease: Any, priority: tuple) -> bool:
+        """Whether the holder should yield its slot to a more critical agent (planner's order)
+        of the same iteration that waits for this slot with enough queued to be worth a swap
+        (`_may_swap`: half an iteration's micro-batches, or its step): the critical agents'
+        rows then train while the rollout still runs and their steps come first after it, so
+        the next iteration's nodes start sooner; the others train in what is left, overlapped
+        with the next rollout. A holder otherwise drains its queue (sticky slots)."""
+        mine = tuple(priority)[:2]
+        if len(mine) < 2:
+            return False
+        home = self.allocator.binding()
+        for w in self.allocator.waiting:
+            if w.future.done() or w.agent == agent or tuple(w.priority)[:1] != mine[:1]:
+                continue
+            if (tuple(w.priority)[:2] < mine and home.get(w.agent, lease.slot) == lease.slot
+                    and self._may_swap(w.agent)):
+                return True
+        return False
 
     async def _swap_in(self, agent: str, lease: Any, worker: WorkerProxy) -> None:
         await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
@@ -494,10 +525,17 @@ class LocalTrainPool(TrainPool):
         self.slot_stats[agent]["swap_s"] += swap_s
 
     def _priority(self, agent: str, kind: int) -> tuple:
-        """Slot priority of the agent's next call: older iterations first, then agents earlier
-        in the graph (their rows' turn: the next iteration's episodes need their steps first),
-        then a step (0) before a micro-batch (1)."""
-        return (self.iteration.get(agent, 0), self.turn.get(agent, 0), kind)
+        """Slot priority of the agent's next call: older iterations first, then the planner's
+        order (`follow_plan`; until there is one, agents earlier in the graph: their rows'
+        turn, the next iteration's episodes need their steps first), then a step (0) before a
+        micro-batch (1)."""
+        return (self.iteration.get(agent, 0),
+                self.rank.get(agent, self.turn.get(agent, 0)), kind)
+
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        """Within an iteration, agents get slots in the planner's order (most critical
+        first) instead of graph order."""
+        self.rank = {a: i for i, a in enumerate(plan.train_order)}
 
     async def accumulate(self, agent: str, samples: list[Sample]) -> dict[str, float]:
         """Queue one micro-batch; callers may queue several before the first is done (they
