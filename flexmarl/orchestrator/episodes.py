@@ -161,6 +161,9 @@ class EpisodeRunner:
                                  if nd.when is not None and nd.static_when)
         # text- and chat-level nodes: each agent's tokenizer and sampling defaults
         self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
+        # between iterations: the planner's plan for the next one (set by the orchestrator),
+        # merged into the iteration's recorded plan
+        self.plan_next: Callable[[IterationState], dict[str, Any] | None] | None = None
 
     async def run_episode(
         self, it: IterationState, index: int, traj: int, data: dict[str, Any]
@@ -326,6 +329,10 @@ class EpisodeRunner:
         statistics (hierarchical balancing) before iteration k+1 submits anything."""
         it.rollout_finished_at = self.telemetry.now()
         it.plan = self.rollout.end_iteration(it.index, self.store.generation_stats(it.index))
+        if self.plan_next is not None:  # the planner, from what this iteration measured
+            measured = self.plan_next(it)
+            if measured is not None:
+                it.plan = {**(it.plan or {}), **measured}
         if it.plan is not None:
             self.telemetry.event("rollout_plan", **it.plan)
         it.rollout_done.set()

@@ -53,6 +53,7 @@ from flexmarl.orchestrator.metrics import FailureBudget, FailureBudgetExceeded, 
 from flexmarl.orchestrator.schedules import schedule_for
 from flexmarl.orchestrator.training import MicroBatchTrainer, TrainingDiverged
 from flexmarl.orchestrator.versions import Versions
+from flexmarl.planning.measured import MeasuredPlanner
 from flexmarl.runtime.base import RolloutPool, TrainPool
 from flexmarl.store.experience import ExperienceStore
 from flexmarl.telemetry.recorder import Telemetry
@@ -115,6 +116,19 @@ class JointOrchestrator:
         self.checkpoints = CheckpointCoordinator(
             cfg, telemetry, self.store, train, self.version_book, self.episodes, self.trainer,
             self.records, self.agents, save_checkpoint, resume)
+        # Between iterations, the planner (planning/measured.py) orders training along the
+        # critical path and allots replicas from measured latencies; the pools follow it. The
+        # simulator plans with its own cost-model planner (runtime/sim).
+        if cfg.runtime.kind != "sim":
+            graph = self.episodes.graph
+            nodes = [(n, graph.nodes[n].agent, list(graph.nodes[n].inputs))
+                     for n in self.episodes.order]
+            served = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
+            self.planner: MeasuredPlanner | None = MeasuredPlanner(
+                nodes, served, self.trainable, n_replicas=0)
+            self.episodes.plan_next = self._plan_next
+        else:
+            self.planner = None
         self.schedule = schedule_for(cfg.pipeline.mode, self.episodes, self.trainer,
                                      self.version_book, train, self.trainable,
                                      self._finish_iteration, self._maybe_finish)
@@ -194,6 +208,17 @@ class JointOrchestrator:
         main.result()
         await self.checkpoints.wait_writes()
         return self.records
+
+    def _plan_next(self, it: IterationState) -> dict[str, Any] | None:
+        """Iteration k's rollout is done: plan k+1 from its node latencies; both pools
+        follow the plan (placement and order only, never what is computed)."""
+        assert self.planner is not None
+        self.planner.n_replicas = self.rollout.n_workers  # (Ray: the actors started)
+        share = it.plan.get("share") if isinstance(it.plan, dict) else None
+        plan = self.planner.plan(it.index, it.node_latency, share)
+        self.rollout.follow_plan(plan)
+        self.train.follow_plan(plan)
+        return plan.to_dict()
 
     def _maybe_finish(self, k: int) -> None:
         it = self.episodes.iterations[k]

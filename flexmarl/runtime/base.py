@@ -19,6 +19,7 @@ import numpy as np
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
+    from flexmarl.planning.measured import MeasuredPlan
     from flexmarl.store.experience import ExperienceStore
 
 Weights = dict[str, np.ndarray]
@@ -90,6 +91,12 @@ class RolloutPool(Protocol):
         record, or None when the pool does not re-plan."""
         return None
 
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        """The planner's plan for the next iteration (`planning/measured.py`), after
+        `end_iteration`: serve agents from `plan.replicas` when it names them. Default: the
+        pool keeps its own plan."""
+        return None
+
 
 class TrainPool(Protocol):
     """One trainer per trainable agent."""
@@ -122,6 +129,11 @@ class TrainPool(Protocol):
     def slot_counters(self) -> Mapping[str, Mapping[str, float]] | None:
         """Per agent, cumulative training-slot counters (`slot_wait_s`, ...) for the metrics,
         or None when the pool has no slots to wait for."""
+        return None
+
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        """The planner's plan for the next iteration: within an iteration, hand slots to
+        agents in `plan.train_order` (most critical first). Default: nothing to order."""
         return None
 
     async def get_state(self, agent: str) -> tuple[dict, dict]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.planning.measured import MeasuredPlan
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.runtime.base import RolloutPool, TrainPool, WorkerError, WorkerLost
 from flexmarl.training.host import SlotPool
@@ -76,6 +77,7 @@ class FakeRolloutPool(RolloutPool):
         self.published: list[tuple[str, int, str]] = []
         self.generated: list[Generated] = []
         self.ended: list[int] = []
+        self.followed: list[MeasuredPlan] = []  # the planner's plans, in order
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         key = digest(self.seed, request.sample_id, request.version)
@@ -97,6 +99,9 @@ class FakeRolloutPool(RolloutPool):
         await asyncio.sleep(0)
         self.held[agent] = (version, digest_of(weights))
         self.published.append((agent, version, digest_of(weights)))
+
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        self.followed.append(plan)
 
     def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any] | None:
         self.ended.append(k)
@@ -141,6 +146,10 @@ class FakeTrainPool(TrainPool):
         self._order: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.active: set[str] = set()  # agents with a call in progress
         self.max_active = 0
+        self.followed: list[MeasuredPlan] = []  # the planner's plans, in order
+
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        self.followed.append(plan)
 
     def training_slots(self) -> int | None:
         return self.slots

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from flexmarl.config.schema import RunConfig
+    from flexmarl.planning.measured import MeasuredPlan
     from flexmarl.training.trainer import AgentTrainer
 
 Command = tuple[str, Any]
@@ -285,6 +286,7 @@ class SlotPool(TrainPool):
         # in the graph: slot priority
         self.iteration: dict[str, int] = {}
         self.turn: dict[str, int] = {}
+        self.rank: dict[str, int] = {}  # the planner's order (`follow_plan`)
         self._queues: dict[str, deque[_Job]] = defaultdict(deque)
         self._runners: dict[str, asyncio.Task] = {}
         # micro-batches queued since the agent's last step, and in its last iteration
@@ -327,10 +329,36 @@ class SlotPool(TrainPool):
         return self.allocator.binding()
 
     def _priority(self, agent: str, kind: int) -> tuple:
-        """Slot priority of the agent's next call: older iterations first, then agents earlier
-        in the graph (their rows' turn: the next iteration's episodes need their steps first),
-        then a step (0) before a micro-batch (1)."""
-        return (self.iteration.get(agent, 0), self.turn.get(agent, 0), kind)
+        """Slot priority of the agent's next call: older iterations first, then the planner's
+        order (`follow_plan`; until there is one, agents earlier in the graph: their rows'
+        turn, the next iteration's episodes need their steps first), then a step (0) before a
+        micro-batch (1)."""
+        return (self.iteration.get(agent, 0),
+                self.rank.get(agent, self.turn.get(agent, 0)), kind)
+
+    def follow_plan(self, plan: MeasuredPlan) -> None:
+        """Within an iteration, agents get slots in the planner's order (most critical
+        first) instead of graph order."""
+        self.rank = {a: i for i, a in enumerate(plan.train_order)}
+
+    def _outranked(self, agent: str, lease: Any, priority: tuple) -> bool:
+        """Whether the holder should yield its slot to a more critical agent (planner's order)
+        of the same iteration that waits for this slot with enough queued to be worth a swap
+        (`_may_swap`: half an iteration's micro-batches, or its step): the critical agents'
+        rows then train while the rollout still runs and their steps come first after it, so
+        the next iteration's nodes start sooner; the others train in what is left, overlapped
+        with the next rollout. A holder otherwise drains its queue (sticky slots)."""
+        mine = tuple(priority)[:2]
+        if len(mine) < 2:
+            return False
+        home = self.allocator.binding()
+        for w in self.allocator.waiting:
+            if w.future.done() or w.agent == agent or tuple(w.priority)[:1] != mine[:1]:
+                continue
+            if (tuple(w.priority)[:2] < mine and home.get(w.agent, lease.slot) == lease.slot
+                    and self._may_swap(w.agent)):
+                return True
+        return False
 
     async def accumulate(self, agent: str, batch: Any) -> dict[str, float]:
         """Queue one micro-batch; callers may queue several before the first is done (they
@@ -472,7 +500,8 @@ class SlotPool(TrainPool):
                             job.future.set_result(results)
                     else:
                         queue.popleft()
-                    if queue and self.allocator.should_yield(lease, queue[0].priority):
+                    if queue and (self.allocator.should_yield(lease, queue[0].priority)
+                                  or self._outranked(agent, lease, queue[0].priority)):
                         break
             except WorkerLost as exc:
                 if self._recovers() and queue and queue[0].retry:

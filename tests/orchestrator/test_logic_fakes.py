@@ -174,6 +174,24 @@ def test_the_rollout_pool_replans_after_each_iteration():
                                                        "speaker": 16}
 
 
+def test_both_pools_follow_the_planners_plan_after_each_iteration():
+    """Between iterations the planner (planning/measured.py) orders training along the
+    critical path from the measured node latencies; both pools get the plan, and the record
+    holds it next to the rollout pool's own plan."""
+    cfg = config("agents.listener.trainable=false")
+    orch, rollout, train = run(cfg, FakeRolloutPool(plan=True),
+                               FakeTrainPool(["speaker", "relay"]))
+    assert [p.iteration for p in train.followed] == [1, 2, 3]
+    assert rollout.followed == train.followed
+    for plan, record in zip(train.followed, orch.records, strict=True):
+        # a chain: upstream first; the frozen listener is never in the training order
+        assert plan.train_order == ["speaker", "relay"]
+        assert plan.replicas is None  # one replica: the pool keeps its demand plan
+        assert record["rollout/plan"]["train_order"] == ["speaker", "relay"]
+        assert record["rollout/plan"]["rows"]  # the pool's plan is still recorded
+        assert set(plan.node_s) == {"speak", "relay", "listen"}
+
+
 def test_versions_are_published_in_order_after_each_step():
     orch, rollout, train = run(config())
     for agent in orch.trainable:

@@ -1,0 +1,71 @@
+"""The local training pool follows the planner's order: on a time-shared slot, a more
+critical agent of the same iteration (with enough queued to be worth a swap) takes the slot
+at the holder's next call boundary, instead of waiting until the holder's queue is empty.
+One process: the slot is a fake worker that records the calls it serves."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from flexmarl.planning.measured import MeasuredPlan
+from flexmarl.runtime.local.runtime import LocalTrainPool
+
+
+class RecordingSlot:
+    """A training slot's parent side: each call takes a few loop ticks, bind swaps."""
+
+    index = 0
+    alive = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.resident: str | None = None
+
+    async def call(self, command: str, payload: Any) -> Any:
+        agent = payload if isinstance(payload, str) else payload[0]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.calls.append((command, agent))
+        if command == "bind":
+            out, self.resident = self.resident, agent
+            return out, (None if out is None else f"state:{out}"), {}
+        if command == "step":
+            return {"loss": 0.0}, {}
+        return {}
+
+
+def serve(order: list[str]) -> list[tuple[str, str]]:
+    """`late` holds the slot with four micro-batches queued; `early` then queues two and
+    its step (all of its iteration). Returns the calls in the order the slot served them."""
+
+    async def main() -> list[tuple[str, str]]:
+        slot = RecordingSlot()
+        pool = LocalTrainPool([slot])  # type: ignore[list-item]
+        pool.follow_plan(MeasuredPlan(1, order, None, 0.0, {}))
+        late = [asyncio.ensure_future(pool.accumulate("late", [])) for _ in range(4)]
+        while not slot.calls:  # late is on the slot
+            await asyncio.sleep(0)
+        early = [asyncio.ensure_future(pool.accumulate("early", [])) for _ in range(2)]
+        early.append(asyncio.ensure_future(pool.step("early")))
+        late.append(asyncio.ensure_future(pool.step("late")))
+        await asyncio.gather(*late, *early)
+        return [c for c in slot.calls if c[0] != "bind"]
+
+    return asyncio.run(main())
+
+
+def test_a_more_critical_agent_takes_the_slot_at_the_next_call_boundary() -> None:
+    calls = serve(["early", "late"])
+    first_early = calls.index(("accumulate", "early"))
+    assert calls[first_early:first_early + 3] == [
+        ("accumulate", "early"), ("accumulate", "early"), ("step", "early")]
+    assert first_early < calls.index(("step", "late"))
+    assert calls.count(("accumulate", "late")) == 4  # nothing lost or run twice
+    assert [c for c in calls if c[1] == "late"][-1] == ("step", "late")
+
+
+def test_a_less_critical_agent_waits_until_the_holder_is_done() -> None:
+    calls = serve(["late", "early"])
+    assert calls == [("accumulate", "late")] * 4 + [("step", "late")] + [
+        ("accumulate", "early")] * 2 + [("step", "early")]
