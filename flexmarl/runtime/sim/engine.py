@@ -23,13 +23,16 @@ class CostModelEngine:
     """One simulated inference engine (a model on `tp` accelerators)."""
 
     def __init__(self, cost: CostModel, model: Any, tp: int,
-                 out_len: Callable[[GenerationRequest], int]) -> None:
+                 out_len: Callable[[GenerationRequest], int], max_seqs: int | None = None,
+                 kv_cap: int | None = None) -> None:
+        """`out_len`: each request's output length (drawn by the workload); `max_seqs` and
+        `kv_cap` default to the cost model's (max_num_seqs, the KV cache of `tp` devices)."""
         self.cost = cost
         self.model = model
         self.tp = tp
         self.out_len = out_len
-        self.max_seqs = cost.max_num_seqs
-        self.kv_cap = cost.kv_capacity_tokens(model, tp)
+        self.max_seqs = cost.max_num_seqs if max_seqs is None else max_seqs
+        self.kv_cap = cost.kv_capacity_tokens(model, tp) if kv_cap is None else kv_cap
         self.running: list[tuple[int, int, GenerationRequest, int]] = []  # heap: finish step
         self.decoded = 0  # decode steps run so far
         self.kv = 0  # KV tokens the running batch holds
