@@ -103,8 +103,9 @@ class SimReplica:
 
     An event-driven host on the loop's timers (no coroutine per engine): each scheduler turn
     admits what fits (one prefill) and plans a decode segment up to the first finish; the
-    host waits prefill + segment, then settles it and answers the finished sequences. In an
-    under-filled batch a newcomer cuts the segment at the next decode step. Admission is in
+    host waits the prefill (newcomers that arrived meanwhile are admitted before decoding),
+    then the segment, then settles it and answers the finished sequences. In an under-filled
+    batch a newcomer cuts the segment at the next decode step. Admission is in
     the orchestrator's priority order (iteration, input, trajectory): earlier inputs' groups
     complete first.
     """
@@ -121,7 +122,7 @@ class SimReplica:
         self.sched = ReplicaScheduler({agent: [agent]}, {agent: self.engine},
                                       max_batch_seqs=runtime.cost.max_num_seqs)
         self.outstanding_tokens = 0  # prompt + output tokens not yet through the engine
-        self.state = "idle"  # idle | busy | paused
+        self.state = "idle"  # idle | prefill | decode | paused
         self.cap = runtime.cost.max_num_seqs
         self._handle: asyncio.TimerHandle | None = None
         self._turn = (0.0, 0.0)  # start of the turn, start of its decode segment
@@ -136,7 +137,7 @@ class SimReplica:
         self.outstanding_tokens += seq.out_len + seq.prompt
         if self.state == "idle":
             self._next()
-        elif self.state == "busy" and self._interruptible:
+        elif self.state == "decode" and self._interruptible:
             # an under-filled batch takes the newcomer at the end of the current decode step
             self._interruptible = False
             t0, t_dec = self._turn
@@ -151,7 +152,7 @@ class SimReplica:
     def load(self, version: int) -> None:
         """Published weights: held once the agent's running sequences are done."""
         self._deliver(self.sched.load(None, self.agent, version, None), self.rt.loop.time())
-        if self.state == "idle":
+        if self.state == "idle" and self.sched.has_work():  # (an idle engine claims nothing)
             self._next()
 
     def resume(self) -> None:
@@ -161,15 +162,22 @@ class SimReplica:
 
     def _next(self) -> None:
         rt = self.rt
-        loop = rt.loop
         if rt.paused(self.agent):
-            self.state = "paused"
-            rt.paused_replicas[self.agent].append(self)
+            self._pause()
             return
+        self._run_turn()
+
+    def _pause(self) -> None:
+        self.state = "paused"
+        self.rt.paused_replicas[self.agent].append(self)
+
+    def _run_turn(self) -> None:
+        """A scheduler turn: its prefill first, then (`_prefilled`) its decode segment."""
+        loop = self.rt.loop
         while self.sched.has_work():
             now = loop.time()
             events = self.sched.step()
-            waits = rt.queue_waits[self.agent]
+            waits = self.rt.queue_waits[self.agent]
             for r in self.engine.admitted:
                 seq = self.seqs[r.sample_id]
                 seq.admitted = now
@@ -177,23 +185,46 @@ class SimReplica:
             self.engine.admitted.clear()
             self._deliver(events, now)
             prefill, self.engine.prefill_s = self.engine.prefill_s, 0.0
-            segment = self.engine.pending_s()
-            if prefill or segment:
-                self.state = "busy"
+            if prefill:
+                self.state = "prefill"
                 self._turn = (now, now + prefill)
-                self._interruptible = (self.engine.active < self.cap // 4
-                                       and not self.sched.queued(self.agent))
-                self._handle = loop.call_at(now + prefill + segment, self._settled)
+                self._handle = loop.call_at(now + prefill, self._prefilled)
+                return
+            if self.engine.segment is not None:
+                self._decode(now)
                 return
         self.state = "idle"
+
+    def _prefilled(self) -> None:
+        """As an engine's own loop does: requests that arrived during a prefill are admitted
+        (another prefill) before the batch decodes, if there is room."""
+        rt = self.rt
+        t0, t_dec = self._turn
+        rt.busy(self, "prefill", t0, t_dec)
+        paused = rt.paused(self.agent)
+        if paused or (self.sched.queued(self.agent) and self.engine.active < self.cap):
+            self.engine.cut(0)  # the planned segment does not run (yet)
+            self.engine.settle()
+            if paused:
+                self._pause()
+            else:
+                self._run_turn()
+            return
+        self._decode(t_dec)
+
+    def _decode(self, t_dec: float) -> None:
+        seconds = self.engine.pending_s()
+        self.state = "decode"
+        self._turn = (t_dec, t_dec)
+        self._interruptible = (self.engine.active < self.cap // 4
+                               and not self.sched.queued(self.agent))
+        self._handle = self.rt.loop.call_at(t_dec + seconds, self._settled)
 
     def _settled(self) -> None:
         rt = self.rt
         now = rt.loop.time()
-        t0, t_dec = self._turn
-        rt.busy(self, "prefill", t0, t_dec)
         results, decoded = self.engine.settle()
-        rt.busy(self, "gen", t_dec, now)
+        rt.busy(self, "gen", self._turn[1], now)
         self.outstanding_tokens -= decoded
         self._deliver(self.sched.complete(self.agent, results), now)
         self._next()
