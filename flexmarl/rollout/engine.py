@@ -173,6 +173,10 @@ class ContinuousBatcher:
             return len(self.seqs)
         return sum(1 for s in self.seqs if s.request.agent == agent)
 
+    def budget(self, request: GenerationRequest) -> int:
+        """KV tokens `request` may come to hold (prompt + its output limit)."""
+        return len(request.prompt) + request.max_new_tokens
+
     def kv_budget_used(self) -> int:
         return sum(s.budget for s in self.seqs)
 

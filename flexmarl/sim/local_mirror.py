@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import itertools
 import pickle
 import time
 from collections import defaultdict
@@ -49,6 +48,7 @@ from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
 from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.profile import AgentProfile, LocalProfile, profiled_load
@@ -235,7 +235,6 @@ class _Common:
 
 @dataclass
 class _Seq:
-    sub: asyncio.Future
     request: GenerationRequest
     out_len: int
     admitted: float
@@ -250,23 +249,128 @@ class _Seq:
         return len(self.request.prompt) + self.request.max_new_tokens
 
 
+class ProfiledEngine:
+    """One model's continuous batch (the local `HFEngine`'s admission and budgets) whose
+    prefills, decode steps and loads cost the profile's fitted times: each call adds its cost
+    to `cost`, which the host then spends on the shared CPUs. Outputs are tokens drawn from
+    each request's allowed tokens with the profile's lengths."""
+
+    def __init__(self, agent: str, profile: LocalProfile, max_seqs: int, max_tokens: int,
+                 clock: Any) -> None:
+        self.agent = agent
+        self.p = profile.agents.get(agent)
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.clock = clock
+        self.seqs: list[_Seq] = []
+        self.cost = 0.0
+        self._new = 0  # this turn's newcomers, and those of them that finished at admission
+        self._finished = 0
+
+    @property
+    def active(self) -> int:
+        return len(self.seqs)
+
+    def active_for(self, agent: str) -> int:
+        return len(self.seqs)
+
+    def budget(self, request: GenerationRequest) -> int:
+        return len(request.prompt) + request.max_new_tokens
+
+    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
+        active = len(self.seqs)
+        if active + already >= self.max_seqs:
+            return False
+        used = sum(s.budget for s in self.seqs) + extra_tokens
+        return used + self.budget(request) <= self.max_tokens or (active + already) == 0
+
+    def _out_len(self, request: GenerationRequest) -> int:
+        p = self.p
+        cap = request.max_new_tokens
+        if p is None or not request.stop_tokens or not p.output_lengths:
+            return cap  # no stop token: the engine decodes exactly max_new_tokens
+        rng = np.random.default_rng(stable_seed(0, "len", request.sample_id, request.version))
+        return int(min(cap, p.output_lengths[int(rng.integers(len(p.output_lengths)))]))
+
+    def admit(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Prefill of the newcomers; admission samples each one's first token."""
+        self._new = len(requests)
+        if not requests:
+            return []
+        now = self.clock()
+        new = [_Seq(r, self._out_len(r), now) for r in requests]
+        width = max(len(r.prompt) for r in requests)
+        self.cost += _cost(self.p, "prefill", seqs=len(new), tokens=len(new) * width)
+        finished: list[_Seq] = []
+        for s in new:
+            if s.out_len > 0:
+                s.generated = 1
+            (finished if s.generated >= s.out_len else self.seqs).append(s)
+        self._finished = len(finished)
+        return [self._result(s) for s in finished]
+
+    def step(self) -> list[GenerationResult]:
+        """One decode step of the batch, plus the loop's own work in a turn that admitted or
+        answered something (the newcomers' messages, the replies)."""
+        finished: list[_Seq] = []
+        if self.seqs:
+            width = max(s.width for s in self.seqs)
+            self.cost += _cost(self.p, "decode", seqs=len(self.seqs),
+                               tokens=len(self.seqs) * (width + 1))
+            still: list[_Seq] = []
+            for s in self.seqs:
+                s.generated += 1
+                (finished if s.generated >= s.out_len else still).append(s)
+            self.seqs = still
+        answered = self._finished + len(finished)
+        if answered or self._new:
+            over = self.p.fits.get("replica_overhead") if self.p is not None else None
+            if over is not None:
+                self.cost += max(0.0, over(requests=self._new))
+        self._new = self._finished = 0
+        return [self._result(s) for s in finished]
+
+    def load_weights(self, weights: Any, agent: str | None = None) -> None:
+        self.cost += _cost(self.p, "load_weights")
+
+    def reset(self) -> None:
+        self.seqs = []
+
+    def take_cost(self) -> float:
+        cost, self.cost = self.cost, 0.0
+        return cost
+
+    def _result(self, s: _Seq) -> GenerationResult:
+        r = s.request
+        rng = np.random.default_rng(stable_seed(r.seed, "tok", r.sample_id, r.version))
+        pool = r.allowed_tokens or [3]
+        tokens = [int(t) for t in rng.choice(pool, size=s.out_len)] if s.out_len else []
+        if r.stop_tokens and tokens and s.out_len < r.max_new_tokens:
+            tokens[-1] = r.stop_tokens[0]
+        return GenerationResult(r.sample_id, tokens, [-1.0] * len(tokens), r.version,
+                                admitted_at=s.admitted)
+
+
 class SimRolloutWorker(_Common):
-    """One rollout replica process of the local runtime, in virtual time."""
+    """One rollout replica process of the local runtime, in virtual time: the production
+    `ReplicaScheduler` over one `ProfiledEngine` per local agent."""
 
     def __init__(self, index: int, agents: list[str], profile: LocalProfile, max_seqs: int,
                  max_tokens: int, sink: Any, cpu: CpuShare, parent: ParentProcess) -> None:
         super().__init__("rollout", index, profile, sink, cpu, parent)
         self.agents = agents
-        self.max_seqs, self.max_tokens = max_seqs, max_tokens
-        self.versions = dict.fromkeys(agents, 0)
-        self.waiting: dict[str, list[tuple[asyncio.Future, GenerationRequest, tuple]]] = {
-            a: [] for a in agents}
-        self.running: dict[str, list[_Seq]] = {a: [] for a in agents}
-        self.loads: dict[str, tuple[asyncio.Future, int]] = {}
+        loop = asyncio.get_running_loop()
+        self.engines = {a: ProfiledEngine(a, profile, max_seqs, max_tokens, loop.time)
+                        for a in agents}
+        self.sched = ReplicaScheduler({a: [a] for a in agents}, dict(self.engines),
+                                      max_batch_seqs=max_seqs)
+        self.loads: list[tuple[asyncio.Future, str, int]] = []
         self.wake = asyncio.Event()
         self._outbox: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
-        self._turn = itertools.count()
         self.task = asyncio.ensure_future(self._run())
+
+    @property
+    def versions(self) -> dict[str, int]:
+        return self.sched.versions
 
     # --- the parent's side (WorkerProxy's interface) -----------------------------------------
     def submit(self, request: GenerationRequest, priority: tuple) -> asyncio.Future:
@@ -288,7 +392,7 @@ class SimRolloutWorker(_Common):
         await self.parent.work(self.profile.parent_per_request_s * len(batch))
         await asyncio.sleep(self._ipc("ipc_generate", requests=len(batch)))
         for fut, request, priority in batch:
-            self.waiting[request.agent].append((fut, request, priority))
+            self.sched.submit(fut, request, priority)
         self.wake.set()
 
     async def call(self, command: str, payload: Any) -> Any:
@@ -298,7 +402,7 @@ class SimRolloutWorker(_Common):
             agent, version, _ = payload
             nbytes = self.profile.agents[agent].weights_bytes
             await asyncio.sleep(self._ipc("ipc_call", bytes=nbytes))
-            self.loads[agent] = (fut, version)
+            self.loads.append((fut, agent, version))
             self.wake.set()
             return await fut
         if command == "stop":
@@ -312,105 +416,47 @@ class SimRolloutWorker(_Common):
         await asyncio.gather(self.task, return_exceptions=True)
 
     # --- the worker's loop -------------------------------------------------------------------
-    def _out_len(self, request: GenerationRequest) -> int:
-        p = self.profile.agents.get(request.agent)
-        cap = request.max_new_tokens
-        if p is None or not request.stop_tokens or not p.output_lengths:
-            return cap  # no stop token: the engine decodes exactly max_new_tokens
-        rng = np.random.default_rng(stable_seed(0, "len", request.sample_id, request.version))
-        return int(min(cap, p.output_lengths[int(rng.integers(len(p.output_lengths)))]))
-
-    def _servable(self, agent: str) -> bool:
-        return any(r.version == self.versions[agent] for _, r, _ in self.waiting[agent])
-
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        sched = self.sched
         while True:
-            for agent in list(self.loads):
-                if not self.running[agent]:
-                    fut, version = self.loads.pop(agent)
-                    t0 = loop.time()
-                    await self.cpu.run(_cost(self.profile.agents.get(agent), "load_weights"))
-                    self.versions[agent] = version
-                    self.sink.span("rollout", self.index, t0, loop.time(), f"load:{agent}")
-                    self._later(self._ipc("ipc_call", bytes=0), fut, version)
-            for agent, queue in self.waiting.items():  # older than the replica: never served
-                stale = [item for item in queue if item[1].version < self.versions[agent]]
-                for item in stale:
-                    queue.remove(item)
-                    item[0].set_exception(WorkerLost(f"stale request {item[1].sample_id}"))
-            candidates = [a for a in self.agents if self.running[a] or self._servable(a)]
-            if not candidates:
+            loads, self.loads = self.loads, []
+            for fut, agent, version in loads:
+                await self._loaded(sched.load(fut, agent, version, None))
+            await self._loaded(sched.apply_deferred())
+            if not sched.has_work():
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            agent = candidates[next(self._turn) % len(candidates)]
-            await self._turn_of(agent)
+            t0 = loop.time()
+            events = sched.step()
+            group = sched.last_group
+            cost = self.engines[group].take_cost() if group is not None else 0.0
+            if cost:
+                await self.cpu.run(cost * self.profile.scale("rollout"))
+            now = loop.time()
+            if group is not None:  # busy, as the real one
+                self.sink.span("rollout", self.index, t0, now, f"gen:{group}")
+            await self._loaded(events)
+            finished = [ev for ev in events if isinstance(ev, Reply)]
+            delay = self._ipc("ipc_generate", requests=len(finished)) if finished else 0.0
+            for ev in finished:
+                if ev.ok:
+                    ev.result.finished_at = now
+                    self._later(delay, ev.key, ev.result)
+                elif not ev.key.done():  # older than the replica: never served
+                    ev.key.set_exception(WorkerLost(str(ev.result)))
 
-    def _fits(self, agent: str, request: GenerationRequest, already: int, extra: int) -> bool:
-        active = len(self.running[agent])
-        if active + already >= self.max_seqs:
-            return False
-        used = sum(s.budget for s in self.running[agent]) + extra
-        need = len(request.prompt) + request.max_new_tokens
-        return used + need <= self.max_tokens or (active + already) == 0
-
-    async def _turn_of(self, agent: str) -> None:
+    async def _loaded(self, events: list[Any]) -> None:
+        """Each load costs its profiled time on the shared CPUs, then answers its caller."""
         loop = asyncio.get_running_loop()
-        p = self.profile.agents.get(agent)
-        queue = sorted(self.waiting[agent], key=lambda item: item[2])
-        take: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
-        tokens = 0
-        for item in queue:
-            r = item[1]
-            if r.version != self.versions[agent] or not self._fits(agent, r, len(take), tokens):
+        for ev in events:
+            if not isinstance(ev, Loaded):
                 continue
-            take.append(item)
-            tokens += len(r.prompt) + r.max_new_tokens
-        if take:
-            chosen = {id(item) for item in take}
-            self.waiting[agent] = [i for i in self.waiting[agent] if id(i) not in chosen]
-        t0 = loop.time()
-        cost = 0.0
-        new = [_Seq(fut, r, self._out_len(r), t0) for fut, r, _ in take]
-        finished: list[_Seq] = []
-        if new:
-            width = max(len(s.request.prompt) for s in new)
-            cost += _cost(p, "prefill", seqs=len(new), tokens=len(new) * width)
-            for s in new:  # admission samples each newcomer's first token
-                if s.out_len > 0:
-                    s.generated = 1
-                (finished if s.generated >= s.out_len else self.running[agent]).append(s)
-        batch = self.running[agent]
-        if batch:
-            width = max(s.width for s in batch)
-            cost += _cost(p, "decode", seqs=len(batch), tokens=len(batch) * (width + 1))
-            still: list[_Seq] = []
-            for s in batch:
-                s.generated += 1
-                (finished if s.generated >= s.out_len else still).append(s)
-            self.running[agent] = still
-        if finished or new:  # the loop's own work: the newcomers' messages, the replies
-            over = p.fits.get("replica_overhead") if p is not None else None
-            if over is not None:
-                cost += max(0.0, over(requests=len(new)))
-        await self.cpu.run(cost * self.profile.scale("rollout"))
-        now = loop.time()
-        self.sink.span("rollout", self.index, t0, now, f"gen:{agent}")  # busy, as the real one
-        if finished:
-            delay = self._ipc("ipc_generate", requests=len(finished))
-            for s in finished:
-                self._later(delay, s.sub, self._result(s, now))
-
-    def _result(self, s: _Seq, now: float) -> GenerationResult:
-        r = s.request
-        rng = np.random.default_rng(stable_seed(r.seed, "tok", r.sample_id, r.version))
-        pool = r.allowed_tokens or [3]
-        tokens = [int(t) for t in rng.choice(pool, size=s.out_len)] if s.out_len else []
-        if r.stop_tokens and tokens and s.out_len < r.max_new_tokens:
-            tokens[-1] = r.stop_tokens[0]
-        return GenerationResult(r.sample_id, tokens, [-1.0] * len(tokens), r.version,
-                                admitted_at=s.admitted, finished_at=now)
+            t0 = loop.time()
+            await self.cpu.run(self.engines[ev.agent].take_cost())
+            self.sink.span("rollout", self.index, t0, loop.time(), f"load:{ev.agent}")
+            self._later(self._ipc("ipc_call", bytes=0), ev.key, ev.version)
 
 
 class SimTrainWorker(_Common):

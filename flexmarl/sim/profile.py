@@ -913,16 +913,18 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
 
 # --- lengths from a short real rollout --------------------------------------------------------
 class _InProcessRollout(RolloutPool):
-    """The config's models behind one in-process continuous batch each (the real engine); used
-    once to measure the task's real prompt and output lengths per agent."""
+    """The config's models behind one in-process continuous batch each (the real engine
+    under the production `ReplicaScheduler`); used once to measure the task's real prompt and
+    output lengths per agent."""
 
     n_workers: int
 
     def __init__(self, engines: dict[str, Any]) -> None:
-        self.engines = engines
+        from flexmarl.rollout.scheduler import ReplicaScheduler
+
+        self.sched = ReplicaScheduler({a: [a] for a in engines}, engines, max_batch_seqs=max(
+            (e.max_seqs for e in engines.values()), default=1))
         self.n_workers = 1
-        self.waiting: dict[str, list[tuple[Any, asyncio.Future]]] = defaultdict(list)
-        self.running: dict[str, dict[str, asyncio.Future]] = defaultdict(dict)
         self.kick = asyncio.Event()
         self.lengths: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
         self.allowed: dict[str, list[int] | None] = {}
@@ -930,7 +932,7 @@ class _InProcessRollout(RolloutPool):
 
     async def generate(self, request: Any, priority: tuple) -> Any:
         fut = asyncio.get_running_loop().create_future()
-        self.waiting[request.agent].append((request, fut))
+        self.sched.submit(fut, request, priority)
         self.kick.set()
         result = await fut
         self.allowed.setdefault(request.agent, request.allowed_tokens)
@@ -939,23 +941,20 @@ class _InProcessRollout(RolloutPool):
         return result
 
     async def _drive(self) -> None:
+        from flexmarl.rollout.scheduler import Reply
+
         while True:
-            if not any(self.waiting.values()) and not any(e.active for e in self.engines.values()):
+            if not self.sched.has_work():
                 self.kick.clear()
                 await self.kick.wait()
             await asyncio.sleep(0)
-            for agent, engine in self.engines.items():
-                queue, tokens = self.waiting[agent], 0
-                take: list[Any] = []
-                while queue and engine.fits(queue[0][0], len(take), tokens):
-                    r, fut = queue.pop(0)
-                    tokens += len(r.prompt) + r.max_new_tokens
-                    take.append(r)
-                    self.running[agent][r.sample_id] = fut
-                if not take and not engine.active:
+            for ev in self.sched.step():
+                if not isinstance(ev, Reply) or ev.key.done():
                     continue
-                for res in engine.admit(take) + engine.step():
-                    self.running[agent].pop(res.sample_id).set_result(res)
+                if ev.ok:
+                    ev.key.set_result(ev.result)
+                else:
+                    ev.key.set_exception(RuntimeError(ev.result))
 
     async def publish(self, agent: str, version: int, weights: Any) -> None:
         pass

@@ -75,6 +75,12 @@ class VLLMEngine:
     def active(self) -> int:
         return len(self.running)
 
+    def active_for(self, agent: str) -> int:
+        return len(self.running)  # one agent per vLLM engine
+
+    def budget(self, request: GenerationRequest) -> int:
+        return len(request.prompt) + request.max_new_tokens
+
     def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
         return self.active + already < self.max_seqs  # vLLM's scheduler owns the KV budget
 
@@ -106,7 +112,7 @@ class VLLMEngine:
                                          admitted_at=admitted, finished_at=time.time()))
         return done
 
-    def load_weights(self, weights: dict[str, Any]) -> None:
+    def load_weights(self, weights: dict[str, Any], agent: str | None = None) -> None:
         if self.running:
             raise RuntimeError("cannot load weights while sequences are running")
         self.llm.collective_rpc("flexmarl_load_weights", args=(list(weights.items()),))

@@ -8,7 +8,6 @@ Tensors cross the pipe as numpy arrays (plain pickling, no shared-memory file de
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -127,146 +126,74 @@ def _error(exc: BaseException) -> str:
 def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A rollout replica hosting the models of `spec.agents`, one continuous batch per model.
 
-    Between decode steps it reads new requests and admits them into its model's running batch
-    as budgets allow; a finished sequence is answered at once, not when its batch ends. Models
-    sharing the replica take decode steps in turn.
+    A thin loop around the shared `ReplicaScheduler` (queues, versions, deferred loads, turns
+    between models): between decode steps it reads new messages and feeds them in; a finished
+    sequence is answered at once, not when its batch ends.
     """
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     from flexmarl.config.schema import RunConfig
+    from flexmarl.rollout.scheduler import Loaded, Reply
 
     cfg = RunConfig.model_validate(spec.config)
-    # Deterministic mode decodes each sequence alone: numerics then never depend on which
-    # requests happened to share a batch.
-    max_seqs = 1 if spec.deterministic else spec.max_batch_seqs
-    from flexmarl.policy.adapters import engine_groups
-
-    # one engine per model: agents on a shared base (`models:`) share one engine, whose
-    # continuous batch mixes their requests (each row through its agent's adapter)
-    groups = engine_groups(cfg, spec.agents)
-    group_engines: dict[str, Any] = {}
-    memory: dict[str, Any] = {}
-    engines: dict[str, Any] = {}  # by agent
-    for key, members in groups.items():
-        group_engines[key], memory[key] = make_engine(key, members, cfg, spec, max_seqs)
-        for a in members:
-            engines[a] = group_engines[key]
-    set_kv_budgets(group_engines, cfg)
-    versions = dict.fromkeys(spec.agents, 0)
+    sched, memory = build_scheduler(cfg, spec)
     settle_heap()
-    waiting: dict[str, list[tuple[int, Any]]] = {a: [] for a in spec.agents}
-    priorities: dict[int, tuple] = {}
-    running_ids: dict[str, dict[str, int]] = {g: {} for g in groups}  # sample_id -> sub_id
-    deferred: dict[str, tuple[int, int, Any]] = {}  # agent -> (msg_id, version, weights)
     busy_since: float | None = None
-    step_turn = itertools.count()
     running = True
     total = sum(m.pop("resident_bytes", 0) for m in memory.values())
     conn.send((-1, True, {"ready": True, "memory": {"resident_mb": _mb(total),
                                                     "models": memory}}, []))
-
-    def busy(agent: str) -> int:
-        """Running sequences of `agent` (its weights must not change under them)."""
-        engine = engines[agent]
-        return engine.active_for(agent) if hasattr(engine, "active_for") else engine.active
-
-    def load(agent: str, msg_id: int, version: int, weights: Any) -> None:
-        t0 = time.time()
-        try:
-            engine = engines[agent]
-            if getattr(engine, "adapters", None) is not None:
-                engine.load_weights(from_numpy(weights), agent)
-            else:
-                engine.load_weights(from_numpy(weights))
-            versions[agent] = version
-            conn.send((msg_id, True, version, [(t0, time.time(), f"load:{agent}")]))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
-            conn.send((msg_id, False, _error(exc), []))
-
-    def has_work() -> bool:
-        """Something to decode now: running sequences, or requests the loaded weights serve
-        (requests for a newer version wait for its weights without spinning)."""
-        return any(e.active for e in group_engines.values()) or any(
-            r.version <= versions[a] for a, queue in waiting.items() for _, r in queue)
-
     while running:
-        messages = [] if has_work() else [conn.recv()]  # block only when idle
+        messages = [] if sched.has_work() else [conn.recv()]  # block only when idle
         while conn.poll(0):
             messages.append(conn.recv())
+        events: list[Any] = []
         for msg_id, command, payload in messages:
             if command == "generate":
                 for sub_id, request, priority in payload:
-                    waiting[request.agent].append((sub_id, request))
-                    priorities[sub_id] = priority
+                    sched.submit(sub_id, request, priority)
             elif command == "load_weights":
-                agent, version, weights = payload
-                if busy(agent):  # never swap weights under running sequences
-                    deferred[agent] = (msg_id, version, weights)
-                else:
-                    load(agent, msg_id, version, weights)
+                events += sched.load(msg_id, *payload)
             elif command == "stop":
                 running = False
                 conn.send((msg_id, True, None, []))
-        for agent in list(deferred):
-            if not busy(agent):
-                load(agent, *deferred.pop(agent))
-        if not running or not has_work():
-            continue
+        if running and sched.has_work():
+            if busy_since is None:
+                busy_since = time.time()
+            events += sched.step()
         replies: list[tuple[int, bool, Any]] = []
-        # requests for an older version than the replica holds can never be served
-        for agent, queue in waiting.items():
-            stale = [(i, r) for i, r in queue if r.version < versions[agent]]
-            for sub_id, r in stale:
-                replies.append((sub_id, False, f"agent {agent!r}: request {r.sample_id} wants "
-                                f"version {r.version}, replica holds {versions[agent]}"))
-                priorities.pop(sub_id, None)
-            if stale:
-                waiting[agent] = [item for item in queue if item not in stale]
-
-        candidates = [g for g, e in group_engines.items() if e.active or any(
-            r.version == versions[a] for a in groups[g] for _, r in waiting[a])]
-        if busy_since is None:
-            busy_since = time.time()
-        if candidates:
-            # models sharing a replica take decode steps in turn: an upstream agent with a few
-            # short requests is never starved behind another model's long generations
-            turn = next(step_turn)
-            group = candidates[turn % len(candidates)]
-            engine = group_engines[group]
-            queue = sorted(((sub_id, r) for a in groups[group] for sub_id, r in waiting[a]),
-                           key=lambda item: priorities[item[0]])
-            take: list[tuple[int, Any]] = []
-            tokens = 0
-            for sub_id, r in queue:
-                if r.version != versions[r.agent] or not engine.fits(r, len(take), tokens):
-                    continue
-                take.append((sub_id, r))
-                tokens += len(r.prompt) + r.max_new_tokens
-            if take:
-                taken = {sub_id for sub_id, _ in take}
-                for a in groups[group]:
-                    waiting[a] = [item for item in waiting[a] if item[0] not in taken]
-                for sub_id, r in take:
-                    running_ids[group][r.sample_id] = sub_id
-            try:
-                finished = engine.admit([r for _, r in take]) + engine.step()
-            except Exception as exc:  # noqa: BLE001 - fail this model's batch, keep serving
-                err = _error(exc)
-                finished = []
-                for sub_id in running_ids[group].values():
-                    replies.append((sub_id, False, err))
-                    priorities.pop(sub_id, None)
-                running_ids[group].clear()
-                engine.reset()
-            for result in finished:
-                sub_id = running_ids[group].pop(result.sample_id)
-                priorities.pop(sub_id, None)
-                replies.append((sub_id, True, result))
-        if replies:
+        for ev in events:
+            if isinstance(ev, Loaded):
+                conn.send((ev.key, True, ev.version, [(ev.start, ev.end, f"load:{ev.agent}")])
+                          if ev.ok else (ev.key, False, ev.error, []))
+            elif isinstance(ev, Reply):
+                replies.append((ev.key, ev.ok, ev.result))
+        if replies and running:
             now = time.time()
-            label = f"gen:{'+'.join(a for a in engines if busy(a)) or 'idle'}"
-            conn.send((-2, True, replies, [(busy_since, now, label)]))
-            busy_since = now if has_work() else None
+            label = f"gen:{'+'.join(sched.busy_agents()) or 'idle'}"
+            conn.send((-2, True, replies, [(busy_since or now, now, label)]))
+            busy_since = now if sched.has_work() else None
+
+
+def build_scheduler(cfg: Any, spec: WorkerSpec) -> tuple[Any, dict[str, Any]]:
+    """The replica's engines (one per model: agents on a shared base (`models:`) share one,
+    whose batch mixes their requests, each row through its agent's adapter) under one
+    `ReplicaScheduler`; and what each model holds in memory. Deterministic mode decodes each
+    sequence alone: numerics then never depend on which requests shared a batch."""
+    from flexmarl.policy.adapters import engine_groups
+    from flexmarl.rollout.scheduler import ReplicaScheduler
+
+    max_seqs = 1 if spec.deterministic else spec.max_batch_seqs
+    groups = engine_groups(cfg, spec.agents)
+    engines: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
+    for key, members in groups.items():
+        engines[key], memory[key] = make_engine(key, members, cfg, spec, max_seqs)
+    set_kv_budgets(engines, cfg)
+    sched = ReplicaScheduler(groups, engines, max_batch_seqs=spec.max_batch_seqs,
+                             deterministic=spec.deterministic, clock=time.time,
+                             convert=from_numpy, describe=_error)
+    return sched, memory
 
 
 def _mb(nbytes: float) -> float:

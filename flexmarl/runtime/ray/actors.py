@@ -1,6 +1,6 @@
 """The actors of the Ray runtime: a rollout replica and a training worker.
 
-They reuse the local workers' pieces (model building, `policy.sampling.generate`,
+They reuse the local workers' pieces (engines and the `rollout.scheduler.ReplicaScheduler`,
 `training.trainer.AgentTrainer`) and differ only in transport: calls are actor methods, weights
 arrive as ObjectRefs resolved from the object store on the replica's node, never via the driver.
 Every reply carries the `(start, end, label)` spans of the work it covers, as locally.
@@ -13,7 +13,6 @@ them and they survive the replica or trainer being killed and restarted.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import tempfile
 import time
@@ -25,7 +24,6 @@ from flexmarl.runtime.local.workers import (
     WorkerSpec,
     _error,
     _setup_torch,
-    from_numpy,
 )
 
 Span = tuple[float, float, str]
@@ -45,48 +43,44 @@ def where() -> dict[str, Any]:
 
 
 class RolloutReplica:
-    """Hosts every agent's model; batches the requests waiting on it, highest priority first.
+    """Hosts every agent's model under the shared `ReplicaScheduler`, as the local replica.
 
-    An async actor: requests keep arriving while a batch decodes on the single compute thread,
-    so the next batch sees everything that queued up meanwhile (as the local replica does).
+    An async actor: requests and weight loads arrive on the event loop while the scheduler's
+    turns (admission + one decode step) run on the single compute thread; between turns the
+    driver task feeds in what arrived, so requests join the running batch between decode
+    steps (continuous batching) and a finished sequence is answered at once.
     """
 
     def __init__(self, spec: WorkerSpec, owners: dict[str, Any] | None = None) -> None:
         _setup_torch(spec)
         from flexmarl.config.schema import RunConfig
-        from flexmarl.policy.device import compute_dtype, process_device
-        from flexmarl.policy.model import build_model
+        from flexmarl.runtime.local.workers import build_scheduler
 
         self.spec = spec
         self.owners = owners or {}
         cfg = RunConfig.model_validate(spec.config)
         self.cfg = cfg
-        dev = process_device()
-        self.models = {
-            a: build_model(a, cfg.agents[a].model, spec.vocab_size, spec.max_seq_len, cfg.seed,
-                           dev, compute_dtype(cfg.agents[a].model.dtype, dev))
-            for a in spec.agents
-        }
-        self.versions = dict.fromkeys(spec.agents, 0)
-        self.pending: list[tuple[tuple, int, Any, asyncio.Future]] = []
+        self.sched, self.memory = build_scheduler(cfg, spec)
         self.spans: list[Span] = []
-        self._seq = itertools.count()
-        self._batcher: asyncio.Task | None = None
+        self._inbox: list[tuple[str, Any, Any]] = []  # ("generate" | "load", future, payload)
+        self._driver: asyncio.Task | None = None
+        self._busy_since: float | None = None
         # One compute thread: loads and decodes never overlap, the event loop stays free.
         self._compute = ThreadPoolExecutor(1, initializer=_setup_torch, initargs=(spec,))
 
     def where(self) -> dict[str, Any]:
         return where()
 
+    def _kick(self) -> None:
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+
     async def load_weights(self, agent: str, version: int, weights: dict) -> tuple[int, list]:
-        t0 = time.time()
-        model = self.models[agent]
-        tensors = from_numpy(weights)
-        await asyncio.get_running_loop().run_in_executor(
-            self._compute, model.load_state_dict, tensors
-        )
-        self.versions[agent] = version
-        return version, [(t0, time.time(), f"load:{agent}")]
+        """Load `version` once `agent` has no running sequence (requests for it wait)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.append(("load", fut, (agent, version, weights)))
+        self._kick()
+        return await fut
 
     async def generate(self, items: list[tuple[Any, tuple]]) -> tuple[list, list[Span]]:
         """`items` are (GenerationRequest, priority); replies are (ok, result-or-error)."""
@@ -94,50 +88,61 @@ class RolloutReplica:
         futures = []
         for request, priority in items:
             fut = loop.create_future()
-            self.pending.append((priority, next(self._seq), request, fut))
+            self._inbox.append(("generate", fut, (request, priority)))
             futures.append(fut)
-        if self._batcher is None or self._batcher.done():
-            self._batcher = asyncio.ensure_future(self._drain())
+        self._kick()
         results = await asyncio.gather(*futures)
         spans, self.spans = self.spans, []
         return list(results), spans
 
-    async def _drain(self) -> None:
-        from flexmarl.policy.sampling import generate
+    async def _drive(self) -> None:
+        """Feed the inbox to the scheduler and run its turns on the compute thread until it
+        has nothing to do; only this task touches the scheduler."""
+        from flexmarl.rollout.scheduler import Loaded
 
         loop = asyncio.get_running_loop()
-        while self.pending:
+        sched = self.sched
+        while self._inbox or sched.has_work():
             await asyncio.sleep(0)  # let the requests sent in the same tick join
-            self.pending.sort(key=lambda item: (item[0], item[1]))
-            agent = self.pending[0][2].agent
-            # Deterministic mode decodes each sequence alone, exactly as the local replica.
-            limit = 1 if self.spec.deterministic else self.spec.max_batch_seqs
-            chosen = [item for item in self.pending if item[2].agent == agent][:limit]
-            taken = {item[1] for item in chosen}
-            self.pending = [item for item in self.pending if item[1] not in taken]
-            requests = [item[2] for item in chosen]
-            try:
-                stale = [r for r in requests if r.version != self.versions[agent]]
-                if stale:
-                    raise RuntimeError(
-                        f"agent {agent!r}: request {stale[0].sample_id} wants version "
-                        f"{stale[0].version}, replica holds {self.versions[agent]}"
-                    )
-                t0 = time.time()
-                from flexmarl.runtime.local.workers import tokenizer_loader
-
-                tok = tokenizer_loader(agent, self.cfg.agents[agent], self.spec.vocab_size)
-                results = await loop.run_in_executor(
-                    self._compute, generate, self.models[agent], requests, None, tok
-                )
-                self.spans.append((t0, time.time(), f"gen:{agent}:{len(requests)}"))
-                await self._store_payloads(agent, results)
-                replies: list[tuple[bool, Any]] = [(True, r) for r in results]
-            except Exception as exc:  # noqa: BLE001 - reported to the driver per request
-                replies = [(False, _error(exc))] * len(chosen)
-            for item, reply in zip(chosen, replies, strict=True):
-                if not item[3].done():
-                    item[3].set_result(reply)
+            inbox, self._inbox = self._inbox, []
+            events: list[Any] = []
+            for kind, fut, payload in inbox:
+                if kind == "generate":
+                    sched.submit(fut, *payload)
+                else:
+                    events += await loop.run_in_executor(self._compute, sched.load, fut,
+                                                         *payload)
+            if sched.has_work():
+                if self._busy_since is None:
+                    self._busy_since = time.time()
+                events += await loop.run_in_executor(self._compute, sched.step)
+            replies: dict[str, list[tuple[asyncio.Future, Any]]] = {}
+            for ev in events:
+                if isinstance(ev, Loaded):
+                    if ev.ok:
+                        _resolve(ev.key, (ev.version, [(ev.start, ev.end, f"load:{ev.agent}")]))
+                    elif not ev.key.done():
+                        ev.key.set_exception(RuntimeError(ev.error))
+                elif ev.ok:
+                    replies.setdefault(ev.agent, []).append((ev.key, ev.result))
+                else:
+                    _resolve(ev.key, (False, ev.result))
+            if replies:
+                now = time.time()
+                label = f"gen:{'+'.join(sched.busy_agents() or replies)}"
+                self.spans.append((self._busy_since or now, now, label))
+                self._busy_since = now if sched.has_work() else None
+            for agent, done in replies.items():
+                results = [r for _, r in done]
+                try:
+                    await self._store_payloads(agent, results)
+                except Exception as exc:  # noqa: BLE001 - reported to the driver per request
+                    err = _error(exc)
+                    for fut, _ in done:
+                        _resolve(fut, (False, err))
+                    continue
+                for fut, r in done:
+                    _resolve(fut, (True, r))
 
     async def _store_payloads(self, agent: str, results: list) -> None:
         """Put the batch's log-probs into the object store as one block owned by the agent's
@@ -154,6 +159,11 @@ class RolloutReplica:
         (block,) = await owner.adopt.remote(arrays)
         for i, (r, a) in enumerate(zip(results, arrays, strict=True)):
             r.logprobs = TensorRef((block, i), tuple(a.shape), "float32")
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 class TrainWorker:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import math
 import operator
 from collections import defaultdict
@@ -38,7 +37,9 @@ from typing import Any
 
 from flexmarl.planning.planner import ResourcePlanner
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.scheduler import ReplicaScheduler, Reply
 from flexmarl.runtime.base import RolloutPool, Runtime, TrainPool
+from flexmarl.runtime.sim.engine import CostModelEngine
 from flexmarl.sim.cost import CostModel, keyed_uniform
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
@@ -96,14 +97,17 @@ class _Seq:
 
 
 class SimReplica:
-    """One inference engine (tp accelerators) with continuous batching in virtual time.
+    """One inference engine (tp accelerators) with continuous batching in virtual time: the
+    shared `ReplicaScheduler` (the production replica's queues, priorities, version gating,
+    deferred loads) over a `CostModelEngine` whose work costs cost-model time.
 
-    An event-driven state machine on the loop's timers (no coroutine per engine): sequences
-    are admitted as others finish (up to max_num_seqs, and as many as the KV cache holds at
-    their full length); each admission costs a prefill; a decode segment runs until the first
-    running sequence finishes, or, in an under-filled batch, until the next decode step after a
-    new request arrives. Sums over the running batch are kept incrementally, so a segment
-    costs O(log batch) whatever the batch size.
+    An event-driven host on the loop's timers (no coroutine per engine): each scheduler turn
+    admits what fits (one prefill) and plans a decode segment up to the first finish; the
+    host waits the prefill (newcomers that arrived meanwhile are admitted before decoding),
+    then the segment, then settles it and answers the finished sequences. In an under-filled
+    batch a newcomer cuts the segment at the next decode step. Admission is in
+    the orchestrator's priority order (iteration, input, trajectory): earlier inputs' groups
+    complete first.
     """
 
     def __init__(self, runtime: SimRuntime, agent: str, index: int, tp: int) -> None:
@@ -113,37 +117,43 @@ class SimReplica:
         self.tp = tp
         self.model = runtime.wl.agent(agent).model
         self.lane = f"rollout/{agent}/{index}"
-        # admitted in the orchestrator's priority order (iteration, input, trajectory), as the
-        # production replica does: earlier inputs' groups complete first
-        self.waiting: list[tuple[tuple, int, _Seq]] = []
-        self.running: list[tuple[int, int, _Seq]] = []  # heap: (finish step, order, seq)
-        self.step = 0  # decode steps this engine has run
-        self.kv = 0  # KV tokens held by the running batch
-        self.reserved = 0  # KV tokens the running batch will hold at full length
+        self.seqs: dict[str, _Seq] = {}  # by sample_id, until answered
+        self.engine = CostModelEngine(runtime.cost, self.model, tp, self._out_len)
+        self.sched = ReplicaScheduler({agent: [agent]}, {agent: self.engine},
+                                      max_batch_seqs=runtime.cost.max_num_seqs)
         self.outstanding_tokens = 0  # prompt + output tokens not yet through the engine
         self.state = "idle"  # idle | prefill | decode | paused
         self.cap = runtime.cost.max_num_seqs
-        self.kv_cap = runtime.cost.kv_capacity_tokens(self.model, tp)
-        self._order = 0
         self._handle: asyncio.TimerHandle | None = None
-        self._segment = (0.0, 0, 0.0)  # start, steps, seconds per step
+        self._turn = (0.0, 0.0)  # start of the turn, start of its decode segment
         self._interruptible = False
 
+    def _out_len(self, request: GenerationRequest) -> int:
+        return self.seqs[request.sample_id].out_len
+
     def submit(self, seq: _Seq) -> None:
-        heapq.heappush(self.waiting, (seq.priority, self._order, seq))
-        self._order += 1
+        self.seqs[seq.request.sample_id] = seq
+        self.sched.submit(seq, seq.request, seq.priority)
         self.outstanding_tokens += seq.out_len + seq.prompt
         if self.state == "idle":
             self._next()
         elif self.state == "decode" and self._interruptible:
             # an under-filled batch takes the newcomer at the end of the current decode step
             self._interruptible = False
-            t0, steps, step_s = self._segment
-            done = min(steps, max(1, math.ceil((self.rt.loop.time() - t0) / step_s - 1e-9)))
+            t0, t_dec = self._turn
+            steps, step_s = self.engine.segment or (0, 0.0)
+            now = self.rt.loop.time()
+            done = min(steps, max(1, math.ceil((now - t_dec) / step_s - 1e-9)))
             if done < steps and self._handle is not None:
                 self._handle.cancel()
-                self._segment = (t0, done, step_s)
-                self._handle = self.rt.loop.call_at(t0 + done * step_s, self._decoded)
+                self.engine.cut(done)
+                self._handle = self.rt.loop.call_at(t_dec + done * step_s, self._settled)
+
+    def load(self, version: int) -> None:
+        """Published weights: held once the agent's running sequences are done."""
+        self._deliver(self.sched.load(None, self.agent, version, None), self.rt.loop.time())
+        if self.state == "idle" and self.sched.has_work():  # (an idle engine claims nothing)
+            self._next()
 
     def resume(self) -> None:
         if self.state == "paused":
@@ -152,65 +162,84 @@ class SimReplica:
 
     def _next(self) -> None:
         rt = self.rt
-        loop = rt.loop
-        now = loop.time()
         if rt.paused(self.agent):
-            self.state = "paused"
-            rt.paused_replicas[self.agent].append(self)
+            self._pause()
             return
-        cost = rt.cost
-        if self.waiting and len(self.running) < self.cap:
-            admit: list[_Seq] = []
-            while (self.waiting and len(self.running) + len(admit) < self.cap
-                   and (self.reserved + self.waiting[0][2].prompt + self.waiting[0][2].out_len
-                        <= self.kv_cap or not (self.running or admit))):
-                seq = heapq.heappop(self.waiting)[2]
-                self.reserved += seq.prompt + seq.out_len
-                admit.append(seq)
-            if admit:
+        self._run_turn()
+
+    def _pause(self) -> None:
+        self.state = "paused"
+        self.rt.paused_replicas[self.agent].append(self)
+
+    def _run_turn(self) -> None:
+        """A scheduler turn: its prefill first, then (`_prefilled`) its decode segment."""
+        loop = self.rt.loop
+        while self.sched.has_work():
+            now = loop.time()
+            events = self.sched.step()
+            waits = self.rt.queue_waits[self.agent]
+            for r in self.engine.admitted:
+                seq = self.seqs[r.sample_id]
+                seq.admitted = now
+                waits.append(now - seq.enqueued)
+            self.engine.admitted.clear()
+            self._deliver(events, now)
+            prefill, self.engine.prefill_s = self.engine.prefill_s, 0.0
+            if prefill:
                 self.state = "prefill"
-                duration = cost.prefill_time(self.model, self.tp, sum(s.prompt for s in admit))
-                self._handle = loop.call_at(now + duration, self._prefilled, admit, now)
+                self._turn = (now, now + prefill)
+                self._handle = loop.call_at(now + prefill, self._prefilled)
                 return
-        if not self.running:
-            self.state = "idle"
-            return
-        batch = len(self.running)
-        steps = self.running[0][0] - self.step
-        seconds = cost._decode_segment_time(self.model, self.tp, batch, self.kv, steps)
-        self.state = "decode"
-        self._segment = (now, steps, seconds / steps)
-        self._interruptible = batch < self.cap // 4 and not self.waiting
-        self._handle = loop.call_at(now + seconds, self._decoded)
+            if self.engine.segment is not None:
+                self._decode(now)
+                return
+        self.state = "idle"
 
-    def _prefilled(self, admit: list[_Seq], t0: float) -> None:
+    def _prefilled(self) -> None:
+        """As an engine's own loop does: requests that arrived during a prefill are admitted
+        (another prefill) before the batch decodes, if there is room."""
         rt = self.rt
-        rt.busy(self, "prefill", t0, rt.loop.time())
-        waits = rt.queue_waits[self.agent]
-        for seq in admit:
-            seq.admitted = t0
-            waits.append(t0 - seq.enqueued)
-            heapq.heappush(self.running, (self.step + seq.out_len, self._order, seq))
-            self._order += 1
-            self.kv += seq.prompt
-        self._next()
+        t0, t_dec = self._turn
+        rt.busy(self, "prefill", t0, t_dec)
+        paused = rt.paused(self.agent)
+        if paused or (self.sched.queued(self.agent) and self.engine.active < self.cap):
+            self.engine.cut(0)  # the planned segment does not run (yet)
+            self.engine.settle()
+            if paused:
+                self._pause()
+            else:
+                self._run_turn()
+            return
+        self._decode(t_dec)
 
-    def _decoded(self) -> None:
+    def _decode(self, t_dec: float) -> None:
+        seconds = self.engine.pending_s()
+        self.state = "decode"
+        self._turn = (t_dec, t_dec)
+        self._interruptible = (self.engine.active < self.cap // 4
+                               and not self.sched.queued(self.agent))
+        self._handle = self.rt.loop.call_at(t_dec + seconds, self._settled)
+
+    def _settled(self) -> None:
         rt = self.rt
         now = rt.loop.time()
-        t0, done, _ = self._segment
-        rt.busy(self, "gen", t0, now)
-        batch = len(self.running)
-        self.step += done
-        self.kv += done * batch
-        self.outstanding_tokens -= done * batch
-        while self.running and self.running[0][0] <= self.step:
-            _, _, seq = heapq.heappop(self.running)
-            self.kv -= seq.prompt + seq.out_len
-            self.reserved -= seq.prompt + seq.out_len
-            self.outstanding_tokens -= seq.prompt
-            rt.finish(self, seq, now)
+        results, decoded = self.engine.settle()
+        rt.busy(self, "gen", self._turn[1], now)
+        self.outstanding_tokens -= decoded
+        self._deliver(self.sched.complete(self.agent, results), now)
         self._next()
+
+    def _deliver(self, events: list[Any], now: float) -> None:
+        for ev in events:
+            if not isinstance(ev, Reply):
+                continue  # a load: nothing waits for it (requests of its version do)
+            seq = ev.key
+            del self.seqs[seq.request.sample_id]
+            if ev.ok:
+                self.outstanding_tokens -= seq.prompt
+                self.rt.finish(self, seq, now)
+            elif not seq.future.done():
+                seq.future.set_exception(RuntimeError(f"{self.lane}: {ev.result}"))
 
 
 class SimRolloutPool(RolloutPool):
@@ -600,9 +629,9 @@ class SimRuntime(Runtime):
         lock = (self._train_locks.setdefault("publish", asyncio.Lock())
                 if self.features.serial_publish else contextlib.nullcontext())
         async with lock:
-            await self._publish(agent, spec)
+            await self._publish(agent, spec, version)
 
-    async def _publish(self, agent: str, spec: Any) -> None:
+    async def _publish(self, agent: str, spec: Any, version: int) -> None:
         loop = self.loop
         t0 = loop.time()
         if self.features.time_shared:
@@ -617,6 +646,10 @@ class SimRuntime(Runtime):
         else:
             await asyncio.sleep(self.cost.weight_transfer_time(
                 spec.model, inter_node=True, links=spec.tp))
+        # each replica holds the new version once its running sequences are done (the
+        # production scheduler's deferred load); its requests wait for it until then
+        for replica in self.rollout.replicas.get(agent, []):
+            replica.load(version)
         self.spans.append(BusySpan(f"publish/{agent}", "publish", agent, "publish", t0,
                                    loop.time(), 0))
 
