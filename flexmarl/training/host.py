@@ -138,12 +138,7 @@ class TrainHost:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
             captured = st.capture(trainer, frozen=False)  # frozen base: kept in the object
-            if self.swap_dir is not None:
-                path = f"{self.swap_dir}/{resident}.safetensors"
-                st.move(captured, st.Disk(path))
-                out_state = ("disk", path)
-            else:
-                out_state = ("host", st.to_wire(captured))
+            out_state = st.swap_out(captured, self.swap_dir, resident)
             out_agent = resident
             timings["swap_out_s"] = time.perf_counter() - t0
             timings["swap_bytes"] = float(captured.nbytes)
@@ -160,10 +155,7 @@ class TrainHost:
                 # follows; until then it is exactly the initial state, as a fresh build
                 st.restore(trainer, self._initial(agent))
             if incoming is not None:
-                kind, payload = incoming
-                handle = st.StateHandle(st.Disk(payload)) if kind == "disk" else st.at(
-                    st.from_wire(payload))
-                st.restore(trainer, handle.load())
+                st.restore(trainer, st.swap_in(incoming))
             self.trainers[agent] = trainer
             timings["swap_in_s"] = time.perf_counter() - t0
             timings["resident_bytes"] = float(self.resident_bytes())

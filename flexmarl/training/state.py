@@ -186,6 +186,23 @@ def from_wire(wire: tuple[bytes, np.ndarray]) -> TrainingState:
     return _unflat(json.loads(header), torch.from_numpy(np.array(buf, copy=True)))
 
 
+def swap_out(state: TrainingState, swap_dir: str | None, name: str) -> tuple[str, Any]:
+    """A swapped-out state in the form a training slot hands back to the driver: a file in
+    `swap_dir` (`("disk", path)`) or, without one, its wire bytes (`("host", wire)`)."""
+    if swap_dir is not None:
+        path = f"{swap_dir}/{name}.safetensors"
+        move(state, Disk(path))
+        return ("disk", path)
+    return ("host", to_wire(state))
+
+
+def swap_in(form: tuple[str, Any]) -> TrainingState:
+    """The state of a `swap_out` form, wherever it was parked."""
+    kind, payload = form
+    handle = StateHandle(Disk(payload)) if kind == "disk" else at(from_wire(payload))
+    return handle.load()
+
+
 def _comm_device() -> torch.device:
     import torch.distributed as dist
 
