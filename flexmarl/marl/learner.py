@@ -196,12 +196,7 @@ class MarlSlot:
         for resident in [a for a in self.resident if a != agent]:
             t0 = time.perf_counter()
             captured = self.resident.pop(resident).capture()
-            if self.swap_dir is not None:
-                path = f"{self.swap_dir}/{resident}.safetensors"
-                st.move(captured, st.Disk(path))
-                out_state = ("disk", path)
-            else:
-                out_state = ("host", st.to_wire(captured))
+            out_state = st.swap_out(captured, self.swap_dir, resident)
             out_agent = resident
             timings["swap_out_s"] = time.perf_counter() - t0
             timings["swap_bytes"] = float(captured.nbytes)
@@ -214,14 +209,39 @@ class MarlSlot:
                                        f"(policies: {', '.join(self.layouts)})")
                 learner = self.kept[agent] = PolicyLearner(self.cfg, self.layouts[agent])
             if incoming is not None:
-                kind, payload = incoming
-                handle = (st.StateHandle(st.Disk(payload)) if kind == "disk"
-                          else st.at(st.from_wire(payload)))
-                learner.restore(handle.load())
+                learner.restore(st.swap_in(incoming))
             self.resident[agent] = learner
             timings["swap_in_s"] = time.perf_counter() - t0
         return out_agent, out_state, timings
 
+
+    def handle(self, command: str, payload: Any) -> tuple[Any, str]:
+        """One slot-protocol command (`TrainHost.handle`'s) -> (result, span label)."""
+        label = f"{command}:{payload if isinstance(payload, str) else payload[0]}"
+        if command == "bind":
+            agent, incoming = payload
+            return self.bind(agent, incoming), label
+        if command == "accumulate":
+            agent, samples = payload
+            return self.learner(agent).accumulate(samples), label
+        if command == "step":
+            learner = self.learner(payload)
+            metrics, audit = learner.step()
+            return (metrics, weights_form(learner, audit)), label
+        if command == "weights":
+            return weights_form(self.learner(payload)), label
+        if command == "save":
+            agent, directory = payload
+            return self.learner(agent).save(directory), label
+        if command == "get_state":
+            state = self.learner(payload).capture()
+            return ({k: v.numpy() for k, v in state.tensors.items()}, state.meta), label
+        if command == "set_state":
+            agent, arrays, meta = payload
+            tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in arrays.items()}
+            self.learner(agent).restore(st.TrainingState(tensors, meta))
+            return int(meta["version"]), label
+        raise ValueError(f"unknown command {command!r}")
 
 def weights_form(learner: PolicyLearner, audit: Audit | None = None) -> Any:
     """Published weights in the state interface's wire form; the step's audit rides along in
@@ -233,52 +253,12 @@ def weights_form(learner: PolicyLearner, audit: Audit | None = None) -> Any:
 
 
 def marl_train_worker_main(conn: Connection, spec: Any) -> None:
-    """A training slot process for network policies (`MarlWorkerSpec`)."""
+    """A training slot process for network policies (`MarlWorkerSpec`): the shared slot loop
+    (`serve_slot`) over a `MarlSlot`."""
     from flexmarl.marl.config import MarlRunConfig
-    from flexmarl.runtime.local.workers import _error, _setup_torch, start_heartbeat
+    from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     cfg = MarlRunConfig.model_validate(spec.config)
-    slot = MarlSlot(cfg, spec.layouts, spec.swap_dir)
-    conn.send((-1, True, "ready", []))
-    while True:
-        msg_id, command, payload = conn.recv()
-        t0 = time.time()
-        result: Any
-        try:
-            if command == "stop":
-                conn.send((msg_id, True, None, []))
-                return
-            if command == "bind":
-                agent, incoming = payload
-                result = slot.bind(agent, incoming)
-            elif command == "accumulate":
-                agent, samples = payload
-                result = slot.learner(agent).accumulate(samples)
-            elif command == "step":
-                agent = payload
-                learner = slot.learner(agent)
-                metrics, audit = learner.step()
-                result = (metrics, weights_form(learner, audit))
-            elif command == "weights":
-                agent = payload
-                result = weights_form(slot.learner(agent))
-            elif command == "save":
-                agent, directory = payload
-                result = slot.learner(agent).save(directory)
-            elif command == "get_state":
-                agent = payload
-                state = slot.learner(agent).capture()
-                result = ({k: v.numpy() for k, v in state.tensors.items()}, state.meta)
-            elif command == "set_state":
-                agent, arrays, meta = payload
-                tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in arrays.items()}
-                slot.learner(agent).restore(st.TrainingState(tensors, meta))
-                result = int(meta["version"])
-            else:
-                raise ValueError(f"unknown command {command!r}")
-            label = f"{command}:{payload if isinstance(payload, str) else payload[0]}"
-            conn.send((msg_id, True, result, [(t0, time.time(), label)]))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
-            conn.send((msg_id, False, _error(exc), []))
+    serve_slot(conn, MarlSlot(cfg, spec.layouts, spec.swap_dir).handle)

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -265,6 +266,13 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     cfg = RunConfig.model_validate(spec.config)
     host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
     settle_heap()
+    serve_slot(conn, host.handle)
+
+
+def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]]) -> None:
+    """The training-slot process loop shared by every slot kind (LLM `TrainHost`, classic
+    MARL `MarlSlot`): say ready, then run each command through `handle` -> (result, span
+    label) and answer it, until `stop`. A failing command is answered with its error."""
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
@@ -273,7 +281,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             if command == "stop":
                 conn.send((msg_id, True, None, []))
                 return
-            result, label = host.handle(command, payload)
+            result, label = handle(command, payload)
             conn.send((msg_id, True, result, [(t0, time.time(), label)]))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
             conn.send((msg_id, False, _error(exc), []))
