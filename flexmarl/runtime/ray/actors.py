@@ -16,6 +16,7 @@ import asyncio
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ class RolloutReplica:
         self._inbox: list[tuple[str, Any, Any]] = []  # ("generate" | "load", future, payload)
         self._driver: asyncio.Task | None = None
         self._busy_since: float | None = None
+        # Every reply not yet given: a driver task that dies answers them all (`_guarded`).
+        self._pending: set[asyncio.Future] = set()
+        self.on_crash: Callable[[BaseException], None] = _exit_for_restart
         # One compute thread: loads and decodes never overlap, the event loop stays free.
         self._compute = ThreadPoolExecutor(1, initializer=_setup_torch, initargs=(spec,))
 
@@ -73,21 +77,42 @@ class RolloutReplica:
 
     def _kick(self) -> None:
         if self._driver is None or self._driver.done():
-            self._driver = asyncio.ensure_future(self._drive())
+            self._driver = asyncio.ensure_future(self._guarded())
+
+    def _future(self) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return fut
+
+    async def _guarded(self) -> None:
+        """The driver task, guarded: an unexpected exception in it (a scheduler invariant, an
+        engine that raises outside a batch) would leave every waiting call hanging. Instead
+        each waiting call gets the error, and the process ends (`on_crash`), so the runtime's
+        supervisor restarts the replica from the published weights, as after a crash, and the
+        requests go again."""
+        try:
+            await self._drive()
+        except Exception as exc:  # noqa: BLE001 - answered to every waiting call
+            err = RuntimeError(f"rollout replica driver failed: {_error(exc)}")
+            for fut in list(self._pending):
+                if not fut.done():
+                    fut.set_exception(err)
+            self._inbox.clear()
+            self.on_crash(err)
 
     async def load_weights(self, agent: str, version: int, weights: dict) -> tuple[int, list]:
         """Load `version` once `agent` has no running sequence (requests for it wait)."""
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._future()
         self._inbox.append(("load", fut, (agent, version, weights)))
         self._kick()
         return await fut
 
     async def generate(self, items: list[tuple[Any, tuple]]) -> tuple[list, list[Span]]:
         """`items` are (GenerationRequest, priority); replies are (ok, result-or-error)."""
-        loop = asyncio.get_running_loop()
         futures = []
         for request, priority in items:
-            fut = loop.create_future()
+            fut = self._future()
             self._inbox.append(("generate", fut, (request, priority)))
             futures.append(fut)
         self._kick()
@@ -159,6 +184,16 @@ class RolloutReplica:
         (block,) = await owner.adopt.remote(arrays)
         for i, (r, a) in enumerate(zip(results, arrays, strict=True)):
             r.logprobs = TensorRef((block, i), tuple(a.shape), "float32")
+
+
+def _exit_for_restart(err: BaseException) -> None:
+    """A replica whose driver failed ends its process: Ray reports the actor dead to every
+    caller and the supervisor restarts it (its state is only the published weights)."""
+    import sys
+
+    print(f"flexmarl: {err}; exiting so that the replica is restarted", file=sys.stderr,
+          flush=True)
+    asyncio.get_running_loop().call_later(0.1, os._exit, 70)
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import ray
@@ -28,6 +30,44 @@ REQUESTS_PER_ITERATION = 4 * 8 * 2  # inputs x group x nodes
 
 def _ray_config(address: str, *extra: str):
     return config(*RAY, f"runtime.address={address}", *extra)
+
+
+Action = Callable[..., Awaitable[int]]
+
+
+def fault_at_call(pool_name: str, method: str, n: int, action: Action, *,
+                  after: bool = True) -> tuple[Callable[[Any], None], dict[str, Any]]:
+    """An `on_runtime` hook wrapping `runtime.<pool_name>.<method>`: its n-th call runs
+    `action(pool, *args)` once the call returned (`after`) or before it is made; the action
+    returns the pid it hit, kept in the returned state with the call count."""
+    state: dict[str, Any] = {"n": 0, "pid": None}
+
+    def hook(runtime: Any) -> None:
+        pool = getattr(runtime, pool_name)
+        original = getattr(pool, method)
+
+        async def count(args: tuple) -> None:
+            state["n"] += 1
+            if state["n"] == n:
+                state["pid"] = await action(pool, *args)
+
+        async def wrapped(*args: Any) -> Any:
+            if not after:
+                await count(args)
+            out = await original(*args)
+            if after:
+                await count(args)
+            return out
+
+        setattr(pool, method, wrapped)
+
+    return hook, state
+
+
+async def kill_first_actor(pool: Any, *_: Any) -> int:
+    pid = pool.actors[0].where["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 @pytest.mark.slow  # two Ray runs: ~30 s on the shared 2-core machine
@@ -54,22 +94,8 @@ def test_stop_at_a_boundary_then_resume_on_ray_equals_uninterrupted(tmp_path, ra
 def test_trainer_actor_sigkilled_mid_iteration_is_restarted_and_restored(tmp_path, ray_head,
                                                                          reference):  # noqa: F811
     cfg = _ray_config(ray_head)
-    state = {"n": 0, "pid": None}
-
-    def hook(runtime):
-        pool = runtime.train
-        original = pool.accumulate
-
-        async def accumulate(agent, batch):
-            out = await original(agent, batch)
-            state["n"] += 1
-            if state["n"] == 4 + 1:  # iteration 1, after its first micro-batch was summed
-                state["pid"] = pool.actors[0].where["pid"]
-                os.kill(state["pid"], signal.SIGKILL)
-            return out
-
-        pool.accumulate = accumulate
-
+    # iteration 1, after its first micro-batch was summed
+    hook, state = fault_at_call("train", "accumulate", 4 + 1, kill_first_actor)
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "train", state["pid"])
@@ -85,26 +111,18 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
     # half-CPU trainer bundles: two trainers and two replicas fit the 2-CPU head
     cfg = _ray_config(ray_head, f"runtime.train_workers={slots}",
                       "runtime.ray.train_bundle.cpus=0.5")
-    state = {"steps": 0, "pid": None}
 
-    def hook(runtime):
-        pool = runtime.train
-        original = pool.step
+    async def kill_the_stepping_slot(pool: Any, agent: str) -> int:
+        # the slot that stepped it (one slot: the agent may be swapped out by now)
+        pid = pool.actors[pool.binding.get(agent, 0)].where["pid"]
+        os.kill(pid, signal.SIGKILL)
+        while os.path.exists(f"/proc/{pid}"):  # gone, and Ray knows it
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        return pid
 
-        async def step(agent):
-            out = await original(agent)
-            state["steps"] += 1
-            if state["steps"] == 3:  # iteration 1's first step, before it is published
-                # the slot that stepped it (one slot: the agent may be swapped out by now)
-                state["pid"] = pool.actors[pool.binding.get(agent, 0)].where["pid"]
-                os.kill(state["pid"], signal.SIGKILL)
-                while os.path.exists(f"/proc/{state['pid']}"):  # gone, and Ray knows it
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(1.0)
-            return out
-
-        pool.step = step
-
+    # iteration 1's first step, before it is published
+    hook, state = fault_at_call("train", "step", 3, kill_the_stepping_slot)
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "train", state["pid"])
@@ -119,21 +137,8 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
 def test_rollout_actor_sigkilled_mid_iteration_is_restarted(tmp_path, ray_head,
                                                             reference):  # noqa: F811
     cfg = _ray_config(ray_head)
-    state = {"n": 0, "pid": None}
-
-    def hook(runtime):
-        pool = runtime.rollout
-        original = pool.generate
-
-        async def generate(request, priority):
-            state["n"] += 1
-            if state["n"] == REQUESTS_PER_ITERATION + 20:
-                state["pid"] = pool.actors[0].where["pid"]
-                os.kill(state["pid"], signal.SIGKILL)
-            return await original(request, priority)
-
-        pool.generate = generate
-
+    hook, state = fault_at_call("rollout", "generate", REQUESTS_PER_ITERATION + 20,
+                                kill_first_actor, after=False)
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "rollout", state["pid"])

@@ -29,7 +29,12 @@ from tests.rollout.test_openai_backend import (
     _game_config,
     served,  # noqa: F401 - serve-model on loopback
 )
-from tests.runtime.ray.test_ray_faults import REQUESTS_PER_ITERATION, _check, _ray_config
+from tests.runtime.ray.test_ray_faults import (
+    REQUESTS_PER_ITERATION,
+    _check,
+    _ray_config,
+    fault_at_call,
+)
 
 
 def _frozen_listener_config(url: str, *runtime: str) -> dict:
@@ -124,6 +129,12 @@ def _freeze(pid: int) -> None:
     asyncio.get_running_loop().call_later(60, thaw)
 
 
+async def freeze_first_actor(pool, *_) -> int:
+    pid = pool.actors[0].where["pid"]
+    _freeze(pid)
+    return pid
+
+
 def _hung(out, pool: str) -> None:
     (failed,) = events(out, "worker_failed")
     assert failed["pool"] == pool and "missed 6 heartbeats" in failed["reason"]
@@ -134,22 +145,8 @@ def test_trainer_actor_hung_mid_iteration_is_killed_and_restored(tmp_path, ray_h
     """SIGSTOP: the process lives but never answers; the heartbeats find it, and it is
     recovered through the crash path: the run ends equal to the fault-free one."""
     cfg = _ray_config(ray_head, *HEARTBEAT)
-    state = {"n": 0, "pid": None}
-
-    def hook(runtime):
-        pool = runtime.train
-        original = pool.accumulate
-
-        async def accumulate(agent, batch):
-            out = await original(agent, batch)
-            state["n"] += 1
-            if state["n"] == 4 + 1:  # iteration 1, after its first micro-batch was summed
-                state["pid"] = pool.actors[0].where["pid"]
-                _freeze(state["pid"])
-            return out
-
-        pool.accumulate = accumulate
-
+    # iteration 1, after its first micro-batch was summed
+    hook, state = fault_at_call("train", "accumulate", 4 + 1, freeze_first_actor)
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "train", state["pid"])
@@ -159,21 +156,8 @@ def test_trainer_actor_hung_mid_iteration_is_killed_and_restored(tmp_path, ray_h
 def test_rollout_actor_hung_mid_iteration_is_killed_and_restarted(tmp_path, ray_head,
                                                                   reference):  # noqa: F811
     cfg = _ray_config(ray_head, *HEARTBEAT)
-    state = {"n": 0, "pid": None}
-
-    def hook(runtime):
-        pool = runtime.rollout
-        original = pool.generate
-
-        async def generate(request, priority):
-            state["n"] += 1
-            if state["n"] == REQUESTS_PER_ITERATION + 20:
-                state["pid"] = pool.actors[0].where["pid"]
-                _freeze(state["pid"])
-            return await original(request, priority)
-
-        pool.generate = generate
-
+    hook, state = fault_at_call("rollout", "generate", REQUESTS_PER_ITERATION + 20,
+                                freeze_first_actor, after=False)
     out = tmp_path / "run"
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "rollout", state["pid"])
