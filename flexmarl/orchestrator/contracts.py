@@ -33,6 +33,9 @@ def _token_list(where: str, what: str, value: Any, vocab: int, agent: str,
                             f"{type(value).__name__}")
     if not value and not allow_empty:
         raise ContractError(f"{where}: {what} is empty")
+    # The common case in C (every node's prompt passes here): plain ints within the vocabulary.
+    if value and set(map(type, value)) == {int} and min(value) >= 0 and max(value) < vocab:
+        return
     for i, tok in enumerate(value):
         if not _is_int(tok):
             raise ContractError(f"{where}: {what}[{i}] is {tok!r} ({type(tok).__name__}), "
