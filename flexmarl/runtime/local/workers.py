@@ -163,15 +163,18 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                 busy_since = time.time()
             events += sched.step()
         replies: list[tuple[int, bool, Any]] = []
+        answered: dict[str, None] = {}
         for ev in events:
             if isinstance(ev, Loaded):
                 conn.send((ev.key, True, ev.version, [(ev.start, ev.end, f"load:{ev.agent}")])
                           if ev.ok else (ev.key, False, ev.error, []))
             elif isinstance(ev, Reply):
                 replies.append((ev.key, ev.ok, ev.result))
+                answered[ev.agent] = None
         if replies and running:
             now = time.time()
-            label = f"gen:{'+'.join(sched.busy_agents()) or 'idle'}"
+            # the agents decoded since the last span: those answered and those still running
+            label = f"gen:{'+'.join(dict.fromkeys([*answered, *sched.busy_agents()]))}"
             conn.send((-2, True, replies, [(busy_since or now, now, label)]))
             busy_since = now if sched.has_work() else None
 

@@ -154,7 +154,7 @@ class RolloutReplica:
                     _resolve(ev.key, (False, ev.result))
             if replies:
                 now = time.time()
-                label = f"gen:{'+'.join(sched.busy_agents() or replies)}"
+                label = f"gen:{'+'.join(dict.fromkeys([*replies, *sched.busy_agents()]))}"
                 self.spans.append((self._busy_since or now, now, label))
                 self._busy_since = now if sched.has_work() else None
             for agent, done in replies.items():
