@@ -411,6 +411,11 @@ class RuntimeConfig(Strict):
     # restarted.
     heartbeat_interval_s: float = Field(2.0, gt=0)
     heartbeat_misses: int = Field(3, gt=0)
+    # A worker whose heartbeat thread still beats but that answers none of its outstanding
+    # calls for this long is hung too (a compute thread stuck in a kernel, a deadlock): killed
+    # and restarted the same way. None: off. Set it above the longest single call (a training
+    # step of the largest agent, one decode step).
+    progress_timeout_s: float | None = Field(None, gt=0)
     # Restarts of lost workers allowed per run before the run fails.
     max_worker_restarts: int = Field(10, ge=0)
 

@@ -89,3 +89,33 @@ def test_frozen_rollout_worker_is_found_by_missed_heartbeats(tmp_path, reference
     result = train(cfg, tmp_path / "run", on_runtime=hook)
     failed, _ = _check(result, tmp_path / "run", reference, cfg, "rollout")
     assert any("missed 3 heartbeats" in f["reason"] for f in failed)
+
+
+@pytest.mark.slow  # the progress timeout (5 s) and a restart
+def test_a_stuck_compute_thread_is_found_by_the_progress_timeout(tmp_path, reference,
+                                                                  monkeypatch):
+    """The worker's main thread blocks for good while its heartbeat thread still beats: the
+    heartbeats cannot see it; `runtime.progress_timeout_s` does (calls outstanding, none
+    answered), and it is recovered as a crash."""
+    stall = tmp_path / "stall"
+    monkeypatch.setenv("FLEXMARL_CHAOS_STALL", str(stall))  # the workers inherit it
+    cfg = config("runtime.heartbeat_interval_s=0.5", "runtime.progress_timeout_s=5")
+    state = {"n": 0}
+
+    def hook(runtime):
+        pool = runtime.rollout
+        original = pool.generate
+
+        async def generate(request, priority):
+            state["n"] += 1
+            if state["n"] == REQUESTS_PER_ITERATION + 10:
+                stall.write_text("rollout:generate")  # the next worker to take one stalls
+            return await original(request, priority)
+
+        pool.generate = generate
+
+    result = train(cfg, tmp_path / "run", on_runtime=hook)
+    failed, _ = _check(result, tmp_path / "run", reference, cfg, "rollout")
+    assert not stall.exists()  # a worker claimed it
+    assert len(failed) == 1 and "no progress" in failed[0]["reason"]
+    assert "progress_timeout_s=5" in failed[0]["reason"]

@@ -73,6 +73,7 @@ class WorkerProxy:
         self.alive = False
         self.stopping = False
         self.last_beat = time.monotonic()  # any message counts as a heartbeat
+        self.last_progress = time.monotonic()  # the last answer, or the first call since idle
         self.lost_reason: str | None = None
         self.lost_in_flight = 0
         self.on_death: Callable[[WorkerProxy], None] | None = None
@@ -103,6 +104,7 @@ class WorkerProxy:
             self.last_beat = time.monotonic()
             if msg[0] == HEARTBEAT:
                 continue
+            self.last_progress = self.last_beat
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
             except RuntimeError:
@@ -167,9 +169,15 @@ class WorkerProxy:
             raise WorkerLost(f"{self.pool} worker {self.index} is not running")
         assert self._loop is not None
         msg_id = next(self._ids)
+        if not self.outstanding():  # idle until now: the wait for an answer starts here
+            self.last_progress = time.monotonic()
         fut = self._loop.create_future()
         self._futures[msg_id] = fut
         return msg_id, fut
+
+    def outstanding(self) -> int:
+        """Calls sent and not answered yet."""
+        return sum(1 for f in self._futures.values() if not f.done())
 
     def _send(self, msg: tuple) -> None:
         self._sendq.put(msg)
@@ -494,10 +502,17 @@ class Supervisor:
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            stuck = self.cfg.progress_timeout_s
             for w in self._workers():
-                if w.alive and not w.stopping and now - w.last_beat > limit:
+                if not w.alive or w.stopping:
+                    continue
+                if now - w.last_beat > limit:
                     w.kill(f"missed {self.cfg.heartbeat_misses} heartbeats "
                            f"({now - w.last_beat:.1f} s silent)")
+                elif stuck is not None and now - w.last_progress > stuck and w.outstanding():
+                    w.kill(f"no progress: {w.outstanding()} calls unanswered for "
+                           f"{now - w.last_progress:.1f} s while it beats "
+                           f"(runtime.progress_timeout_s={stuck:g})")
 
     def _on_death(self, proxy: WorkerProxy) -> None:
         if self._stopping:

@@ -150,6 +150,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             messages.append(conn.recv())
         events: list[Any] = []
         for msg_id, command, payload in messages:
+            chaos_stall("rollout", command)
             if command == "generate":
                 for sub_id, request, priority in payload:
                     sched.submit(sub_id, request, priority)
@@ -272,6 +273,26 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     serve_slot(conn, host.handle)
 
 
+def chaos_stall(pool: str, command: str) -> None:
+    """Fault injection for the test suite: a stuck compute thread. If the file named by
+    FLEXMARL_CHAOS_STALL holds `pool:command`, the first worker of that pool to run that
+    command claims the file (removes it) and its main thread blocks for good, while its
+    heartbeat thread keeps beating (`runtime.progress_timeout_s` must find it)."""
+    path = os.environ.get("FLEXMARL_CHAOS_STALL")
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            wanted = f.read().strip()
+        if wanted != f"{pool}:{command}":
+            return
+        os.unlink(path)  # exactly one worker wins
+    except OSError:
+        return
+    while True:
+        time.sleep(3600)
+
+
 def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]]) -> None:
     """The training-slot process loop shared by every slot kind (LLM `TrainHost`, classic
     MARL `MarlSlot`): say ready, then run each command through `handle` -> (result, span
@@ -284,6 +305,7 @@ def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]]) 
             if command == "stop":
                 conn.send((msg_id, True, None, []))
                 return
+            chaos_stall("train", command)
             result, label = handle(command, payload)
             conn.send((msg_id, True, result, [(t0, time.time(), label)]))
         except Exception as exc:  # noqa: BLE001 - reported to the parent

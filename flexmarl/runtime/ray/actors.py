@@ -25,6 +25,7 @@ from flexmarl.runtime.local.workers import (
     WorkerSpec,
     _error,
     _setup_torch,
+    chaos_stall,
 )
 
 Span = tuple[float, float, str]
@@ -250,6 +251,7 @@ class TrainWorker:
         return (out_agent, out_state, timings), [(t0, time.time(), f"swap:{agent}")]
 
     def accumulate(self, agent: str, samples: list) -> tuple[dict[str, float], list[Span]]:
+        chaos_stall("train", "accumulate")
         t0 = time.time()
         result = self.host.accumulate(agent, samples)
         return result, [(t0, time.time(), f"acc:{agent}:{len(samples)}")]
@@ -267,6 +269,7 @@ class TrainWorker:
 
         from flexmarl.runtime.ray.store import samples_from_rows
 
+        chaos_stall("train", "accumulate")
         t0 = time.time()
         rows = ray.get(table.serve.remote(version, max_rows, step, expected_vector,
                                           sample_ids, replay))

@@ -91,6 +91,8 @@ class _Actor:
         self.generation = 0  # incarnation: bumped by each restart
         self.outstanding_tokens = 0
         self.outbox: list[tuple[GenerationRequest, tuple, asyncio.Future]] = []
+        self.in_flight = 0  # calls awaiting an answer
+        self.last_progress = time.monotonic()  # the last answer, or the first call since idle
 
     def spans(self, spans: list) -> None:
         for span in spans:
@@ -100,6 +102,9 @@ class _Actor:
         import ray
 
         handle, generation = self.handle, self.generation
+        if not self.in_flight:
+            self.last_progress = time.monotonic()
+        self.in_flight += 1
         try:
             return await getattr(handle, method).remote(*args)
         except ray.exceptions.RayActorError as exc:
@@ -107,6 +112,10 @@ class _Actor:
                             f"({method}): {exc}") from exc
         except ray.exceptions.RayError as exc:
             raise WorkerError(f"{self.pool} worker {self.index} ({method}): {exc}") from exc
+        finally:
+            if generation == self.generation:
+                self.in_flight -= 1
+                self.last_progress = time.monotonic()
 
 
 class RayRolloutPool(RolloutPool):
@@ -369,12 +378,20 @@ class RaySupervisor:
         generation, last, ping = beat
         if stalled:
             last = now
-        if ping is None or ping.done():
-            ping = asyncio.ensure_future(self._ping(actor, generation))
-        elif now - last > self.interval * self.misses:
+        stuck = self.rt.cfg.runtime.progress_timeout_s
+        if ping is not None and not ping.done() and now - last > self.interval * self.misses:
             self._kill_hung(actor)
             self._begin(actor, generation, f"missed {self.misses} heartbeats "
                         f"({now - last:.1f} s without an answer to a ping)")
+        elif (stuck is not None and actor.in_flight and not stalled
+              and now - actor.last_progress > stuck):
+            # it answers pings (its health thread) but none of its calls: a stuck compute
+            self._kill_hung(actor)
+            self._begin(actor, generation, f"no progress: {actor.in_flight} calls unanswered "
+                        f"for {now - actor.last_progress:.1f} s while it answers pings "
+                        f"(runtime.progress_timeout_s={stuck:g})")
+        elif ping is None or ping.done():
+            ping = asyncio.ensure_future(self._ping(actor, generation))
         self._beats[key] = (generation, last, ping)
 
     async def _ping(self, actor: _Actor, generation: int) -> None:
@@ -464,6 +481,8 @@ class RaySupervisor:
             # Swap the incarnation in place: the pools hold the same _Actor objects.
             actor.handle, actor.where = fresh.handle, fresh.where
             actor.generation += 1
+            # calls of the old incarnation no longer count (they fail with ActorLost)
+            actor.in_flight, actor.last_progress = 0, time.monotonic()
             info = {"pool": actor.pool, "worker": actor.index, "pid": actor.where.get("pid"),
                     "recovery_s": time.monotonic() - died_at, "restarts": self.restarts}
             self.recoveries.append(info)

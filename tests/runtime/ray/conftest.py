@@ -79,13 +79,21 @@ def stop_head(pgid: int, temp_dir: str) -> None:
     _kill(_own_pids(pgid, temp_dir), signal.SIGKILL)
 
 
+# Per head address: the file whose content (`pool:command`) makes the first actor of that pool
+# to run that command block its compute thread for good (`chaos_stall`), pings still answered.
+CHAOS_STALL: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     """Address HOST:PORT of a fresh 2-CPU head on loopback."""
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="fmt-", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="disabled",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               # the actors' fault-injection file (absent: no effect); see CHAOS_STALL
+               FLEXMARL_CHAOS_STALL=f"{temp_dir}/chaos-stall")
+    CHAOS_STALL[f"127.0.0.1:{port}"] = f"{temp_dir}/chaos-stall"
     proc = subprocess.Popen(
         [str(RAY), "start", "--head", "--port", str(port), "--num-cpus", "2",
          "--node-ip-address", "127.0.0.1", "--include-dashboard=false",

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import ray
@@ -29,6 +30,7 @@ from tests.rollout.test_openai_backend import (
     _game_config,
     served,  # noqa: F401 - serve-model on loopback
 )
+from tests.runtime.ray.conftest import CHAOS_STALL
 from tests.runtime.ray.test_ray_faults import (
     REQUESTS_PER_ITERATION,
     _check,
@@ -162,3 +164,27 @@ def test_rollout_actor_hung_mid_iteration_is_killed_and_restarted(tmp_path, ray_
     result = train(cfg, out, on_runtime=hook)
     _check(result, out, reference, cfg, "rollout", state["pid"])
     _hung(out, "rollout")
+
+
+@pytest.mark.slow  # the progress timeout (5 s), a restart and two replays
+def test_trainer_actor_with_a_stuck_compute_thread_is_killed_and_restored(
+        tmp_path, ray_head, reference):  # noqa: F811
+    """Its compute thread blocks in `accumulate` while its health group still answers pings:
+    `runtime.progress_timeout_s` finds it (calls outstanding, none answered); it is recovered
+    through the crash path and the run ends equal to the fault-free one."""
+    stall = Path(CHAOS_STALL[ray_head])
+    cfg = _ray_config(ray_head, "runtime.heartbeat_interval_s=0.5",
+                      "runtime.progress_timeout_s=5")
+
+    async def stall_next_accumulate(pool, *_) -> int:
+        stall.write_text("train:accumulate")
+        return pool.actors[0].where["pid"]
+
+    # iteration 1, after its first micro-batch was summed: the next one blocks
+    hook, state = fault_at_call("train", "accumulate", 4 + 1, stall_next_accumulate)
+    out = tmp_path / "run"
+    result = train(cfg, out, on_runtime=hook)
+    _check(result, out, reference, cfg, "train", state["pid"])
+    assert not stall.exists()
+    (failed,) = events(out, "worker_failed")
+    assert "no progress" in failed["reason"] and "progress_timeout_s=5" in failed["reason"]
