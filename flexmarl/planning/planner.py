@@ -307,14 +307,16 @@ class Planner:
             capacity = total - sum(mins.values()) + spare
         else:
             capacity = res.rollout
+        # the nodes the replicas serve (an agent behind an endpoint has none to allot)
+        served = [n for n in demand.nodes if n[1] in units]
         steps: list[Allotment] = []
         if res.rollout is None or (capacity > len(units) and demand.priced):
-            steps = latency_allotments(demand.nodes, demand.phase_time, capacity, units)
+            steps = latency_allotments(served, demand.phase_time, capacity, units)
             # The greedy steps are a heuristic: the equal splits (the static baseline's rule,
             # at a range of rollout capacities) and the previous plan are candidates too,
             # predicted the same way, so the plan is never worse than them by its own
             # prediction.
-            steps += [path_allotment(demand.nodes, demand.phase_time, reps, units)
+            steps += [path_allotment(served, demand.phase_time, reps, units)
                       for reps in self.other_allotments(capacity, units)]
         calls = demand.train_calls()
         best: tuple[float, dict[str, int] | None, int, dict[str, int], int] | None = None

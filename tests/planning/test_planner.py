@@ -128,3 +128,15 @@ def test_a_plan_naming_other_agents_or_replicas_is_refused_by_the_balancer() -> 
         bal.follow(2, {"a": [0], "b": [3]})
     with pytest.raises(ValueError, match="allots replicas"):
         bal.follow(2, {"a": [0, 1, 2]})
+
+
+def test_an_agent_behind_an_endpoint_gets_no_replicas_but_counts_on_the_path() -> None:
+    """A judge served by an OpenAI-compatible endpoint: the replicas go to the served agents
+    only; its measured time still makes the upstream agent the critical one."""
+    nodes = [("s", "solver", ()), ("j", "judge", ("s",)), ("h", "helper", ())]
+    lat = {"s": [0.2] * 4, "j": [1.0] * 4, "h": [0.3] * 4}
+    plan = measured_plan(nodes, ["solver", "helper"], ["solver", "helper"], 3, lat)
+    assert plan.replicas is not None and set(plan.replicas) == {"solver", "helper"}
+    assert sum(plan.replicas.values()) == 3
+    assert plan.train_order == ["solver", "helper"]  # 0.2 + 1.0 ahead of the helper's 0.3
+    assert plan.critical_path_s == pytest.approx(1.2)
