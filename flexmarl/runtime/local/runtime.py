@@ -164,7 +164,10 @@ class WorkerProxy:
 
     def _new_future(self) -> tuple[int, asyncio.Future]:
         if not self.alive:
-            raise WorkerLost(f"{self.pool} worker {self.index} is not running")
+            # why it is gone (an out-of-memory kill names its agents), also for a call made
+            # after its death was noticed rather than one in flight then
+            why = f": {self.lost_reason}" if self.lost_reason else ""
+            raise WorkerLost(f"{self.pool} worker {self.index} is not running{why}")
         assert self._loop is not None
         msg_id = next(self._ids)
         fut = self._loop.create_future()
