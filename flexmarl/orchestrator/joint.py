@@ -53,7 +53,8 @@ from flexmarl.orchestrator.metrics import FailureBudget, FailureBudgetExceeded, 
 from flexmarl.orchestrator.schedules import schedule_for
 from flexmarl.orchestrator.training import MicroBatchTrainer, TrainingDiverged
 from flexmarl.orchestrator.versions import Versions
-from flexmarl.planning.measured import MeasuredPlanner
+from flexmarl.planning.demand import MeasuredDemand
+from flexmarl.planning.planner import Planner, Policy, Resources
 from flexmarl.runtime.base import RolloutPool, TrainPool
 from flexmarl.store.experience import ExperienceStore
 from flexmarl.telemetry.recorder import Telemetry
@@ -116,19 +117,19 @@ class JointOrchestrator:
         self.checkpoints = CheckpointCoordinator(
             cfg, telemetry, self.store, train, self.version_book, self.episodes, self.trainer,
             self.records, self.agents, save_checkpoint, resume)
-        # Between iterations, the planner (planning/measured.py) orders training along the
-        # critical path and allots replicas from measured latencies; the pools follow it. The
-        # simulator plans with its own cost-model planner (runtime/sim).
+        # Between iterations the planner (planning/planner.py) plans from what was measured
+        # (node latencies, training seconds): the training order along the critical path and,
+        # with more replicas than agents, the replicas per agent; the pools follow it. The
+        # simulator's runtime hosts the same planner with its cost-model demand (runtime/sim).
+        self.planner: Planner | None = None
         if cfg.runtime.kind != "sim":
             graph = self.episodes.graph
-            nodes = [(n, graph.nodes[n].agent, list(graph.nodes[n].inputs))
-                     for n in self.episodes.order]
-            served = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
-            self.planner: MeasuredPlanner | None = MeasuredPlanner(
-                nodes, served, self.trainable, n_replicas=0)
+            self.plan_nodes = [(n, graph.nodes[n].agent, list(graph.nodes[n].inputs))
+                               for n in self.episodes.order]
+            self.served = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
+            self.planner = Planner(cfg.pipeline.mode, Policy(balance=cfg.rollout.balance))
+            self._train_seen: dict[str, dict[str, float]] = {}
             self.episodes.plan_next = self._plan_next
-        else:
-            self.planner = None
         self.schedule = schedule_for(cfg.pipeline.mode, self.episodes, self.trainer,
                                      self.version_book, train, self.trainable,
                                      self._finish_iteration, self._maybe_finish)
@@ -210,15 +211,38 @@ class JointOrchestrator:
         return self.records
 
     def _plan_next(self, it: IterationState) -> dict[str, Any] | None:
-        """Iteration k's rollout is done: plan k+1 from its node latencies; both pools
-        follow the plan (placement and order only, never what is computed)."""
+        """Iteration k's rollout is done: plan k+1 from its node latencies and the training
+        seconds measured since the last plan, within the workers the runtime was given; both
+        pools follow the plan (placement and order only, never what is computed)."""
         assert self.planner is not None
-        self.planner.n_replicas = self.rollout.n_workers  # (Ray: the actors started)
         share = it.plan.get("share") if isinstance(it.plan, dict) else None
-        plan = self.planner.plan(it.index, it.node_latency, share)
+        train_s, calls, swap_s = self._training_measured()
+        demand = MeasuredDemand(self.cfg.name, self.plan_nodes, self.served, self.trainable,
+                                it.node_latency, share, train_s, calls, swap_s)
+        n_replicas = self.rollout.n_workers  # (Ray: the actors started)
+        n_slots = self.train.training_slots() or max(1, len(self.trainable))
+        plan = self.planner.plan(demand, Resources(n_replicas + n_slots, n_replicas, n_slots),
+                                 it.index + 1)
         self.rollout.follow_plan(plan)
         self.train.follow_plan(plan)
         return plan.to_dict()
+
+    def _training_measured(self) -> tuple[dict[str, float], dict[str, float],
+                                          dict[str, float]]:
+        """Per agent, since the last plan: seconds its training calls took on a slot and
+        the calls; and its mean seconds per swap so far (the pool's `slot_counters`)."""
+        now = {a: dict(v) for a, v in (self.train.slot_counters() or {}).items()}
+        train_s: dict[str, float] = {}
+        calls: dict[str, float] = {}
+        swap_s: dict[str, float] = {}
+        for agent, c in now.items():
+            before = self._train_seen.get(agent, {})
+            train_s[agent] = c.get("train_s", 0.0) - before.get("train_s", 0.0)
+            calls[agent] = c.get("calls", 0.0) - before.get("calls", 0.0)
+            if c.get("swaps"):
+                swap_s[agent] = c.get("swap_s", 0.0) / c["swaps"]
+        self._train_seen = now
+        return train_s, calls, swap_s
 
     def _maybe_finish(self, k: int) -> None:
         it = self.episodes.iterations[k]

@@ -1,10 +1,18 @@
-"""The resource planner: replica allotment along the episode graph's critical path, the
-rollout/training split of the accelerators, and the training slots agents time-share.
+"""The planner: one plan for every runtime, between iterations.
 
-Between iterations it plans from the cost model on the workload's (or the last iteration's
-measured) lengths and training costs. The simulator follows its plans; the baselines are
-particular `SimFeatures` (colocated, static balance, static or sequential training). It is
-its own module so that a runtime other than the simulator can host it.
+A `Plan` carries the rollout replicas per agent (allotted along the episode graph's critical
+path), the rollout/training split, the training slots the agents time-share and the order in
+which trainable agents get them. `Planner.plan(demand, resources)` makes it; the runtimes
+differ only in their `Demand` (`planning/demand.py`): the simulator prices phases and training
+with its cost model (`CostModelDemand`), a real runtime with what it measured, node latencies
+and training seconds (`MeasuredDemand`). `Resources` says what the planner may decide: the
+simulator's cluster is one budget of accelerators to split; a real runtime was given its
+rollout replicas and training slots (workers), so only their use is planned.
+
+What the plan changes is placement and order, never what is computed: sampling is keyed by
+(seed, sample id, version) and each agent's micro-batches are its own, so runs stay
+bit-identical whatever the plan. The simulator's baselines are particular `PlanPolicy`
+settings (colocated, static balance, static or sequential training).
 """
 
 from __future__ import annotations
@@ -12,18 +20,150 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-import numpy as np
+from flexmarl.rollout.balancer import (
+    Allotment,
+    allot_replicas,
+    latency_allotments,
+    path_allotment,
+)
 
-from flexmarl.rollout.balancer import allot_replicas, latency_allotments, path_allotment
-from flexmarl.sim.cost import CostModel
-from flexmarl.sim.workload import Workload
+Node = tuple[str, str, Sequence[str]]  # (node id, agent, input node ids), topological
 
-if TYPE_CHECKING:
-    from flexmarl.runtime.sim.runtime import SimFeatures
+
+class Demand(Protocol):
+    """What the planner prices a plan with; the one thing that differs between hosts.
+
+    Units: the simulator's are accelerators and accelerator-seconds; a real runtime's are
+    workers (a rollout replica or a training slot is one) and worker-seconds."""
+
+    name: str  # the workload or run, for messages
+    nodes: list[Node]  # one episode's nodes, topological
+    agents: list[str]  # agents whose requests the rollout replicas serve
+    trainable: list[str]
+    units: dict[str, int]  # what one replica of an agent takes (tensor-parallel width)
+    min_train: dict[str, int]  # what an agent's trainer needs at least
+
+    @property
+    def priced(self) -> bool:
+        """Whether `phase_time` knows every served agent (a real runtime: each measured)."""
+        ...
+
+    def phase_time(self, agent: str, r: int) -> tuple[float, float]:
+        """One iteration's requests of `agent` served on r replicas: the mean and the
+        largest time from submission to completion."""
+        ...
+
+    def node_seconds(self, replicas: Mapping[str, int] | None) -> dict[str, float]:
+        """Each node's time in one episode (with `replicas`, where the host predicts it)."""
+        ...
+
+    def train_seconds(self) -> dict[str, float]:
+        """Training work per trainable agent and iteration (units x seconds)."""
+        ...
+
+    def train_calls(self) -> dict[str, float]:
+        """Training calls (micro-batches and the step) each agent makes per iteration."""
+        ...
+
+    def swap_seconds(self, agent: str, g: int) -> float:
+        """Moving the agent's training state between a slot of g units and the host."""
+        ...
+
+    def rollout_work(self) -> dict[str, float]:
+        """Rollout work per agent and iteration: the static split's proportions."""
+        ...
+
+
+class PlanPolicy(Protocol):
+    """What the planned system does (the simulator's `SimFeatures` are one)."""
+
+    colocated: bool
+    balance: str
+    allocation: str
+    sequential_training: bool
+    time_shared: bool
+    fixed_replicas: dict[str, int] | None
+
+
+@dataclass
+class Policy:
+    """The real runtimes' policy: separate pools, `balance` as configured, agent-centric
+    training slots."""
+
+    balance: str = "hierarchical"
+    colocated: bool = False
+    allocation: str = "agent_centric"
+    sequential_training: bool = False
+    time_shared: bool = False
+    fixed_replicas: dict[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What there is to plan: `total` units; `rollout` / `train_slots` fixed when the runtime
+    was given them (a real runtime's workers), None when the planner splits (simulator)."""
+
+    total: int
+    rollout: int | None = None
+    train_slots: int | None = None
+
+
+@dataclass
+class Plan:
+    """One plan: rollout replicas per agent (None: no more replicas than agents, so they are
+    shared and the pool keeps its demand-proportional plan), the units of each pool, each
+    trainable agent's training units, the time-shared slots `(members, units per slot,
+    slots)` if any, the training order (most critical first), (colocated) each agent's own
+    units, the episode's critical path and the predicted iteration."""
+
+    iteration: int
+    replicas: dict[str, int] | None
+    rollout_accelerators: int
+    train_accelerators: int
+    train: dict[str, int]
+    train_order: list[str] = field(default_factory=list)
+    shared_slots: tuple[tuple[str, ...], int, int] | None = None
+    groups: dict[str, int] | None = None
+    critical_path_s: float = 0.0
+    predicted_s: float | None = None
+    node_s: dict[str, float] = field(default_factory=dict)
+    # the replicas are interchangeable workers (real runtimes): the pool follows indices
+    indexed: bool = False
+
+    def replica_indices(self) -> dict[str, list[int]] | None:
+        """Which replicas serve each agent: contiguous runs, in agent order."""
+        if self.replicas is None:
+            return None
+        out, nxt = {}, 0
+        for agent, n in self.replicas.items():
+            out[agent] = list(range(nxt, nxt + n))
+            nxt += n
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as recorded (`rollout/plan` in the metrics, the simulator's plans)."""
+        plan: dict[str, Any] = {
+            "rollout_accelerators": self.rollout_accelerators,
+            "train_accelerators": self.train_accelerators,
+            "train": dict(self.train), "train_order": list(self.train_order),
+            "critical_path_s": round(self.critical_path_s, 4)}
+        if self.replicas is not None:
+            if self.indexed:  # whole replicas each: the share is their number
+                plan["replicas"] = self.replica_indices()
+                plan["share"] = {a: float(n) for a, n in self.replicas.items()}
+            else:
+                plan["replicas"] = dict(self.replicas)
+        if self.shared_slots is not None:
+            members, g, slots = self.shared_slots
+            plan["shared_slots"] = {"agents": list(members), "slots": slots,
+                                    "accelerators_per_slot": g}
+        if self.predicted_s is not None:
+            plan["predicted_s"] = round(self.predicted_s, 4)
+        return plan
 
 
 def balanced_split(load: dict[str, float], total: int, minimum: dict[str, int]) -> dict[str, int]:
@@ -41,259 +181,198 @@ def balanced_split(load: dict[str, float], total: int, minimum: dict[str, int]) 
     return out
 
 
-@dataclass
-class ResourcePlan:
-    """One plan: rollout replicas per agent, the accelerators of each pool, each trainable
-    agent's training accelerators, the time-shared slots `(members, accelerators per slot,
-    slots)` if any, and (colocated) each agent's own accelerators."""
-
-    replicas: dict[str, int]
-    rollout_accelerators: int
-    train_accelerators: int
-    train: dict[str, int]
-    shared_slots: tuple[tuple[str, ...], int, int] | None = None
-    groups: dict[str, int] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as recorded (`rollout/plan` in the metrics)."""
-        plan: dict[str, Any] = {
-            "rollout_accelerators": self.rollout_accelerators,
-            "train_accelerators": self.train_accelerators,
-            "replicas": dict(self.replicas), "train": dict(self.train)}
-        if self.shared_slots is not None:
-            members, g, slots = self.shared_slots
-            plan["shared_slots"] = {"agents": list(members), "slots": slots,
-                                    "accelerators_per_slot": g}
-        return plan
+def remaining_path(nodes: Sequence[Node], node_s: Mapping[str, float]) -> dict[str, float]:
+    """Per node, the longest path from its start to the end of the episode (its own time plus
+    its longest chain of successors): the graph's "bottom level"."""
+    succ: dict[str, list[str]] = {n: [] for n, _, _ in nodes}
+    for n, _, inputs in nodes:
+        for i in inputs:
+            if i in succ:
+                succ[i].append(n)
+    out: dict[str, float] = {}
+    for n, _, _ in reversed(nodes):
+        out[n] = node_s.get(n, 0.0) + max((out[s] for s in succ[n]), default=0.0)
+    return out
 
 
-class ResourcePlanner:
-    """Plans a workload's accelerators for the system `features` describes.
+def critical_order(nodes: Sequence[Node], node_s: Mapping[str, float],
+                   agents: Sequence[str]) -> list[str]:
+    """`agents`, the one heading the longest remaining path first (ties: graph order).
 
-    The measurements are the host's, shared by reference and read at each `plan`: `lengths`
-    and `prompts` (each agent's output and prompt lengths since the last plan), `train_cost`
-    (per agent: busy training accelerator-seconds and the tokens they trained), and
-    `measured_rollout()` (busy rollout accelerator-seconds per agent since it was last
-    called). `mode` is the pipeline mode the predicted iteration assumes."""
+    An agent's next-iteration nodes wait for its step, so the agent whose nodes head the
+    longest remaining path is trained first: Jackson's rule, largest delivery time first, on
+    the slots. Graph order would train a long-tailed agent at the end of a fan-out last, and
+    the next iteration's longest rollout would then start last."""
+    level = remaining_path(nodes, node_s)
+    first: dict[str, int] = {}
+    q: dict[str, float] = {}
+    for i, (n, agent, _) in enumerate(nodes):
+        first.setdefault(agent, i)
+        q[agent] = max(q.get(agent, 0.0), level[n])
+    return sorted(agents, key=lambda a: (-q.get(a, 0.0), first.get(a, len(nodes)), a))
 
-    def __init__(self, wl: Workload, features: SimFeatures, cost: CostModel, mode: str,
-                 lengths: dict[str, list[int]], prompts: dict[str, list[int]],
-                 train_cost: dict[str, list[float]],
-                 measured_rollout: Callable[[], dict[str, float]]) -> None:
-        self.wl = wl
-        self.features = features
-        self.cost = cost
+
+class Planner:
+    """Plans every runtime between iterations (see the module docstring).
+
+    `mode` is the pipeline mode the predicted iteration assumes: rollout and training
+    overlapped (`async`, `one_step_off`) or one after the other (`sync`). Keeps what it last
+    planned from (`demand`, `resources`), every candidate's predicted iteration of the last
+    plan (`predicted`: seconds, replicas) and the last plan's replicas (`previous`, a
+    candidate of the next)."""
+
+    def __init__(self, mode: str = "async", policy: PlanPolicy | None = None) -> None:
         self.mode = mode
-        self.total = wl.cluster.total_accelerators
-        self.trainable = [a.name for a in wl.agents if a.trainable]
-        self.nodes = [(n.id, n.agent, n.inputs) for n in wl.episode_nodes()]
-        self.lengths = lengths
-        self.prompts = prompts
-        self.train_cost = train_cost
-        self.measured_rollout = measured_rollout
-        self.pool_plan: tuple[tuple[str, ...], int, int] | None = None
-        # hierarchical: the last plan's replicas (a candidate of the next), and every
-        # candidate's predicted iteration (seconds, replicas) of the last plan
+        self.features: PlanPolicy = policy if policy is not None else Policy()
         self.previous: dict[str, int] | None = None
         self.predicted: list[tuple[float, dict[str, int]]] = []
+        self.demand: Demand | None = None
+        self.resources = Resources(0)
 
-    def plan(self, measured: bool = False) -> ResourcePlan:
-        """The next plan: from the workload's distributions, or (`measured`) from what the
-        last iteration measured."""
-        wl, f = self.wl, self.features
-        train_d = self.train_demand(measured)
-        self.pool_plan = None
+    # --- the plan ------------------------------------------------------------------------
+    def plan(self, demand: Demand, resources: Resources, iteration: int = 0) -> Plan:
+        """The plan for `iteration` from `demand`, within `resources`."""
+        self.demand, self.resources = demand, resources
+        f = self.features
+        total = resources.total
+        train_d = demand.train_seconds()
+        mins = dict(demand.min_train)
+        shared: tuple[tuple[str, ...], int, int] | None = None
         groups = None
-        mins = {a: self.cost.min_train_accelerators(wl.agent(a).model) for a in self.trainable}
+        replicas: dict[str, int] | None
+        predicted: float | None = None
         if f.colocated:
             groups = self.colocated_groups()
-            roll_acc = train_acc = (self.total if f.time_shared else sum(groups.values()))
-            replicas = {a.name: groups[a.name] // a.tp for a in wl.agents}
-            train_alloc = {a: groups[a] for a in self.trainable}
+            roll_acc = train_acc = (total if f.time_shared else sum(groups.values()))
+            replicas = {a: groups[a] // demand.units[a] for a in demand.agents}
+            train_alloc = {a: groups[a] for a in demand.trainable}
         elif f.balance == "hierarchical":
-            replicas, roll_acc, train_alloc = self.plan_critical_path(measured, train_d, mins)
+            replicas, roll_acc, train_alloc, shared, predicted = self.plan_critical_path(
+                train_d, mins)
             if f.fixed_replicas:
+                assert replicas is not None
                 replicas, roll_acc, train_alloc = self.pin_replicas(replicas, train_d, mins)
-            train_acc = self.total - roll_acc
+                shared = None
+            train_acc = total - roll_acc
         else:
             # the equal-split baselines follow estimated, then measured busy, rollout work
-            roll_d = self.measured_rollout() if measured else self.rollout_demand()
-            need_train = sum(mins.values())
-            need_roll = sum(a.tp for a in wl.agents)
-            # in proportion to estimated rollout vs training work
-            share = sum(roll_d.values()) / (sum(roll_d.values()) + sum(train_d.values()))
-            roll_acc = min(self.total - need_train, max(need_roll, round(self.total * share)))
-            train_acc = self.total - roll_acc
-            units = {a.name: a.tp for a in wl.agents}
-            # the production balancer's equal split, in whole replicas of tp
-            replicas = allot_replicas(roll_d, roll_acc, "static", units)
-            train_alloc = self.train_split(train_d, train_acc, mins)
-        return ResourcePlan(replicas, roll_acc, train_acc, train_alloc, self.pool_plan, groups)
-
-    def rollout_demand(self) -> dict[str, float]:
-        """Estimated accelerator-seconds per iteration of each agent's rollout (cost x
-        tokens), before anything is measured: the equal-split baselines' rollout/training
-        split follows it."""
-        wl, cost = self.wl, self.cost
-        out = {}
-        for a in wl.agents:
-            calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
-            tokens = calls * a.output_length.mean
-            # per-token cost at a typical batch of 64 sequences
-            step = cost.decode_step_time(a.model, a.tp, 64, 64 * (self.expected_prompt(a.name)
-                                                                   + 256))
-            out[a.name] = tokens * step * a.tp / 64
-        return out
-
-    def expected_prompt(self, agent: str) -> float:
-        """An agent's mean prompt over its nodes of the full graph: its own prompt plus, with
-        `append_inputs`, its inputs' mean outputs (a summariser reading three 2,048-token
-        drafts trains on 4x the tokens its own prompt says; leaving them out once made the
-        first plan starve its training)."""
-        spec = self.wl.agent(agent)
-        mine = [inputs for _, a, inputs in self.nodes if a == agent]
-        if not spec.append_inputs or not mine:
-            return spec.prompt_length.mean
-        agent_of = {node: a for node, a, _ in self.nodes}
-        added = sum(self.wl.agent(agent_of[i]).output_length.mean
-                    for inputs in mine for i in inputs) / len(mine)
-        return spec.prompt_length.mean + added
-
-    def train_demand(self, measured: bool) -> dict[str, float]:
-        """Accelerator-seconds of training each agent needs per iteration: its rows' tokens
-        (the last iteration's requests once measured) x its training cost per token (measured
-        busy accelerator-seconds per trained token once it has trained, else the cost model's
-        6 x params / (peak x MFU)). Per token, not per step: the cost stays the same whatever
-        number of accelerators did the work, so the measurement does not follow the plan."""
-        wl, cost = self.wl, self.cost
-        out = {}
-        for a in wl.agents:
-            if not a.trainable:
-                continue
-            if measured and self.lengths.get(a.name):
-                tokens = float(sum(self.lengths[a.name]) + sum(self.prompts[a.name]))
+            if resources.rollout is None:
+                roll_d = demand.rollout_work()
+                need_train = sum(mins.values())
+                need_roll = sum(demand.units[a] for a in demand.agents)
+                # in proportion to estimated rollout vs training work
+                share = sum(roll_d.values()) / (sum(roll_d.values()) + sum(train_d.values()))
+                roll_acc = min(total - need_train, max(need_roll, round(total * share)))
+                # the production balancer's equal split, in whole replicas of tp
+                replicas = allot_replicas(roll_d, roll_acc, "static", demand.units)
+            else:  # a real pool deals its replicas equally itself
+                roll_acc, replicas = resources.rollout, None
+            train_acc = total - roll_acc
+            if resources.train_slots is not None:
+                train_alloc, shared = self.fixed_slots(resources.train_slots)
             else:
-                calls = wl.calls_per_episode(a.name) * wl.episodes_per_iteration
-                tokens = calls * (self.expected_prompt(a.name) + a.output_length.mean)
-            spent, trained = self.train_cost[a.name]
-            rate = (spent / trained if measured and trained > 0
-                    else cost.train_compute_time(a.model, 1, 1.0) + cost.policy_forwards_time(
-                        a.model, 1, 1.0, wl.training.forward_passes))
-            out[a.name] = rate * tokens
-        return out
+                train_alloc = self.train_split(train_d, train_acc, mins)
+        node_s = demand.node_seconds(replicas)
+        order = critical_order(demand.nodes, node_s, demand.trainable)
+        path = max(remaining_path(demand.nodes, node_s).values(), default=0.0)
+        return Plan(iteration, replicas, roll_acc, train_acc, train_alloc, order, shared, groups,
+                    path, predicted, node_s, indexed=resources.rollout is not None)
 
-    def colocated_groups(self) -> dict[str, int]:
-        """MARTI: every agent owns an equal share of the cluster (whole replicas of its tp), on
-        which its engines and its trainer take turns; time-shared (MAS-RL-like): the share is
-        the whole cluster."""
-        wl, cost = self.wl, self.cost
-        share = self.total if self.features.time_shared else self.total // len(wl.agents)
-        out = {}
-        for a in wl.agents:
-            need = a.tp
-            if a.trainable:
-                need = max(need, math.ceil(cost.min_train_accelerators(a.model) / a.tp) * a.tp)
-            out[a.name] = max(need, share // a.tp * a.tp)
-        if not self.features.time_shared and sum(out.values()) > self.total:
-            raise ValueError(
-                f"workload {wl.name}: the colocated baseline gives each agent its own "
-                f"accelerators and needs {sum(out.values())}, but the cluster has {self.total}")
-        return out
-
-    def train_split(self, train_d: dict[str, float], train_acc: int,
-                     mins: dict[str, int]) -> dict[str, int]:
-        """Training accelerators per agent: in proportion to training load (agent-centric),
-        equal shares (static), or all of them in turn (sequential)."""
-        f = self.features
-        if f.sequential_training:
-            return dict.fromkeys(self.trainable, train_acc)
-        if f.allocation == "agent_centric":
-            return balanced_split(train_d, train_acc, mins)
-        equal = train_acc // max(1, len(self.trainable))
-        return {a: max(mins[a], equal) for a in self.trainable}
-
-    def phases(self, measured: bool) -> dict[str, tuple[np.ndarray, int]]:
-        """Per agent, one round's output lengths (longest first) and the mean prompt length:
-        the last iteration's requests once measured, else quantiles of the workload's
-        distributions for every call of the full graph."""
-        wl = self.wl
-        out = {}
-        for a in wl.agents:
-            rounds = len(wl.agent_rounds(a.name))
-            lengths = self.lengths.get(a.name) if measured else None
-            if lengths:
-                ordered = np.sort(np.asarray(lengths, dtype=np.int64))[::-1][::rounds]
-                prompt = round(float(np.mean(self.prompts[a.name])))
-            else:
-                n = wl.episodes_per_iteration * wl.copies_per_round(a.name)
-                ordered = np.array([max(1, a.output_length.draw(1 - (i + 0.5) / n))
-                                    for i in range(n)], dtype=np.int64)
-                ordered[::-1].sort()
-                prompt = round(self.expected_prompt(a.name))
-            out[a.name] = (ordered, prompt)
-        return out
-
-    def plan_critical_path(self, measured: bool, train_d: dict[str, float],
-                            mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
-        """Hierarchical balancing: the production balancer's critical-path allotment over the
-        episode graph, with phase times from the cost model on the (measured) lengths; the
-        rollout/training split is the step of that allotment whose predicted iteration is
-        shortest: the rollout path plus whatever training delays the next iteration's nodes
-        when pipelined, plus the slowest agent's training when synchronous."""
-        wl, cost = self.wl, self.cost
-        phases = self.phases(measured)
-
-        memo: dict[tuple[str, int], tuple[float, float]] = {}
-
-        def phase_time(agent: str, r: int) -> tuple[float, float]:
-            if (agent, r) not in memo:
-                lengths, prompt = phases[agent]
-                spec = wl.agent(agent)
-                timing = cost.generation_timing(spec.model, spec.tp, prompt, lengths[::r])
-                memo[agent, r] = float(timing.finish_s.mean()), timing.total_s
-            return memo[agent, r]
-
-        units = {a.name: a.tp for a in wl.agents}
-        members, g = self.pool_candidates(train_d, mins)
-        # a shared pool of S slots frees (len(members) - S) x g accelerators for rollout
-        spare = (len(members) - 1) * g if members else 0
-        capacity = self.total - sum(mins.values()) + spare
-        steps = latency_allotments(self.nodes, phase_time, capacity, units)
-        # The greedy steps are a heuristic: the equal splits (the static baseline's rule, at
-        # a range of rollout capacities) and the previous plan are candidates too, predicted
-        # the same way, so the plan is never worse than them by its own prediction.
-        steps += [path_allotment(self.nodes, phase_time, reps, units)
-                  for reps in self.other_allotments(capacity, units)]
-        calls = self.train_calls()
-        best: tuple[float, dict[str, int], int, dict[str, int], int] | None = None
+    def plan_critical_path(
+        self, train_d: dict[str, float], mins: dict[str, int],
+    ) -> tuple[dict[str, int] | None, int, dict[str, int],
+               tuple[tuple[str, ...], int, int] | None, float | None]:
+        """Hierarchical balancing: the balancer's critical-path allotment over the episode
+        graph, with the demand's phase times; the rollout/training split (when the planner
+        has one to make) and the number of time-shared slots are the candidate whose
+        predicted iteration is shortest: the rollout path plus whatever training delays the
+        next iteration's nodes when pipelined, plus the slowest agent's training when
+        synchronous. With rollout replicas fixed (a real runtime), only their allotment is
+        chosen; with no more replicas than agents there is none to choose."""
+        demand, res = self.demand, self.resources
+        assert demand is not None
+        total = res.total
+        units = {a: demand.units[a] for a in demand.agents}
+        if res.train_slots is not None:
+            slots_given = max(1, res.train_slots)
+            members = list(demand.trainable) if slots_given < len(demand.trainable) else []
+            g = 1 if members else 0
+            slot_counts = [slots_given] if members else [0]
+        else:
+            members, g = self.pool_candidates(train_d, mins)
+            slot_counts = list(range(len(members), 0, -1)) if members else [0]
+        if res.rollout is None:
+            # a shared pool of S slots frees (len(members) - S) x g accelerators for rollout
+            spare = (len(members) - 1) * g if members else 0
+            capacity = total - sum(mins.values()) + spare
+        else:
+            capacity = res.rollout
+        # the nodes the replicas serve (an agent behind an endpoint has none to allot)
+        served = [n for n in demand.nodes if n[1] in units]
+        steps: list[Allotment] = []
+        if res.rollout is None or (capacity > len(units) and demand.priced):
+            steps = latency_allotments(served, demand.phase_time, capacity, units)
+            # The greedy steps are a heuristic: the equal splits (the static baseline's rule,
+            # at a range of rollout capacities) and the previous plan are candidates too,
+            # predicted the same way, so the plan is never worse than them by its own
+            # prediction.
+            steps += [path_allotment(served, demand.phase_time, reps, units)
+                      for reps in self.other_allotments(capacity, units)]
+        calls = demand.train_calls()
+        best: tuple[float, dict[str, int] | None, int, dict[str, int], int] | None = None
         self.predicted = []
-        for step in steps:
-            budget = self.total - step.accelerators
-            for slots in range(len(members), 0, -1) if members else [0]:
-                shared = members if slots < len(members) else ()
-                if budget - (slots * g if shared else 0) < sum(
-                        mins[a] for a in self.trainable if a not in shared):
+        candidates: list[Allotment | None] = list(steps) or [None]
+        for step in candidates:
+            used = res.rollout if res.rollout is not None else (
+                step.accelerators if step is not None else 0)
+            budget = total - used
+            for slots in slot_counts:
+                pooled = members if slots < len(members) else ()
+                if budget - (slots * g if pooled else 0) < sum(
+                        mins[a] for a in demand.trainable if a not in pooled):
                     continue
-                alloc, train_s = self.pooled_split(train_d, budget, mins, shared, g, slots,
-                                                    calls)
-                path = step.critical_path_s
-                if self.mode == "sync":
-                    cycle = path + max(train_s.values(), default=0.0)
-                else:
-                    # rows are ready when their episodes end (from about a typical episode's
-                    # length on); agent a's nodes of the next iteration, which start once this
-                    # rollout is over plus a's offset in the graph, wait for its training
-                    cycle = path + max((max(0.0, step.typical_path_s + t - path
-                                            - step.first_start_s[a])
-                                        for a, t in train_s.items()), default=0.0)
-                self.predicted.append((cycle, step.replicas))
+                alloc, train_s = self.pooled_split(train_d, budget, mins, pooled, g, slots,
+                                                   calls)
+                cycle = self.cycle(step, train_s)
+                if step is not None:
+                    self.predicted.append((cycle, step.replicas))
                 if best is None or cycle < best[0]:
-                    best = (cycle, step.replicas, step.accelerators, alloc,
-                            slots if shared else 0)
-        assert best is not None
-        self.pool_plan = (tuple(members), g, best[4]) if best[4] else None
-        self.previous = best[1]
-        return best[1], best[2], best[3]
+                    best = (cycle, None if step is None else step.replicas, used, alloc,
+                            slots if pooled else 0)
+        if best is None:
+            raise ValueError(f"{demand.name}: {total} units leave too few for the trainers "
+                             f"(they need {sum(mins.values())})")
+        cycle, replicas, used, alloc, slots = best
+        self.previous = replicas
+        if replicas is not None and res.rollout is not None:
+            replicas = self.fill(replicas, res.rollout)
+        shared = (tuple(members), g, slots) if slots else None
+        return replicas, used, alloc, shared, (cycle if steps else None)
+
+    def cycle(self, step: Allotment | None, train_s: dict[str, float]) -> float:
+        """The predicted iteration of a rollout allotment and training times."""
+        if step is None:  # nothing priced: the training alone
+            return max(train_s.values(), default=0.0)
+        path = step.critical_path_s
+        if self.mode == "sync":
+            return path + max(train_s.values(), default=0.0)
+        # rows are ready when their episodes end (from about a typical episode's length on);
+        # agent a's nodes of the next iteration, which start once this rollout is over plus
+        # a's offset in the graph, wait for its training
+        return path + max((max(0.0, step.typical_path_s + t - path - step.first_start_s[a])
+                           for a, t in train_s.items()), default=0.0)
+
+    def fill(self, replicas: dict[str, int], n_replicas: int) -> dict[str, int]:
+        """Replicas no move of the critical path wanted (a real runtime has them anyway): to
+        the agent with the most work per replica, so none is idle."""
+        demand = self.demand
+        assert demand is not None
+        counts = dict(replicas)
+        calls = {a: sum(1 for _, b, _ in demand.nodes if b == a) for a in counts}
+        for _ in range(n_replicas - sum(counts.values())):
+            heavy = max(counts, key=lambda a: (demand.phase_time(a, counts[a])[0] * calls[a], a))
+            counts[heavy] += 1
+        return counts
 
     def other_allotments(self, capacity: int, units: dict[str, int]) -> list[dict[str, int]]:
         """Candidates beside the greedy search's steps: equal splits (whole replicas of each
@@ -302,7 +381,7 @@ class ResourcePlanner:
         out = []
         floor = sum(units.values())
         for pct in range(5, 100, 5):
-            acc = min(capacity, self.total * pct // 100)
+            acc = min(capacity, self.resources.total * pct // 100)
             if acc >= floor:
                 reps = allot_replicas(dict.fromkeys(units, 1.0), acc, "static", units)
                 if reps not in out:
@@ -313,41 +392,88 @@ class ResourcePlanner:
             out.append(dict(prev))
         return out
 
+    # --- training ------------------------------------------------------------------------
+    def fixed_slots(self, slots: int) -> tuple[dict[str, int], tuple[tuple[str, ...], int, int]
+                                               | None]:
+        """A real runtime's training slots: one each, or all agents time-sharing them."""
+        assert self.demand is not None
+        trainable = self.demand.trainable
+        shared = (tuple(trainable), 1, slots) if slots < len(trainable) else None
+        return dict.fromkeys(trainable, 1), shared
+
+    def colocated_groups(self) -> dict[str, int]:
+        """MARTI: every agent owns an equal share of the cluster (whole replicas of its tp), on
+        which its engines and its trainer take turns; time-shared (MAS-RL-like): the share is
+        the whole cluster."""
+        demand = self.demand
+        assert demand is not None
+        total = self.resources.total
+        share = total if self.features.time_shared else total // len(demand.agents)
+        out = {}
+        for a in demand.agents:
+            tp = demand.units[a]
+            need = tp
+            if a in demand.trainable:
+                need = max(need, math.ceil(demand.min_train[a] / tp) * tp)
+            out[a] = max(need, share // tp * tp)
+        if not self.features.time_shared and sum(out.values()) > total:
+            raise ValueError(
+                f"workload {demand.name}: the colocated baseline gives each agent its own "
+                f"accelerators and needs {sum(out.values())}, but the cluster has {total}")
+        return out
+
+    def train_split(self, train_d: dict[str, float], train_acc: int,
+                    mins: dict[str, int]) -> dict[str, int]:
+        """Training accelerators per agent: in proportion to training load (agent-centric),
+        equal shares (static), or all of them in turn (sequential)."""
+        f = self.features
+        assert self.demand is not None
+        trainable = [a for a in self.demand.trainable if a in mins]
+        if f.sequential_training:
+            return dict.fromkeys(trainable, train_acc)
+        if f.allocation == "agent_centric":
+            return balanced_split(train_d, train_acc, mins)
+        equal = train_acc // max(1, len(trainable))
+        return {a: max(mins[a], equal) for a in trainable}
+
     def pin_replicas(self, replicas: dict[str, int], train_d: dict[str, float],
-                      mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
+                     mins: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
         """`fixed_replicas` over the planned replicas; training gets the rest, split as the
         system splits it (no time-shared slots)."""
+        demand = self.demand
+        assert demand is not None
         pinned = dict(replicas)
         for agent, n in (self.features.fixed_replicas or {}).items():
             if agent not in pinned:
                 raise ValueError(f"fixed_replicas: no agent {agent!r} in workload "
-                                 f"{self.wl.name} (agents: {', '.join(pinned)})")
+                                 f"{demand.name} (agents: {', '.join(pinned)})")
             if n < 1:
                 raise ValueError(f"fixed_replicas.{agent}: needs at least 1 replica, got {n}")
             pinned[agent] = n
-        roll_acc = sum(n * self.wl.agent(a).tp for a, n in pinned.items())
-        budget = self.total - roll_acc
+        roll_acc = sum(n * demand.units[a] for a, n in pinned.items())
+        budget = self.resources.total - roll_acc
         if budget < sum(mins.values()):
             raise ValueError(
                 f"fixed_replicas: {roll_acc} rollout accelerators leave {budget} for training, "
                 f"but the trainers need at least {sum(mins.values())}")
-        self.pool_plan = None
         return pinned, roll_acc, self.train_split(train_d, budget, mins)
 
     def pool_candidates(self, train_d: dict[str, float],
-                         mins: dict[str, int]) -> tuple[list[str], int]:
+                        mins: dict[str, int]) -> tuple[list[str], int]:
         """Agents that may time-share training slots: the largest set of agents with the same
         memory minimum g that the agent-centric split leaves at that minimum even with every
         accelerator but the rollout's minimum (small, lightly loaded trainers)."""
         f = self.features
+        demand = self.demand
+        assert demand is not None
         if f.colocated or f.sequential_training or f.allocation != "agent_centric":
             return [], 0
-        budget = self.total - sum(a.tp for a in self.wl.agents)
+        budget = self.resources.total - sum(demand.units[a] for a in demand.agents)
         if budget < sum(mins.values()):
             return [], 0
         alloc = balanced_split(train_d, budget, mins)
         by_g: dict[int, list[str]] = defaultdict(list)
-        for a in self.trainable:
+        for a in demand.trainable:
             if alloc[a] == mins[a]:
                 by_g[mins[a]].append(a)
         if not by_g:
@@ -355,30 +481,24 @@ class ResourcePlanner:
         g, members = max(by_g.items(), key=lambda kv: (len(kv[1]), -kv[0]))
         return (members, g) if len(members) > 1 else ([], 0)
 
-    def train_calls(self) -> dict[str, float]:
-        """Training calls (micro-batches and the step) each agent makes per iteration."""
-        wl = self.wl
-        mb = wl.micro_batch_size
-        return {a: wl.calls_per_episode(a) * wl.episodes_per_iteration / mb + 1
-                for a in self.trainable}
-
     def pooled_split(self, train_d: dict[str, float], budget: int, mins: dict[str, int],
-                      shared: Sequence[str], g: int, slots: int,
-                      calls: dict[str, float]) -> tuple[dict[str, int], dict[str, float]]:
-        """Training accelerators per agent and each agent's predicted training time per
-        iteration, with `shared` agents time-sharing `slots` slots of g accelerators (each
-        holds g; the rest are split agent-centric). A shared agent's time is the pool's work,
-        swaps included (a call finds its state resident with odds slots / members), over its
-        slots, and at least its own work on g."""
-        own = [a for a in self.trainable if a not in shared]
+                     shared: Sequence[str], g: int, slots: int,
+                     calls: dict[str, float]) -> tuple[dict[str, int], dict[str, float]]:
+        """Training units per agent and each agent's predicted training time per iteration,
+        with `shared` agents time-sharing `slots` slots of g units (each holds g; the rest
+        are split agent-centric). A shared agent's time is the pool's work, swaps included (a
+        call finds its state resident with odds slots / members), over its slots, and at
+        least its own work on g."""
+        demand = self.demand
+        assert demand is not None
+        own = [a for a in demand.trainable if a not in shared]
         rest = budget - (slots * g if shared else 0)
         alloc = self.train_split({a: train_d[a] for a in own}, rest,
-                                  {a: mins[a] for a in own})
+                                 {a: mins[a] for a in own})
         train_s = {a: train_d[a] / alloc[a] for a in own}
         if shared:
             miss = 1.0 - slots / len(shared)
-            swap = sum(calls[a] * miss * 2 * self.cost.train_state_swap_time(
-                self.wl.agent(a).model, g) for a in shared)
+            swap = sum(calls[a] * miss * 2 * demand.swap_seconds(a, g) for a in shared)
             pooled = (sum(train_d[a] for a in shared) / g + swap) / slots
             for a in shared:
                 alloc[a] = g

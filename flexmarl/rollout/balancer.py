@@ -336,6 +336,20 @@ class Balancer:
                                     else None)
         return self.plan
 
+    def follow(self, iteration: int, replicas: Mapping[str, list[int]] | None) -> None:
+        """The planner's replicas per agent (`planning/planner.py`, along the critical path)
+        replace the demand plan for `iteration`; None: it allotted none, the plan stays."""
+        if replicas is None:
+            return
+        if set(replicas) != set(self.agents) or any(
+                not r or not all(0 <= i < self.n_replicas for i in r) for r in replicas.values()):
+            raise ValueError(f"a plan for iteration {iteration} allots replicas "
+                             f"{dict(replicas)}, but the pool has {self.n_replicas} replicas "
+                             f"for agents {self.agents}")
+        self.plan = RolloutPlan(iteration, self.plan.mode, {a: list(r) for a, r in
+                                                            replicas.items()}, self.plan.demand)
+        self.plans.append(self.plan)
+
     # --- intra-agent -------------------------------------------------------------------------
     def expected_cost(self, agent: str, prompt_len: int, max_new_tokens: int) -> int:
         """Outstanding work a request adds: its prompt plus the agent's mean output so far

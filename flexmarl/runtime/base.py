@@ -19,7 +19,7 @@ import numpy as np
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
-    from flexmarl.planning.measured import MeasuredPlan
+    from flexmarl.planning.planner import Plan
     from flexmarl.store.experience import ExperienceStore
 
 Weights = dict[str, np.ndarray]
@@ -91,10 +91,10 @@ class RolloutPool(Protocol):
         record, or None when the pool does not re-plan."""
         return None
 
-    def follow_plan(self, plan: MeasuredPlan) -> None:
-        """The planner's plan for the next iteration (`planning/measured.py`), after
-        `end_iteration`: serve agents from `plan.replicas` when it names them. Default: the
-        pool keeps its own plan."""
+    def follow_plan(self, plan: Plan) -> None:
+        """The planner's plan for the next iteration (`planning/planner.py`), after
+        `end_iteration`: serve agents from the replicas it allots when it allots them
+        (`plan.replica_indices()`). Default: the pool keeps its own plan."""
         return None
 
 
@@ -131,7 +131,7 @@ class TrainPool(Protocol):
         or None when the pool has no slots to wait for."""
         return None
 
-    def follow_plan(self, plan: MeasuredPlan) -> None:
+    def follow_plan(self, plan: Plan) -> None:
         """The planner's plan for the next iteration: within an iteration, hand slots to
         agents in `plan.train_order` (most critical first). Default: nothing to order."""
         return None

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.planning.measured import MeasuredPlan
+from flexmarl.planning.planner import Plan
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.runtime.base import RolloutPool, TrainPool, WorkerError, WorkerLost
 from flexmarl.training.host import SlotPool
@@ -77,7 +77,7 @@ class FakeRolloutPool(RolloutPool):
         self.published: list[tuple[str, int, str]] = []
         self.generated: list[Generated] = []
         self.ended: list[int] = []
-        self.followed: list[MeasuredPlan] = []  # the planner's plans, in order
+        self.followed: list[Plan] = []  # the planner's plans, in order
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         key = digest(self.seed, request.sample_id, request.version)
@@ -100,7 +100,7 @@ class FakeRolloutPool(RolloutPool):
         self.held[agent] = (version, digest_of(weights))
         self.published.append((agent, version, digest_of(weights)))
 
-    def follow_plan(self, plan: MeasuredPlan) -> None:
+    def follow_plan(self, plan: Plan) -> None:
         self.followed.append(plan)
 
     def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any] | None:
@@ -146,9 +146,9 @@ class FakeTrainPool(TrainPool):
         self._order: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.active: set[str] = set()  # agents with a call in progress
         self.max_active = 0
-        self.followed: list[MeasuredPlan] = []  # the planner's plans, in order
+        self.followed: list[Plan] = []  # the planner's plans, in order
 
-    def follow_plan(self, plan: MeasuredPlan) -> None:
+    def follow_plan(self, plan: Plan) -> None:
         self.followed.append(plan)
 
     def training_slots(self) -> int | None:

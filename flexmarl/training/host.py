@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from flexmarl.config.schema import RunConfig
-    from flexmarl.planning.measured import MeasuredPlan
+    from flexmarl.planning.planner import Plan
     from flexmarl.training.trainer import AgentTrainer
 
 Command = tuple[str, Any]
@@ -267,9 +267,11 @@ class SlotPool(TrainPool):
         # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
         self.resident_bytes: dict[int, float] = {}
         self.agent_bytes: dict[str, float] = {}  # per agent: what it adds to a slot
-        # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics)
+        # per agent, cumulative: seconds waiting for a slot, swaps in, swap seconds (metrics),
+        # seconds and number of its training calls (accumulate, step: the planner's demand)
         self.slot_stats: dict[str, dict[str, float]] = defaultdict(
-            lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0})
+            lambda: {"slot_wait_s": 0.0, "swaps": 0.0, "swap_s": 0.0, "train_s": 0.0,
+                     "calls": 0.0})
         # recovery journal (see the class docstring): restart points in the form the
         # runtime's `_keep_command` returns them, and micro-batches as accumulated
         self.saved_state: dict[str, Any] = {}
@@ -328,7 +330,7 @@ class SlotPool(TrainPool):
         return (self.iteration.get(agent, 0),
                 self.rank.get(agent, self.turn.get(agent, 0)), kind)
 
-    def follow_plan(self, plan: MeasuredPlan) -> None:
+    def follow_plan(self, plan: Plan) -> None:
         """Within an iteration, agents get slots in the planner's order (most critical
         first) instead of graph order."""
         self.rank = {a: i for i, a in enumerate(plan.train_order)}
@@ -483,8 +485,13 @@ class SlotPool(TrainPool):
                 while queue:
                     job = queue[0]
                     if not job.future.done():
+                        began = time.monotonic()
                         results = [await self._run(lease.slot, c, p)
                                    for c, p in job.build(job.retried)]
+                        if job.kind == "step" or job.kind.startswith("accumulate"):
+                            stats = self.slot_stats[agent]  # training work: the planner's
+                            stats["train_s"] += time.monotonic() - began
+                            stats["calls"] += 1
                         queue.popleft()
                         if job.on_done is not None:  # it ran: the journal knows it
                             job.on_done(results)

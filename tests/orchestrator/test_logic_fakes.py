@@ -175,7 +175,7 @@ def test_the_rollout_pool_replans_after_each_iteration():
 
 
 def test_both_pools_follow_the_planners_plan_after_each_iteration():
-    """Between iterations the planner (planning/measured.py) orders training along the
+    """Between iterations the planner (planning/planner.py) orders training along the
     critical path from the measured node latencies; both pools get the plan, and the record
     holds it next to the rollout pool's own plan."""
     cfg = config("agents.listener.trainable=false")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flexmarl.planning.measured import MeasuredPlan
+from flexmarl.planning.planner import Plan
 from flexmarl.runtime.local.runtime import LocalTrainPool
 
 
@@ -42,7 +42,7 @@ def serve(order: list[str]) -> list[tuple[str, str]]:
     async def main() -> list[tuple[str, str]]:
         slot = RecordingSlot()
         pool = LocalTrainPool([slot])  # type: ignore[list-item]
-        pool.follow_plan(MeasuredPlan(1, order, None, 0.0, {}))
+        pool.follow_plan(Plan(1, None, 1, 1, {}, train_order=order))
         late = [asyncio.ensure_future(pool.accumulate("late", [])) for _ in range(4)]
         while not slot.calls:  # late is on the slot
             await asyncio.sleep(0)

@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flexmarl.config.schema import RunConfig
-from flexmarl.planning.measured import MeasuredPlan
+from flexmarl.planning.planner import Plan
 from flexmarl.policy.device import Placement, plan_placements
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
-from flexmarl.rollout.balancer import Balancer, RolloutPlan
+from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import (
     NullSink,
     RolloutPool,
@@ -166,7 +166,10 @@ class WorkerProxy:
 
     def _new_future(self) -> tuple[int, asyncio.Future]:
         if not self.alive:
-            raise WorkerLost(f"{self.pool} worker {self.index} is not running")
+            # why it is gone (an out-of-memory kill names its agents), also for a call made
+            # after its death was noticed rather than one in flight then
+            why = f": {self.lost_reason}" if self.lost_reason else ""
+            raise WorkerLost(f"{self.pool} worker {self.index} is not running{why}")
         assert self._loop is not None
         msg_id = next(self._ids)
         if not self.outstanding():  # idle until now: the wait for an answer starts here
@@ -306,14 +309,9 @@ class LocalRolloutPool(RolloutPool):
         plan = self.balancer.replan(k + 1, self.balancer.demand_from(stats))
         return plan.to_dict()
 
-    def follow_plan(self, plan: MeasuredPlan) -> None:
+    def follow_plan(self, plan: Plan) -> None:
         """The planner's replicas per agent (critical path), over the demand plan."""
-        if plan.replicas is None:
-            return
-        current = self.balancer.plan
-        self.balancer.plan = RolloutPlan(plan.iteration, current.mode, dict(plan.replicas),
-                                         current.demand)
-        self.balancer.plans.append(self.balancer.plan)
+        self.balancer.follow(plan.iteration, plan.replica_indices())
 
 
 class LocalTrainPool(SlotPool):

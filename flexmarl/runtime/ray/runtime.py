@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.config.schema import VLLM_ON_RAY, RayBundle, RunConfig
+from flexmarl.planning.planner import Plan
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
@@ -175,6 +176,11 @@ class RayRolloutPool(RolloutPool):
     def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any]:
         """Re-plan agents onto replicas from iteration k's measured demand."""
         return self.balancer.replan(k + 1, self.balancer.demand_from(stats)).to_dict()
+
+    def follow_plan(self, plan: Plan) -> None:
+        """The planner's replicas per agent (critical path), over the demand plan: every
+        replica hosts every local agent's model, so any may serve any agent."""
+        self.balancer.follow(plan.iteration, plan.replica_indices())
 
     def _flush(self, actor: _Actor) -> None:
         batch, actor.outbox = actor.outbox, []

@@ -2,8 +2,9 @@
 predicts, on the virtual clock. The orchestrator driving them is the production one.
 
 Resource plans (which accelerators serve which agent) come from `planning.planner`'s
-`ResourcePlanner`, computed from the workload and re-planned between iterations from what this
-runtime measured (lengths, prompts, busy time per token):
+`Planner`, the one every runtime uses, priced by a `planning.demand.CostModelDemand`: from the
+workload, then re-planned between iterations from what this runtime measured (lengths,
+prompts, busy time per token):
 - hierarchical balancing: the production balancer's `latency_allotments` gives replicas one
   at a time to the agent that shortens one iteration's critical path through the episode graph
   the most (phase times from the cost model on the last iteration's lengths); the
@@ -35,7 +36,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexmarl.planning.planner import ResourcePlanner
+from flexmarl.planning.demand import CostModelDemand
+from flexmarl.planning.planner import Planner, Resources
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.scheduler import ReplicaScheduler, Reply
 from flexmarl.runtime.base import RolloutPool, Runtime, TrainPool
@@ -389,8 +391,8 @@ class SimRuntime(Runtime):
         # output and prompt lengths of each agent's requests since the last plan
         self._lengths: dict[str, list[int]] = defaultdict(list)
         self._prompts: dict[str, list[int]] = defaultdict(list)
-        self.planner = ResourcePlanner(wl, features, self.cost, mode, self._lengths,
-                                       self._prompts, self._train_cost, self._measured_rollout)
+        self.planner = Planner(mode, features)
+        self.resources = Resources(self.total)  # one budget: the planner splits it
         self.plan_resources()
 
     @property
@@ -408,7 +410,10 @@ class SimRuntime(Runtime):
 
     def plan_resources(self, measured: bool = False) -> None:
         """Follow the planner's next plan: replicas, pools, training slots."""
-        plan = self.planner.plan(measured)
+        demand = CostModelDemand(self.wl, self.cost, measured, self._lengths, self._prompts,
+                                 self._train_cost, self._measured_rollout)
+        plan = self.planner.plan(demand, self.resources, len(self.plans))
+        assert plan.replicas is not None  # the simulator's replicas are always planned
         if plan.groups is not None:
             self.groups = plan.groups
         self._pool_plan = plan.shared_slots

@@ -187,3 +187,48 @@ def test_local_cluster_started_for_the_run_is_stopped(tmp_path):
     assert result.placement["ray"]["started_cluster"]
     assert not ray.is_initialized()
     assert not _head_up(result.placement["ray"]["address"])
+
+
+def _gen_agents_after_each_plan(run_dir: Path) -> list[tuple[dict, dict[int, set[str]]]]:
+    """From the run's trace: each planner plan with replicas, and per rollout replica the
+    agents it generated for between that plan and the next."""
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    pools = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    plans = sorted((e["ts"], e["args"]) for e in events
+                   if e["ph"] == "i" and e["name"] == "rollout_plan")
+    out = []
+    for i, (t0, plan) in enumerate(plans):
+        t1 = plans[i + 1][0] if i + 1 < len(plans) else float("inf")
+        seen: dict[int, set[str]] = {}
+        for e in events:
+            if e["ph"] == "X" and pools.get(e["pid"]) == "rollout" \
+                    and e["name"].startswith("gen:") and t0 < e["ts"] < t1:
+                seen.setdefault(e["tid"], set()).update(e["name"][4:].split("+"))
+        out.append((plan, seen))
+    return out
+
+
+@pytest.mark.slow
+def test_ray_pools_follow_the_plan_and_match_local_bit_for_bit(tmp_path, ray_head):
+    """The one planner on Ray: with more replicas than agents (4 for 3) the rollout pool
+    serves each agent from the replicas the plan allots it (every replica hosts every model),
+    and the training slot is handed out in the plan's order; placement changes nothing that
+    is computed: the checkpoints equal the local runtime's with one replica."""
+    common = ["runtime.deterministic=true", "pipeline.mode=async", "train.iterations=3",
+              "train.inputs_per_iteration=16", "train.group_size=4",
+              "train.micro_batch_size=8", "runtime.train_workers=1"]
+    on_ray = train(load_config(EXAMPLES / "relay_chain.yaml", [
+        *common, "runtime.kind=ray", f"runtime.address={ray_head}", "runtime.rollout_workers=4",
+        "runtime.ray.rollout_bundle.cpus=0.25"]), tmp_path / "ray")
+    local = train(load_config(EXAMPLES / "relay_chain.yaml", common), tmp_path / "local")
+    planned = _gen_agents_after_each_plan(tmp_path / "ray")
+    assert len(planned) == 3
+    for plan, seen in planned[:-1]:  # the last plan is for an iteration that never runs
+        assert plan["train_order"] == ["speaker", "relay", "listener"]  # a chain: upstream first
+        assert "predicted_s" in plan  # the planner allotted the replicas (not the pool)
+        replicas = plan["replicas"]
+        assert sorted(i for r in replicas.values() for i in r) == [0, 1, 2, 3], plan
+        serves = {i: {a for a, r in replicas.items() if i in r} for i in range(4)}
+        assert seen and all(agents <= serves[i] for i, agents in seen.items()), (plan, seen)
+    for agent in ("speaker", "relay", "listener"):
+        assert _max_diff(local.checkpoints[agent], on_ray.checkpoints[agent]) <= 1e-5, agent

@@ -247,12 +247,15 @@ def test_small_trainers_time_share_slots_through_the_production_allocator():
 def test_planner_prices_fewer_slots_by_the_pools_work_and_its_swaps():
     rt = simulate_system(load_workload(WORKLOAD.parent / "star_hub.yaml"), "flexmarl",
                          iterations=1).runtime
+    from flexmarl.planning.demand import CostModelDemand
+
     planner = rt.planner
-    train_d = planner.train_demand(False)
+    demand = CostModelDemand(rt.wl, rt.cost, False, {}, {}, {}, dict)  # from the workload
+    train_d = demand.train_seconds()
     mins = {a: rt.cost.min_train_accelerators(rt.wl.agent(a).model) for a in rt.trainable}
     members, g = planner.pool_candidates(train_d, mins)
     assert len(members) >= 2 and "hub" not in members
-    calls = planner.train_calls()
+    calls = demand.train_calls()
     budget = rt.total - 40
     times = []
     for slots in range(len(members), 0, -1):
