@@ -136,43 +136,6 @@ class JointOrchestrator:
         self._last_done = 0.0
         self._start = 0.0
 
-    # --- what callers and tests read (simulator, benches, run.py) -----------------------------
-    @property
-    def graph(self) -> Any:
-        return self.episodes.graph
-
-    @property
-    def order(self) -> list[str]:
-        return self.episodes.order
-
-    @property
-    def turns(self) -> dict[str, int]:
-        return self.episodes.turns
-
-    @property
-    def level(self) -> dict[str, int]:
-        return self.episodes.level
-
-    @property
-    def iterations(self) -> dict[int, IterationState]:
-        return self.episodes.iterations
-
-    @property
-    def start_iteration(self) -> int:
-        return self.episodes.start_iteration
-
-    @property
-    def first_error(self) -> str | None:
-        return self.episodes.first_error
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.trainer.skipped_steps
-
-    @property
-    def last_checkpoint(self) -> str | None:
-        return self.checkpoints.last_checkpoint
-
     def vector(self, iteration: int) -> dict[str, int]:
         return self.version_book.vector(iteration)
 

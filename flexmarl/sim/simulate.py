@@ -155,7 +155,7 @@ def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> flo
     k+1 only, so chain + step spread over 1+s iterations, and each iteration still lasts at
     least the chain and the step. The work is the busy accelerator-seconds of this very run.
     """
-    node_of = {turn: name for name, turn in orch.turns.items()}
+    node_of = {turn: name for name, turn in orch.episodes.turns.items()}
     episodes: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     for sid, lat in rt.solo_latency.items():
         input_id, turn, traj = parse_sample_id(sid)
@@ -173,17 +173,17 @@ def lower_bound(rt: SimRuntime, orch: JointOrchestrator, iterations: int) -> flo
 def _cycle(rt: SimRuntime, orch: JointOrchestrator, episodes: list[dict[str, float]]) -> float:
     """The shortest time one iteration can take, from its episodes' solo node latencies."""
     lag = orch.staleness
-    agent_of = {name: orch.graph.nodes[name].agent for name in orch.order}
+    agent_of = {name: orch.episodes.graph.nodes[name].agent for name in orch.episodes.order}
     consumers: dict[str, list[str]] = defaultdict(list)
-    for name in orch.order:
-        for i in orch.graph.nodes[name].inputs:
+    for name in orch.episodes.order:
+        for i in orch.episodes.graph.nodes[name].inputs:
             consumers[i].append(name)
     # per agent, the longest path of one episode from the start of one of its nodes to the
     # episode's end: its rows are rewarded (so trainable) only when their episode is over
     chain: dict[str, float] = defaultdict(float)
     for lats in episodes:
         to_end: dict[str, float] = {}
-        for name in reversed(orch.order):
+        for name in reversed(orch.episodes.order):
             if name in lats:
                 to_end[name] = lats[name] + max(
                     (to_end[c] for c in consumers[name] if c in to_end), default=0.0)

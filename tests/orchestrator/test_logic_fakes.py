@@ -133,7 +133,7 @@ def test_a_failed_episode_is_recorded_and_does_not_block_the_iteration(mode):
     orch, rollout, train = run(config(f"pipeline.mode={mode}"), FakeRolloutPool(fail=fail))
     assert [r["episodes/failed"] for r in orch.records] == [0, 1, 0]
     assert "fake replica" in orch.records[1]["errors"][0]
-    assert orch.first_error is not None and "episode 1-2/0" in orch.first_error
+    assert orch.episodes.first_error is not None and "episode 1-2/0" in orch.episodes.first_error
     assert_on_policy(orch, rollout, train)
     trained = {s for acc in train.accumulated for s in acc.sample_ids}
     assert not any(s.startswith(bad + "_") and s.endswith("_0") for s in trained)
@@ -230,7 +230,7 @@ def test_a_failed_step_fails_the_run():
 @pytest.mark.parametrize("schedule", ["dependency", "stage"])
 def test_stage_schedule_holds_each_graph_level_until_the_one_below_is_done(schedule):
     orch, rollout, _ = run(config("pipeline.mode=sync", f"rollout.schedule={schedule}"))
-    level = {orch.graph.nodes[n].agent: orch.level[n] for n in orch.order}
+    level = {orch.episodes.graph.nodes[n].agent: orch.episodes.level[n] for n in orch.episodes.order}
     for k in range(3):
         served = [level[g.agent] for g in rollout.generated if g.sample_id.startswith(f"{k}-")]
         barrier_kept = served == sorted(served)

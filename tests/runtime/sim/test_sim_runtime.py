@@ -57,12 +57,12 @@ def _request_times_by_level(result):
     from flexmarl.store.experience import parse_sample_id
 
     orch = result.orchestrator
-    node_of = {turn: name for name, turn in orch.turns.items()}
+    node_of = {turn: name for name, turn in orch.episodes.turns.items()}
     out: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for sid, times in result.runtime.requests.items():
         input_id, turn, _ = parse_sample_id(sid)
         k = int(input_id.split("-")[0])
-        out.setdefault((k, orch.level[node_of[turn]]), []).append(times)
+        out.setdefault((k, orch.episodes.level[node_of[turn]]), []).append(times)
     return out
 
 
@@ -168,7 +168,7 @@ def test_lower_bound_runs_each_agents_chain_to_the_end_of_the_episode(wl):
 
     res = simulate_system(wl, "flexmarl", iterations=1)
     rt, orch = res.runtime, res.orchestrator
-    node_of = {turn: name for name, turn in orch.turns.items()}
+    node_of = {turn: name for name, turn in orch.episodes.turns.items()}
     episodes = defaultdict(dict)
     for sid, lat in rt.solo_latency.items():
         input_id, turn, traj = parse_sample_id(sid)
@@ -317,8 +317,8 @@ def test_conditional_edges_skip_nodes_at_their_probability_and_every_system_sees
     runs = {}
     for system in ("flexmarl", "marti"):
         res = simulate_system(wl, system, iterations=1)
-        node_of = {turn: name for name, turn in res.orchestrator.turns.items()}
-        agent_of = {name: node.agent for name, node in res.orchestrator.graph.nodes.items()}
+        node_of = {turn: name for name, turn in res.orchestrator.episodes.turns.items()}
+        agent_of = {name: node.agent for name, node in res.orchestrator.episodes.graph.nodes.items()}
         calls: dict[str, set] = {}
         for sid in res.runtime.requests:
             from flexmarl.store.experience import parse_sample_id

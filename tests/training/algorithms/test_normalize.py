@@ -62,7 +62,7 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
     task = load_task(cfg.task.builder, cfg.task.options)
     orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
     it = IterationState(index=0, episodes_total=4)
-    orch.iterations[0] = it
+    orch.episodes.iterations[0] = it
     rewards = {("speak", 0, 0): 1.0, ("speak", 0, 1): 0.0, ("speak", 1, 0): 0.0,
                ("speak", 1, 1): 0.0, ("listen", 0, 0): 2.0, ("listen", 0, 1): 2.0,
                ("listen", 1, 0): 4.0, ("listen", 1, 1): 0.0}
@@ -71,9 +71,9 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
         for traj in range(2):
             ids = {}
             for node in ("speak", "listen"):
-                sid = make_sample_id(f"0-{i}", orch.turns[node], traj)
+                sid = make_sample_id(f"0-{i}", orch.episodes.turns[node], traj)
                 agent = agent_of[node]
-                orch.store.add(Row(sid, agent, node, f"0-{i}", orch.turns[node], traj, 0, 0,
+                orch.store.add(Row(sid, agent, node, f"0-{i}", orch.episodes.turns[node], traj, 0, 0,
                                    orch.version_book.vector(0)))
                 orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
                                          {"logprobs": np.zeros(1, np.float32)})
@@ -84,7 +84,7 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
         assert it.wide_ready == (i == 1)  # only once every group of the iteration is in
 
     def adv(node, i, traj):
-        sid = make_sample_id(f"0-{i}", orch.turns[node], traj)
+        sid = make_sample_id(f"0-{i}", orch.episodes.turns[node], traj)
         return orch.store.table(agent_of[node]).get(sid).data["advantage"]
 
     speaker = [adv("speak", i, t) for i in range(2) for t in range(2)]
