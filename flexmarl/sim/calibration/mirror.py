@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import pickle
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,8 @@ from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
-from flexmarl.sim.profile import AgentProfile, LocalProfile, profiled_load
+from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
+from flexmarl.sim.calibration.machine import profiled_load
 
 
 class CpuShare:
@@ -179,9 +179,8 @@ class ParentProcess:
     """The orchestrator's own process: its per-request and per-training-call work, one piece
     at a time, on the shared CPUs."""
 
-    def __init__(self, cpu: CpuShare, profile: LocalProfile) -> None:
+    def __init__(self, cpu: CpuShare) -> None:
         self.cpu = cpu
-        self.profile = profile
         self.lock = asyncio.Lock()
 
     async def work(self, seconds: float) -> None:
@@ -205,10 +204,8 @@ class _Common:
         self.sink = sink
         self.cpu, self.parent = cpu, parent
         self.calls = 0
-        self._pending: set[asyncio.Task] = set()
         self.alive = True
-        self.stopping = False
-        self.outstanding_tokens = 0
+        self.outstanding_tokens = 0  # the balancer's load measure (`LocalRolloutPool`)
 
     def _ipc(self, name: str, **x: float) -> float:
         """One direction of a message. `ipc_generate` round trips carried n requests out and
@@ -228,9 +225,6 @@ class _Common:
                 fut.set_result(value)
 
         asyncio.get_running_loop().call_later(delay, done)
-
-    async def stop(self, timeout: float = 0.0) -> None:
-        self.alive = False
 
 
 @dataclass
@@ -366,6 +360,7 @@ class SimRolloutWorker(_Common):
         self.loads: list[tuple[asyncio.Future, str, int]] = []
         self.wake = asyncio.Event()
         self._outbox: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
+        self._pending: set[asyncio.Task] = set()
         self.task = asyncio.ensure_future(self._run())
 
     @property
@@ -546,7 +541,6 @@ class MirrorResult:
     makespan_s: float
     per_iteration_s: float
     steady_per_iteration_s: float
-    real_s: float
     spans: list[Any]
     train_calls: int = 0
 
@@ -573,16 +567,15 @@ def mirror_config(cfg: RunConfig, iterations: int | None = None,
 
 def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
-               virtual: bool = True, cores: float | None = None,
+               cores: float | None = None,
                external: float | Sequence[tuple[float, float]] | None = None,
                profiled_external: float | None = None) -> MirrorResult:
     """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
     profile's CPU count; `external` is the simulated run's other runnable work in CPUs (a
     number, or a series `[(virtual t, cpus), ...]`, see `CpuShare`) next to the
-    `profiled_external` the profile was measured under (default `profile.profiled_load`: its
-    probe, or other users' work during it, whichever is larger); with `external` None the run
-    sees the profile's load, and the profiled costs and curve are used as measured.
-    `virtual=False` runs in real time."""
+    `profiled_external` the profile was measured under (default `machine.profiled_load`: other
+    users' work during the profiling, or an older profile's probe); with `external` None the run
+    sees the profile's load, and the profiled costs and curve are used as measured."""
     from flexmarl.orchestrator.joint import JointOrchestrator
     from flexmarl.runtime.sim.clock import run_virtual
     from flexmarl.telemetry.recorder import Telemetry
@@ -616,7 +609,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                         else profiled_external)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
                        curve=None if cores else profile.contention)
-        parent = ParentProcess(cpu, profile)
+        parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
                                      parent) for i in range(rt.rollout_workers)]
@@ -644,11 +637,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
             for w in rworkers:
                 await w.stop()
 
-    started = time.perf_counter()
-    records = run_virtual(main()) if virtual else asyncio.run(main())
-    real = time.perf_counter() - started
+    records = run_virtual(main())
     mean, steady = per_iteration(records)
     makespan = float(records[-1]["time_s"]) if records else 0.0
     requests = sum(w.calls for w in workers if w.pool == "rollout")
     train_calls = sum(w.calls for w in workers if w.pool == "train")
-    return MirrorResult(records, requests, makespan, mean, steady, real, spans, train_calls)
+    return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls)
