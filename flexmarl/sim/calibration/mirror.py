@@ -1,33 +1,20 @@
 """The local runtime in virtual time, with a measured `LocalProfile` as its cost model.
 
-The production `LocalRolloutPool` (with the production `Balancer`) and `LocalTrainPool` (with
-the production `SlotAllocator`) drive simulated worker processes that keep the protocol of
-`runtime.local.workers`:
+The production `LocalRolloutPool` (and `Balancer`) and `LocalTrainPool` (and `SlotAllocator`,
+the supervisor's restart points with `runtime.max_worker_restarts > 0`) drive simulated worker
+processes that keep the protocol of `runtime.local.workers`:
 
-- `SimRolloutWorker` mirrors `rollout_worker_main`: one process hosting every local agent's
-  model, one continuous batch per model (`rollout.max_batch_seqs` sequences, 1 in
-  deterministic mode; `rollout.max_batch_tokens` KV budget); models with work take turns, one
-  `admit` (prefill of the newcomers, by priority) plus one `step` per turn; finished sequences
-  are answered after each turn; weights load only into an idle model (deferred otherwise);
-- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order; `bind`
-  swaps the resident agent out and the new one in (a first binding builds the trainer);
-- with `runtime.max_worker_restarts > 0` the pools keep the supervisor's restart points (a
-  `get_state` after every step, and one per agent before the run), as the local runtime does.
+- `SimRolloutWorker` mirrors `rollout_worker_main`: the shared `ReplicaScheduler` over one
+  `ProfiledEngine` per local agent (the profile's prefill, decode and load costs);
+- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order.
 
 Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
-The orchestrator's own CPU time (`parent_per_request_s` per generate request,
-`parent_per_train_call_s` per training command) is work of a serial parent process. All
-processes' work shares the machine's CPUs (`CpuShare`): each of n busy processes runs at the
-speed the profiler measured for n processes busy at once (`LocalProfile.contention`, real torch
-work in spawned processes, so caches, memory bandwidth and shared cores count), or, for a
-profile without that curve, processor sharing on `profile.machine["cpus"]` cores (on a 2-core
-machine a replica, a training slot and the parent busy at once each run at 2/3 speed). Other
-users' load is in the profiled (median) costs and the curve, as measured; `run_mirror(...,
-external=...)` simulates a run that saw more or less of it than the profile did (`CpuShare`:
-the difference shifts where the curve is read, or speeds up the profiled costs where the run was
-quieter), and may follow a measured series of it in virtual time. The worker layout
-(`runtime.rollout_workers`, `runtime.train_workers`) is the config's. The task is the real one: prompts come from its prompt builders, and outputs are
-tokens drawn from each request's allowed tokens with the profile's lengths.
+The orchestrator's own CPU time (`parent_per_request_s`, `parent_per_train_call_s`) is work of a
+serial parent process. All processes' work shares the machine's CPUs (`CpuShare`: the measured
+contention curve, or processor sharing on `profile.machine["cpus"]` cores), next to other
+users' load as the run saw it (`run_mirror(..., external=...)`). The worker layout is the
+config's; the task is the real one (its prompt builders), and outputs are tokens drawn from
+each request's allowed tokens with the profile's lengths.
 """
 
 from __future__ import annotations
@@ -35,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import pickle
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +38,7 @@ from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
+from flexmarl.testing.fakes import FakeSlotHost
 
 
 class CpuShare:
@@ -455,15 +442,16 @@ class SimRolloutWorker(_Common):
 
 
 class SimTrainWorker(_Common):
-    """One training slot process of the local runtime, in virtual time: one command at a time."""
+    """One training slot process of the local runtime, in virtual time: one command at a time,
+    the slot protocol's results from `testing.fakes.FakeSlotHost` (no models), its work the
+    profile's costs (a first `bind` of an agent builds its trainer, later ones swap it in)."""
 
     def __init__(self, index: int, profile: LocalProfile, sink: Any, cpu: CpuShare,
                  parent: ParentProcess) -> None:
         super().__init__("train", index, profile, sink, cpu, parent)
         self.lock = asyncio.Lock()  # FIFO: the pipe's order
-        self.resident: str | None = None
+        self.host = FakeSlotHost()  # who is resident, versions, results
         self.built: set[str] = set()
-        self.versions: dict[str, int] = defaultdict(int)
 
     def _payload_bytes(self, command: str, payload: Any) -> int:
         if command in ("accumulate",):
@@ -490,48 +478,33 @@ class SimTrainWorker(_Common):
         return result
 
     def _run(self, command: str, payload: Any) -> tuple[Any, float, int, str]:
+        """The command's result (the slot protocol, kept by `FakeSlotHost`), its profiled CPU
+        seconds, the reply's bytes, and its agent."""
         prof = self.profile.agents
+        agent = payload if isinstance(payload, str) else payload[0]
+        resident = self.host.resident
+        result = self.host.handle(command, payload)
         if command == "bind":
-            agent, incoming = payload
-            cost, out_agent, out_state, reply = 0.0, None, None, 0
-            if self.resident is not None and self.resident != agent:
-                out_agent = self.resident
-                cost += _cost(prof.get(out_agent), "swap_out")
-                out_state = ("host", out_agent)
-                reply = 3 * prof[out_agent].weights_bytes  # weights + two Adam moments
-            timings: dict[str, float] = {}
-            if self.resident != agent:
-                first = incoming is None and agent not in self.built
+            cost, reply = 0.0, 0
+            if resident is not None and resident != agent:
+                cost += _cost(prof.get(resident), "swap_out")
+                reply = 3 * prof[resident].weights_bytes  # weights + two Adam moments
+            if resident != agent:
+                first = payload[1] is None and agent not in self.built
                 cost += _cost(prof.get(agent), "build" if first else "swap_in")
                 self.built.add(agent)
-                timings["swap_in_s"] = 0.0
-            self.resident = agent
-            return (out_agent, out_state, timings), cost, reply, agent
+            return result, cost, reply, agent
         if command == "accumulate":
-            agent, samples = payload
+            samples = payload[1]
             width = max((len(s.prompt) + len(s.response) for s in samples), default=0)
             cost = _cost(prof.get(agent), "accumulate", rows=len(samples),
                          tokens=len(samples) * width) if samples else 0.0
-            return {"rows": float(len(samples))}, cost, 64, agent
-        if command in ("step", "weights"):
-            agent = payload
-            if command == "step":
-                self.versions[agent] += 1
-            marker = {"agent": agent, "version": self.versions[agent]}
-            metrics: dict[str, float] = {}
-            return ((metrics, marker) if command == "step" else marker,
-                    _cost(prof.get(agent), command), prof[agent].weights_bytes, agent)
-        if command == "get_state":
-            agent = payload
-            return (({}, {"version": self.versions[agent]}), _cost(prof.get(agent), "get_state"),
-                    3 * prof[agent].weights_bytes, agent)
-        if command == "set_state":
-            agent, _, meta = payload
-            self.versions[agent] = int(meta.get("version", self.versions[agent]))
-            return self.versions[agent], _cost(prof.get(agent), "swap_in"), 64, agent
-        if command == "save":
-            return str(payload[1]), 0.0, 64, payload[0]
-        raise ValueError(f"simulated training worker: unknown command {command!r}")
+            return result, cost, 64, agent
+        nbytes = prof[agent].weights_bytes
+        fit, reply = {"step": ("step", nbytes), "weights": ("weights", nbytes),
+                      "get_state": ("get_state", 3 * nbytes), "set_state": ("swap_in", 64),
+                      "save": ("", 64)}[command]  # "": no cost
+        return result, _cost(prof.get(agent), fit), reply, agent
 
 
 @dataclass

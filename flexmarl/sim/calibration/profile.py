@@ -331,88 +331,69 @@ def _engine_time(prof: AgentProfile, n: int, prompt: int, out: int) -> float:
         fits["decode"](seqs=n, tokens=n * (prompt + t + 1)) for t in range(1, out))
 
 
-async def _replica_measure(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
-                           allowed: dict[str, list[int] | None], reps: int) -> Fit:
-    """A real rollout replica process (`rollout_worker_main`, the config's models) serving
-    batches of requests: its busy time (the spans it reports) beyond what the engine fits
-    predict is the worker loop's own work (messages, queues, replies), per reply and per
-    request."""
-    from flexmarl.policy.sampling import GenerationRequest
-
-    rt = cfg.runtime
-    names = list(agents)
-    proxy, sink = await _start_worker(cfg, vocab, max_len, names)
-    rng = np.random.default_rng(1)
-    ids = itertools.count()
-    xs, ys = [], []
-    max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
-    try:
-        for agent in names:
-            prof = agents[agent]
-            p = max(1, round(statistics.median(prof.prompt_lengths or [8])))
-            out = max(1, round(statistics.median(prof.output_lengths or [1])))
-            for n in _grid(max_seqs, [1, 8, max_seqs]):
-                busy_times = []
-                for _ in range(reps + 1):
-                    reqs = [GenerationRequest(f"r{next(ids)}", agent, 0,
-                                              rng.integers(3, vocab, size=p).tolist(), out,
-                                              allowed.get(agent)) for _ in range(n)]
-                    sink.spans.clear()
-                    await asyncio.gather(*(proxy.submit(r, (0, i, 0))
-                                           for i, r in enumerate(reqs)))
-                    busy_times.append(sink.busy())
-                best = _stat(busy_times[1:])  # the first batch warms the replica up
-                engine = _engine_time(prof, n, p, out)
-                xs.append({"requests": n})
-                ys.append(max(0.0, best - engine))
-    finally:
-        await proxy.stop()
-    return fit_linear(["1", "requests"], xs, ys)
-
-
 def _ratio(measured: Sequence[float], predicted: Sequence[float]) -> float:
     """Measured over predicted, as a median of per-round ratios (1.0 without data)."""
     ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
     return _stat(ratios) if ratios else 1.0
 
 
-async def _replica_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
-                         allowed: dict[str, list[int] | None], reps: int) -> float:
-    """A real rollout replica serving every agent at once, as in a run (the models take turns):
-    its busy time over what the fits (`prefill`, `decode`, `replica_overhead`) predict for the
-    same work. The fits were measured one model at a time, in hot loops; a replica whose
-    models alternate runs slower than that (caches hold the other models' weights)."""
+async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                         allowed: dict[str, list[int] | None], reps: int) -> tuple[Fit, float]:
+    """A real rollout replica process (`rollout_worker_main`, the config's models), timed by
+    the busy spans it reports. First each agent alone, in batches of 1 .. max_batch_seqs
+    requests: its busy time beyond what the engine fits predict is the worker loop's own work
+    (messages, queues, replies), fitted per turn and per request (`replica_overhead`). Then
+    every agent at once, as in a run (the models take turns): its busy time over what the fits
+    predict for the same work (`worker_scale["rollout"]`); the fits were measured one model at
+    a time, in hot loops, and a replica whose models alternate runs slower than that. In both
+    the first round warms the replica up and is left out."""
     from flexmarl.policy.sampling import GenerationRequest
 
-    rt = cfg.runtime
-    names = list(agents)
-    proxy, sink = await _start_worker(cfg, vocab, max_len, names)
-    rng = np.random.default_rng(2)
+    proxy, sink = await _start_worker(cfg, vocab, max_len, list(agents))
     ids = itertools.count()
-    n = max(1, min(1 if rt.deterministic else cfg.rollout.max_batch_seqs, 32))
-    measured, predicted = [], []
+    typical = {a: (max(1, round(statistics.median(prof.prompt_lengths or [8]))),
+                   max(1, round(statistics.median(prof.output_lengths or [1]))))
+               for a, prof in agents.items()}
+
+    def batch(agent: str, n: int, rng: np.random.Generator, tag: str) -> list[GenerationRequest]:
+        p, out = typical[agent]
+        return [GenerationRequest(f"{tag}{next(ids)}", agent, 0,
+                                  rng.integers(3, vocab, size=p).tolist(), out,
+                                  allowed.get(agent)) for _ in range(n)]
+
+    async def busy(reqs: list[GenerationRequest]) -> float:
+        sink.spans.clear()
+        await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
+        return sink.busy()
+
+    max_seqs = 1 if cfg.runtime.deterministic else cfg.rollout.max_batch_seqs
     try:
+        rng = np.random.default_rng(1)
+        xs, ys = [], []
+        for agent, prof in agents.items():
+            for n in _grid(max_seqs, [1, 8, max_seqs]):
+                times = [await busy(batch(agent, n, rng, "r")) for _ in range(reps + 1)]
+                xs.append({"requests": n})
+                ys.append(max(0.0, _stat(times[1:]) - _engine_time(prof, n, *typical[agent])))
+        over = fit_linear(["1", "requests"], xs, ys)
+        rng = np.random.default_rng(2)
+        n = max(1, min(max_seqs, 32))
+        measured, predicted = [], []
         for rep in range(reps + 1):
             reqs, expect = [], 0.0
-            for agent in names:
-                prof = agents[agent]
-                p = max(1, round(statistics.median(prof.prompt_lengths or [8])))
-                out = max(1, round(statistics.median(prof.output_lengths or [1])))
-                reqs += [GenerationRequest(f"s{next(ids)}", agent, 0,
-                                           rng.integers(3, vocab, size=p).tolist(), out,
-                                           allowed.get(agent)) for _ in range(n)]
-                expect += _engine_time(prof, n, p, out)
-                if "replica_overhead" in prof.fits:  # as the mirror: admission and last turn
-                    over = prof.fits["replica_overhead"]
-                    expect += over(requests=n) + (over(requests=0) if out > 2 else 0.0)
-            sink.spans.clear()
-            await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
-            if rep:  # the first round warms the replica up
-                measured.append(sink.busy())
+            for agent, prof in agents.items():
+                out = typical[agent][1]
+                reqs += batch(agent, n, rng, "s")
+                # as the mirror: the engine's work, the loop's at admission and the last turn
+                expect += _engine_time(prof, n, *typical[agent]) + over(requests=n) + (
+                    over(requests=0) if out > 2 else 0.0)
+            took = await busy(reqs)
+            if rep:
+                measured.append(took)
                 predicted.append(expect)
     finally:
         await proxy.stop()
-    return _ratio(measured, predicted)
+    return over, _ratio(measured, predicted)
 
 
 async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
@@ -566,13 +547,13 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         wire = publish_form(weights_of(models[first]), first, 1)
         ipc_fits = asyncio.run(_ipc_measure(
             lambda n: (first, _samples(n, p, o, vocab, 0, "ipc", None)), wire, reps))
-        log("a real rollout replica: the worker loop's own work")
-        replica = asyncio.run(_replica_measure(cfg, vocab, max_len, agents, allowed, reps))
+        log("a real rollout replica: the worker loop's own work, then agents interleaved")
+        replica, rollout_scale = asyncio.run(_replica_probe(cfg, vocab, max_len, agents,
+                                                            allowed, reps))
         for prof in agents.values():
             prof.fits["replica_overhead"] = replica
-        log("the run's order of work in real workers: agents interleaved")
-        scale = {"rollout": asyncio.run(_replica_scale(cfg, vocab, max_len, agents, allowed,
-                                                       reps))}
+        log("a real training worker: the run's order of work, agents interleaved")
+        scale = {"rollout": rollout_scale}
         scale.update(asyncio.run(_train_scale(cfg, vocab, max_len, agents, allowed, reps)))
         log("worker scale: " + ", ".join(f"{k} x{v:.2f}" for k, v in scale.items()))
         log("orchestrator overhead per request and training call (zero-cost workers, "
