@@ -350,10 +350,6 @@ class SimRolloutWorker(_Common):
         self._pending: set[asyncio.Task] = set()
         self.task = asyncio.ensure_future(self._run())
 
-    @property
-    def versions(self) -> dict[str, int]:
-        return self.sched.versions
-
     # --- the parent's side (WorkerProxy's interface) -----------------------------------------
     def submit(self, request: GenerationRequest, priority: tuple) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -378,19 +374,15 @@ class SimRolloutWorker(_Common):
         self.wake.set()
 
     async def call(self, command: str, payload: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if command == "load_weights":
-            agent, version, _ = payload
-            nbytes = self.profile.agents[agent].weights_bytes
-            await asyncio.sleep(self._ipc("ipc_call", bytes=nbytes))
-            self.loads.append((fut, agent, version))
-            self.wake.set()
-            return await fut
-        if command == "stop":
-            self.task.cancel()
-            return None
-        raise ValueError(f"simulated rollout worker: unknown command {command!r}")
+        """`load_weights`, the one command the rollout pool sends a replica."""
+        if command != "load_weights":
+            raise ValueError(f"simulated rollout worker: unknown command {command!r}")
+        agent, version, _ = payload
+        fut = asyncio.get_running_loop().create_future()
+        await asyncio.sleep(self._ipc("ipc_call", bytes=self.profile.agents[agent].weights_bytes))
+        self.loads.append((fut, agent, version))
+        self.wake.set()
+        return await fut
 
     async def stop(self, timeout: float = 0.0) -> None:
         self.alive = False
@@ -464,8 +456,6 @@ class SimTrainWorker(_Common):
 
     async def call(self, command: str, payload: Any) -> Any:
         loop = asyncio.get_running_loop()
-        if command == "stop":
-            return None
         self.calls += 1
         await self.parent.work(self.profile.parent_per_train_call_s)
         await asyncio.sleep(self._ipc("ipc_call", bytes=self._payload_bytes(command, payload)))
@@ -603,7 +593,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                 train.on_lost = never_lost
                 rollout.on_lost = never_lost
                 for agent in trainable:
-                    train.saved_state[agent] = await train.get_state(agent)
+                    await train.keep_restart_point(agent)
             orch = JointOrchestrator(cfg, task, rollout, train, telemetry)
             return await orch.run()
         finally:
