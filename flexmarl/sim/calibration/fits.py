@@ -106,23 +106,7 @@ class LocalProfile:
         return self.agents[name]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": PROFILE_VERSION,
-            "config": self.config,
-            "torch_threads": self.torch_threads,
-            "machine": self.machine,
-            "measured_s": self.measured_s,
-            "parent_per_request_s": self.parent_per_request_s,
-            "parent_per_train_call_s": self.parent_per_train_call_s,
-            "worker_scale": dict(self.worker_scale),
-            "contention": list(self.contention),
-            "ipc": {k: f.to_dict() for k, f in self.ipc.items()},
-            "agents": {a: {"fits": {k: f.to_dict() for k, f in p.fits.items()},
-                           "output_lengths": list(p.output_lengths),
-                           "prompt_lengths": list(p.prompt_lengths),
-                           "stops": p.stops, "weights_bytes": p.weights_bytes}
-                       for a, p in self.agents.items()},
-        }
+        return {"version": PROFILE_VERSION, **asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LocalProfile:
