@@ -115,7 +115,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     if args.profile_local:
-        from flexmarl.sim.calibrate import calibrate
+        from flexmarl.sim.calibration.calibrate import calibrate
 
         calibrate(args.workload, args.set, iterations=args.iterations or 5, out=args.out,
                   profile=args.profile)

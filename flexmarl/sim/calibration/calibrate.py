@@ -1,13 +1,13 @@
 """`flexmarl simulate --profile-local CONFIG`: the simulator against this machine.
 
-1. profile the config's agents on this machine (`sim.profile`; the profile JSON is written to
+1. profile the config's agents on this machine (`profile`; the profile JSON is written to
    OUT/profile.json, and `--profile FILE` reuses one);
 2. run the real config on the local runtime for N iterations, `pipeline.mode=sync` and then
    `async` (OUT/real-sync, OUT/real-async: the usual run folders);
-3. simulate the same config, both modes, on the mirrored local runtime (`sim.local_mirror`),
+3. simulate the same config, both modes, on the mirrored local runtime (`mirror`),
    each with the other users' load its real run saw (`OtherLoad` during it: their CPU time
    from /proc/stat, niced work left out) next to the load the profile was measured under, the
-   same measure over the profiling (`profile.profiled_load`): load that changed between the
+   same measure over the profiling (`machine.profiled_load`): load that changed between the
    profile and the run is simulated (`CpuShare`); the spinning probe before and after each run
    is reported;
 4. print measured vs simulated seconds per iteration (makespan / N, from the runs' `time_s`)
@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.config.schema import RunConfig, load_config
-from flexmarl.sim.local_mirror import MirrorResult, mirror_config, per_iteration, run_mirror
-from flexmarl.sim.profile import (
-    LocalProfile,
+from flexmarl.sim.calibration.fits import LocalProfile
+from flexmarl.sim.calibration.machine import (
     OtherLoad,
     machine_info,
     measure_external_load,
-    profile_local,
     profiled_load,
 )
+from flexmarl.sim.calibration.mirror import MirrorResult, mirror_config, per_iteration, run_mirror
+from flexmarl.sim.calibration.profile import profile_local
 
 TOLERANCE = 0.25  # issue 6, item 6: within 25% of the measured local makespan
 SAMPLE_S = 0.5  # the other load's series during a real run: one point every SAMPLE_S
@@ -79,23 +79,23 @@ class CalibrationRow:
         return (self.simulated_unloaded_s - m) / m if m and self.simulated_unloaded_s else 0.0
 
 
-def run_real(cfg: RunConfig, out: Path) -> tuple[list[dict[str, Any]], float]:
-    from flexmarl.orchestrator.run import train
+def _local(config: str | Path, overrides: list[str] | None = None) -> tuple[RunConfig, Any]:
+    """The config on the local runtime (whatever its `runtime.kind`), and its task."""
+    from flexmarl.orchestrator.run import prepare
 
-    result = train(cfg, out)
-    return result.records, result.wall_s
+    cfg = load_config(config, overrides)
+    if cfg.runtime.kind != "local":
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
+    return cfg, prepare(cfg)
 
 
 def calibrate(config: str | Path, overrides: list[str] | None = None, iterations: int = 5,
               out: str | Path | None = None, profile: str | Path | None = None,
               modes: tuple[str, ...] = ("sync", "async"),
               log: Any = print, reps: int = 5) -> list[CalibrationRow]:
-    from flexmarl.orchestrator.run import prepare
+    from flexmarl.orchestrator.run import train
 
-    cfg = load_config(config, overrides)
-    if cfg.runtime.kind != "local":
-        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
-    task = prepare(cfg)
+    cfg, task = _local(config, overrides)
     out = Path(out or Path("runs") / "calibrate" / cfg.name)
     out.mkdir(parents=True, exist_ok=True)
     if profile is not None:
@@ -116,7 +116,8 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
             f"-> {out / f'real-{mode}'}")
         probe = measure_external_load()
         with OtherLoad(every=SAMPLE_S) as during:
-            records, wall = run_real(mcfg, out / f"real-{mode}")
+            real = train(mcfg, out / f"real-{mode}")
+        records, wall = real.records, real.wall_s
         probe = (probe + measure_external_load()) / 2  # before and after the run
         # others' CPU time during the run, as the profile's (`profiled_load`); the probe only
         # where there is no /proc/stat
@@ -169,14 +170,9 @@ def resimulate(calibration: str | Path, profile: str | Path | None = None,
     `external` "mean" simulates each run's mean other load, "series" its sampled series (mapped
     onto the simulated run by the fraction of the real run elapsed), "none" the profile's load
     throughout (no correction)."""
-    from flexmarl.orchestrator.run import prepare
-
     data = json.loads(Path(calibration).read_text())
     prof = LocalProfile.load(profile or data["profile"])
-    cfg = load_config(data["config"])
-    if cfg.runtime.kind != "local":
-        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
-    task = prepare(cfg)
+    cfg, task = _local(data["config"])
     n = int(data["iterations"])
     prof_load = profiled_load(prof.machine)
     rows = []

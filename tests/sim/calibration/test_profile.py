@@ -10,15 +10,8 @@ import pytest
 from flexmarl.config.schema import config_from_dict
 from flexmarl.graph.task import load_task
 from flexmarl.runtime.sim.clock import run_virtual
-from flexmarl.sim.local_mirror import CpuShare, run_mirror
-from flexmarl.sim.profile import (
-    AgentProfile,
-    Fit,
-    LocalProfile,
-    ProfiledCostModel,
-    constant,
-    fit_linear,
-)
+from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
+from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
 
 MODEL = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2}
 
@@ -142,19 +135,6 @@ def test_mirror_simulates_the_local_runtime_both_modes():
         s.label.startswith("bind:") for s in runs["sync"].spans)
 
 
-def test_profiled_cost_model_interface():
-    from flexmarl.sim.cost import ModelSpec
-
-    cost = ProfiledCostModel(_synthetic_profile())
-    relay = ModelSpec(name="relay", params=1e5, layers=1, hidden=16, kv_heads=2, head_dim=8)
-    assert cost.prefill_time(relay, 1, 10) == pytest.approx(2e-3 + 1e-4 + 1e-4)
-    assert cost.decode_step_time(relay, 1, 4, 40) > cost.decode_step_time(relay, 1, 1, 10)
-    assert cost.optimizer_step_time(relay, 1) == pytest.approx(3e-3)
-    with pytest.raises(KeyError, match="no agent"):
-        cost.prefill_time(ModelSpec(name="other", params=1e5, layers=1, hidden=16,
-                                    kv_heads=2, head_dim=8), 1, 10)
-
-
 @pytest.mark.slow
 def test_profile_local_end_to_end(tmp_path, capsys):
     """Profiles a tiny config, runs it for real in both modes, simulates it, prints the table.
@@ -162,7 +142,7 @@ def test_profile_local_end_to_end(tmp_path, capsys):
     import yaml
 
     from flexmarl.cli.main import main
-    from flexmarl.sim.profile import LocalProfile as Profile
+    from flexmarl.sim.calibration.fits import LocalProfile as Profile
 
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config().model_dump(mode="json")))
@@ -218,7 +198,7 @@ def test_worker_scale_stretches_that_commands_work_in_virtual_time():
 
 
 def test_ipc_one_way_costs():
-    from flexmarl.sim.local_mirror import SimTrainWorker
+    from flexmarl.sim.calibration.mirror import SimTrainWorker
 
     prof = _synthetic_profile()
     w = SimTrainWorker(0, prof, None, None, None)  # type: ignore[arg-type]
@@ -234,7 +214,7 @@ def test_ipc_one_way_costs():
 def test_other_load_is_in_cpus_and_leaves_out_this_process():
     import time as _time
 
-    from flexmarl.sim.profile import OtherLoad
+    from flexmarl.sim.calibration.machine import OtherLoad
 
     with OtherLoad() as load:
         t0 = _time.perf_counter()
@@ -291,7 +271,7 @@ def test_profile_json_round_trips_the_contention_curve(tmp_path):
 
 @pytest.mark.slow
 def test_contention_probe_runs_real_processes():
-    from flexmarl.sim.profile import measure_contention
+    from flexmarl.sim.calibration.machine import measure_contention
 
     cfg = tiny_config()
     curve = measure_contention(cfg, 8, 16, max_procs=2, reps=1, seconds=0.05)

@@ -13,10 +13,10 @@ import pytest
 
 from flexmarl.graph.task import load_task
 from flexmarl.runtime.sim.clock import run_virtual
-from flexmarl.sim.calibrate import series_in_virtual_time
-from flexmarl.sim.local_mirror import CpuShare, run_mirror
-from flexmarl.sim.profile import OtherLoad, _tree_cpu_s, profiled_load
-from tests.sim.test_profile import _synthetic_profile, tiny_config
+from flexmarl.sim.calibration.calibrate import series_in_virtual_time
+from flexmarl.sim.calibration.machine import OtherLoad, _tree_cpu_s, profiled_load
+from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
+from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
 
 LOADED = [1.0, 0.67, 0.42]  # a curve measured next to one CPU's worth of other work, 2 CPUs
 
@@ -133,3 +133,39 @@ def test_the_process_tree_and_other_load_series():
     assert len(load.series) >= 2
     assert all(v >= 0.0 for _, v in load.series)
     assert [t for t, _ in load.series] == sorted(t for t, _ in load.series)
+
+
+def test_resimulate_reruns_the_mirror_on_a_calibrations_measurements(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from flexmarl.sim.calibration.calibrate import resimulate
+
+    cfg = tiny_config()
+    config = tmp_path / "tiny.yaml"
+    # in the config's agent order (the slots and replicas take agents in that order)
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    task = load_task(cfg.task.builder, cfg.task.options)
+    prof = _synthetic_profile()
+    prof.contention = [1.0, 0.9, 0.6]
+    rows = [{"mode": m, "measured_s_per_iteration": 0.1, "measured_steady_s": 0.1,
+             "real_wall_s": 1.0, "external_load": 1.0,
+             "load_series": [[0.5, 0.0], [1.0, 2.0]]} for m in ("sync", "async")]
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({
+        "config": str(config), "iterations": 2, "rows": rows,
+        "profile": str(prof.save(tmp_path / "profile.json"))}))
+    runs = {e: resimulate(calibration, external=e) for e in ("none", "mean", "series")}
+    assert "measured s/it" in capsys.readouterr().out
+    for i, mode in enumerate(("sync", "async")):
+        plain = run_mirror(cfg, task, prof, mode=mode).per_iteration_s
+        loaded = run_mirror(cfg, task, prof, mode=mode, external=1.0,
+                            profiled_external=0.0).per_iteration_s
+        # (the config and profile went through YAML and JSON: equal up to rounding)
+        assert runs["none"][i].simulated_s == pytest.approx(plain, rel=1e-9)
+        assert runs["mean"][i].simulated_s == pytest.approx(loaded, rel=1e-9)
+        assert loaded > plain * 1.01  # one CPU more than profiled
+        assert runs["mean"][i].simulated_unloaded_s == pytest.approx(plain, rel=1e-9)
+        assert runs["mean"][i].error == pytest.approx((loaded - 0.1) / 0.1)
+        assert runs["series"][i].simulated_s > plain * 1.01  # the run's second half loaded

@@ -1,33 +1,20 @@
 """The local runtime in virtual time, with a measured `LocalProfile` as its cost model.
 
-The production `LocalRolloutPool` (with the production `Balancer`) and `LocalTrainPool` (with
-the production `SlotAllocator`) drive simulated worker processes that keep the protocol of
-`runtime.local.workers`:
+The production `LocalRolloutPool` (and `Balancer`) and `LocalTrainPool` (and `SlotAllocator`,
+the supervisor's restart points with `runtime.max_worker_restarts > 0`) drive simulated worker
+processes that keep the protocol of `runtime.local.workers`:
 
-- `SimRolloutWorker` mirrors `rollout_worker_main`: one process hosting every local agent's
-  model, one continuous batch per model (`rollout.max_batch_seqs` sequences, 1 in
-  deterministic mode; `rollout.max_batch_tokens` KV budget); models with work take turns, one
-  `admit` (prefill of the newcomers, by priority) plus one `step` per turn; finished sequences
-  are answered after each turn; weights load only into an idle model (deferred otherwise);
-- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order; `bind`
-  swaps the resident agent out and the new one in (a first binding builds the trainer);
-- with `runtime.max_worker_restarts > 0` the pools keep the supervisor's restart points (a
-  `get_state` after every step, and one per agent before the run), as the local runtime does.
+- `SimRolloutWorker` mirrors `rollout_worker_main`: the shared `ReplicaScheduler` over one
+  `ProfiledEngine` per local agent (the profile's prefill, decode and load costs);
+- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order.
 
 Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
-The orchestrator's own CPU time (`parent_per_request_s` per generate request,
-`parent_per_train_call_s` per training command) is work of a serial parent process. All
-processes' work shares the machine's CPUs (`CpuShare`): each of n busy processes runs at the
-speed the profiler measured for n processes busy at once (`LocalProfile.contention`, real torch
-work in spawned processes, so caches, memory bandwidth and shared cores count), or, for a
-profile without that curve, processor sharing on `profile.machine["cpus"]` cores (on a 2-core
-machine a replica, a training slot and the parent busy at once each run at 2/3 speed). Other
-users' load is in the profiled (median) costs and the curve, as measured; `run_mirror(...,
-external=...)` simulates a run that saw more or less of it than the profile did (`CpuShare`:
-the difference shifts where the curve is read, or speeds up the profiled costs where the run was
-quieter), and may follow a measured series of it in virtual time. The worker layout
-(`runtime.rollout_workers`, `runtime.train_workers`) is the config's. The task is the real one: prompts come from its prompt builders, and outputs are
-tokens drawn from each request's allowed tokens with the profile's lengths.
+The orchestrator's own CPU time (`parent_per_request_s`, `parent_per_train_call_s`) is work of a
+serial parent process. All processes' work shares the machine's CPUs (`CpuShare`: the measured
+contention curve, or processor sharing on `profile.machine["cpus"]` cores), next to other
+users' load as the run saw it (`run_mirror(..., external=...)`). The worker layout is the
+config's; the task is the real one (its prompt builders), and outputs are tokens drawn from
+each request's allowed tokens with the profile's lengths.
 """
 
 from __future__ import annotations
@@ -35,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import pickle
-import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +36,9 @@ from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
-from flexmarl.sim.profile import AgentProfile, LocalProfile, profiled_load
+from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
+from flexmarl.sim.calibration.machine import profiled_load
+from flexmarl.testing.fakes import FakeSlotHost
 
 
 class CpuShare:
@@ -179,9 +166,8 @@ class ParentProcess:
     """The orchestrator's own process: its per-request and per-training-call work, one piece
     at a time, on the shared CPUs."""
 
-    def __init__(self, cpu: CpuShare, profile: LocalProfile) -> None:
+    def __init__(self, cpu: CpuShare) -> None:
         self.cpu = cpu
-        self.profile = profile
         self.lock = asyncio.Lock()
 
     async def work(self, seconds: float) -> None:
@@ -205,10 +191,8 @@ class _Common:
         self.sink = sink
         self.cpu, self.parent = cpu, parent
         self.calls = 0
-        self._pending: set[asyncio.Task] = set()
         self.alive = True
-        self.stopping = False
-        self.outstanding_tokens = 0
+        self.outstanding_tokens = 0  # the balancer's load measure (`LocalRolloutPool`)
 
     def _ipc(self, name: str, **x: float) -> float:
         """One direction of a message. `ipc_generate` round trips carried n requests out and
@@ -228,9 +212,6 @@ class _Common:
                 fut.set_result(value)
 
         asyncio.get_running_loop().call_later(delay, done)
-
-    async def stop(self, timeout: float = 0.0) -> None:
-        self.alive = False
 
 
 @dataclass
@@ -366,11 +347,8 @@ class SimRolloutWorker(_Common):
         self.loads: list[tuple[asyncio.Future, str, int]] = []
         self.wake = asyncio.Event()
         self._outbox: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
+        self._pending: set[asyncio.Task] = set()
         self.task = asyncio.ensure_future(self._run())
-
-    @property
-    def versions(self) -> dict[str, int]:
-        return self.sched.versions
 
     # --- the parent's side (WorkerProxy's interface) -----------------------------------------
     def submit(self, request: GenerationRequest, priority: tuple) -> asyncio.Future:
@@ -396,19 +374,15 @@ class SimRolloutWorker(_Common):
         self.wake.set()
 
     async def call(self, command: str, payload: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if command == "load_weights":
-            agent, version, _ = payload
-            nbytes = self.profile.agents[agent].weights_bytes
-            await asyncio.sleep(self._ipc("ipc_call", bytes=nbytes))
-            self.loads.append((fut, agent, version))
-            self.wake.set()
-            return await fut
-        if command == "stop":
-            self.task.cancel()
-            return None
-        raise ValueError(f"simulated rollout worker: unknown command {command!r}")
+        """`load_weights`, the one command the rollout pool sends a replica."""
+        if command != "load_weights":
+            raise ValueError(f"simulated rollout worker: unknown command {command!r}")
+        agent, version, _ = payload
+        fut = asyncio.get_running_loop().create_future()
+        await asyncio.sleep(self._ipc("ipc_call", bytes=self.profile.agents[agent].weights_bytes))
+        self.loads.append((fut, agent, version))
+        self.wake.set()
+        return await fut
 
     async def stop(self, timeout: float = 0.0) -> None:
         self.alive = False
@@ -460,15 +434,16 @@ class SimRolloutWorker(_Common):
 
 
 class SimTrainWorker(_Common):
-    """One training slot process of the local runtime, in virtual time: one command at a time."""
+    """One training slot process of the local runtime, in virtual time: one command at a time,
+    the slot protocol's results from `testing.fakes.FakeSlotHost` (no models), its work the
+    profile's costs (a first `bind` of an agent builds its trainer, later ones swap it in)."""
 
     def __init__(self, index: int, profile: LocalProfile, sink: Any, cpu: CpuShare,
                  parent: ParentProcess) -> None:
         super().__init__("train", index, profile, sink, cpu, parent)
         self.lock = asyncio.Lock()  # FIFO: the pipe's order
-        self.resident: str | None = None
+        self.host = FakeSlotHost()  # who is resident, versions, results
         self.built: set[str] = set()
-        self.versions: dict[str, int] = defaultdict(int)
 
     def _payload_bytes(self, command: str, payload: Any) -> int:
         if command in ("accumulate",):
@@ -481,8 +456,6 @@ class SimTrainWorker(_Common):
 
     async def call(self, command: str, payload: Any) -> Any:
         loop = asyncio.get_running_loop()
-        if command == "stop":
-            return None
         self.calls += 1
         await self.parent.work(self.profile.parent_per_train_call_s)
         await asyncio.sleep(self._ipc("ipc_call", bytes=self._payload_bytes(command, payload)))
@@ -495,48 +468,33 @@ class SimTrainWorker(_Common):
         return result
 
     def _run(self, command: str, payload: Any) -> tuple[Any, float, int, str]:
+        """The command's result (the slot protocol, kept by `FakeSlotHost`), its profiled CPU
+        seconds, the reply's bytes, and its agent."""
         prof = self.profile.agents
+        agent = payload if isinstance(payload, str) else payload[0]
+        resident = self.host.resident
+        result = self.host.handle(command, payload)
         if command == "bind":
-            agent, incoming = payload
-            cost, out_agent, out_state, reply = 0.0, None, None, 0
-            if self.resident is not None and self.resident != agent:
-                out_agent = self.resident
-                cost += _cost(prof.get(out_agent), "swap_out")
-                out_state = ("host", out_agent)
-                reply = 3 * prof[out_agent].weights_bytes  # weights + two Adam moments
-            timings: dict[str, float] = {}
-            if self.resident != agent:
-                first = incoming is None and agent not in self.built
+            cost, reply = 0.0, 0
+            if resident is not None and resident != agent:
+                cost += _cost(prof.get(resident), "swap_out")
+                reply = 3 * prof[resident].weights_bytes  # weights + two Adam moments
+            if resident != agent:
+                first = payload[1] is None and agent not in self.built
                 cost += _cost(prof.get(agent), "build" if first else "swap_in")
                 self.built.add(agent)
-                timings["swap_in_s"] = 0.0
-            self.resident = agent
-            return (out_agent, out_state, timings), cost, reply, agent
+            return result, cost, reply, agent
         if command == "accumulate":
-            agent, samples = payload
+            samples = payload[1]
             width = max((len(s.prompt) + len(s.response) for s in samples), default=0)
             cost = _cost(prof.get(agent), "accumulate", rows=len(samples),
                          tokens=len(samples) * width) if samples else 0.0
-            return {"rows": float(len(samples))}, cost, 64, agent
-        if command in ("step", "weights"):
-            agent = payload
-            if command == "step":
-                self.versions[agent] += 1
-            marker = {"agent": agent, "version": self.versions[agent]}
-            metrics: dict[str, float] = {}
-            return ((metrics, marker) if command == "step" else marker,
-                    _cost(prof.get(agent), command), prof[agent].weights_bytes, agent)
-        if command == "get_state":
-            agent = payload
-            return (({}, {"version": self.versions[agent]}), _cost(prof.get(agent), "get_state"),
-                    3 * prof[agent].weights_bytes, agent)
-        if command == "set_state":
-            agent, _, meta = payload
-            self.versions[agent] = int(meta.get("version", self.versions[agent]))
-            return self.versions[agent], _cost(prof.get(agent), "swap_in"), 64, agent
-        if command == "save":
-            return str(payload[1]), 0.0, 64, payload[0]
-        raise ValueError(f"simulated training worker: unknown command {command!r}")
+            return result, cost, 64, agent
+        nbytes = prof[agent].weights_bytes
+        fit, reply = {"step": ("step", nbytes), "weights": ("weights", nbytes),
+                      "get_state": ("get_state", 3 * nbytes), "set_state": ("swap_in", 64),
+                      "save": ("", 64)}[command]  # "": no cost
+        return result, _cost(prof.get(agent), fit), reply, agent
 
 
 @dataclass
@@ -546,7 +504,6 @@ class MirrorResult:
     makespan_s: float
     per_iteration_s: float
     steady_per_iteration_s: float
-    real_s: float
     spans: list[Any]
     train_calls: int = 0
 
@@ -573,16 +530,15 @@ def mirror_config(cfg: RunConfig, iterations: int | None = None,
 
 def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
-               virtual: bool = True, cores: float | None = None,
+               cores: float | None = None,
                external: float | Sequence[tuple[float, float]] | None = None,
                profiled_external: float | None = None) -> MirrorResult:
     """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
     profile's CPU count; `external` is the simulated run's other runnable work in CPUs (a
     number, or a series `[(virtual t, cpus), ...]`, see `CpuShare`) next to the
-    `profiled_external` the profile was measured under (default `profile.profiled_load`: its
-    probe, or other users' work during it, whichever is larger); with `external` None the run
-    sees the profile's load, and the profiled costs and curve are used as measured.
-    `virtual=False` runs in real time."""
+    `profiled_external` the profile was measured under (default `machine.profiled_load`: other
+    users' work during the profiling, or an older profile's probe); with `external` None the run
+    sees the profile's load, and the profiled costs and curve are used as measured."""
     from flexmarl.orchestrator.joint import JointOrchestrator
     from flexmarl.runtime.sim.clock import run_virtual
     from flexmarl.telemetry.recorder import Telemetry
@@ -616,7 +572,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                         else profiled_external)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
                        curve=None if cores else profile.contention)
-        parent = ParentProcess(cpu, profile)
+        parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
                                      parent) for i in range(rt.rollout_workers)]
@@ -637,18 +593,16 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                 train.on_lost = never_lost
                 rollout.on_lost = never_lost
                 for agent in trainable:
-                    train.saved_state[agent] = await train.get_state(agent)
+                    await train.keep_restart_point(agent)
             orch = JointOrchestrator(cfg, task, rollout, train, telemetry)
             return await orch.run()
         finally:
             for w in rworkers:
                 await w.stop()
 
-    started = time.perf_counter()
-    records = run_virtual(main()) if virtual else asyncio.run(main())
-    real = time.perf_counter() - started
+    records = run_virtual(main())
     mean, steady = per_iteration(records)
     makespan = float(records[-1]["time_s"]) if records else 0.0
     requests = sum(w.calls for w in workers if w.pool == "rollout")
     train_calls = sum(w.calls for w in workers if w.pool == "train")
-    return MirrorResult(records, requests, makespan, mean, steady, real, spans, train_calls)
+    return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls)

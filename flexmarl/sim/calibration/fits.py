@@ -1,0 +1,138 @@
+"""A machine profile's data: small named linear cost models (`Fit`) and the profile JSON
+(`LocalProfile`) that the profiler writes and the mirror reads."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILE_VERSION = 1
+
+
+# --- fitting ---------------------------------------------------------------------------------
+@dataclass
+class Fit:
+    """time = sum(coef[t] * x[t]) over named terms; the term `1` is the fixed overhead."""
+
+    terms: list[str]
+    coef: dict[str, float]
+    rmse: float = 0.0
+    n: int = 0
+    unit: str = "s"
+
+    def __call__(self, **x: float) -> float:
+        return float(sum(c * (1.0 if t == "1" else float(x.get(t, 0.0)))
+                         for t, c in self.coef.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Fit:
+        return cls(list(d["terms"]), {k: float(v) for k, v in d["coef"].items()},
+                   float(d.get("rmse", 0.0)), int(d.get("n", 0)), d.get("unit", "s"))
+
+
+def fit_linear(terms: Sequence[str], xs: Sequence[Mapping[str, float]],
+               ys: Sequence[float]) -> Fit:
+    """Least squares of ys on the named terms; a term whose coefficient comes out negative is
+    dropped (a cost cannot shrink with more work) and the rest refitted."""
+    if len(xs) != len(ys) or not ys:
+        raise ValueError("fit_linear: need as many measurements as inputs, at least one")
+    y = np.asarray(ys, dtype=float)
+    active = list(terms)
+    while True:
+        a = np.array([[1.0 if t == "1" else float(x[t]) for t in active] for x in xs])
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None) if active else (np.zeros(0),)
+        neg = [t for t, c in zip(active, coef, strict=True) if c < 0]
+        if not neg:
+            break
+        worst = min(zip(active, coef, strict=True), key=lambda tc: tc[1])[0]
+        active.remove(worst)
+    pred = a @ coef if active else np.zeros_like(y)
+    rmse = float(np.sqrt(np.mean((pred - y) ** 2)))
+    out = dict.fromkeys(terms, 0.0)
+    out.update({t: float(c) for t, c in zip(active, coef, strict=True)})
+    return Fit(list(terms), out, rmse, len(ys))
+
+
+def constant(ys: Sequence[float], how: str = "median") -> Fit:
+    """A cost that does not depend on size: the median (or `min`) of its measurements."""
+    ys = list(ys)
+    value = float(min(ys) if how == "min" else statistics.median(ys))
+    return Fit(["1"], {"1": value}, float(np.std(ys)), len(ys))
+
+
+# --- the profile ----------------------------------------------------------------------------
+@dataclass
+class AgentProfile:
+    fits: dict[str, Fit]
+    # measured output lengths of the agent's nodes, and whether its requests had stop tokens
+    output_lengths: list[int] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
+    stops: bool = False
+    weights_bytes: int = 0  # published weights in wire form, pickled
+
+
+@dataclass
+class LocalProfile:
+    config: str
+    torch_threads: int
+    agents: dict[str, AgentProfile]
+    ipc: dict[str, Fit]
+    parent_per_request_s: float = 0.0
+    machine: dict[str, Any] = field(default_factory=dict)
+    measured_s: float = 0.0
+    parent_per_train_call_s: float = 0.0
+    # worker scale: measured cost in the run's own worker processes, in the run's order of
+    # work (agents interleaved, states swapped, payloads over the pipe), over the in-process
+    # fits' prediction; by command (`bind`, `accumulate`, `step`; `rollout`: a replica's turn)
+    worker_scale: dict[str, float] = field(default_factory=dict)
+    # the machine's speed curve (`measure_contention`): contention[k-1] is how fast each of k
+    # busy processes runs, relative to one alone; empty (an older profile): processor sharing,
+    # cores / n
+    contention: list[float] = field(default_factory=list)
+
+    def scale(self, kind: str) -> float:
+        return float(self.worker_scale.get(kind, 1.0))
+
+    def agent(self, name: str) -> AgentProfile:
+        return self.agents[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LocalProfile:
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')!r}, expected {PROFILE_VERSION}")
+        agents = {
+            a: AgentProfile({k: Fit.from_dict(f) for k, f in p["fits"].items()},
+                            [int(v) for v in p.get("output_lengths", [])],
+                            [int(v) for v in p.get("prompt_lengths", [])],
+                            bool(p.get("stops", False)), int(p.get("weights_bytes", 0)))
+            for a, p in d["agents"].items()
+        }
+        return cls(d["config"], int(d["torch_threads"]), agents,
+                   {k: Fit.from_dict(f) for k, f in d["ipc"].items()},
+                   float(d.get("parent_per_request_s", 0.0)), dict(d.get("machine", {})),
+                   float(d.get("measured_s", 0.0)), float(d.get("parent_per_train_call_s", 0.0)),
+                   {k: float(v) for k, v in d.get("worker_scale", {}).items()},
+                   [float(v) for v in d.get("contention", [])])
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LocalProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+

@@ -1,0 +1,641 @@
+"""Measured per-token costs of this machine for one local run config: `flexmarl simulate
+--profile-local CONFIG`.
+
+For every agent's real model, with the real engine and trainer code (`rollout.engine.HFEngine`,
+`training.trainer.AgentTrainer`, `training.host.TrainHost`), in this process and with the
+config's `runtime.torch_threads`, the profiler times:
+
+- `prefill`: `HFEngine.admit` of `seqs` new requests, left-padded to `width` prompt tokens
+  (`tokens` = seqs x width), including the first token's sampling;
+- `decode`: one `HFEngine.step` of a batch of `seqs` sequences whose KV rows are `width` wide
+  (`tokens` = seqs x width), including sampling;
+- `load_weights`: a replica loading published weights (wire form -> tensors -> model);
+- `accumulate`: `AgentTrainer.accumulate` (forward + backward) of `rows` samples padded to a
+  common width (`tokens` = rows x width);
+- `step`: the training worker's `step` command: optimizer step plus the published weights'
+  wire form; `weights`: the wire form alone;
+- `swap_out` / `swap_in` / `get_state`: a training slot changing its resident agent (state
+  capture + wire form; restore into the kept trainer) and the restart point the supervisor keeps;
+
+and, through the real `WorkerProxy` and a spawned echo process speaking the worker protocol,
+the message round trips of the local runtime (`ipc_generate`: a batch of `requests`;
+`ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Finally
+`parent_per_request_s`: the orchestrator's own CPU time per generate request, from running the
+production `JointOrchestrator` against zero-cost pools in real time; `worker_scale`: real
+worker processes given the run's order of work, over the fits' prediction. Before all of it,
+`contention`: how fast each of k processes busy at once runs on this machine (spawned
+processes doing torch work of the config's model sizes, work done counted; see
+`measure_contention`), which the mirror's CPU sharing uses instead of cores / n.
+
+Each quantity is fitted by least squares to a small named linear model (`fits.Fit`: a fixed
+overhead `1` plus per-sequence / per-token terms; negative coefficients are dropped and the fit
+redone). The output lengths are taken from a short real run (one sync iteration of the config
+on the local runtime): a node whose requests have no stop tokens always
+decodes exactly `max_new_tokens`; otherwise the simulator draws from the measured lengths.
+
+The profile is JSON (`fits.LocalProfile.save` / `load`), written next to the run; the machine's
+load and contention measures are in `machine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import pickle
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from flexmarl.runtime.base import NullSink
+from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
+from flexmarl.sim.calibration.machine import (
+    OtherLoad,
+    machine_info,
+    measure_contention,
+    measure_external_load,
+)
+from flexmarl.sim.calibration.mirror import mirror_config
+
+# --- measurement helpers ----------------------------------------------------------------------
+# How repeated timings of one point are summarised: the median is the typical cost at the
+# machine's current load (what a run sees next to the same load); "min" the least-disturbed one.
+STATISTIC = "median"
+
+
+def _stat(xs: Sequence[float]) -> float:
+    return float(min(xs) if STATISTIC == "min" else statistics.median(xs))
+
+
+def _timed(fn: Callable[[], Any], reps: int = 5) -> float:
+    """`_stat` of the wall times of `fn` over `reps` runs (after the caller's warm-up)."""
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return _stat(out)
+
+
+def _grid(upper: int, points: Sequence[int]) -> list[int]:
+    return sorted({max(1, min(upper, p)) for p in points})
+
+
+def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
+                   reps: int = 5) -> dict[str, Fit]:
+    """Prefill and decode of one model through the real continuous batcher."""
+    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.rollout.engine import HFEngine
+
+    engine = HFEngine(model, max_seqs)
+    rng = np.random.default_rng(0)
+    ids = iter(range(1 << 30))
+
+    def requests(n: int, width: int) -> list[GenerationRequest]:
+        return [GenerationRequest(f"p{next(ids)}", "profile", 0,
+                                  rng.integers(3, vocab, size=width).tolist(), 1 << 20)
+                for _ in range(n)]
+
+    seqs_grid = _grid(max_seqs, [1, 4, 16, max_seqs])
+    width_grid = _grid(max_width, [1, max_width // 4, max_width // 2, max_width])
+    engine.admit(requests(2, 2))  # warm-up
+    engine.step()
+    engine.reset()
+    px, py, dx, dy = [], [], [], []
+    for n in seqs_grid:
+        for w in width_grid:
+            times = []
+            for _ in range(reps):
+                batch = requests(n, w)
+                t0 = time.perf_counter()
+                engine.admit(batch)
+                times.append(time.perf_counter() - t0)
+                engine.reset()
+            px.append({"seqs": n, "tokens": n * w})
+            py.append(_stat(times))
+            engine.admit(requests(n, w))
+            engine.step()  # the first step after admission: not a steady one
+            steps = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - t0)
+            dx.append({"seqs": n, "tokens": n * (w + 2 + reps / 2)})
+            dy.append(_stat(steps))
+            engine.reset()
+    return {"prefill": fit_linear(["1", "seqs", "tokens"], px, py),
+            "decode": fit_linear(["1", "seqs", "tokens"], dx, dy)}
+
+
+def _samples(n: int, prompt: int, response: int, vocab: int, version: int, tag: str,
+             allowed: list[int] | None) -> list[Any]:
+    from flexmarl.training.trainer import Sample
+
+    rng = np.random.default_rng(n * 1000 + prompt)
+    pool = allowed or list(range(3, vocab))
+    return [Sample(f"{tag}-{i}", rng.integers(3, vocab, size=prompt).tolist(),
+                   [int(t) for t in rng.choice(pool, size=response)],
+                   [-1.0] * response, float(rng.normal()), allowed, 1.0, version)
+            for i in range(n)]
+
+
+def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
+                    prompt_len: int, response_len: int, allowed: list[int] | None,
+                    reps: int = 5) -> dict[str, Fit]:
+    """accumulate / step / weights / swap / get_state of one agent's real trainer."""
+    from flexmarl.runtime.local.workers import publish_form, state_to_numpy
+    from flexmarl.training import state as st
+    from flexmarl.training.host import TrainHost
+
+    slot = TrainHost(cfg, vocab, max_seq_len)
+    t0 = time.perf_counter()
+    slot.bind(agent, None)
+    build_s = time.perf_counter() - t0
+    trainer = slot.trainers[agent]
+    mb = cfg.train.micro_batch_size
+    rows_grid = _grid(max(mb, 1), [1, 4, mb // 2, mb])
+    scale_grid = sorted({1, 2, 4})
+    ax, ay, steps = [], [], []
+    tag = iter(range(1 << 30))
+    trainer.accumulate(_samples(2, prompt_len, response_len, vocab, trainer.version, "w",
+                                allowed))  # warm-up
+    trainer.step()
+    for rows in rows_grid:
+        for scale in scale_grid:
+            p, r = prompt_len * scale, max(1, response_len * scale)
+            if p + r > max_seq_len:
+                continue
+            times = []
+            for _ in range(reps):
+                batch = _samples(rows, p, r, vocab, trainer.version, f"s{next(tag)}", allowed)
+                t0 = time.perf_counter()
+                trainer.accumulate(batch)
+                times.append(time.perf_counter() - t0)
+            ax.append({"rows": rows, "tokens": rows * (p + r)})
+            ay.append(_stat(times))
+            t0 = time.perf_counter()
+            trainer.step()
+            publish_form(trainer.weights(), agent, trainer.version)
+            steps.append(time.perf_counter() - t0)
+    weights_s = _timed(lambda: publish_form(trainer.weights(), agent, trainer.version), reps)
+    state_s = _timed(lambda: state_to_numpy(trainer.get_state()), reps)
+    # swapping: evicted as `TrainHost.bind` evicts a resident, then bound back on another slot
+    # (restored into the trainer it keeps: the first round builds it, the median leaves that out)
+    outs, ins = [], []
+    spare = TrainHost(cfg, vocab, max_seq_len)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        state = st.swap_out(st.capture(slot.trainers.pop(agent), frozen=False), None, agent)
+        outs.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        spare.bind(agent, state)
+        ins.append(time.perf_counter() - t0)
+        slot, spare = spare, slot
+    return {
+        "accumulate": fit_linear(["1", "rows", "tokens"], ax, ay),
+        "step": constant(steps, STATISTIC),
+        "weights": constant([weights_s]),
+        "get_state": constant([state_s]),
+        "swap_out": constant(outs, STATISTIC),
+        "swap_in": constant(ins, STATISTIC),
+        "build": constant([build_s]),
+    }
+
+
+def profile_load_weights(model: Any, agent: str, reps: int = 5) -> Fit:
+    from flexmarl.policy.model import weights_of
+    from flexmarl.rollout.engine import HFEngine
+    from flexmarl.runtime.local.workers import from_numpy, publish_form
+
+    engine = HFEngine(model, 4)
+    wire = publish_form(weights_of(model), agent, 1)
+    return constant([_timed(lambda: engine.load_weights(from_numpy(wire)), reps)])
+
+
+# --- message round trips through the real WorkerProxy ------------------------------------------
+def echo_worker_main(conn: Any, spec: Any) -> None:
+    """Speaks the local workers' protocol and answers every command at once: generate requests
+    with `max_new_tokens` tokens (the first allowed token), published weights as a blob of
+    `spec` bytes (the real wire form's size), the rest with what a real worker returns."""
+    from flexmarl.policy.sampling import GenerationResult
+
+    blob = bytes(int(spec or 0))
+    conn.send((-1, True, "ready", []))
+    while True:
+        msg_id, command, payload = conn.recv()
+        if command == "stop":
+            conn.send((msg_id, True, None, []))
+            return
+        if command == "generate":
+            replies = []
+            for sub_id, r, _ in payload:
+                tok = (r.allowed_tokens or [5])[0]
+                replies.append((sub_id, True, GenerationResult(
+                    r.sample_id, [tok] * r.max_new_tokens, [-1.0] * r.max_new_tokens, r.version,
+                    admitted_at=time.time())))
+            conn.send((-2, True, replies, []))
+            continue
+        result: Any = 0
+        if command == "bind":
+            result = (None, None, {})
+        elif command == "accumulate":
+            result = {"rows": float(len(payload[1]))} if payload else {}
+        elif command == "step":
+            result = ({}, blob)
+        elif command == "weights":
+            result = blob
+        elif command == "get_state":
+            result = ({}, {"version": 0})
+        conn.send((msg_id, True, result, []))
+
+
+async def _ipc_measure(samples_of: Callable[[int], Any], wire: Any,
+                       reps: int) -> dict[str, Fit]:
+    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.runtime.local.runtime import WorkerProxy
+
+    proxy = WorkerProxy("profile", 0, echo_worker_main, None, NullSink())
+    await proxy.start()
+    try:
+        gx, gy = [], []
+        for n in [1, 4, 16, 64]:
+            times = []
+            for _ in range(reps):
+                reqs = [GenerationRequest(f"e{i}", "a", 0, [3] * 8, 4) for i in range(n)]
+                t0 = time.perf_counter()
+                await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
+                times.append(time.perf_counter() - t0)
+            gx.append({"requests": n})
+            gy.append(_stat(times))
+        cx, cy = [], []
+        payloads = [samples_of(rows) if rows else None for rows in [0, 4, 16, 64]]
+        for command, payload in [("accumulate", p) for p in payloads] + [("load_weights", wire)]:
+            nbytes = len(pickle.dumps(payload))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                await proxy.call(command, payload)
+                times.append(time.perf_counter() - t0)
+            cx.append({"bytes": nbytes})
+            cy.append(_stat(times))
+    finally:
+        await proxy.stop()
+    return {"ipc_generate": fit_linear(["1", "requests"], gx, gy),
+            "ipc_call": fit_linear(["1", "bytes"], cx, cy)}
+
+
+class _Spans(NullSink):
+    """The busy spans a real worker reports: (kind, seconds), the kind being the label's
+    command (`gen`, `load`, `swap`, `acc`, `step`, ...)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, float]] = []
+
+    def span(self, pool: str, worker: int, start: float, end: float, label: str) -> None:
+        self.spans.append((label.split(":")[0], end - start))
+
+    def busy(self) -> float:
+        return sum(d for _, d in self.spans)
+
+
+async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
+                        pool: str = "rollout") -> tuple[Any, _Spans]:
+    """A real worker process of the local runtime (`rollout_worker_main`, or
+    `train_worker_main` for pool "train") hosting `names`, and the sink its spans go to."""
+    from flexmarl.runtime.local.runtime import WorkerProxy
+    from flexmarl.runtime.local.workers import (
+        WorkerSpec,
+        rollout_worker_main,
+        train_worker_main,
+    )
+
+    rt = cfg.runtime
+    spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
+                      rt.deterministic, cfg.rollout.max_batch_seqs,
+                      heartbeat_s=rt.heartbeat_interval_s)
+    sink = _Spans()
+    main = train_worker_main if pool == "train" else rollout_worker_main
+    proxy = WorkerProxy(pool, 0, main, spec, sink)
+    await proxy.start()
+    return proxy, sink
+
+
+def _engine_time(prof: AgentProfile, n: int, prompt: int, out: int) -> float:
+    """What the engine fits predict for `n` requests of `prompt` tokens decoding `out`."""
+    fits = prof.fits
+    return fits["prefill"](seqs=n, tokens=n * prompt) + sum(
+        fits["decode"](seqs=n, tokens=n * (prompt + t + 1)) for t in range(1, out))
+
+
+def _ratio(measured: Sequence[float], predicted: Sequence[float]) -> float:
+    """Measured over predicted, as a median of per-round ratios (1.0 without data)."""
+    ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
+    return _stat(ratios) if ratios else 1.0
+
+
+async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                         allowed: dict[str, list[int] | None], reps: int) -> tuple[Fit, float]:
+    """A real rollout replica process (`rollout_worker_main`, the config's models), timed by
+    the busy spans it reports. First each agent alone, in batches of 1 .. max_batch_seqs
+    requests: its busy time beyond what the engine fits predict is the worker loop's own work
+    (messages, queues, replies), fitted per turn and per request (`replica_overhead`). Then
+    every agent at once, as in a run (the models take turns): its busy time over what the fits
+    predict for the same work (`worker_scale["rollout"]`); the fits were measured one model at
+    a time, in hot loops, and a replica whose models alternate runs slower than that. In both
+    the first round warms the replica up and is left out."""
+    from flexmarl.policy.sampling import GenerationRequest
+
+    proxy, sink = await _start_worker(cfg, vocab, max_len, list(agents))
+    ids = itertools.count()
+    typical = {a: (max(1, round(statistics.median(prof.prompt_lengths or [8]))),
+                   max(1, round(statistics.median(prof.output_lengths or [1]))))
+               for a, prof in agents.items()}
+
+    def batch(agent: str, n: int, rng: np.random.Generator, tag: str) -> list[GenerationRequest]:
+        p, out = typical[agent]
+        return [GenerationRequest(f"{tag}{next(ids)}", agent, 0,
+                                  rng.integers(3, vocab, size=p).tolist(), out,
+                                  allowed.get(agent)) for _ in range(n)]
+
+    async def busy(reqs: list[GenerationRequest]) -> float:
+        sink.spans.clear()
+        await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
+        return sink.busy()
+
+    max_seqs = 1 if cfg.runtime.deterministic else cfg.rollout.max_batch_seqs
+    try:
+        rng = np.random.default_rng(1)
+        xs, ys = [], []
+        for agent, prof in agents.items():
+            for n in _grid(max_seqs, [1, 8, max_seqs]):
+                times = [await busy(batch(agent, n, rng, "r")) for _ in range(reps + 1)]
+                xs.append({"requests": n})
+                ys.append(max(0.0, _stat(times[1:]) - _engine_time(prof, n, *typical[agent])))
+        over = fit_linear(["1", "requests"], xs, ys)
+        rng = np.random.default_rng(2)
+        n = max(1, min(max_seqs, 32))
+        measured, predicted = [], []
+        for rep in range(reps + 1):
+            reqs, expect = [], 0.0
+            for agent, prof in agents.items():
+                out = typical[agent][1]
+                reqs += batch(agent, n, rng, "s")
+                # as the mirror: the engine's work, the loop's at admission and the last turn
+                expect += _engine_time(prof, n, *typical[agent]) + over(requests=n) + (
+                    over(requests=0) if out > 2 else 0.0)
+            took = await busy(reqs)
+            if rep:
+                measured.append(took)
+                predicted.append(expect)
+    finally:
+        await proxy.stop()
+    return over, _ratio(measured, predicted)
+
+
+async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                       allowed: dict[str, list[int] | None], reps: int) -> dict[str, float]:
+    """A real training worker (`train_worker_main`) given the run's commands in the run's
+    order: micro-batches of the trainable agents in turn (each `bind` swaps the resident out
+    and the next agent in when agents share the slot), samples over the pipe, then every
+    agent's `step`. Per command kind, the spans it reports over what the in-process fits
+    (`swap_out` + `swap_in`, `accumulate`, `step`) predict."""
+    trainable = [a for a in agents if cfg.agents[a].trainable]
+    if not trainable:
+        return {}
+    proxy, sink = await _start_worker(cfg, vocab, max_len, trainable, "train")
+    rows = max(1, cfg.train.micro_batch_size)
+    swapped: dict[str, Any] = {}
+    versions = dict.fromkeys(trainable, 0)
+    tags = itertools.count()
+    kinds = {"swap": "bind", "acc": "accumulate", "step": "step"}
+    measured: dict[str, list[float]] = defaultdict(list)
+    predicted: dict[str, list[float]] = defaultdict(list)
+    want: dict[str, float] = defaultdict(float)
+
+    async def bind(agent: str) -> None:
+        out_agent, out_state, _ = await proxy.call("bind", (agent, swapped.pop(agent, None)))
+        if out_agent is not None:
+            swapped[out_agent] = out_state
+        if len(trainable) > 1:
+            want["bind"] += agents[agent].fits["swap_out"]() + agents[agent].fits["swap_in"]()
+
+    try:
+        for rep in range(reps + 1):
+            want.clear()
+            sink.spans.clear()
+            for _ in range(2):  # two micro-batches per agent per round, agents in turn
+                for agent in trainable:
+                    await bind(agent)
+                    p = max(1, round(statistics.mean(agents[agent].prompt_lengths or [8])))
+                    o = max(1, round(statistics.mean(agents[agent].output_lengths or [1])))
+                    batch = _samples(rows, p, o, vocab, versions[agent], f"t{next(tags)}",
+                                     allowed.get(agent))
+                    await proxy.call("accumulate", (agent, batch))
+                    want["accumulate"] += agents[agent].fits["accumulate"](
+                        rows=rows, tokens=rows * (p + o))
+            for agent in trainable:
+                await bind(agent)
+                await proxy.call("step", agent)
+                versions[agent] += 1
+                want["step"] += agents[agent].fits["step"]()
+            if rep:  # the first round builds the trainers
+                got: dict[str, float] = defaultdict(float)
+                for kind, d in sink.spans:
+                    if kind in kinds:
+                        got[kinds[kind]] += d
+                for kind, value in want.items():
+                    measured[kind].append(got[kind])
+                    predicted[kind].append(value)
+    finally:
+        await proxy.stop()
+    return {f"train_{k}": _ratio(measured[k], predicted[k]) for k in measured}
+
+
+# --- lengths from a short real run -----------------------------------------------------------
+def measure_lengths(cfg: Any, task: Any
+                    ) -> tuple[dict[str, list[tuple[int, int, bool]]], dict[str, list[int] | None]]:
+    """One sync iteration of the config on the real local runtime (its worker processes, its
+    weight publication): per agent, (prompt length, output length, has stop tokens) of each
+    request its replicas served, and the request's allowed tokens."""
+    from flexmarl.orchestrator.joint import JointOrchestrator
+    from flexmarl.runtime.local.runtime import LocalRuntime
+    from flexmarl.telemetry.recorder import Telemetry
+
+    one = mirror_config(cfg, 1, "sync")
+    lengths: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
+    allowed: dict[str, list[int] | None] = {}
+
+    async def main() -> None:
+        runtime = LocalRuntime(one, task.vocab_size, task.max_seq_len)
+        generate = runtime.rollout.generate
+
+        async def recorded(request: Any, priority: tuple) -> Any:
+            result = await generate(request, priority)
+            allowed.setdefault(request.agent, request.allowed_tokens)
+            lengths[request.agent].append((len(request.prompt), len(result.tokens),
+                                           bool(request.stop_tokens)))
+            return result
+
+        runtime.rollout.generate = recorded  # type: ignore[method-assign]
+        await runtime.start()
+        try:
+            await JointOrchestrator(one, task, runtime.rollout, runtime.train,
+                                    Telemetry(None)).run()
+        finally:
+            await runtime.stop()
+
+    asyncio.run(main())
+    return dict(lengths), allowed
+
+
+# --- the profiler ----------------------------------------------------------------------------
+def profile_local(cfg: Any, task: Any, *, reps: int = 5,
+                  log: Callable[[str], None] | None = None) -> LocalProfile:
+    """Measure `cfg`'s agents on this machine (see the module docstring)."""
+    import torch
+
+    from flexmarl.policy.model import build_model, weights_of
+    from flexmarl.runtime.local.workers import publish_form
+
+    log = log or (lambda s: None)
+    started = time.perf_counter()
+    log("machine load: other runnable work, in CPUs")
+    external = measure_external_load()
+    during = OtherLoad().start()  # other users' work over the whole profiling
+    log("contention: the speed of each of k busy processes (spawned, torch work)")
+    contention = measure_contention(cfg, task.vocab_size, task.max_seq_len, reps=reps)
+    log("contention: " + ", ".join(f"{k} busy x{v:.2f}" for k, v in enumerate(contention, 1)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    try:
+        vocab, max_len = task.vocab_size, task.max_seq_len
+        models = {a: build_model(a, cfg.agents[a].model, vocab, max_len, cfg.seed)
+                  for a in cfg.agents if cfg.agents[a].backend.kind == "hf"}
+        log(f"lengths: one iteration of {cfg.name} on the local runtime")
+        lengths, allowed = measure_lengths(cfg, task)
+        agents: dict[str, AgentProfile] = {}
+        cache: dict[str, dict[str, Fit]] = {}  # same model config: measured once
+        for agent, model in models.items():
+            acfg = cfg.agents[agent]
+            seen = lengths.get(agent, [])
+            prompts = [p for p, _, _ in seen] or [8]
+            outs = [o for _, o, _ in seen] or [1]
+            key = json.dumps([acfg.model.model_dump(mode="json"), acfg.algorithm.model_dump(
+                mode="json"), acfg.lora.model_dump(mode="json") if acfg.lora else None,
+                round(statistics.mean(prompts)), round(statistics.mean(outs))])
+            if key not in cache:
+                log(f"engine and trainer: {agent}")
+                width = min(max_len, max(8, 2 * max(prompts) + max(outs)))
+                fits = profile_engine(model, cfg.rollout.max_batch_seqs, width, vocab, reps)
+                fits["load_weights"] = profile_load_weights(model, agent, reps)
+                if acfg.trainable:
+                    fits.update(profile_trainer(
+                        cfg, agent, vocab, max_len, max(1, round(statistics.mean(prompts))),
+                        max(1, round(statistics.mean(outs))), allowed.get(agent), reps))
+                cache[key] = fits
+            nbytes = len(pickle.dumps(publish_form(weights_of(model), agent, 1)))
+            agents[agent] = AgentProfile(dict(cache[key]), outs[:2048], prompts[:2048],
+                                         any(s for _, _, s in seen), nbytes)
+        log("message round trips through a spawned worker")
+        first = next(iter(models))
+        p = max(1, round(statistics.mean(agents[first].prompt_lengths or [8])))
+        o = max(1, round(statistics.mean(agents[first].output_lengths or [1])))
+        wire = publish_form(weights_of(models[first]), first, 1)
+        ipc_fits = asyncio.run(_ipc_measure(
+            lambda n: (first, _samples(n, p, o, vocab, 0, "ipc", None)), wire, reps))
+        log("a real rollout replica: the worker loop's own work, then agents interleaved")
+        replica, rollout_scale = asyncio.run(_replica_probe(cfg, vocab, max_len, agents,
+                                                            allowed, reps))
+        for prof in agents.values():
+            prof.fits["replica_overhead"] = replica
+        log("a real training worker: the run's order of work, agents interleaved")
+        scale = {"rollout": rollout_scale}
+        scale.update(asyncio.run(_train_scale(cfg, vocab, max_len, agents, allowed, reps)))
+        log("worker scale: " + ", ".join(f"{k} x{v:.2f}" for k, v in scale.items()))
+        log("orchestrator overhead per request and training call (zero-cost workers, "
+            "real time)")
+        parent_s = asyncio.run(measure_parent_overhead(cfg, task, agents))
+    finally:
+        torch.set_num_threads(threads)
+    during.stop()
+    machine = machine_info()
+    machine["external_load"] = external
+    machine["other_load"] = round(during.cpus, 3)
+    return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
+                        machine, time.perf_counter() - started, parent_s[1], scale, contention)
+
+
+async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]
+                                  ) -> tuple[float, float]:
+    """The parent's own CPU time, which virtual time leaves out: the production orchestrator and
+    pools (`LocalRolloutPool`, `LocalTrainPool`, `WorkerProxy` with its reader and sender
+    threads) run one sync iteration in real time against spawned echo workers that answer at
+    once (`echo_worker_main`). Returns this process's CPU seconds per generate request (the
+    rollout phase) and per training command (the rest); message latency is not in it (the
+    `ipc_*` fits), nor the echo workers' own time."""
+    from flexmarl.orchestrator.joint import JointOrchestrator
+    from flexmarl.rollout.balancer import Balancer
+    from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, WorkerProxy
+    from flexmarl.telemetry.recorder import Telemetry
+
+    rt = cfg.runtime
+    trainable = [a for a in cfg.agents if cfg.agents[a].trainable]
+    nbytes = max((p.weights_bytes for p in agents.values()), default=0)
+    sink = NullSink()
+    rollout_w = [WorkerProxy("rollout", i, echo_worker_main, nbytes, sink)
+                 for i in range(rt.rollout_workers)]
+    train_w = [WorkerProxy("train", i, echo_worker_main, nbytes, sink)
+               for i in range(max(1, min(rt.train_workers, len(trainable))))]
+    counts = {"requests": 0, "calls": 0}
+    for w in train_w:
+        call = w.call
+
+        async def counted(command: str, payload: Any, call: Any = call) -> Any:
+            counts["calls"] += 1
+            return await call(command, payload)
+
+        w.call = counted  # type: ignore[method-assign]
+    await asyncio.gather(*(w.start() for w in rollout_w + train_w))
+    try:
+        best = (float("inf"), float("inf"))
+        one = mirror_config(cfg, 1, "sync")
+        for _ in range(3):  # the quietest of three runs
+            balancer = Balancer(list(cfg.agents), rt.rollout_workers, cfg.rollout.balance)
+            rollout = LocalRolloutPool(rollout_w, balancer)
+            train = LocalTrainPool(train_w)
+            counts.update(requests=0, calls=0)
+            generate = rollout.generate
+
+            async def gen(request: Any, priority: tuple, generate: Any = generate) -> Any:
+                counts["requests"] += 1
+                return await generate(request, priority)
+
+            rollout.generate = gen  # type: ignore[method-assign]
+            marks: list[float] = []
+            end = rollout.end_iteration
+
+            def ended(k: int, stats: Any, end: Any = end, marks: list = marks) -> Any:
+                marks.append(time.process_time())
+                return end(k, stats)
+
+            rollout.end_iteration = ended  # type: ignore[method-assign]
+            orch = JointOrchestrator(one, task, rollout, train, Telemetry(None))
+            # version 0 is published before the rollout: count it with the training calls
+            counts.update(calls=0)
+            t0 = time.process_time()  # this process's CPU time, all its threads
+            await orch.run()
+            t1 = time.process_time()
+            roll_cpu = marks[0] - t0 if marks else 0.0
+            per_request = roll_cpu / max(1, counts["requests"])
+            per_call = max(0.0, t1 - t0 - roll_cpu) / max(1, counts["calls"])
+            if per_request + per_call < sum(best):
+                best = (per_request, per_call)
+    finally:
+        await asyncio.gather(*(w.stop() for w in rollout_w + train_w), return_exceptions=True)
+    return best
+
+
