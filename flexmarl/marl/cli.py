@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
@@ -69,7 +70,14 @@ def train_command(args: argparse.Namespace) -> int:
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                         sort_keys=False))
         if isinstance(trainer, MarlRun):
-            result = trainer.run(out, on_iteration, resume=ckpt)
+            from flexmarl.orchestrator.checkpointing import RunInterrupted
+
+            try:
+                result = trainer.run(out, on_iteration, resume=ckpt)
+            except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
+                progress.stop()
+                print(f"interrupted: {exc}", file=sys.stderr)
+                return 143
         else:
             result = trainer.run(out, on_iteration)
     import json

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from flexmarl.marl.policies import (
 )
 from flexmarl.marl.rollout import RolloutResult
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointError, CheckpointManager
+from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
 
 __all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "train_marl"]
@@ -84,6 +86,9 @@ class MarlRun:
         # the checkpoint being written, and its learner states being read (steps wait)
         self._writing: asyncio.Future | None = None
         self._states_taken: asyncio.Future | None = None
+        self.last_checkpoint: str | None = None
+        self._stop_requests = 0
+        self._stop_after = False  # the boundary's checkpoint is taken: stop
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -94,6 +99,11 @@ class MarlRun:
 
     # --- the schedule's halves ---------------------------------------------------------------
     async def rollout_iteration(self, k: int) -> None:
+        if self._stop_after:  # SIGTERM / Ctrl-C: the boundary's checkpoint, then stop
+            if self._writing is not None:
+                await self._writing
+            raise RunInterrupted(f"stopped after iteration {k - 1}; resume from "
+                                 f"{self.last_checkpoint}", self.last_checkpoint)
         t0 = time.perf_counter()
         self.put_rows(k, await self.runtime.rollout.rollout(k))
         self.rollout_s = time.perf_counter() - t0
@@ -214,11 +224,28 @@ class MarlRun:
                     on_iteration(rec)
                 self._reset_iteration()
                 every = self.cfg.train.checkpoint_every
-                if manager is not None and every is not None and (k + 1) % every == 0:
+                if can_save and (self._stop_requests > 0
+                                 or (every is not None and (k + 1) % every == 0)):
+                    assert manager is not None
                     self._checkpoint(manager, k, records, episodes)
+                    self._stop_after = self._stop_requests > 0
 
             schedule = SyncSchedule(self, self, self.runtime.train, list(self.layouts), finish)
-            await schedule.drive(first, n_iter)
+            drive = asyncio.ensure_future(schedule.drive(first, n_iter))
+            can_save = manager is not None and self.runtime.capture
+            handled = self._handle_signals(drive, can_save)
+            try:
+                await drive
+            except asyncio.CancelledError:
+                if self._stop_requests == 0:
+                    raise
+                raise RunInterrupted("stopped at once (a second stop request, or no "
+                                     "checkpoint to write); resume from "
+                                     f"{self.last_checkpoint}", self.last_checkpoint) from None
+            finally:
+                loop = asyncio.get_running_loop()
+                for signum in handled:
+                    loop.remove_signal_handler(signum)
             if self._writing is not None:
                 await self._writing  # re-raises a failed save
             if out is not None:
@@ -282,10 +309,31 @@ class MarlRun:
                 await previous
             t0 = time.perf_counter()
             path = await asyncio.to_thread(manager.save, k + 1, position, got, [], extra)
+            self.last_checkpoint = str(path)
             telemetry.fault("checkpoint", completed=k + 1, path=str(path),
                             save_s=time.perf_counter() - t0)
 
         self._writing = asyncio.ensure_future(write())
+
+    def _handle_signals(self, drive: asyncio.Future, can_save: bool) -> list[int]:
+        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop (the LLM
+        run's behaviour); a second request, or a run that cannot checkpoint, stops at once."""
+        loop = asyncio.get_running_loop()
+
+        def request_stop() -> None:
+            self._stop_requests += 1
+            self.telemetry.fault("stop_requested", count=self._stop_requests)
+            if self._stop_requests > 1 or not can_save:
+                drive.cancel()
+
+        handled: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, request_stop)
+                handled.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
+        return handled
 
     def run(self, out: Path | None = None, on_iteration=None, iterations: int | None = None,
             resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:

@@ -142,15 +142,24 @@ def test_a_rollout_workers_environment_state_round_trips_exactly() -> None:
 
 # --- checkpoint and resume -------------------------------------------------------------------
 def test_stopped_after_two_iterations_then_resumed_equals_uninterrupted(tmp_path, reference):
+    """Also: the records reach TensorBoard (`logging.backends`), the resumed ones included."""
+    pytest.importorskip("tensorboard")
+    from flexmarl.telemetry.loggers import read_tensorboard
+
+    tb = {"logging.backends": ["jsonl", "tensorboard"]}
     out = tmp_path / "run"
-    first = train_marl(cfg(), out, iterations=2)
+    first = train_marl(cfg(**tb), out, iterations=2)
     assert len(first.records) == 2
     assert (out / "checkpoints" / "LATEST").read_text().strip() == "gen-000002"
     gen = out / "checkpoints" / "gen-000002"
     assert (gen / "extra" / "rollout-0.pkl").is_file()
     assert {p.name for p in (gen / "agents").iterdir()} == {"speaker_0", "listener_0"}
-    resumed = train_marl(cfg(), out, resume=out)
+    resumed = train_marl(cfg(**tb), out, resume=out)
     assert [r["iteration"] for r in resumed.records] == list(range(ITERATIONS))
+    scalars = read_tensorboard(out / "tb")
+    assert scalars["return_mean"] == pytest.approx(
+        {r["iteration"]: r["return_mean"] for r in resumed.records})
+    assert set(scalars["agent/listener_0/loss/value"]) == set(range(ITERATIONS))
     assert events(out, "resumed")[0]["completed"] == 2
     assert [r["iteration"] for r in records_on_disk(out)] == list(range(ITERATIONS))
     assert_same_run(out, resumed.records, resumed.audit, reference)
@@ -165,6 +174,25 @@ def _generation(out: Path) -> int:
         return 0
 
 
+def _cli(config: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flexmarl", "train", str(config),
+                             "--out", str(out), *extra], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def _resume_and_check(config: Path, out: Path, completed: int, reference) -> None:
+    """Resume (a generation every iteration from here: the last one's audit is checked)."""
+    resumed = _cli(config, out, "--resume", str(out), "--set", "train.checkpoint_every=1")
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr
+    assert events(out, "resumed")[0]["completed"] == completed
+    latest = (out / "checkpoints" / "LATEST").read_text().strip()
+    pos = json.loads((out / "checkpoints" / latest / "position.json").read_text())
+    assert pos["completed"] == ITERATIONS
+    assert_same_run(out, records_on_disk(out), pos["audit"], reference)
+
+
 @pytest.mark.slow  # two CLI runs, each starting its worker processes
 def test_sigkill_of_the_driver_then_resume_equals_uninterrupted(tmp_path, reference):
     """A real `flexmarl train` process group SIGKILLed after its second checkpoint (with
@@ -172,14 +200,7 @@ def test_sigkill_of_the_driver_then_resume_equals_uninterrupted(tmp_path, refere
     config = tmp_path / "sl.yaml"
     config.write_text(yaml.safe_dump(raw()))
     out = tmp_path / "run"
-
-    def cli(*extra: str, env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "flexmarl", "train", str(config),
-                                 "--out", str(out), *extra], cwd=ROOT, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-
-    proc = cli(env={"FLEXMARL_CHAOS_SLOW_CHECKPOINT_S": "0.3"})
+    proc = _cli(config, out, env={"FLEXMARL_CHAOS_SLOW_CHECKPOINT_S": "0.3"})
     deadline = time.time() + 300
     while _generation(out) < 2:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
@@ -189,14 +210,27 @@ def test_sigkill_of_the_driver_then_resume_equals_uninterrupted(tmp_path, refere
     proc.wait(timeout=60)
     killed_at = _generation(out)
     assert killed_at < ITERATIONS and not (out / "checkpoints" / "final").exists()
-    resumed = cli("--resume", str(out))
-    _, stderr = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, stderr
-    assert events(out, "resumed")[0]["completed"] == killed_at
-    latest = (out / "checkpoints" / "LATEST").read_text().strip()
-    pos = json.loads((out / "checkpoints" / latest / "position.json").read_text())
-    assert pos["completed"] == ITERATIONS
-    assert_same_run(out, records_on_disk(out), pos["audit"], reference)
+    _resume_and_check(config, out, killed_at, reference)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_at_the_next_boundary_stops_and_resumes(tmp_path, reference):
+    config = tmp_path / "sl.yaml"
+    config.write_text(yaml.safe_dump(raw(**{"train.checkpoint_every": 100})))
+    out = tmp_path / "run"
+    proc = _cli(config, out)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or '"iteration": 0' not in (
+            out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert "interrupted" in stderr and "resume from" in stderr
+    stopped = _generation(out)
+    assert 1 <= stopped < ITERATIONS and events(out, "stop_requested")
+    _resume_and_check(config, out, stopped, reference)
 
 
 # --- the supervisor --------------------------------------------------------------------------
