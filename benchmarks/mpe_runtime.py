@@ -35,8 +35,9 @@ from flexmarl.marl.config import load_marl_config
 from flexmarl.marl.run import train_marl
 def main():
     cfg = load_marl_config(sys.argv[1], json.loads(sys.argv[2]))
+    out = sys.argv[3] if len(sys.argv) > 3 else None
     t0 = time.perf_counter()
-    res = train_marl(cfg, None)
+    res = train_marl(cfg, out)
     wall = time.perf_counter() - t0
     recs = res.records
     tail = recs[-max(1, len(recs) // 10):]
@@ -58,10 +59,12 @@ def export(rev: str, into: Path) -> Path:
     return into
 
 
-def run_one(tree: Path, config: Path, sets: list[str], workdir: Path) -> dict:
+def run_one(tree: Path, config: Path, sets: list[str], workdir: Path,
+            out_dir: Path | None = None) -> dict:
     script = workdir / "child.py"
     script.write_text(CHILD)
-    out = subprocess.run([sys.executable, str(script), str(config), json.dumps(sets)],
+    extra = [str(out_dir)] if out_dir is not None else []
+    out = subprocess.run([sys.executable, str(script), str(config), json.dumps(sets), *extra],
                          cwd=workdir, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -74,7 +77,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scenario", default="speaker_listener", choices=list(EXAMPLES))
     ap.add_argument("--variants", default="before,after,after-2rollout,after-2slots",
-                    help="before | after | after-2rollout | after-2slots")
+                    help="before | after | after-2rollout | after-2slots | after-nosup | "
+                         "after-ckpt")
     args = ap.parse_args()
     config = ROOT / EXAMPLES[args.scenario]
     base = [f"train.env_steps={args.steps}"]
@@ -86,15 +90,23 @@ def main() -> None:
                            [*base, "runtime.rollout_workers=2", "env.num_envs=16"]),
         "after-2slots": ("runtime: 1 rollout worker, 2 training slots", ROOT,
                          [*base, "runtime.train_workers=2"]),
+        # reliability (docs/reliability.md): without the supervisor (no environment state
+        # captured, no restart points kept) vs with it (the default, `after`), and with a
+        # checkpoint generation written every iteration
+        "after-nosup": ("runtime, no supervisor (max_worker_restarts=0)", ROOT,
+                        [*base, "runtime.max_worker_restarts=0"]),
+        "after-ckpt": ("runtime, supervisor + a checkpoint every iteration", ROOT,
+                       [*base, "train.checkpoint_every=1"]),
     }
     chosen = args.variants.split(",")
     results: dict[str, list[dict]] = {v: [] for v in chosen}
     with tempfile.TemporaryDirectory() as tmp:
-        before = export(args.before, Path(tmp) / "before")
+        before = export(args.before, Path(tmp) / "before") if "before" in chosen else ROOT
         for r in range(args.rounds):
             for v in chosen:
                 _, tree, sets = variants[v]
-                res = run_one(tree or before, config, sets, Path(tmp))
+                out_dir = Path(tmp) / f"out-{v}-{r}" if v == "after-ckpt" else None
+                res = run_one(tree or before, config, sets, Path(tmp), out_dir)
                 results[v].append(res)
                 print(f"round {r} {v}: {json.dumps(res)}", flush=True)
     print(f"\n{args.scenario}, {args.steps} env steps per run, {args.rounds} rounds "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import yaml
@@ -24,15 +25,23 @@ def train_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flexmarl.marl.config import load_marl_config
-    from flexmarl.orchestrator.preflight import check_out_dir
+    from flexmarl.marl.config import VdnConfig, load_marl_config
+    from flexmarl.orchestrator.checkpoint import Checkpoint, find_checkpoints
+    from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
 
     cfg = load_marl_config(args.config, args.set)
-    if args.resume:
-        raise ConfigError(f"{args.config}: --resume is not supported for classic MARL runs yet")
-    out = Path(args.out or cfg.out or Path("runs") / cfg.name)
-    check_out_dir(out, "--out" if args.out else "out (the run's output folder)")
-    from flexmarl.marl.config import VdnConfig
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:
+        if isinstance(cfg.algorithm, VdnConfig):
+            raise ConfigError(f"{args.config}: --resume: {cfg.algorithm.name}'s replay loop "
+                              "writes no checkpoints yet (mappo/ippo runs resume)")
+        check_resume_dir(resume)
+    default_out = resume.parent if resume and resume.name == "checkpoints" else resume
+    out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
+    check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
+                                                 "out (the run's output folder)"))
+    # every file of the generation verified against its manifest before any worker starts
+    ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
     from flexmarl.marl.offpolicy import VdnTrainer
     from flexmarl.marl.run import MarlRun
 
@@ -50,7 +59,8 @@ def train_command(args: argparse.Namespace) -> int:
                         TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
                         console=console)
     with progress:
-        bar = progress.add_task("train", total=cfg.iterations, ret=0.0, speed="")
+        bar = progress.add_task("train", total=cfg.iterations, ret=0.0, speed="",
+                                completed=ckpt.completed if ckpt is not None else 0)
 
         def on_iteration(rec: dict) -> None:
             progress.update(bar, advance=1, ret=rec.get("return_mean", 0.0),
@@ -59,7 +69,17 @@ def train_command(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                         sort_keys=False))
-        result = trainer.run(out, on_iteration)
+        if isinstance(trainer, MarlRun):
+            from flexmarl.orchestrator.checkpointing import RunInterrupted
+
+            try:
+                result = trainer.run(out, on_iteration, resume=ckpt)
+            except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
+                progress.stop()
+                print(f"interrupted: {exc}", file=sys.stderr)
+                return 143
+        else:
+            result = trainer.run(out, on_iteration)
     import json
 
     (out / "summary.json").write_text(json.dumps({

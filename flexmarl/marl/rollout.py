@@ -10,6 +10,8 @@ environments `index * num_envs ...`, seeded apart, so sample ids are unique acro
 
 from __future__ import annotations
 
+import io
+import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexmarl.envs.pettingzoo import VecParallelEnv
+from flexmarl.envs.pettingzoo import EnvError, VecParallelEnv
 from flexmarl.marl.config import MappoConfig, MarlRunConfig
 from flexmarl.marl.policies import COMPRESSED, PolicyLayout, build_net, critic_x, pad
 from flexmarl.policy.nets import NetPolicy
@@ -26,6 +28,54 @@ from flexmarl.store.compression import Codec
 from flexmarl.training.algorithms.mappo import ValueNorm
 
 WORKER_SEED_STRIDE = 100_003  # worker i's environments are seeded at seed + i * stride
+
+
+def _new(cls: Any) -> Any:
+    return cls.__new__(cls)
+
+
+def _set_dict(obj: Any, state: dict[str, Any]) -> None:
+    obj.__dict__.update(state)
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles objects by their attributes even where the class pickles itself by its
+    constructor arguments (gymnasium's / PettingZoo's `EzPickle`, which every MPE environment
+    and wrapper uses): what is wanted is the environment's *state* (positions, velocities,
+    step counter, its `np_random`), not a fresh environment of the same kind. Render
+    resources (pygame surfaces, fonts) are not state: they are left out by reference and the
+    live worker's own are put back on load."""
+
+    def __init__(self, buf: io.BytesIO) -> None:
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.external: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj).__module__.startswith("pygame"):
+            self.external.append(obj)
+            return len(self.external) - 1
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) or not hasattr(obj, "_ezpickle_args"):
+            return NotImplemented
+        return _new, (type(obj),), dict(vars(obj)), None, None, _set_dict
+
+
+def dump_state(obj: Any) -> tuple[bytes, list[Any]]:
+    """`obj` pickled by attribute, and the render resources it refers to (in order)."""
+    buf = io.BytesIO()
+    pickler = _StatePickler(buf)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.external
+
+
+def load_state(blob: bytes, external: list[Any]) -> Any:
+    """The inverse of `dump_state`, with `external` the live object's render resources (a
+    structure like the pickled one has them in the same order)."""
+    unpickler = pickle.Unpickler(io.BytesIO(blob))  # noqa: S301 - the run's own state
+    unpickler.persistent_load = lambda pid: external[pid]  # type: ignore[method-assign]
+    return unpickler.load()
 
 
 @dataclass
@@ -46,6 +96,7 @@ class RolloutResult:
     payload_bytes: tuple[int, int]  # observation payloads: raw, as stored
     env_steps: int
     seconds: float
+    state: bytes | None = None  # the worker's state after this iteration (`get_state`)
 
 
 class _Actor:
@@ -81,6 +132,36 @@ class EnvRollout:
                        for name, lay in layouts.items()}
         self.codec = Codec(cfg.store.zstd_level) if cfg.store.compress_obs else None
         self._start_flag = {a: np.ones(E, bool) for a in self.agents}
+
+    def get_state(self) -> bytes:
+        """Everything the next iteration's rollout depends on besides the weights: the
+        environments (pickled by attribute: positions, velocities, step counters, their RNGs),
+        the worker's action sampler, the GRU hidden states and episode-start flags. Restored
+        by `set_state` into a worker of the same config, the next `run` is bit-identical."""
+        hidden = {n: p.hidden for n, p in self.actors.items()}
+        try:
+            blob, _ = dump_state({"index": self.index, "venv": self.venv,
+                                  "gen": self.gen.get_state(), "hidden": hidden,
+                                  "start_flag": self._start_flag})
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise EnvError(
+                f"env.id: the state of {self.cfg.env.id!r} cannot be captured ({exc}), so "
+                "its rollout can be neither checkpointed nor redone after a lost worker; "
+                "set runtime.max_worker_restarts=0 and leave train.checkpoint_every unset"
+            ) from exc
+        return blob
+
+    def set_state(self, blob: bytes) -> None:
+        _, external = dump_state(self.venv)  # this worker's render resources, in order
+        state = load_state(blob, external)
+        if state["index"] != self.index:
+            raise ValueError(f"rollout worker {self.index}: offered the environment state of "
+                             f"worker {state['index']}")
+        self.venv = state["venv"]
+        self.gen.set_state(state["gen"])
+        for name, h in state["hidden"].items():
+            self.actors[name].hidden = h
+        self._start_flag = state["start_flag"]
 
     def load(self, name: str, version: int, weights: dict[str, torch.Tensor]) -> None:
         actor = self.actors[name]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from flexmarl.marl.policies import (
     layouts,
 )
 from flexmarl.marl.rollout import RolloutResult
+from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointError, CheckpointManager
+from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
 
 __all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "train_marl"]
@@ -59,6 +62,7 @@ class MarlResult:
     env_steps: int
     episodes: list[dict[str, Any]] = field(default_factory=list)
     placement: dict[str, Any] = field(default_factory=dict)
+    faults: dict[str, Any] | None = None  # the supervisor's failures and recoveries
 
 
 class MarlRun:
@@ -78,6 +82,13 @@ class MarlRun:
         self.store = ExperienceStore(self.agents)
         self.audit: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)
         self.runtime: Any = None
+        self.telemetry: Any = None
+        # the checkpoint being written, and its learner states being read (steps wait)
+        self._writing: asyncio.Future | None = None
+        self._states_taken: asyncio.Future | None = None
+        self.last_checkpoint: str | None = None
+        self._stop_requests = 0
+        self._stop_after = False  # the boundary's checkpoint is taken: stop
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -88,6 +99,11 @@ class MarlRun:
 
     # --- the schedule's halves ---------------------------------------------------------------
     async def rollout_iteration(self, k: int) -> None:
+        if self._stop_after:  # SIGTERM / Ctrl-C: the boundary's checkpoint, then stop
+            if self._writing is not None:
+                await self._writing
+            raise RunInterrupted(f"stopped after iteration {k - 1}; resume from "
+                                 f"{self.last_checkpoint}", self.last_checkpoint)
         t0 = time.perf_counter()
         self.put_rows(k, await self.runtime.rollout.rollout(k))
         self.rollout_s = time.perf_counter() - t0
@@ -129,6 +145,8 @@ class MarlRun:
     async def train_iteration(self, policy: str, k: int) -> None:
         """Step k of `policy` in its training slot, then version k+1 to the rollout workers."""
         train = self.runtime.train
+        if self._states_taken is not None:  # a checkpoint reads the learners' states first
+            await asyncio.shield(self._states_taken)
         taken = self.take(policy, k)
         # queued together, in order: the pool's runner then holds one slot lease from the
         # first micro-batch to the step (a queue of micro-batches alone does not evict another
@@ -154,24 +172,43 @@ class MarlRun:
             self.metrics_k[f"agent/{policy}/{key}"] = value
 
     # --- the run -----------------------------------------------------------------------------
-    async def _run(self, out: Path | None, on_iteration, n_iter: int) -> MarlResult:
+    async def _run(self, out: Path | None, on_iteration, n_iter: int,
+                   resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
         # imported here: a spawned worker re-imports the parent's main module, and these
         # pull in the LLM stack (transformers), which a worker does not need
         from flexmarl.marl.runtime import MarlRuntime
         from flexmarl.orchestrator.schedules import SyncSchedule
+        from flexmarl.telemetry.loggers import make_loggers
+        from flexmarl.telemetry.recorder import Telemetry
 
-        log = None
+        telemetry = Telemetry(out, loggers=make_loggers(self.cfg, out) if out else None)
         records: list[dict[str, Any]] = []
         episodes: list[dict[str, Any]] = []
-        self.runtime = MarlRuntime(self.cfg, self.layouts)
+        first = 0
+        if resume is not None:  # metrics.jsonl restarts from the checkpoint's records
+            first = resume.completed
+            records += resume.position["records"]
+            episodes += resume.position["episodes"]
+            for policy, trail in resume.position["audit"].items():
+                self.audit[policy] = [(sid, int(v), int(s), int(e)) for sid, v, s, e in trail]
+            for rec in records:
+                telemetry.log(rec)
+            telemetry.fault("resumed", checkpoint=str(resume.path), completed=first)
+        self.runtime = MarlRuntime(self.cfg, self.layouts, telemetry)
+        self.telemetry = telemetry
+        manager = (CheckpointManager(out / "checkpoints", self.cfg.train.keep_checkpoints)
+                   if out is not None else None)
         start = time.perf_counter()
+        status = "failed"
         await self.runtime.start()
         try:
-            for name in self.layouts:  # version 0, from each policy's slot
-                await self.runtime.rollout.publish(name, 0, await self.runtime.train.weights(name))
-            if out is not None:
-                out.mkdir(parents=True, exist_ok=True)
-                log = (out / "metrics.jsonl").open("w")
+            if resume is not None:
+                await self._restore(resume)
+            for name in self.layouts:  # version `first`, from each policy's slot
+                await self.runtime.rollout.publish(name, first,
+                                                   await self.runtime.train.weights(name))
+            if on_runtime is not None:
+                on_runtime(self.runtime)
             t_iter = time.perf_counter()
 
             def finish(k: int) -> None:
@@ -182,31 +219,126 @@ class MarlRun:
                 episodes.extend({"iteration": k, "env_steps": rec["env_steps"], **e}
                                 for e in self.episodes_k)
                 records.append(rec)
-                if log is not None:
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
+                telemetry.log(rec)
                 if on_iteration is not None:
                     on_iteration(rec)
                 self._reset_iteration()
+                every = self.cfg.train.checkpoint_every
+                if can_save and (self._stop_requests > 0
+                                 or (every is not None and (k + 1) % every == 0)):
+                    assert manager is not None
+                    self._checkpoint(manager, k, records, episodes)
+                    self._stop_after = self._stop_requests > 0
 
             schedule = SyncSchedule(self, self, self.runtime.train, list(self.layouts), finish)
-            await schedule.drive(0, n_iter)
+            drive = asyncio.ensure_future(schedule.drive(first, n_iter))
+            can_save = manager is not None and self.runtime.capture
+            handled = self._handle_signals(drive, can_save)
+            try:
+                await drive
+            except asyncio.CancelledError:
+                if self._stop_requests == 0:
+                    raise
+                raise RunInterrupted("stopped at once (a second stop request, or no "
+                                     "checkpoint to write); resume from "
+                                     f"{self.last_checkpoint}", self.last_checkpoint) from None
+            finally:
+                loop = asyncio.get_running_loop()
+                for signum in handled:
+                    loop.remove_signal_handler(signum)
+            if self._writing is not None:
+                await self._writing  # re-raises a failed save
             if out is not None:
                 for name in self.layouts:
                     await self.runtime.train.save(name, str(out / "checkpoints" / "final" / name))
             placement = self.runtime.placement()
+            faults = self.runtime.fault_counts()
+            status = "completed"
         finally:
-            if log is not None:
-                log.close()
+            if self._writing is not None and not self._writing.done():
+                self._writing.cancel()
             await self.runtime.stop()
+            if out is not None:
+                telemetry.write_trace(out / "trace.json")
+            telemetry.close(status)
         return MarlResult(out, records, dict(self.audit), self.store.stats(),
                           time.perf_counter() - start, n_iter * self.num_envs
-                          * self.cfg.train.rollout_steps, episodes, placement)
+                          * self.cfg.train.rollout_steps, episodes, placement, faults)
 
-    def run(self, out: Path | None = None, on_iteration=None,
-            iterations: int | None = None) -> MarlResult:
+    async def _restore(self, ckpt: Checkpoint) -> None:
+        """Resume: each policy's learner and each rollout worker's environments as the
+        checkpoint holds them (the states after iteration `completed - 1`)."""
+        missing = sorted(set(self.layouts) - set(ckpt.trainer_states))
+        if missing or sorted(ckpt.trainer_states) != sorted(self.layouts):
+            raise CheckpointError(f"resume {ckpt.path}: the checkpoint has policies "
+                                  f"{sorted(ckpt.trainer_states)}, the config has "
+                                  f"{sorted(self.layouts)} (policy.share_parameters?)")
+        n = int(ckpt.position["rollout_workers"])
+        if n != self.cfg.runtime.rollout_workers:
+            raise CheckpointError(f"resume {ckpt.path}: the checkpoint holds the environments "
+                                  f"of {n} rollout workers; set runtime.rollout_workers={n}")
+        for name in self.layouts:
+            await self.runtime.train.set_state(name, ckpt.trainer_states[name])
+        await self.runtime.rollout.restore([ckpt.extra[f"rollout-{i}.pkl"] for i in range(n)])
+
+    def _checkpoint(self, manager: CheckpointManager, k: int, records: list[dict[str, Any]],
+                    episodes: list[dict[str, Any]]) -> None:
+        """A generation after iteration k: the position and the environment states (each
+        worker's, as its rollout k left them) now, the learners' states before any may step
+        again (`train_iteration` waits for them), the files in a thread meanwhile."""
+        position = {"completed": k + 1, "records": list(records), "episodes": list(episodes),
+                    "audit": {p: [list(t) for t in trail] for p, trail in self.audit.items()},
+                    "seed": self.cfg.seed, "policies": list(self.layouts),
+                    "rollout_workers": self.cfg.runtime.rollout_workers}
+        extra = {}
+        for i, blob in enumerate(self.runtime.rollout.env_state):
+            assert blob is not None  # captured: checkpoint_every is set
+            extra[f"rollout-{i}.pkl"] = blob
+        train, telemetry, previous = self.runtime.train, self.telemetry, self._writing
+        names = list(self.layouts)
+        states = asyncio.ensure_future(asyncio.gather(*(train.get_state(n) for n in names)))
+        self._states_taken = states
+
+        async def write() -> None:
+            got = dict(zip(names, await states, strict=True))
+            for name, (_, meta) in got.items():
+                if int(meta["version"]) != k + 1:
+                    raise RuntimeError(f"checkpoint after iteration {k}: the learner of "
+                                       f"{name!r} is at version {meta['version']}")
+            if previous is not None:  # generations are written one after another
+                await previous
+            t0 = time.perf_counter()
+            path = await asyncio.to_thread(manager.save, k + 1, position, got, [], extra)
+            self.last_checkpoint = str(path)
+            telemetry.fault("checkpoint", completed=k + 1, path=str(path),
+                            save_s=time.perf_counter() - t0)
+
+        self._writing = asyncio.ensure_future(write())
+
+    def _handle_signals(self, drive: asyncio.Future, can_save: bool) -> list[int]:
+        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop (the LLM
+        run's behaviour); a second request, or a run that cannot checkpoint, stops at once."""
+        loop = asyncio.get_running_loop()
+
+        def request_stop() -> None:
+            self._stop_requests += 1
+            self.telemetry.fault("stop_requested", count=self._stop_requests)
+            if self._stop_requests > 1 or not can_save:
+                drive.cancel()
+
+        handled: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, request_stop)
+                handled.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
+        return handled
+
+    def run(self, out: Path | None = None, on_iteration=None, iterations: int | None = None,
+            resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
         n_iter = iterations if iterations is not None else self.cfg.iterations
-        return asyncio.run(self._run(out, on_iteration, n_iter))
+        return asyncio.run(self._run(out, on_iteration, n_iter, resume, on_runtime))
 
     def _record(self, k: int, t0: float, t2: float, start: float) -> dict[str, Any]:
         n = self.num_envs * self.cfg.train.rollout_steps
@@ -236,21 +368,28 @@ class MarlRun:
 
 
 def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=None,
-               iterations: int | None = None) -> MarlResult:
-    """Train a classic MARL run; writes metrics.jsonl, config.yaml, checkpoints under `out`."""
+               iterations: int | None = None, resume: str | Path | None = None,
+               on_runtime=None) -> MarlResult:
+    """Train a classic MARL run; writes metrics.jsonl, config.yaml, checkpoints under `out`.
+    With `resume` (a run folder or its checkpoints/), continue from its LATEST generation.
+    `on_runtime(runtime)` is called once the workers run (fault tests)."""
+    from flexmarl.orchestrator.checkpoint import find_checkpoints
+
     run = MarlRun(cfg)
     out_path = Path(out) if out is not None else None
+    ckpt = find_checkpoints(resume).load() if resume is not None else None
     if out_path is not None:
         import yaml
 
         out_path.mkdir(parents=True, exist_ok=True)
         (out_path / "config.yaml").write_text(
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    result = run.run(out_path, on_iteration, iterations)
+    result = run.run(out_path, on_iteration, iterations, ckpt, on_runtime)
     if out_path is not None:
         (out_path / "summary.json").write_text(json.dumps({
             "status": "completed", "iterations": len(result.records),
             "env_steps": result.env_steps, "wall_s": result.wall_s,
             "final_return_mean": result.records[-1].get("return_mean")
-            if result.records else None, "placement": result.placement}, indent=2))
+            if result.records else None, "placement": result.placement,
+            "faults": result.faults}, indent=2))
     return result

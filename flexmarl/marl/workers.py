@@ -15,15 +15,19 @@ from flexmarl.runtime.local.workers import WorkerSpec
 
 @dataclass
 class MarlWorkerSpec(WorkerSpec):
-    """`WorkerSpec` (threads, heartbeats, swap folder) plus the run's policies and this
-    worker's index (which environments it owns)."""
+    """`WorkerSpec` (threads, heartbeats, swap folder) plus the run's policies, this
+    worker's index (which environments it owns) and whether each rollout returns the
+    environment state it leaves (for checkpoints and for redoing an iteration on a restarted
+    worker)."""
 
     layouts: dict[str, PolicyLayout] = field(default_factory=dict)
     index: int = 0
+    capture_state: bool = False
 
 
 def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
-    """A rollout worker: `load_weights` (policy, version, wire) and `rollout` (k)."""
+    """A rollout worker: `load_weights` (policy, version, wire), `rollout` (k), and
+    `get_state` / `set_state` (its environments' state, `EnvRollout.get_state`)."""
     from flexmarl.marl.config import MarlRunConfig
     from flexmarl.marl.rollout import EnvRollout
     from flexmarl.runtime.local.workers import _error, _setup_torch, from_numpy, start_heartbeat
@@ -47,7 +51,14 @@ def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
                 label = f"load:{name}"
             elif command == "rollout":
                 result = env.run(payload)
+                if spec.capture_state:  # the state iteration k+1 starts from
+                    result.state = env.get_state()
                 label = f"rollout:{payload}"
+            elif command == "get_state":
+                result, label = env.get_state(), "get_state"
+            elif command == "set_state":
+                env.set_state(payload)
+                result, label = None, "set_state"
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send((msg_id, True, result, [(t0, time.time(), label)]))

@@ -9,6 +9,8 @@ Layout of OUT/checkpoints/:
         store.msgpack       the experience store's rows not yet trained on, with their status
         agents/<a>/model.safetensors, config.json   weights (reloadable by transformers)
         agents/<a>/state.safetensors, trainer.json  optimizer moments, step counts, RNG states
+        extra/<name>            opaque files of a driver (classic MARL: each rollout worker's
+                                environment state), checked by the manifest like the rest
 
 A generation is written to a `.tmp-*` folder, every file fsynced, the folder renamed into place,
 then LATEST is replaced by `os.replace`: a crash at any point leaves the previous generation
@@ -22,7 +24,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ class Checkpoint:
     position: dict[str, Any]
     trainer_states: dict[str, TrainerState]
     rows: list[dict[str, Any]]
+    extra: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def completed(self) -> int:
@@ -106,8 +109,9 @@ class CheckpointManager:
         position: dict[str, Any],
         trainer_states: dict[str, TrainerState],
         rows: list[dict[str, Any]],
+        extra: dict[str, bytes] | None = None,
     ) -> Path:
-        """Write generation `completed` and publish it; on any OSError (full disk, permissions)
+        """Write generation `completed` (and the `extra` files) and publish it; on any OSError (full disk, permissions)
         the partial folder is removed, LATEST is untouched and a CheckpointError says so."""
         name = f"gen-{completed:06d}"
         final = self.root / name
@@ -135,6 +139,8 @@ class CheckpointManager:
                 _write_bytes(adir / "trainer.json", json.dumps(
                     {k: v for k, v in meta.items() if k != "hf_config"}).encode())
                 _slow_down()
+            for extra_name, data in (extra or {}).items():
+                _write_bytes(tmp / "extra" / extra_name, data)
             _write_bytes(tmp / "store.msgpack", msgpack.packb(rows, use_bin_type=True))
             _write_bytes(tmp / "position.json", json.dumps(position).encode())
             _slow_down()
@@ -221,7 +227,10 @@ class CheckpointManager:
             arrays.update(load_file(str(adir / "state.safetensors")))
             meta = json.loads((adir / "trainer.json").read_text())
             states[adir.name] = (arrays, meta)
-        return Checkpoint(path, position, states, rows)
+        extra_dir = path / "extra"
+        extra = {f.name: f.read_bytes() for f in sorted(extra_dir.iterdir())} \
+            if extra_dir.is_dir() else {}
+        return Checkpoint(path, position, states, rows, extra)
 
 
 def find_checkpoints(directory: str | Path) -> CheckpointManager:

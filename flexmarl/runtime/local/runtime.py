@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from flexmarl.config.schema import RunConfig
 from flexmarl.planning.planner import Plan
@@ -442,6 +442,24 @@ class LocalRuntime(Runtime):
         }
 
 
+class SupervisedRuntime(Protocol):
+    """What `Supervisor` uses of a runtime: `LocalRuntime`, and the classic MARL runtime
+    (`marl/runtime.py`), whose rollout workers step environments instead of serving
+    requests. `cfg.runtime` has the heartbeat and restart fields."""
+
+    cfg: Any
+    sink: RuntimeSink
+    rollout_workers: list[WorkerProxy]
+    train_workers: list[WorkerProxy]
+    trainable: list[str]
+
+    @property
+    def rollout(self) -> Any: ...  # `latest` (agent -> (version, weights)), `on_lost`
+
+    @property
+    def train(self) -> LocalTrainPool: ...
+
+
 class Supervisor:
     """Liveness and recovery of the local runtime's worker processes.
 
@@ -454,7 +472,7 @@ class Supervisor:
     event in metrics.jsonl and the trace, with the recovery time.
     """
 
-    def __init__(self, runtime: LocalRuntime) -> None:
+    def __init__(self, runtime: SupervisedRuntime) -> None:
         self.rt = runtime
         self.cfg = runtime.cfg.runtime
         self.restarts = 0
@@ -575,12 +593,18 @@ class Supervisor:
             await self._changed.wait()
 
     async def _wait_train(self, index: int) -> None:
+        await self.wait_worker("train", index)
+
+    async def wait_worker(self, pool: str, index: int) -> None:
+        """Return once worker `index` of `pool` runs again (restarted and restored), or raise
+        when it cannot be restarted."""
+        workers = self.rt.rollout_workers if pool == "rollout" else self.rt.train_workers
         while True:
             if self._fatal is not None:
                 raise WorkerError(self._fatal)
-            if self.rt.train_workers[index].alive:
+            if workers[index].alive:
                 return
-            task = self._tasks.get(("train", index))
+            task = self._tasks.get((pool, index))
             if task is not None and not task.done():
                 await asyncio.shield(task)
                 continue
