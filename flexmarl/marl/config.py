@@ -141,6 +141,7 @@ class MarlRuntimeConfig(Strict):
     # restarts of lost workers (0: a lost worker fails the run)
     heartbeat_interval_s: float = Field(2.0, gt=0)
     heartbeat_misses: int = Field(3, gt=0)
+    progress_timeout_s: float | None = Field(None, gt=0)  # a stuck compute thread (off)
     max_worker_restarts: int = Field(10, ge=0)
 
 

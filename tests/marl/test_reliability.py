@@ -287,3 +287,18 @@ def test_without_restarts_a_killed_worker_fails_the_run(tmp_path):
     with pytest.raises(WorkerLost, match="rollout worker 0 lost"):
         train_marl(cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None}),
                    tmp_path / "run", on_runtime=_kill_during("rollout", "rollout", 0, {}))
+
+
+def test_the_marl_runtime_config_has_every_field_the_supervisor_reads():
+    """The local `Supervisor` watches MARL workers with `cfg.runtime` untyped: a field it reads
+    and the MARL schema lacks would end its monitor task silently."""
+    import inspect
+    import re
+
+    from flexmarl.marl.config import MarlRuntimeConfig
+    from flexmarl.runtime.local.runtime import Supervisor
+
+    source = inspect.getsource(Supervisor)
+    read = set(re.findall(r"self\.cfg\.([a-z_]+)", source))
+    assert read, "the supervisor reads its fields from self.cfg"
+    assert read <= set(MarlRuntimeConfig.model_fields), read - set(MarlRuntimeConfig.model_fields)

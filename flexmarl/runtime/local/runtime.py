@@ -445,7 +445,8 @@ class LocalRuntime(Runtime):
 class SupervisedRuntime(Protocol):
     """What `Supervisor` uses of a runtime: `LocalRuntime`, and the classic MARL runtime
     (`marl/runtime.py`), whose rollout workers step environments instead of serving
-    requests. `cfg.runtime` has the heartbeat and restart fields."""
+    requests. `cfg.runtime` has the heartbeat, progress and restart fields
+    (`heartbeat_interval_s`, `heartbeat_misses`, `progress_timeout_s`, `max_worker_restarts`)."""
 
     cfg: Any
     sink: RuntimeSink
