@@ -2,7 +2,7 @@
 
     python benchmarks/mpe.py [--steps 200000 | --steps spread=100000,speaker_listener=150000]
                              [--scenarios spread,speaker_listener,reference]
-                             [--algos mappo,ippo] [--part ppo|vdn|all|print]
+                             [--algos mappo,ippo] [--part ppo|vdn|scripted|all|print]
                              [--vdn-steps 60000] [--mixers vdn,qmix] [--out docs/marl]
                              [--seed 0]
 
@@ -15,8 +15,13 @@ Prints three tables:
    vs one environment at a time, and of each whole training run;
 3. VDN and QMIX on simple_spread with the prioritized, age-weighted replay table vs uniform
    replay, at the same number of env steps;
-4. published numbers, and why they are not comparable where they are not.
-Writes `OUT/results.json` (part ppo), `OUT/results_{vdn,qmix}.json` (part vdn), one
+4. published numbers, and why they are not comparable where they are not;
+5. (part scripted) hand-written spread controllers that know the dynamics, as a calibration of
+   what return and landmark coverage mpe2's spread allows: each agent steered to a landmark
+   (the assignment of least total distance, or simply its nearest landmark) by the discrete
+   action whose coasting stop point lands closest to it.
+Writes `OUT/results.json` (part ppo), `OUT/results_{vdn,qmix}.json` (part vdn),
+`OUT/results_scripted.json` (part scripted), one
 learning-curve PNG per scenario (`OUT/<scenario>.png`, `OUT/spread_{vdn,qmix}.png`); `--part print` only prints
 the tables from those files. The parts can run as two processes.
 """
@@ -24,6 +29,7 @@ the tables from those files. The parts can run as two processes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -66,6 +72,45 @@ def random_floor(cfg: MarlRunConfig, episodes: int, seed: int) -> dict[str, floa
     for key in got[0].metrics:
         out[key] = float(np.mean([e.metrics[key] for e in got]))
     return out
+
+
+def scripted_spread(episodes: int, seed: int, assign: str) -> dict[str, float]:
+    """A controller that knows mpe2's dynamics (p += v dt, then v = 0.75 v + 5 u dt, dt 0.1):
+    each agent takes the discrete action whose stop point (where it would coast to with no-op
+    actions afterwards) is nearest its landmark. `assign`: "optimal" (the permutation of least
+    total distance at the start) or "nearest" (each agent its own nearest landmark; agents
+    may pick the same one and collide). Returns per-agent return and landmarks covered."""
+    from mpe2 import simple_spread_v3
+
+    force = np.array([[0, 0], [-1, 0], [1, 0], [0, -1], [0, 1]], float) * 5.0
+    env = simple_spread_v3.parallel_env(N=3, max_cycles=25, local_ratio=0.5)
+    rets, covered = [], []
+    for ep in range(episodes):
+        env.reset(seed=seed + ep)
+        world = env.unwrapped.world
+        agents, marks = world.agents, world.landmarks
+        dist = np.array([[np.linalg.norm(a.state.p_pos - m.state.p_pos) for m in marks]
+                         for a in agents])
+        if assign == "optimal":
+            target = list(min(itertools.permutations(range(len(marks))),
+                              key=lambda perm: sum(dist[i, j] for i, j in enumerate(perm))))
+        else:
+            target = list(dist.argmin(1))
+        ret = 0.0
+        while env.agents:
+            acts = {}
+            for i, name in enumerate(env.agents):
+                a, goal = agents[i], marks[target[i]].state.p_pos
+                p1 = a.state.p_pos + a.state.p_vel * 0.1
+                stop = [p1 + (0.75 * a.state.p_vel + f * 0.1) * 0.3 for f in force]
+                acts[name] = int(np.argmin([np.linalg.norm(x - goal) for x in stop]))
+            _, rew, _, _, _ = env.step(acts)
+            ret += float(np.mean(list(rew.values())))
+        rets.append(ret)
+        covered.append(sum(min(np.linalg.norm(a.state.p_pos - m.state.p_pos) for a in agents)
+                           < 0.1 for m in marks))
+    return {"return": float(np.mean(rets)), "landmarks_covered": float(np.mean(covered)),
+            "episodes": episodes}
 
 
 def tail_mean(records: list[dict], key: str) -> float:
@@ -127,7 +172,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default="200000",
                     help="env steps per training run: N, or scenario=N,... per scenario")
-    ap.add_argument("--part", choices=["ppo", "vdn", "all", "print"], default="all")
+    ap.add_argument("--part", choices=["ppo", "vdn", "scripted", "all", "print"],
+                    default="all")
     ap.add_argument("--vdn-steps", type=int, default=60_000)
     ap.add_argument("--mixers", default="vdn,qmix", help="replay learners of part vdn")
     ap.add_argument("--scenarios", default="spread,speaker_listener,reference")
@@ -149,6 +195,10 @@ def main() -> None:
         run_vdn(args.vdn_steps, args.seed, out, args.mixers.split(","))
     if args.part in ("ppo", "all"):
         run_ppo(scenarios, algos, budget, args, out)
+    if args.part in ("scripted", "all"):
+        res = {k: scripted_spread(args.random_episodes, args.seed, k)
+               for k in ("optimal", "nearest")}
+        (out / "results_scripted.json").write_text(json.dumps(res, indent=1))
     print_all(out)
 
 
@@ -218,6 +268,17 @@ def print_all(out: Path) -> None:
     if (out / "results.json").exists():
         results = json.loads((out / "results.json").read_text())
         print_tables(results, results["algos"])
+    if (out / "results_scripted.json").exists():
+        res = json.loads((out / "results_scripted.json").read_text())
+        print("\n## Scripted spread controllers (a calibration, not a learner): mean episode "
+              "return per agent, landmarks covered at the end (within 0.1)\n")
+        print("| controller | episodes | return | landmarks covered |")
+        print("|---|---|---|---|")
+        for k, r in res.items():
+            label = {"optimal": "each agent to its landmark of the least-distance assignment",
+                     "nearest": "each agent to its own nearest landmark"}[k]
+            print(f"| {label} | {r['episodes']} | {r['return']:.2f} | "
+                  f"{r['landmarks_covered']:.3f} |")
     files = [out / f"results_{m}.json" for m in ("vdn", "qmix")]
     vals = [json.loads(f.read_text()) for f in files if f.exists()]
     if vals:

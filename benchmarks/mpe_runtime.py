@@ -25,6 +25,8 @@ import tempfile
 from io import BytesIO
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"speaker_listener": "examples/mpe_speaker_listener.yaml",
             "spread": "examples/mpe_spread.yaml"}
@@ -82,12 +84,13 @@ def main() -> None:
     args = ap.parse_args()
     config = ROOT / EXAMPLES[args.scenario]
     base = [f"train.env_steps={args.steps}"]
+    half = max(1, yaml.safe_load(config.read_text())["env"]["num_envs"] // 2)
     variants = {
         "before": ("in-process driver (before)", None, base),
         "after": ("runtime: 1 rollout worker, 1 training slot", ROOT, base),
         # the same env steps per iteration, split over two worker processes
-        "after-2rollout": ("runtime: 2 rollout workers x 16 envs, 1 slot", ROOT,
-                           [*base, "runtime.rollout_workers=2", "env.num_envs=16"]),
+        "after-2rollout": (f"runtime: 2 rollout workers x {half} envs, 1 slot", ROOT,
+                           [*base, "runtime.rollout_workers=2", f"env.num_envs={half}"]),
         "after-2slots": ("runtime: 1 rollout worker, 2 training slots", ROOT,
                          [*base, "runtime.train_workers=2"]),
         # reliability (docs/reliability.md): without the supervisor (no environment state

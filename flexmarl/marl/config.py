@@ -34,6 +34,10 @@ class NetworkConfig(Strict):
     hidden: list[int] = [64, 64]
     activation: Literal["tanh", "relu"] = "relu"
     gru_hidden: int = Field(64, gt=0)
+    # the on-policy MAPPO code's MLP: LayerNorm on the input and after each hidden layer
+    # ("use_feature_normalization"), orthogonal init with the activation's gain
+    layer_norm: bool = False
+    orthogonal: bool = False
 
 
 class PolicyConfig(Strict):

@@ -99,7 +99,8 @@ def build_net(cfg: MarlRunConfig, layout: PolicyLayout) -> NetPolicy:
     """The policy's network with its initial weights: the same in every process (seeded by
     the run's seed and the policy's index)."""
     n = cfg.policy.network
-    net = NetConfigView(n.kind, list(n.hidden), n.activation, n.gru_hidden)
+    net = NetConfigView(n.kind, list(n.hidden), n.activation, n.gru_hidden,
+                         n.layer_norm, n.orthogonal)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed * 1009 + layout.index)
         return NetPolicy(list(layout.agents), layout.obs_dim, layout.critic_dim, layout.spec,

@@ -55,11 +55,20 @@ class RunningMeanStd(nn.Module):
         return out.clamp(-self.clip, self.clip)
 
 
-def mlp(in_dim: int, hidden: list[int], activation: str) -> tuple[nn.Sequential, int]:
+def mlp(in_dim: int, hidden: list[int], activation: str, layer_norm: bool = False,
+        orthogonal: bool = False) -> tuple[nn.Sequential, int]:
+    """Linear + activation layers. `layer_norm`: the on-policy MAPPO code's MLPBase (a
+    LayerNorm on the input, "feature normalisation", and one after each activation);
+    `orthogonal`: its weight init (orthogonal, the activation's gain, zero bias)."""
     act = {"tanh": nn.Tanh, "relu": nn.ReLU}[activation]
-    layers: list[nn.Module] = []
+    gain = {"tanh": 5.0 / 3, "relu": 2.0**0.5}[activation]  # torch's calculate_gain
+    layers: list[nn.Module] = [nn.LayerNorm(in_dim)] if layer_norm else []
     for h in hidden:
-        layers += [nn.Linear(in_dim, h), act()]
+        lin = nn.Linear(in_dim, h)
+        if orthogonal:
+            nn.init.orthogonal_(lin.weight, gain=gain)
+            nn.init.zeros_(lin.bias)
+        layers += [lin, act()] + ([nn.LayerNorm(h)] if layer_norm else [])
         in_dim = h
     return nn.Sequential(*layers), in_dim
 
@@ -111,6 +120,8 @@ class NetConfigView:
     hidden: list[int]
     activation: str
     gru_hidden: int
+    layer_norm: bool = False
+    orthogonal: bool = False
 
 
 class Actor(nn.Module):
@@ -120,7 +131,8 @@ class Actor(nn.Module):
     def __init__(self, in_dim: int, spec: ActionSpec, net: NetConfigView) -> None:
         super().__init__()
         self.spec, self.kind = spec, net.kind
-        self.trunk, out_dim = mlp(in_dim, net.hidden, net.activation)
+        self.trunk, out_dim = mlp(in_dim, net.hidden, net.activation, net.layer_norm,
+                                  net.orthogonal)
         self.hidden_size = net.gru_hidden if net.kind == "gru" else 0
         if net.kind == "gru":
             self.gru = nn.GRUCell(out_dim, net.gru_hidden)
@@ -160,8 +172,12 @@ class Actor(nn.Module):
 class Critic(nn.Module):
     def __init__(self, in_dim: int, net: NetConfigView) -> None:
         super().__init__()
-        self.trunk, out_dim = mlp(in_dim, net.hidden, net.activation)
+        self.trunk, out_dim = mlp(in_dim, net.hidden, net.activation, net.layer_norm,
+                                  net.orthogonal)
         self.head = nn.Linear(out_dim, 1)
+        if net.orthogonal:
+            nn.init.orthogonal_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.trunk(x)).squeeze(-1)

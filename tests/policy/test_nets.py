@@ -88,3 +88,23 @@ def test_parameter_sharing_appends_agent_id() -> None:
     assert x.shape == (2, 7) and x[0, 4:].tolist() == [1, 0, 0] and x[1, 4:].tolist() == [0, 0, 1]
     solo = NetPolicy(["a"], 4, 6, ActionSpec("discrete", nvec=(5,)), MLP, True)
     assert solo.actor_input(torch.zeros(2, 4), torch.tensor([0, 0])).shape == (2, 4)
+
+
+def test_layer_norm_and_orthogonal_init_follow_the_on_policy_mlp() -> None:
+    """`layer_norm`: an input LayerNorm makes the actor blind to a common shift and scale of its
+    input vector (the on-policy code's feature normalisation); `orthogonal`: hidden weights
+    with orthonormal rows times the ReLU gain."""
+    torch.manual_seed(0)
+    spec = ActionSpec("discrete", nvec=(5,))
+    ln = Actor(6, spec, NetConfigView("mlp", [4, 4], "relu", 8, layer_norm=True,
+                                      orthogonal=True))
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(ln.sequence(x, None, torch.zeros(3, dtype=torch.bool)),
+                               ln.sequence(3.0 * x - 2.0, None, torch.zeros(3, dtype=torch.bool)))
+    plain = Actor(6, spec, NetConfigView("mlp", [4, 4], "relu", 8))
+    assert not torch.allclose(plain.sequence(x, None, torch.zeros(3, dtype=torch.bool)),
+                              plain.sequence(3.0 * x - 2.0, None,
+                                             torch.zeros(3, dtype=torch.bool)))
+    w = ln.trunk[1].weight  # [LayerNorm, Linear, ReLU, LayerNorm, ...]
+    torch.testing.assert_close(w @ w.T, 2.0 * torch.eye(4), atol=1e-5, rtol=0)
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in ln.trunk) == 3
