@@ -172,7 +172,8 @@ class WorkerProxy:
             raise WorkerLost(f"{self.pool} worker {self.index} is not running{why}")
         assert self._loop is not None
         msg_id = next(self._ids)
-        if not self.outstanding():  # idle until now: the wait for an answer starts here
+        if not self._futures:  # idle until now: the wait for an answer starts here (O(1):
+            # answered futures are popped; this runs for every request)
             self.last_progress = time.monotonic()
         fut = self._loop.create_future()
         self._futures[msg_id] = fut
