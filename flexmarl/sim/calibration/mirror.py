@@ -38,7 +38,7 @@ from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
-from flexmarl.testing.fakes import FakeSlotHost
+from flexmarl.training.digest_host import DigestSlotHost
 
 
 class CpuShare:
@@ -435,14 +435,14 @@ class SimRolloutWorker(_Common):
 
 class SimTrainWorker(_Common):
     """One training slot process of the local runtime, in virtual time: one command at a time,
-    the slot protocol's results from `testing.fakes.FakeSlotHost` (no models), its work the
-    profile's costs (a first `bind` of an agent builds its trainer, later ones swap it in)."""
+    the slot protocol's results from `training.digest_host.DigestSlotHost` (no models), its work
+    the profile's costs (a first `bind` of an agent builds its trainer, later ones swap it in)."""
 
     def __init__(self, index: int, profile: LocalProfile, sink: Any, cpu: CpuShare,
                  parent: ParentProcess) -> None:
         super().__init__("train", index, profile, sink, cpu, parent)
         self.lock = asyncio.Lock()  # FIFO: the pipe's order
-        self.host = FakeSlotHost()  # who is resident, versions, results
+        self.host = DigestSlotHost()  # who is resident, versions, results
         self.built: set[str] = set()
 
     def _payload_bytes(self, command: str, payload: Any) -> int:
@@ -468,7 +468,7 @@ class SimTrainWorker(_Common):
         return result
 
     def _run(self, command: str, payload: Any) -> tuple[Any, float, int, str]:
-        """The command's result (the slot protocol, kept by `FakeSlotHost`), its profiled CPU
+        """The command's result (the slot protocol, kept by `DigestSlotHost`), its profiled CPU
         seconds, the reply's bytes, and its agent."""
         prof = self.profile.agents
         agent = payload if isinstance(payload, str) else payload[0]

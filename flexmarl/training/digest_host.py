@@ -1,0 +1,88 @@
+"""A training slot without models: `TrainHost`'s slot protocol over digest states.
+
+The calibration mirror (`sim.calibration.mirror`) prices a run's training commands from a
+profile and needs only the protocol's bookkeeping (who is resident, versions, pending
+micro-batches, what a swap carries); the orchestrator's tests use the same host through
+`testing.fakes`. A "weight" here is a digest of everything trained into it, in order, so two
+runs that trained the same rows in the same micro-batches end with the same digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from flexmarl.runtime.base import WorkerError
+
+
+def digest(*parts: Any) -> str:
+    """A stable hex digest of `repr` of the parts (the fakes' weights and sampling keys)."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def weights_of(d: str) -> dict[str, np.ndarray]:
+    """The fake weights of a digest: what `publish` and checkpoints carry."""
+    return {"digest": np.frombuffer(bytes.fromhex(d), dtype=np.uint8).copy()}
+
+
+def digest_of(weights: dict[str, np.ndarray]) -> str:
+    return bytes(np.asarray(weights["digest"], dtype=np.uint8)).hex()
+
+
+
+class DigestSlotHost:
+    """One training slot without models: the slot protocol of `training.host.TrainHost`
+    (bind, accumulate, step, weights, save, get_state, set_state) over digest states, with
+    the same rule that only the resident agent takes commands. A state is
+    `(weights digest, version, pending micro-batch digests)`."""
+
+    def __init__(self) -> None:
+        self.resident: str | None = None
+        self.states: dict[str, tuple[str, int, list[str]]] = {}
+        self.builds: dict[str, int] = defaultdict(int)  # initial states made, per agent
+        self.commands: list[tuple[str, str]] = []  # (command, agent), in order
+
+    def _state(self, agent: str) -> tuple[str, int, list[str]]:
+        if agent != self.resident:
+            raise WorkerError(f"agent {agent!r} is not resident on this model-free slot "
+                              f"(resident: {self.resident})")
+        return self.states[agent]
+
+    def handle(self, command: str, payload: Any) -> Any:
+        agent = payload if isinstance(payload, str) else payload[0]
+        self.commands.append((command, agent))
+        if command == "bind":
+            _, incoming = payload
+            out_agent, out_state = None, None
+            if self.resident is not None and self.resident != agent:
+                out_agent, out_state = self.resident, ("host", self.states.pop(self.resident))
+            if incoming is not None:
+                self.states[agent] = incoming[1]
+            elif agent not in self.states:
+                self.builds[agent] += 1
+                self.states[agent] = (digest("init", agent), 0, [])
+            self.resident = agent
+            return out_agent, out_state, {"swap_in_s": 0.0}
+        weights, version, pending = self._state(agent)
+        if command == "accumulate":
+            rows = payload[1]
+            self.states[agent] = (weights, version, [*pending, digest([s.sample_id
+                                                                      for s in rows])])
+            return {"rows": float(len(rows))}
+        if command == "step":
+            self.states[agent] = (digest(weights, pending), version + 1, [])
+            return {"micro_batches": float(len(pending))}, weights_of(self.states[agent][0])
+        if command == "weights":
+            return weights_of(weights)
+        if command == "save":
+            return f"{payload[1]}/{agent}"
+        if command == "get_state":
+            return weights_of(weights), {"version": version, "pending": list(pending)}
+        if command == "set_state":
+            _, arrays, meta = payload
+            self.states[agent] = (digest_of(arrays), int(meta["version"]), list(meta["pending"]))
+            return int(meta["version"])
+        raise WorkerError(f"model-free slot: unknown command {command!r}")
