@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--scenario", default="speaker_listener", choices=list(EXAMPLES))
     ap.add_argument("--variants", default="before,after,after-2rollout,after-2slots",
                     help="before | after | after-2rollout | after-2slots | after-nosup | "
-                         "after-ckpt")
+                         "after-ckpt | ray")
     args = ap.parse_args()
     config = ROOT / EXAMPLES[args.scenario]
     base = [f"train.env_steps={args.steps}"]
@@ -100,6 +100,10 @@ def main() -> None:
                         [*base, "runtime.max_worker_restarts=0"]),
         "after-ckpt": ("runtime, supervisor + a checkpoint every iteration", ROOT,
                        [*base, "train.checkpoint_every=1"]),
+        # the same workers as Ray actors, on a cluster started for the run (its start is in
+        # the whole-run figure, not in the steady state)
+        "ray": ("ray runtime: 1 rollout actor, 1 slot actor (cluster started for the run)",
+                ROOT, [*base, "runtime.kind=ray"]),
     }
     chosen = args.variants.split(",")
     results: dict[str, list[dict]] = {v: [] for v in chosen}

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from flexmarl.config.schema import (
     ConfigError,
     LoggingConfig,
+    RayConfig,
     Strict,
     _format_errors,
     apply_overrides,
@@ -133,7 +134,12 @@ class MarlStoreConfig(Strict):
 
 
 class MarlRuntimeConfig(Strict):
-    kind: Literal["local"] = "local"
+    # local: worker processes on this machine; ray: the same workers as Ray actors (one
+    # placement-group bundle each, `ray.rollout_bundle` / `train_bundle`), on the cluster at
+    # `address` or on one started for the run
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None
+    ray: RayConfig = RayConfig()
     torch_threads: int = Field(1, gt=0)  # per worker process
     # MAPPO/IPPO: worker processes of the local runtime. Each rollout worker steps its own
     # `env.num_envs` environments; policies share `train_workers` training slots (swapped
@@ -191,13 +197,16 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
         text = "\n".join(lines)
         if any(e["loc"][:1] == ("runtime",) and e["type"] == "literal_error"
                for e in exc.errors()):
-            text += "\n  (classic MARL runs on the local runtime only, so far)"
+            text += "\n  (classic MARL runs on the local and ray runtimes, not the simulator)"
         raise ConfigError(text) from None
     if isinstance(cfg.algorithm, VdnConfig) and (cfg.runtime.rollout_workers != 1
                                                  or cfg.runtime.train_workers != 1):
         raise ConfigError(f"{source}: runtime.rollout_workers / train_workers: "
                           f"{cfg.algorithm.name} runs its replay loop in one process; leave "
                           "them at 1")
+    if isinstance(cfg.algorithm, VdnConfig) and cfg.runtime.kind != "local":
+        raise ConfigError(f"{source}: runtime.kind: {cfg.algorithm.name}'s replay loop runs in "
+                          "one process on the local runtime (mappo/ippo run on ray too)")
     if isinstance(cfg.algorithm, VdnConfig) and cfg.train.checkpoint_every is not None:
         raise ConfigError(f"{source}: train.checkpoint_every: {cfg.algorithm.name}'s replay "
                           "loop writes no checkpoints yet (mappo/ippo do); unset it")

@@ -252,13 +252,18 @@ def weights_form(learner: PolicyLearner, audit: Audit | None = None) -> Any:
     return st.to_wire(st.TrainingState(learner.weights(), meta))
 
 
+def slot_host(spec: Any) -> MarlSlot:
+    """A training slot's host from its `MarlWorkerSpec` (a process's or a Ray actor's)."""
+    from flexmarl.marl.config import MarlRunConfig
+
+    return MarlSlot(MarlRunConfig.model_validate(spec.config), spec.layouts, spec.swap_dir)
+
+
 def marl_train_worker_main(conn: Connection, spec: Any) -> None:
     """A training slot process for network policies (`MarlWorkerSpec`): the shared slot loop
     (`serve_slot`) over a `MarlSlot`."""
-    from flexmarl.marl.config import MarlRunConfig
     from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
-    cfg = MarlRunConfig.model_validate(spec.config)
-    serve_slot(conn, MarlSlot(cfg, spec.layouts, spec.swap_dir).handle)
+    serve_slot(conn, slot_host(spec).handle)

@@ -194,7 +194,12 @@ class MarlRun:
             for rec in records:
                 telemetry.log(rec)
             telemetry.fault("resumed", checkpoint=str(resume.path), completed=first)
-        self.runtime = MarlRuntime(self.cfg, self.layouts, telemetry)
+        if self.cfg.runtime.kind == "ray":
+            from flexmarl.marl.ray_runtime import MarlRayRuntime
+
+            self.runtime = MarlRayRuntime(self.cfg, self.layouts, telemetry)
+        else:
+            self.runtime = MarlRuntime(self.cfg, self.layouts, telemetry)
         self.telemetry = telemetry
         manager = (CheckpointManager(out / "checkpoints", self.cfg.train.keep_checkpoints)
                    if out is not None else None)

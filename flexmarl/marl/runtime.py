@@ -151,17 +151,23 @@ class MarlRuntime(Runtime):
                                   swap_dir=swap_dir, layouts=layouts, index=i,
                                   capture_state=capture)
 
-        self.rollout_workers = [WorkerProxy("rollout", i, marl_rollout_worker_main, spec(i),
-                                            self.sink)
-                                for i in range(rt.rollout_workers)]
         n_train = max(1, min(rt.train_workers, len(layouts)))
-        self.train_workers = [WorkerProxy("train", i, marl_train_worker_main, spec(i),
-                                          self.sink)
-                              for i in range(n_train)]
+        self.sizes = {"rollout": rt.rollout_workers, "train": n_train}
+        self.rollout_workers: list[Any] = [
+            self._worker("rollout", i, marl_rollout_worker_main, spec(i))
+            for i in range(rt.rollout_workers)]
+        self.train_workers: list[Any] = [
+            self._worker("train", i, marl_train_worker_main, spec(i)) for i in range(n_train)]
         self.rollout: MarlRolloutPool = MarlRolloutPool(self.rollout_workers)
         self.train: LocalTrainPool = LocalTrainPool(self.train_workers)
         self.capture = capture
         self.supervisor = Supervisor(self) if supervised else None
+
+    def _worker(self, pool: str, index: int, main: Callable[..., None],
+                spec: MarlWorkerSpec) -> Any:
+        """Worker `index` of `pool`: here a local process running `main`; the Ray runtime
+        (`marl.ray_runtime`) hosts the same command host in an actor instead."""
+        return WorkerProxy(pool, index, main, spec, self.sink)
 
     async def start(self) -> None:
         try:
@@ -196,6 +202,7 @@ class MarlRuntime(Runtime):
 
     def placement(self) -> dict[str, Any]:
         return {
+            "runtime": self.cfg.runtime.kind,
             "rollout": [{"worker": w.index, "pid": w.process.pid} for w in self.rollout_workers],
             "train": [{"worker": w.index, "pid": w.process.pid,
                        "policies": [a for a, i in self.train.binding.items() if i == w.index]}

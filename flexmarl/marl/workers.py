@@ -4,7 +4,6 @@ pull in transformers, seconds of start-up per worker for nothing)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -25,42 +24,50 @@ class MarlWorkerSpec(WorkerSpec):
     capture_state: bool = False
 
 
+class RolloutHost:
+    """A rollout worker's commands over its environments (`EnvRollout`): `load_weights`
+    (policy, version, wire), `rollout` (k), and `get_state` / `set_state` (its environments'
+    state). The same host is served by a local worker process (`marl_rollout_worker_main`)
+    and by a Ray actor (`runtime.ray.proxy.HostActor`)."""
+
+    def __init__(self, spec: MarlWorkerSpec) -> None:
+        from flexmarl.marl.config import MarlRunConfig
+        from flexmarl.marl.rollout import EnvRollout
+
+        cfg = MarlRunConfig.model_validate(spec.config)
+        self.env = EnvRollout(cfg, spec.layouts, spec.index)  # spaces were checked in the driver
+        self.capture_state = spec.capture_state
+
+    def handle(self, command: str, payload: Any) -> tuple[Any, str]:
+        """One command -> (result, span label)."""
+        from flexmarl.runtime.local.workers import from_numpy
+
+        if command == "load_weights":
+            name, version, weights = payload
+            self.env.load(name, version, from_numpy(weights))
+            return version, f"load:{name}"
+        if command == "rollout":
+            result = self.env.run(payload)
+            if self.capture_state:  # the state iteration k+1 starts from
+                result.state = self.env.get_state()
+            return result, f"rollout:{payload}"
+        if command == "get_state":
+            return self.env.get_state(), "get_state"
+        if command == "set_state":
+            self.env.set_state(payload)
+            return None, "set_state"
+        raise ValueError(f"unknown command {command!r}")
+
+
+def rollout_host(spec: MarlWorkerSpec) -> RolloutHost:
+    return RolloutHost(spec)
+
+
 def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
-    """A rollout worker: `load_weights` (policy, version, wire), `rollout` (k), and
-    `get_state` / `set_state` (its environments' state, `EnvRollout.get_state`)."""
-    from flexmarl.marl.config import MarlRunConfig
-    from flexmarl.marl.rollout import EnvRollout
-    from flexmarl.runtime.local.workers import _error, _setup_torch, from_numpy, start_heartbeat
+    """A rollout worker process: the shared command loop (`serve_slot`) over a
+    `RolloutHost`."""
+    from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
-    cfg = MarlRunConfig.model_validate(spec.config)
-    env = EnvRollout(cfg, spec.layouts, spec.index)  # spaces were checked in the driver
-    conn.send((-1, True, "ready", []))
-    while True:
-        msg_id, command, payload = conn.recv()
-        t0 = time.time()
-        try:
-            if command == "stop":
-                conn.send((msg_id, True, None, []))
-                return
-            if command == "load_weights":
-                name, version, weights = payload
-                env.load(name, version, from_numpy(weights))
-                result: Any = version
-                label = f"load:{name}"
-            elif command == "rollout":
-                result = env.run(payload)
-                if spec.capture_state:  # the state iteration k+1 starts from
-                    result.state = env.get_state()
-                label = f"rollout:{payload}"
-            elif command == "get_state":
-                result, label = env.get_state(), "get_state"
-            elif command == "set_state":
-                env.set_state(payload)
-                result, label = None, "set_state"
-            else:
-                raise ValueError(f"unknown command {command!r}")
-            conn.send((msg_id, True, result, [(t0, time.time(), label)]))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
-            conn.send((msg_id, False, _error(exc), []))
+    serve_slot(conn, RolloutHost(spec).handle, pool="rollout")

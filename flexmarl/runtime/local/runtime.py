@@ -78,6 +78,12 @@ class WorkerProxy:
         self.lost_in_flight = 0
         self.on_death: Callable[[WorkerProxy], None] | None = None
 
+    def fresh(self) -> WorkerProxy:
+        """A new worker in this one's place (the supervisor's restart), not started yet."""
+        new = WorkerProxy(self.pool, self.index, self.target, self.spec, self.sink)
+        new.memory_hint = self.memory_hint
+        return new
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
@@ -554,8 +560,7 @@ class Supervisor:
                 self._changed.set()
                 return
             self.restarts += 1
-            new = WorkerProxy(old.pool, old.index, old.target, old.spec, old.sink)
-            new.memory_hint = old.memory_hint
+            new = old.fresh()
             try:
                 await new.start()
                 if old.pool == "rollout":

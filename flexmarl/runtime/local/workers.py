@@ -293,10 +293,12 @@ def chaos_stall(pool: str, command: str) -> None:
         time.sleep(3600)
 
 
-def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]]) -> None:
-    """The training-slot process loop shared by every slot kind (LLM `TrainHost`, classic
-    MARL `MarlSlot`): say ready, then run each command through `handle` -> (result, span
-    label) and answer it, until `stop`. A failing command is answered with its error."""
+def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]],
+               pool: str = "train") -> None:
+    """The command loop of a worker process that answers one command at a time (every
+    training slot kind: LLM `TrainHost`, classic MARL `MarlSlot`; the classic MARL rollout
+    worker): say ready, then run each command through `handle` -> (result, span label) and
+    answer it, until `stop`. A failing command is answered with its error."""
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()
@@ -305,7 +307,7 @@ def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]]) 
             if command == "stop":
                 conn.send((msg_id, True, None, []))
                 return
-            chaos_stall("train", command)
+            chaos_stall(pool, command)
             result, label = handle(command, payload)
             conn.send((msg_id, True, result, [(t0, time.time(), label)]))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
