@@ -18,6 +18,7 @@ from flexmarl.bench.engine_overhead import (
     print_step_table,
     print_tail_table,
     requests,
+    use_cpu_clock,
 )
 
 if __name__ == "__main__":
@@ -26,6 +27,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="the tiny model only")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    use_cpu_clock()  # this process's CPU time: a shared machine disturbs it less than wall time
+    print("times: this process's CPU time, one torch thread; medians of alternating rounds")
     shapes = {"tiny": dict(hidden=64, layers=12, vocab=512),
               "medium": dict(hidden=512, layers=8, vocab=8192, inter=1376)}
     for name, shape in shapes.items():

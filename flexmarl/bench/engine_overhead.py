@@ -9,7 +9,8 @@ and queue the next step). On a CPU with a tiny model (compute negligible) the sa
   `nonzero`, boolean indexing, `.cpu()`, `.tolist()`, `.numpy()` (each a sync on a GPU);
 - host->device copies issued by FlexMARL's own code (`.to(device)`, `torch.tensor(...,
   device=)`: a blocking `.to(cuda)` from pageable memory synchronises the stream too);
-- host wall time per step.
+- host time per step: wall time (`perf_counter`), or with `use_cpu_clock()` this process's
+  CPU time, which other processes on a shared CPU disturb far less (with one torch thread).
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ _SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select",
 _FREE_OPS = {"aten.detach", "aten.lift_fresh", "aten.empty", "aten.empty_strided",
              "aten._local_scalar_dense"}
 _PKG = str(Path(__file__).resolve().parent.parent)  # flexmarl/
+CLOCK: Callable[[], float] = time.perf_counter
+
+
+def use_cpu_clock() -> None:
+    """Time with this process's CPU time (a CPU-only run on a shared machine)."""
+    global CLOCK
+    CLOCK = time.process_time
 
 
 @dataclass
@@ -234,13 +242,13 @@ def decode_step_costs(model: Any, batch: int, vocab: int, steps: int = 16, round
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             _sync(model)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             runs[name](base[name])
             _sync(model)
-            t1 = time.perf_counter()
+            t1 = CLOCK()
             runs[name](base[name] + steps)
             _sync(model)
-            t2 = time.perf_counter()
+            t2 = CLOCK()
             times[name].append(((t2 - t1) - (t1 - t0)) / steps)
     out: dict[str, dict[str, Any]] = {}
     for name, (lo, hi) in counts.items():
@@ -275,13 +283,14 @@ def long_tail_costs(model: Any, reqs: list[Any], max_seqs: int, rounds: int = 3,
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             _sync(model)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             runs[name]()
             _sync(model)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     for name in runs:
-        out[name]["s"] = statistics.median(times[name])
-        out[name]["tok_s"] = useful / out[name]["s"]
+        if times[name]:  # rounds=0: counts only
+            out[name]["s"] = statistics.median(times[name])
+            out[name]["tok_s"] = useful / out[name]["s"]
     return out
 
 
@@ -300,6 +309,12 @@ def print_step_table(title: str, costs: dict[str, dict[str, Any]]) -> None:
 
 def print_tail_table(title: str, costs: dict[str, dict[str, float]]) -> None:
     print(title)
+    if "s" not in costs["generate"]:  # counts only
+        print(f"{'':<12}{'steps':>7}{'ops/step':>10}{'syncs/step':>12}{'H2D/step':>10}")
+        for who, c in costs.items():
+            print(f"{who:<12}{c['steps']:>7.0f}{c['ops']:>10.1f}{c['syncs']:>12.2f}"
+                  f"{c['h2d']:>10.2f}")
+        return
     print(f"{'':<12}{'steps':>7}{'s':>8}{'useful tok/s':>14}{'ops/step':>10}{'syncs/step':>12}"
           f"{'H2D/step':>10}")
     for who, c in costs.items():
