@@ -142,6 +142,23 @@ def bench_rollout(device: torch.device, small: bool, vocab: int) -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=20))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     e, g = min(times["engine"]), min(times["generate"])
+    # what a step costs the host, counted (CPU proxies of launch and sync costs; see
+    # flexmarl/bench/engine_overhead.py): aten ops ~ kernel launches, device->host reads
+    # (each a sync), blocking host->device copies issued by FlexMARL
+    from flexmarl.bench.engine_overhead import (
+        decode_step_costs,
+        long_tail_costs,
+        print_step_table,
+        print_tail_table,
+    )
+
+    step = decode_step_costs(model, max_seqs, vocab, steps=8, rounds=1)
+    print_step_table(f"decode step, {max_seqs} sequences (host us: one round, difference of "
+                     "two runs)", step)
+    sub = full[:max(16, n // 3)]
+    tail = long_tail_costs(model, sub, max_seqs, rounds=0)
+    print_tail_table(f"per decode step over {len(sub)} of the requests (prefills, "
+                     "retirements included)", tail)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, "
           f"{n} requests, outputs {min(lens)}..{max(lens)} tokens (mean {np.mean(lens):.0f}), "
           f"{max_seqs} sequences at a time")
@@ -150,7 +167,10 @@ def bench_rollout(device: torch.device, small: bool, vocab: int) -> None:
     print(f"{'model.generate':<22}{g:>8.2f}{useful / g:>14.0f}")
     print(f"engine / generate: {g / e:.2f}x  (target >= 2x)")
     RESULTS["rollout"] = {"engine_tps": useful / e, "generate_tps": useful / g,
-                          "speedup": g / e, "requests": n, "max_seqs": max_seqs}
+                          "speedup": g / e, "requests": n, "max_seqs": max_seqs,
+                          "decode_step": {k: {m: v for m, v in c.items() if m != "by_sync"}
+                                          for k, c in step.items()},
+                          "per_step": tail}
 
 
 # --- 2. trainer vs plain loop ---------------------------------------------------------------

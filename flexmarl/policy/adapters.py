@@ -199,6 +199,14 @@ class StackedLoRA:
         self.only = slots[0] if len(set(slots)) == 1 else None
         self.rows = torch.tensor(slots, dtype=torch.long, device=device)
 
+    def use_rows(self, rows: torch.Tensor | None, only: int | None) -> None:
+        """`rows`: the slot of each row, already on the device (an engine keeps it with its
+        batch, so a decode step copies nothing from the host); `only`: their one slot, if
+        they share it."""
+        if rows is None:
+            raise RuntimeError("a stacked-LoRA forward needs the slots of its rows")
+        self.rows, self.only = rows, only
+
     def clear(self) -> None:
         self.rows, self.only = None, None
 

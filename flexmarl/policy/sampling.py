@@ -74,9 +74,10 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """(x * m) mod 2**32 for int64 x in [0, 2**32), without signed overflow."""
-    lo, hi = m & 0xFFFF, m >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+    """(x * m) mod 2**32 for int64 x in [0, 2**32): the int64 product wraps modulo 2**64 (two's
+    complement, on every torch backend), which keeps its low 32 bits exact. Two kernels, not
+    the six of a split 16-bit product (`tests/policy/test_sampling.py` checks they agree)."""
+    return (x * m) & _M32
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

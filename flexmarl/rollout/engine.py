@@ -14,6 +14,7 @@ one device-to-host copy per step brings back the chosen tokens and their log-pro
 from __future__ import annotations
 
 import inspect
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,6 @@ from flexmarl.policy.sampling import (
     GenerationRequest,
     GenerationResult,
     gumbel_noise,
-    mask_row,
     noise_seed_of,
     top_p_mask,
 )
@@ -46,6 +46,12 @@ class _Sequence:
         """KV tokens this sequence may come to hold (prompt + its output limit)."""
         return len(self.request.prompt) + self.request.max_new_tokens
 
+    @property
+    def kv(self) -> int:
+        """KV columns this running sequence fills (its prompt and every token fed back so far:
+        all sampled ones but the last), known on the host: no device read to trim padding."""
+        return len(self.request.prompt) + len(self.tokens) - 1
+
 
 def cache_argument(model: Any) -> str:
     """The forward argument that takes the KV cache: `cache` from transformers 5.2x on,
@@ -59,6 +65,15 @@ def cache_argument(model: Any) -> str:
         return "past_key_values"
     raise TypeError(f"{type(base).__name__}.forward takes neither `cache` nor "
                     "`past_key_values`: not a transformers causal LM with a KV cache")
+
+
+def _host_to(device: torch.device, rows: list[list[int]] | list[int]) -> torch.Tensor:
+    """An int64 tensor on `device` from host data, without a stream sync on a GPU: a blocking
+    copy from pageable memory waits for the GPU to drain; a pinned, non-blocking one does not."""
+    t = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -103,7 +118,16 @@ class ContinuousBatcher:
         self.max_tokens = max_tokens
         self.seqs: list[_Sequence] = []
         self.cache: Any = None  # the transformers KV cache of the running batch
-        self.attn: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
+        # [B, capacity] bool, True where the cache holds a real token; columns `:width` are in
+        # use. Decode steps fill one column in place (no growing copy) and pass the model its
+        # own 4D mask, so transformers builds none (and reads nothing back to decide whether
+        # it may skip it). Only for SDPA attention (the mask is boolean, as SDPA's own).
+        self.attn: torch.Tensor | None = None
+        self.width = 0
+        self._own_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        self._banned: torch.Tensor | None = None  # [B, V] True: token masked; None: no mask
+        self._rows: torch.Tensor | None = None  # [B] stacked-LoRA slot of each row
+        self._only: int | None = None  # the one slot every row shares, if they do
         self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)  # not yet fed
         # per running sequence, on the device (no host copies per step): noise seed, tokens
@@ -152,11 +176,16 @@ class ContinuousBatcher:
                              f"adapter on this model (it serves {sorted(self.adapters)})")
         return self.adapters[request.agent]
 
-    def _forward(self, adapters: list[str | None], **kwargs: Any) -> Any:
+    def _slots(self, adapters: list[str | None]) -> list[int]:
+        slot = self._stack.slot
+        return [slot.get(a, 0) if a else 0 for a in adapters]
+
+    def _forward(self, rows: torch.Tensor | None, only: int | None, **kwargs: Any) -> Any:
+        """A forward pass; on a shared base, row i through adapter slot `rows[i]` (a device
+        tensor kept with the batch, so a step copies nothing from the host)."""
         if self._net is self.model:  # no adapter on this model
             return self._net(**kwargs)
-        slot = self._stack.slot
-        self._stack.set_rows([slot.get(a, 0) if a else 0 for a in adapters], self.device)
+        self._stack.use_rows(rows, only)
         try:
             return self._net(**kwargs)
         finally:
@@ -197,52 +226,104 @@ class ContinuousBatcher:
             return []
         now = time.time()
         width = max(len(r.prompt) for r in requests)
-        bsz = len(requests)
-        input_ids = torch.full((bsz, width), PAD, dtype=torch.long)
-        attn = torch.zeros((bsz, width), dtype=torch.long)
-        for i, r in enumerate(requests):
+        # one host->device copy: left-padded ids, then the state (noise seed, tokens sampled,
+        # next position), the temperature's float64 bits and the padding's width
+        host = []
+        for r in requests:
             if not r.prompt:
                 raise ValueError(f"request {r.sample_id}: empty prompt")
-            input_ids[i, width - len(r.prompt):] = torch.as_tensor(r.prompt)
-            attn[i, width - len(r.prompt):] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        state = torch.tensor([[noise_seed_of(r), 0, len(r.prompt)] for r in requests],
-                             dtype=torch.long).to(self.device)
-        temps = torch.tensor([[r.temperature] for r in requests],
-                             dtype=torch.float32).to(self.device)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        new = [
-            _Sequence(r, None if r.allowed_tokens is None
-                      else mask_row(self.vocab, r.allowed_tokens, self.device), now,
-                      self._adapter_of(r))
-            for r in requests
-        ]
-        out = self._forward([s.adapter for s in new], input_ids=input_ids, attention_mask=attn,
+            temp = struct.unpack("<q", struct.pack("<d", r.temperature))[0]
+            host.append([PAD] * (width - len(r.prompt)) + list(r.prompt)
+                        + [noise_seed_of(r), 0, len(r.prompt), temp, width - len(r.prompt)])
+        packed = _host_to(self.device, host)
+        input_ids = packed[:, :width]
+        state = packed[:, width:width + 3].clone()
+        temps = packed[:, width + 3:width + 4].contiguous().view(torch.float64).float()
+        attn = torch.arange(width, device=self.device).unsqueeze(0) >= packed[:, width + 4:]
+        position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        new = [_Sequence(r, None, now, self._adapter_of(r)) for r in requests]
+        banned = None
+        if any(r.allowed_tokens is not None for r in requests):
+            banned = self._banned_rows(requests)
+            for s, row in zip(new, banned, strict=True):
+                if s.request.allowed_tokens is not None:
+                    s.mask = ~row
+        rows, only = None, None
+        if self._stack is not None:
+            slots = self._slots([s.adapter for s in new])
+            rows, only = _host_to(self.device, slots), (slots[0] if len(set(slots)) == 1
+                                                          else None)
+        if self._own_mask:
+            causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
+            mask: torch.Tensor = causal.unsqueeze(0) & attn.unsqueeze(1)
+            mask = mask.unsqueeze(1)
+        else:
+            mask = attn.long()
+        out = self._forward(rows, only, input_ids=input_ids, attention_mask=mask,
                             position_ids=position_ids, use_cache=True, logits_to_keep=1)
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
         start = len(self.seqs)
-        self._merge(new, cache, attn, out.logits[:, -1, :].float(), state, temps)
+        self._merge(new, cache, attn, out.logits[:, -1, :].float(), state, temps, banned, rows)
         return self._sample(start)
 
-    def _merge(self, new: list[_Sequence], cache, attn: torch.Tensor, logits: torch.Tensor,
-               state: torch.Tensor, temps: torch.Tensor) -> None:
+    def _banned_rows(self, requests: list[GenerationRequest]) -> torch.Tensor:
+        """[n, V] True for each request's disallowed tokens (built on the host, one copy)."""
+        allowed = torch.zeros((len(requests), self.vocab), dtype=torch.bool)
+        for i, r in enumerate(requests):
+            if r.allowed_tokens is None:
+                allowed[i] = True
+            else:
+                allowed[i, torch.as_tensor(r.allowed_tokens, dtype=torch.long)] = True
+        if self.device.type == "cuda":
+            return (~allowed).pin_memory().to(self.device, non_blocking=True)
+        return (~allowed).to(self.device)
+
+    def _merge(self, new: list[_Sequence], cache: Any, attn: torch.Tensor, logits: torch.Tensor,
+               state: torch.Tensor, temps: torch.Tensor, banned: torch.Tensor | None,
+               rows: torch.Tensor | None) -> None:
         if self.cache is None or not self.seqs:
-            self.seqs, self.cache, self.attn, self.logits = new, cache, attn, logits
+            self.seqs, self.cache, self.logits = new, cache, logits
+            self.attn, self.width = self._with_room(attn, attn.shape[1]), attn.shape[1]
             self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
-            self._state, self._temps = state, temps
+            self._state, self._temps, self._banned, self._rows = state, temps, banned, rows
+            self._only = None if rows is None else self._only_of(new)
             return
+        old = len(self.seqs)
         self._state = torch.cat([self._state, state])
         self._temps = torch.cat([self._temps, temps])
+        if banned is not None or self._banned is not None:
+            self._banned = torch.cat([
+                self._banned if self._banned is not None else torch.zeros(
+                    (old, self.vocab), dtype=torch.bool, device=self.device),
+                banned if banned is not None else torch.zeros(
+                    (len(new), self.vocab), dtype=torch.bool, device=self.device)])
+        if rows is not None:
+            assert self._rows is not None
+            self._rows = torch.cat([self._rows, rows])
         assert self.attn is not None
-        width = max(self.attn.shape[1], attn.shape[1])
+        width = max(self.width, attn.shape[1])
         for old_layer, new_layer in zip(self.cache.layers, cache.layers, strict=True):
             old_layer.keys = torch.cat(
                 [_pad_left(old_layer.keys, width, 2), _pad_left(new_layer.keys, width, 2)])
             old_layer.values = torch.cat(
                 [_pad_left(old_layer.values, width, 2), _pad_left(new_layer.values, width, 2)])
-        self.attn = torch.cat([_pad_left(self.attn, width, 1), _pad_left(attn, width, 1)])
+        merged = torch.cat([_pad_left(self.attn[:, :self.width], width, 1),
+                            _pad_left(attn, width, 1)])
+        self.attn, self.width = self._with_room(merged, width), width
         self.logits = logits  # only the newcomers still need their first token
         self.seqs = self.seqs + new
+        if rows is not None:
+            self._only = self._only_of(self.seqs)
+
+    def _only_of(self, seqs: list[_Sequence]) -> int | None:
+        slots = set(self._slots([s.adapter for s in seqs]))
+        return slots.pop() if len(slots) == 1 else None
+
+    def _with_room(self, attn: torch.Tensor, width: int, room: int = 64) -> torch.Tensor:
+        """The attention rows in a buffer with `room` free columns after `width`."""
+        out = torch.zeros((attn.shape[0], width + room), dtype=torch.bool, device=self.device)
+        out[:, :width] = attn[:, :width]
+        return out
 
     # --- decoding ----------------------------------------------------------------------------
     def _sample(self, start: int = 0) -> list[GenerationResult]:
@@ -254,11 +335,11 @@ class ContinuousBatcher:
         assert self.logits is not None
         seqs = self.seqs[start:]
         dev = self.device
-        logits = self.logits / self._temps[start:]  # the pending logits of sequences start:
-        if any(s.mask is not None for s in seqs):
-            full = torch.ones(self.vocab, dtype=torch.bool, device=dev)
-            masks = torch.stack([full if s.mask is None else s.mask for s in seqs])
-            logits = logits.masked_fill(~masks, float("-inf"))
+        logits = self.logits  # the pending logits of sequences start:
+        if any(s.request.temperature != 1.0 for s in seqs):
+            logits = logits / self._temps[start:]
+        if self._banned is not None:
+            logits = logits.masked_fill(self._banned[start:], float("-inf"))
         logp = F.log_softmax(logits, dim=-1)
         state = self._state[start:]
         scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
@@ -271,9 +352,9 @@ class ContinuousBatcher:
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
         self.logits = None
-        # one device-to-host copy per step (tokens < 2**24 are exact in float64)
-        picked = torch.stack([choice.to(torch.float64), chosen.to(torch.float64)]).cpu()
-        tokens_host, logps_host = picked[0].tolist(), picked[1].tolist()
+        # one device-to-host copy per step (token ids < 2**24 are exact in float32)
+        picked = torch.stack([choice.to(chosen.dtype), chosen]).cpu().tolist()
+        tokens_host, logps_host = picked
         finished = []
         for j, s in enumerate(seqs):
             if s.request.max_new_tokens <= 0:
@@ -300,16 +381,23 @@ class ContinuousBatcher:
         if not keep:
             self.seqs, self.cache, self.attn, self.logits = [], None, None, None
             self._state, self._temps = self._state[:0], self._temps[:0]
+            self._banned, self._rows, self._only, self.width = None, None, None, 0
             return
         assert self.attn is not None
-        idx = torch.as_tensor(keep, dtype=torch.long).to(self.device)
+        idx = _host_to(self.device, keep)
         self.seqs = [self.seqs[i] for i in keep]
         self._choice = self._choice[idx]
         self._state, self._temps = self._state[idx], self._temps[idx]
-        attn = self.attn[idx]
-        # columns that now hold padding in every remaining row can go
-        first = int((attn.sum(0) > 0).nonzero()[0]) if attn.sum() > 0 else 0
-        self.attn = attn[:, first:]
+        if self._banned is not None:
+            self._banned = (self._banned[idx]
+                            if any(s.request.allowed_tokens is not None for s in self.seqs)
+                            else None)
+        if self._rows is not None:
+            self._rows, self._only = self._rows[idx], self._only_of(self.seqs)
+        # columns that now hold padding in every remaining row can go (known on the host)
+        first = self.width - max(s.kv for s in self.seqs)
+        self.attn = self.attn[idx, first:]
+        self.width -= first
         for layer in self.cache.layers:
             layer.keys = layer.keys[idx, :, first:]
             layer.values = layer.values[idx, :, first:]
@@ -320,20 +408,29 @@ class ContinuousBatcher:
         if not self.seqs:
             return []
         assert self.attn is not None
-        bsz = len(self.seqs)
-        self.attn = torch.cat(
-            [self.attn, torch.ones((bsz, 1), dtype=torch.long, device=self.device)], dim=1)
+        if self.width == self.attn.shape[1]:
+            self.attn = self._with_room(self.attn, self.width, max(64, self.width // 2))
+        self.attn[:, self.width] = True  # the column of the token fed now
+        self.width += 1
+        attn = self.attn[:, :self.width]
+        mask = attn[:, None, None, :] if self._own_mask else attn.long()
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
-        out = self._forward([s.adapter for s in self.seqs],
-                            input_ids=self._choice.unsqueeze(1), attention_mask=self.attn,
-                            position_ids=pos, use_cache=True, **{self._cache_arg: self.cache})
+        out = self._forward(self._rows, self._only, input_ids=self._choice.unsqueeze(1),
+                            attention_mask=mask, position_ids=pos, use_cache=True,
+                            **{self._cache_arg: self.cache})
         self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
         self.logits = out.logits[:, -1, :].float()
         return self._sample()
 
-    def run_to_completion(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Decode `requests` (admitted as room frees up) until all finish; in request order."""
+    def run_to_completion(self, requests: list[GenerationRequest],
+                          min_admit: int | None = None) -> list[GenerationResult]:
+        """Decode `requests` (admitted as room frees up) until all finish; in request order.
+
+        Newcomers wait until `min_admit` of them fit (default an eighth of `max_seqs`), the
+        batch is empty or the queue's rest fits: a prefill is a forward pass that decodes
+        nothing, so one per finished sequence would cost a step each (launch-bound on a GPU)."""
+        min_admit = max(1, self.max_seqs // 8) if min_admit is None else min_admit
         queue = list(requests)
         done: dict[str, GenerationResult] = {}
         while queue or self.seqs:
@@ -342,6 +439,9 @@ class ContinuousBatcher:
             while queue and self.fits(queue[0], len(take), tokens):
                 tokens += len(queue[0].prompt) + queue[0].max_new_tokens
                 take.append(queue.pop(0))
+            if self.seqs and take and len(take) < min_admit and queue:
+                queue[:0] = take  # too few for a prefill of their own yet
+                take = []
             for res in self.admit(take) + self.step():
                 done[res.sample_id] = res
         return [done[r.sample_id] for r in requests]
@@ -372,6 +472,7 @@ class HFEngine(ContinuousBatcher):
     def reset(self) -> None:
         """Drop the running batch (after a failure); the model stays loaded."""
         self.seqs, self.cache, self.attn, self.logits = [], None, None, None
+        self._banned, self._rows, self._only, self.width = None, None, None, 0
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
         self._state = self._state[:0]
         self._temps = self._temps[:0]

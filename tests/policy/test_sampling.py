@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 
 from flexmarl.config.schema import ModelConfig
@@ -87,6 +88,21 @@ def test_gumbel_noise_is_a_pure_function_of_seed_step_and_token():
                                          torch.zeros(20000, dtype=torch.int64), 8).argmax(1),
                             minlength=8)
     assert counts.min() > 2300 and counts.max() < 2700
+
+
+def test_mul32_wrapping_product_equals_the_split_one():
+    """The hash multiplies in int64 and relies on the product wrapping modulo 2**64; its low 32
+    bits must equal an overflow-free 16-bit split product, for every input the hash sees."""
+    from flexmarl.policy.sampling import _M32, _mul32
+
+    rng = np.random.default_rng(0)
+    x = torch.tensor(np.concatenate([rng.integers(0, 1 << 32, 100000, dtype=np.int64),
+                                     [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1]]))
+    for m in (0x7FEB352D, 0x846CA68B, 0x9E3779B1, _M32):
+        lo, hi = m & 0xFFFF, m >> 16
+        split = (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+        assert torch.equal(_mul32(x, m), split)
+        assert int(_mul32(x, m).min()) >= 0 and int(_mul32(x, m).max()) <= _M32
 
 
 def test_padding_after_shorter_responses_is_finite_with_restricted_tokens():

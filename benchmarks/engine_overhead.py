@@ -1,0 +1,45 @@
+"""Per decode step host costs of the engine vs `model.generate` (CPU proxies of GPU costs),
+and end-to-end useful tok/s on a long-tailed batch, tiny and medium random Llama shapes.
+
+    .venv/bin/python benchmarks/engine_overhead.py [--rounds 3] [--quick]
+
+See flexmarl/bench/engine_overhead.py for what is counted. Timings alternate the two decoders
+round by round and report medians; on a shared machine they are noisy, the counts are not.
+"""
+
+import argparse
+
+import torch
+
+from flexmarl.bench.engine_overhead import (
+    _model,
+    decode_step_costs,
+    long_tail_costs,
+    print_step_table,
+    print_tail_table,
+    requests,
+    use_cpu_clock,
+)
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="the tiny model only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    use_cpu_clock()  # this process's CPU time: a shared machine disturbs it less than wall time
+    print("times: this process's CPU time, one torch thread; medians of alternating rounds")
+    shapes = {"tiny": dict(hidden=64, layers=12, vocab=512),
+              "medium": dict(hidden=512, layers=8, vocab=8192, inter=1376)}
+    for name, shape in shapes.items():
+        if args.quick and name != "tiny":
+            continue
+        model = _model(shape["hidden"], shape["layers"], shape["vocab"], shape.get("inter"))
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        label = f"{name}: {params:.1f}M params, {shape['layers']} layers, vocab {shape['vocab']}"
+        if name == "tiny":
+            print_step_table(f"\n== decode step, batch 32, {label}",
+                             decode_step_costs(model, 32, shape["vocab"], rounds=args.rounds))
+        reqs = requests(48, shape["vocab"], 8)
+        print_tail_table(f"\n== long-tailed batch, 48 requests, outputs 8..64, 16 at a time, "
+                         f"{label}", long_tail_costs(model, reqs, 16, rounds=args.rounds))
