@@ -387,8 +387,8 @@ class RuntimeConfig(Strict):
     # How published weights reach the rollout replicas (local runtime): `pipe` through the
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
     # training slot to each replica over torch.distributed (gloo; NCCL where both ends are on
-    # CUDA); `auto`: collective where both ends are on CUDA, else pipe (docs/gpu.md: on CPUs
-    # the pipe path measured as fast, and it keeps published weights in the driver).
+    # different GPUs); `auto`: collective where torch.distributed is available (docs/gpu.md:
+    # 3.5-8x the pipes' MB/s even on CPUs).
     publication: Literal["auto", "pipe", "collective"] = "auto"
     # A collective publication not done within this is failed (a hung or lost peer): the
     # replica is restarted, or the weights come from the restored slot.

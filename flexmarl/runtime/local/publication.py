@@ -56,8 +56,11 @@ class PublishedRef:
 
 
 def backend_for(a: Placement, b: Placement) -> str:
-    """NCCL when both ends compute on CUDA, gloo otherwise."""
-    return "nccl" if a.kind == "cuda" and b.kind == "cuda" else "gloo"
+    """NCCL when both ends compute on CUDA, on different GPUs (NCCL refuses two ranks of one
+    communicator on one GPU: a single-GPU machine sharing its GPU between the pools); gloo
+    otherwise (through host memory)."""
+    apart = a.kind == "cuda" and b.kind == "cuda" and not set(a.visible) & set(b.visible)
+    return "nccl" if apart else "gloo"
 
 
 def pair_key(slot: int, slot_gen: int, replica: int, replica_gen: int) -> str:
@@ -75,6 +78,8 @@ class PairGroups:
         self._lock = threading.Lock()
 
     def get(self, key: str, rank: int, backend: str) -> Any:
+        """The pair's group; built (a rendezvous with the peer, up to the timeout) on first
+        use. Groups of different pairs may be built at the same time from several threads."""
         import torch.distributed as dist
 
         with self._lock:
@@ -82,14 +87,16 @@ class PairGroups:
                 self._store = dist.TCPStore(self.host, self.port, is_master=False,
                                             timeout=self.timeout)
             group = self._groups.get(key)
-            if group is None:
-                store = dist.PrefixStore(key, self._store)
-                if backend == "nccl":
-                    group = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
-                else:
-                    group = dist.ProcessGroupGloo(store, rank, 2, self.timeout)
+            store = self._store
+        if group is None:
+            prefixed = dist.PrefixStore(key, store)
+            if backend == "nccl":
+                group = dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
+            else:
+                group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
+            with self._lock:
                 self._groups[key] = group
-            return group
+        return group
 
     def drop(self, key: str) -> None:
         with self._lock:
@@ -138,25 +145,23 @@ class SlotPublisher:
             for old in [v for v in versions if v < version]:
                 del versions[old]
             _, flat = versions[version]
-        works: list[tuple[str, Any]] = []
         errors: list[str | None] = [None] * len(dests)
-        for i, (key, backend) in enumerate(dests):
+
+        def one(i: int, key: str, backend: str) -> None:
             try:
                 group = self.groups.get(key, 0, backend)
-                buf = flat.to(comm_device(backend))
-                works.append((key, group.send([buf], 1, 0)))
-            except Exception as exc:  # noqa: BLE001 - reported per destination
-                errors[i] = f"{type(exc).__name__}: {exc}"
-                self.groups.drop(key)
-                works.append((key, None))
-        for i, (key, work) in enumerate(works):
-            if work is None:
-                continue
-            try:
-                work.wait()
+                group.send([flat.to(comm_device(backend))], 1, 0).wait()
             except Exception as exc:  # noqa: BLE001 - a lost or hung replica
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 self.groups.drop(key)
+
+        # all at once: a missing peer's rendezvous or a slow receiver delays no other replica
+        threads = [threading.Thread(target=one, args=(i, *d), daemon=True)
+                   for i, d in enumerate(dests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         return errors
 
 
