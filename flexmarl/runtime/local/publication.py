@@ -215,8 +215,8 @@ class Publisher:
             live = [w for w in replicas if w.alive]
             if slot.generation == ref.generation and slot.alive and live:
                 dests = [self._dest(ref, w) for w in live]
-                sender = slot.call("pub_send", (ref.agent, ref.version, dests))
-                receivers = [w.call("load_collective", (ref, *self._dest(ref, w)))
+                sender = slot.call("pub_send", (ref.agent, ref.version, dests), watched=False)
+                receivers = [w.call("load_collective", (ref, *self._dest(ref, w)), watched=False)
                              for w in live]
                 results = await asyncio.gather(sender, *receivers, return_exceptions=True)
                 sent, received = results[0], results[1:]

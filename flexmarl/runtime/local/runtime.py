@@ -68,6 +68,9 @@ class WorkerProxy:
         # its pair groups by both ends' generations)
         self.generation = next(_GENERATIONS)
         self._futures: dict[int, asyncio.Future] = {}
+        # calls that wait on another worker (a collective publication's send): bounded by
+        # their own timeout, left out of the progress check (`outstanding`)
+        self._unwatched: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
         self._outbox: list[tuple] = []
@@ -163,6 +166,7 @@ class WorkerProxy:
         self._resolve(msg_id, ok, result)
 
     def _resolve(self, msg_id: int, ok: bool, result: Any) -> None:
+        self._unwatched.discard(msg_id)
         fut = self._futures.pop(msg_id, None)
         if fut is None or fut.done():
             return
@@ -187,8 +191,9 @@ class WorkerProxy:
         return msg_id, fut
 
     def outstanding(self) -> int:
-        """Calls sent and not answered yet."""
-        return sum(1 for f in self._futures.values() if not f.done())
+        """Calls sent and not answered yet (those waiting on a peer left out)."""
+        return sum(1 for i, f in self._futures.items()
+                   if not f.done() and i not in self._unwatched)
 
     def _send(self, msg: tuple) -> None:
         self._sendq.put(msg)
@@ -203,8 +208,12 @@ class WorkerProxy:
             except (OSError, ValueError):  # dead: the reader's EOF fails the futures
                 return
 
-    async def call(self, command: str, payload: Any) -> Any:
+    async def call(self, command: str, payload: Any, watched: bool = True) -> Any:
+        """`watched=False`: a call that waits on another worker, not a sign of this one's
+        progress (`runtime.progress_timeout_s` would kill a healthy slot whose replica hangs)."""
         msg_id, fut = self._new_future()
+        if not watched:
+            self._unwatched.add(msg_id)
         try:
             self._send((msg_id, command, payload))
         except OSError as exc:  # the process died and its pipe's EOF is not processed yet
