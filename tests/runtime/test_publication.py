@@ -90,3 +90,14 @@ def test_the_backend_follows_the_placements():
     assert backend_for(cpu, g1) == "gloo"
     assert publication_mode("auto") == "collective"  # measured faster, on CPUs too
     assert publication_mode("pipe") == "pipe"
+
+
+def test_the_benchmark_measures_both_paths():
+    """`benchmarks/publication.py` and gpu_check's transfers section run through this."""
+    from flexmarl.bench.publication import measure, table
+
+    rows = measure([1.0], [1], rounds=1, timeout_s=120.0)
+    assert {(r["mode"], r["backend"]) for r in rows} == {("pipe", "pipe"),
+                                                         ("collective", "gloo")}
+    assert all(r["mb"] == 1 and r["mbs"] > 0 for r in rows)
+    assert "| 1 | 1 |" in table(rows)
