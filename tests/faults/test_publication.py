@@ -39,12 +39,12 @@ def test_replica_killed_at_a_collective_publication(tmp_path, reference):
         publisher = runtime.rollout.publisher
         original = publisher.publish
 
-        async def publish(ref, replicas):
+        async def publish(ref, replicas, **kw):
             seen["n"] += 1
             seen["refs"] += isinstance(ref, PublishedRef)
             if seen["n"] == 4:  # the first step's publications (after the two version 0s)
                 os.kill(runtime.rollout.workers[1].process.pid, signal.SIGKILL)
-            return await original(ref, replicas)
+            return await original(ref, replicas, **kw)
 
         publisher.publish = publish
 

@@ -197,6 +197,7 @@ class Publisher:
         self.lock = asyncio.Lock()
         self.sent_bytes = 0
         self.fallbacks = 0
+        self.published: dict[str, int] = {}  # per agent: the newest version sent
 
     def _dest(self, ref: PublishedRef, replica: WorkerProxy) -> tuple[str, str]:
         key = pair_key(ref.slot, ref.generation, replica.index, replica.generation)
@@ -204,13 +205,16 @@ class Publisher:
                               self.placements["rollout"][replica.index])
         return key, backend
 
-    async def publish(self, ref: PublishedRef, replicas: list[WorkerProxy]) -> Any:
+    async def publish(self, ref: PublishedRef, replicas: list[WorkerProxy],
+                      restart: bool = False) -> Any:
         """Deliver `ref` to the live `replicas`. Returns what the driver should keep as the
         latest: the ref, or the pipe form when the slot was lost and the weights were
         fetched from its restored successor (then delivered through the pipes)."""
         from flexmarl.runtime.base import WorkerError, WorkerLost
 
         async with self.lock:
+            if restart and ref.version < self.published.get(ref.agent, -1):
+                return ref  # superseded while the restart waited (see `load_into`)
             slot = self.train_workers[ref.slot]
             live = [w for w in replicas if w.alive]
             if slot.generation == ref.generation and slot.alive and live:
@@ -229,6 +233,8 @@ class Publisher:
                                 w.kill(f"collective publication of {ref.agent!r} version "
                                        f"{ref.version} failed: {err or got}")
                     self.sent_bytes += ref.nbytes * len(live)
+                    self.published[ref.agent] = max(ref.version,
+                                                    self.published.get(ref.agent, -1))
                     return ref
                 if not isinstance(sent, WorkerLost):
                     raise sent
@@ -261,5 +267,7 @@ class Publisher:
         return wire
 
     async def load_into(self, replica: WorkerProxy, ref: PublishedRef) -> Any:
-        """A restarted replica's load of the latest version (the slot still keeps it)."""
-        return await self.publish(ref, [replica])
+        """A restarted replica's load of the latest version (the slot still keeps it). One a
+        newer publication superseded meanwhile is skipped (the slot has dropped it; the
+        caller's `load_latest` loop loads the newer one)."""
+        return await self.publish(ref, [replica], restart=True)
