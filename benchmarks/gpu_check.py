@@ -10,7 +10,9 @@ pyyaml, rich and msgpack are needed. It prints:
    batches) on the same long-tailed requests (output lengths varying 8x);
 2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW);
 3. swap MB/s of a full training state device <-> pinned host, and publication MB/s trainer ->
-   replica (the wire form a worker pipe carries, loaded into the replica's model);
+   replica (the wire form a worker pipe carries, loaded into the replica's model), then
+   between processes: `runtime.publication` pipe against collective (NCCL with more GPUs than
+   replicas, else gloo), 1 and 2 replicas;
 4. a short multi-agent run (relay chain) in sync and async on the device: s/iteration, their
    ratio, NVML utilisation of the pools and the success rate at the start and at the end;
 5. `rollout/logprob_diff_mean` (rollout vs trainer log-probs of the same weights) in fp32/bf16.
@@ -275,9 +277,20 @@ def bench_transfers(device: torch.device, small: bool, vocab: int, trainer: Agen
     print(f"publication trainer -> replica ({pub_bytes / MB:.0f} MB in "
           f"{next(iter(weights.values())).dtype}, through the pipe's wire form): "
           f"{res['publish_mbs']:.0f} MB/s")
-    RESULTS["transfers"] = res
     del replica
     gc.collect()
+    # runtime.publication pipe vs collective between processes (flexmarl/bench/publication.py):
+    # NCCL when there are more GPUs than replicas, else gloo through host memory
+    from flexmarl.bench.publication import measure, table
+
+    dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+    size = 10.0 if small else round(pub_bytes / MB)
+    rows = measure([size], [1, 2], rounds=2 if small else 3, device=str(device), dtype=dtype)
+    print(f"publication between processes, pipe vs collective ({dtype}, median of alternating "
+          "rounds):")
+    print(table(rows))
+    RESULTS["publication"] = rows
+    RESULTS["transfers"] = res
 
 
 # --- 4. logprob mismatch --------------------------------------------------------------------

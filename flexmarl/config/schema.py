@@ -384,6 +384,15 @@ class RuntimeConfig(Strict):
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
     swap_to: Literal["host", "disk"] = "host"
+    # How published weights reach the rollout replicas (local runtime): `pipe` through the
+    # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
+    # training slot to each replica over torch.distributed (gloo; NCCL where both ends are on
+    # different GPUs); `auto`: collective where torch.distributed is available (docs/gpu.md:
+    # 3.5-8x the pipes' MB/s even on CPUs).
+    publication: Literal["auto", "pipe", "collective"] = "auto"
+    # A collective publication not done within this is failed (a hung or lost peer): the
+    # replica is restarted, or the weights come from the restored slot.
+    publication_timeout_s: float = Field(60.0, gt=0)
     torch_threads: int = Field(1, gt=0)
     deterministic: bool = False
     # runtime.kind=ray: HOST:PORT of a running cluster (`ray start --head`), "auto" for the

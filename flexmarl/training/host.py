@@ -20,6 +20,7 @@ The slot protocol (command, payload) -> result:
   bind (agent, incoming)  -> (evicted agent | None, its state | None, timings)
   accumulate (agent, samples) -> metrics;   step agent -> (metrics, published weights)
   weights agent -> published weights;       save (agent, directory) -> path
+  weights_pipe agent -> published weights in wire form, whatever the publication
   get_state agent -> (arrays, meta);        set_state (agent, arrays, meta) -> version
 A state in transit is `("host", wire)`, `("disk", path)` or a runtime's own form (Ray: an
 object-store reference, resolved by the actor before it reaches `bind`).
@@ -60,9 +61,12 @@ class _Resident(dict):
                         f"(resident: {sorted(self) or 'none'})")
 
 
-def published(trainer: AgentTrainer) -> Any:
+def published(trainer: AgentTrainer, publisher: Any = None) -> Any:
     """The trainer's weights as published: the state interface's wire form (one flat buffer,
-    any dtype; bf16/fp16 have no numpy equivalent)."""
+    any dtype; bf16/fp16 have no numpy equivalent); with a collective `publisher`
+    (runtime.publication), a `PublishedRef` to the copy the slot keeps and sends itself."""
+    if publisher is not None:
+        return publisher.keep(trainer.agent, trainer.version, trainer.weights())
     from flexmarl.runtime.local.workers import publish_form
 
     return publish_form(trainer.weights(), trainer.agent, trainer.version)
@@ -84,6 +88,8 @@ class TrainHost:
         # wrap trees over its tensors, so the slot holds it once and a swap moves the adapter
         self.bases: dict[str, torch.nn.Module] = {}
         self.builds = 0  # trainers built (a swap never builds one)
+        # runtime.publication collective (local runtime): keeps and sends published weights
+        self.publisher: Any = None
 
     def _build(self, agent: str) -> AgentTrainer:
         from flexmarl.policy.device import process_device
@@ -174,10 +180,10 @@ class TrainHost:
 
     def step(self, agent: str) -> tuple[dict[str, float], Any]:
         metrics = self.trainers[agent].step()
-        return metrics, published(self.trainers[agent])
+        return metrics, published(self.trainers[agent], self.publisher)
 
     def weights(self, agent: str) -> Any:
-        return published(self.trainers[agent])
+        return published(self.trainers[agent], self.publisher)
 
     def save(self, agent: str, directory: str) -> str:
         return str(self.trainers[agent].save(directory))
@@ -203,6 +209,8 @@ class TrainHost:
             return self.step(payload), f"step:{payload}"
         if command == "weights":
             return self.weights(payload), f"weights:{payload}"
+        if command == "weights_pipe":
+            return published(self.trainers[payload]), f"weights:{payload}"
         if command == "save":
             agent, directory = payload
             return self.save(agent, directory), f"save:{agent}"

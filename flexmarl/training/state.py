@@ -61,9 +61,13 @@ class Disk:
 
 @dataclass(frozen=True)
 class Process:
-    """Another process of the torch.distributed group: `rank` to send to / receive from."""
+    """Another process of the torch.distributed group: `rank` to send to / receive from; in
+    `group` (a process group object, such as the local runtime's two-process publication
+    groups) or, None, the default group. A state goes from and lands in device memory when the
+    group's backend is NCCL (device to device, no host copy), host memory otherwise."""
 
     rank: int
+    group: Any = field(default=None, compare=False)
 
 
 Location = Device | Host | Disk | Process
@@ -84,7 +88,7 @@ class StateHandle:
         if isinstance(self.location, Disk):
             return _read_disk(self.location.path)
         if isinstance(self.location, Process):
-            return _recv(self.location.rank)
+            return _recv(self.location.rank, self.location.group)
         raise ValueError(f"empty state handle at {self.location}")
 
 
@@ -113,7 +117,7 @@ def move(handle: StateHandle | TrainingState, to: Location) -> StateHandle:
         _write_disk(state, to.path)
         return StateHandle(to, None)
     if isinstance(to, Process):
-        _send(state, to.rank)
+        _send(state, to.rank, to.group)
         return StateHandle(to, None)
     raise TypeError(f"unknown location {to!r}")
 
@@ -160,10 +164,13 @@ def _header(state: TrainingState) -> dict[str, Any]:
                         for k, v in state.tensors.items()]}
 
 
-def _flat(state: TrainingState) -> torch.Tensor:
-    parts = [v.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+def _flat(state: TrainingState, device: torch.device | None = None) -> torch.Tensor:
+    """One uint8 buffer of every tensor's bytes, on `device` (default: the CPU); tensors
+    already there are not copied through the host."""
+    dev = device or torch.device("cpu")
+    parts = [v.detach().to(dev).contiguous().reshape(-1).view(torch.uint8)
              for v in state.tensors.values()]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=dev)
 
 
 def _unflat(header: dict[str, Any], buf: torch.Tensor) -> TrainingState:
@@ -203,36 +210,45 @@ def swap_in(form: tuple[str, Any]) -> TrainingState:
     return handle.load()
 
 
-def _comm_device() -> torch.device:
+def _comm_device(group: Any = None) -> torch.device:
+    """Where a transfer's buffers live: the current GPU for NCCL, else host memory."""
     import torch.distributed as dist
 
-    if dist.get_backend() == "nccl":
+    backend = group.name() if group is not None else dist.get_backend()
+    if str(backend).lower() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _send(state: TrainingState, rank: int) -> None:
+def _p2p(op: str, tensor: torch.Tensor, rank: int, group: Any) -> None:
     import torch.distributed as dist
 
-    dev = _comm_device()
+    if group is None:
+        (dist.send if op == "send" else dist.recv)(tensor, rank)
+    else:
+        (group.send if op == "send" else group.recv)([tensor], rank, 0).wait()
+
+
+def _send(state: TrainingState, rank: int, group: Any = None) -> None:
+    dev = _comm_device(group)
     header = torch.frombuffer(bytearray(json.dumps(_header(state)).encode()), dtype=torch.uint8)
-    flat = _flat(state)
-    dist.send(torch.tensor([header.numel(), flat.numel()], dtype=torch.int64, device=dev), rank)
-    dist.send(header.to(dev), rank)
-    dist.send(flat.to(dev), rank)
+    flat = _flat(state, dev)  # on the device for NCCL: device to device, no host copy
+    _p2p("send", torch.tensor([header.numel(), flat.numel()], dtype=torch.int64, device=dev),
+         rank, group)
+    _p2p("send", header.to(dev), rank, group)
+    _p2p("send", flat, rank, group)
 
 
-def _recv(rank: int) -> TrainingState:
-    import torch.distributed as dist
-
-    dev = _comm_device()
+def _recv(rank: int, group: Any = None) -> TrainingState:
+    dev = _comm_device(group)
     sizes = torch.zeros(2, dtype=torch.int64, device=dev)
-    dist.recv(sizes, rank)
+    _p2p("recv", sizes, rank, group)
     header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=dev)
-    dist.recv(header, rank)
+    _p2p("recv", header, rank, group)
     flat = torch.empty(int(sizes[1]), dtype=torch.uint8, device=dev)
-    dist.recv(flat, rank)
-    return _unflat(json.loads(bytes(header.cpu().numpy())), flat.cpu())
+    _p2p("recv", flat, rank, group)
+    # the state stays where it arrived (a GPU for NCCL); `move(..., Host())` copies it out
+    return _unflat(json.loads(bytes(header.cpu().numpy())), flat)
 
 
 # --- trainer <-> state ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ exact capture/restore of a trainer in the middle of an accumulation."""
 import multiprocessing as mp
 import socket
 
+import pytest
 import torch
 
 from flexmarl.config.schema import AgentConfig
@@ -117,3 +118,52 @@ def test_swap_capture_of_a_lora_trainer_leaves_the_frozen_base_out():
     for t in (a, b):
         t.step()
     assert all(torch.equal(v, b.weights()[k]) for k, v in a.weights().items())
+
+
+def _pair_peer(port: int, device: str, backend: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(1)
+    store = dist.PrefixStore("swap", dist.TCPStore("127.0.0.1", port, is_master=False))
+    timeout = datetime.timedelta(seconds=60)
+    group = (dist.ProcessGroupNCCL(store, 1, 2) if backend == "nccl"
+             else dist.ProcessGroupGloo(store, 1, 2, timeout))
+    got = st.move(st.incoming(st.Process(0, group)), st.Device(device))  # receive on device
+    st.move(got, st.Process(0, group))  # and swap it back, device to device
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                        reason="NCCL between processes needs 2 CUDA devices")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_to_device_swap_through_a_pair_group(device):
+    """A state moved to another process's device and back through an explicit process group
+    (the local runtime's pair groups): exact, and it arrives on the group's device (a GPU for
+    NCCL, so no host copy on either side; host memory for gloo)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    peer = mp.get_context("spawn").Process(target=_pair_peer,
+                                           args=(server.port, device, backend))
+    peer.start()
+    try:
+        store = dist.PrefixStore("swap", server)
+        timeout = datetime.timedelta(seconds=120)
+        group = (dist.ProcessGroupNCCL(store, 0, 2) if backend == "nccl"
+                 else dist.ProcessGroupGloo(store, 0, 2, timeout))
+        s = st.move(_state(), st.Device(f"{device}:0" if device == "cuda" else device)).load()
+        st.move(s, st.Process(1, group))
+        echoed = st.move(st.incoming(st.Process(1, group)), st.Device(device)).load()
+    finally:
+        peer.join(timeout=120)
+    assert peer.exitcode == 0
+    assert all(v.device.type == device for v in echoed.tensors.values())
+    assert _equal(st.move(s, st.Host()).load(), st.move(echoed, st.Host()).load())

@@ -9,6 +9,7 @@ Tensors cross the pipe as numpy arrays (plain pickling, no shared-memory file de
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import traceback
@@ -37,6 +38,8 @@ class WorkerSpec:
     heartbeat_s: float = 2.0
     swap_dir: str | None = None  # training slots: where swapped-out states go (None: host)
     placement: Placement = Placement()  # the device(s) this worker computes on
+    # runtime.publication collective: (host, port, timeout_s) of the driver's TCPStore
+    publication: tuple[str, int, float] | None = None
 
 
 HEARTBEAT = -3  # message id of a liveness beat: `(HEARTBEAT, True, time, [])`
@@ -103,9 +106,14 @@ def to_numpy(weights: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def from_numpy(weights: Any) -> dict[str, Any]:
-    """Tensors from a numpy dict, or from the state interface's wire form (`publish_form`)."""
+    """Tensors from a numpy dict, from the state interface's wire form (`publish_form`), or
+    of a `TrainingState` received by a collective publication."""
     import torch
 
+    from flexmarl.training.state import TrainingState
+
+    if isinstance(weights, TrainingState):
+        return weights.tensors
     if isinstance(weights, tuple):
         from flexmarl.training.state import from_wire
 
@@ -138,6 +146,11 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
     cfg = RunConfig.model_validate(spec.config)
     sched, memory = build_scheduler(cfg, spec)
+    groups = None
+    if spec.publication is not None:
+        from flexmarl.runtime.local.publication import PairGroups
+
+        groups = PairGroups(*spec.publication)
     settle_heap()
     busy_since: float | None = None
     running = True
@@ -156,6 +169,13 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                     sched.submit(sub_id, request, priority)
             elif command == "load_weights":
                 events += sched.load(msg_id, *payload)
+            elif command == "load_collective":  # (ref, pair key, backend): from the slot
+                try:
+                    assert groups is not None, "collective publication is not set up"
+                    events += sched.load(msg_id, payload[0].agent, payload[0].version,
+                                         receive_collective(groups, *payload))
+                except Exception as exc:  # noqa: BLE001 - the driver recovers the peer
+                    conn.send((msg_id, False, _error(exc), []))
             elif command == "stop":
                 running = False
                 conn.send((msg_id, True, None, []))
@@ -178,6 +198,12 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             label = f"gen:{'+'.join(dict.fromkeys([*answered, *sched.busy_agents()]))}"
             conn.send((-2, True, replies, [(busy_since or now, now, label)]))
             busy_since = now if sched.has_work() else None
+
+
+def receive_collective(groups: Any, ref: Any, key: str, backend: str) -> Any:
+    from flexmarl.runtime.local.publication import receive
+
+    return receive(groups, ref, key, backend)
 
 
 def build_scheduler(cfg: Any, spec: WorkerSpec) -> tuple[Any, dict[str, Any]]:
@@ -269,8 +295,14 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
     cfg = RunConfig.model_validate(spec.config)
     host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
+    side: dict[str, Callable[[Any], tuple[Any, str]]] = {}
+    if spec.publication is not None:
+        from flexmarl.runtime.local.publication import PairGroups, SlotPublisher
+
+        publisher = host.publisher = SlotPublisher(PairGroups(*spec.publication))
+        side["pub_send"] = lambda p: (publisher.send(*p), f"publish:{p[0]}")
     settle_heap()
-    serve_slot(conn, host.handle)
+    serve_slot(conn, host.handle, side)
 
 
 def chaos_stall(pool: str, command: str) -> None:
@@ -294,14 +326,48 @@ def chaos_stall(pool: str, command: str) -> None:
 
 
 def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]],
+               side: dict[str, Callable[[Any], tuple[Any, str]]] | None = None,
                pool: str = "train") -> None:
     """The command loop of a worker process that answers one command at a time (every
     training slot kind: LLM `TrainHost`, classic MARL `MarlSlot`; the classic MARL rollout
     worker): say ready, then run each command through `handle` -> (result, span label) and
-    answer it, until `stop`. A failing command is answered with its error."""
+    answer it, until `stop`. A failing command is answered with its error.
+
+    `side` commands run on a thread of their own, in order, answered as soon as they are
+    done: a publication's send must not wait behind a long accumulate of the slot."""
     conn.send((-1, True, "ready", []))
+    if side:
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        sideq: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    inbox.put((None, "stop", None))  # the parent is gone
+                    return
+                (sideq if msg[1] in side else inbox).put(msg)
+
+        def serve_side() -> None:
+            while True:
+                msg_id, command, payload = sideq.get()
+                t0 = time.time()
+                try:
+                    result, label = side[command](payload)
+                    conn.send((msg_id, True, result, [(t0, time.time(), label)]))
+                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                    conn.send((msg_id, False, _error(exc), []))
+
+        threading.Thread(target=read, name="slot-reader", daemon=True).start()
+        threading.Thread(target=serve_side, name="slot-side", daemon=True).start()
+        recv: Callable[[], Any] = inbox.get
+    else:
+        recv = conn.recv
     while True:
-        msg_id, command, payload = conn.recv()
+        msg_id, command, payload = recv()
+        if msg_id is None:
+            return
         t0 = time.time()
         try:
             if command == "stop":

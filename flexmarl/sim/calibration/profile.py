@@ -598,7 +598,7 @@ async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentPr
             counts["calls"] += 1
             return await call(command, payload)
 
-        w.call = counted  # type: ignore[method-assign]
+        w.call = counted  # type: ignore[method-assign,assignment]
     await asyncio.gather(*(w.start() for w in rollout_w + train_w))
     try:
         best = (float("inf"), float("inf"))
