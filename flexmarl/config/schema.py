@@ -388,7 +388,7 @@ class RuntimeConfig(Strict):
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
     # training slot to each replica over torch.distributed (gloo; NCCL where both ends are on
     # different GPUs); `auto`: collective where torch.distributed is available (docs/gpu.md:
-    # 3.5-8x the pipes' MB/s even on CPUs).
+    # 3.5-8x the pipes' MB/s even on CPUs), pipe under pipeline.mode one_step_off.
     publication: Literal["auto", "pipe", "collective"] = "auto"
     # A collective publication not done within this is failed (a hung or lost peer): the
     # replica is restarted, or the weights come from the restored slot.

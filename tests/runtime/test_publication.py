@@ -90,6 +90,8 @@ def test_the_backend_follows_the_placements():
     assert backend_for(cpu, g1) == "gloo"
     assert publication_mode("auto") == "collective"  # measured faster, on CPUs too
     assert publication_mode("pipe") == "pipe"
+    assert publication_mode("auto", "one_step_off") == "pipe"  # no held-publication window
+    assert publication_mode("collective", "one_step_off") == "collective"
 
 
 def test_the_benchmark_measures_both_paths():

@@ -259,9 +259,10 @@ class WorkerProxy:
         self._sendq.put(None)
 
 
-def publication_mode(asked: str) -> str:
+def publication_mode(asked: str, pipeline_mode: str = "async") -> str:
     """`runtime.publication` resolved: `auto` is collective wherever torch.distributed is
-    built in. Measured on 2 CPU cores (docs/gpu.md), gloo from the slot straight to the
+    built in, except under `pipeline.mode: one_step_off`, whose held publications have a
+    failure window the pipes do not (docs/gpu.md, "Weight publication"). Measured on 2 CPU cores (docs/gpu.md), gloo from the slot straight to the
     replicas publishes 3.5-8x faster than the pipes through the driver; between GPUs NCCL
     also skips host memory. On a GPU shared by both pools the pair uses gloo (through host
     memory, as the pipes do, with no driver in the path)."""
@@ -269,6 +270,8 @@ def publication_mode(asked: str) -> str:
 
     if asked != "auto":
         return asked
+    if pipeline_mode == "one_step_off":
+        return "pipe"
     return "collective" if dist.is_available() else "pipe"
 
 
@@ -426,7 +429,7 @@ class LocalRuntime(Runtime):
         n_train = max(1, min(rt.train_workers, len(trainable)))
         # each worker process sees only its pool's devices (CUDA_VISIBLE_DEVICES)
         rollout_at, train_at = plan_placements(rt, rt.rollout_workers, n_train)
-        self.publication = publication_mode(rt.publication)
+        self.publication = publication_mode(rt.publication, cfg.pipeline.mode)
         self._store: Any = None
         publication: tuple[str, int, float] | None = None
         if self.publication == "collective" and trainable:
