@@ -28,14 +28,17 @@ class MarlWorkerSpec(WorkerSpec):
 def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
     """A rollout worker: `load_weights` (policy, version, wire), `rollout` (k), and
     `get_state` / `set_state` (its environments' state, `EnvRollout.get_state`)."""
-    from flexmarl.marl.config import MarlRunConfig
+    from flexmarl.marl.config import MarlRunConfig, VdnConfig
+    from flexmarl.marl.offpolicy import QRollout
     from flexmarl.marl.rollout import EnvRollout
     from flexmarl.runtime.local.workers import _error, _setup_torch, from_numpy, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
     cfg = MarlRunConfig.model_validate(spec.config)
-    env = EnvRollout(cfg, spec.layouts, spec.index)  # spaces were checked in the driver
+    # spaces were checked in the driver; VDN / QMIX act epsilon-greedily (marl/offpolicy.py)
+    env: EnvRollout | QRollout = (QRollout if isinstance(cfg.algorithm, VdnConfig)
+                                  else EnvRollout)(cfg, spec.layouts, spec.index)
     conn.send((-1, True, "ready", []))
     while True:
         msg_id, command, payload = conn.recv()

@@ -31,21 +31,33 @@ def test_age_weighted_huber_loss_hand_computed() -> None:
     assert vdn.epsilon(500, 0.05, 100) == 0.05
 
 
-def test_vdn_runs_on_spread_through_the_replay_table(tmp_path) -> None:
+def test_vdn_learner_steps_through_the_replay_table() -> None:
+    """A rollout worker's iterations into the learner's replay table: rows added once per
+    env step, updates from min_size on, priorities set, age weights below 1."""
     pytest.importorskip("mpe2")
+    from flexmarl.envs.pettingzoo import VecParallelEnv
     from flexmarl.marl.config import marl_config_from_dict
-    from flexmarl.marl.offpolicy import VdnTrainer
+    from flexmarl.marl.offpolicy import POLICY, QLearner, QRollout, q_layouts
+    from flexmarl.marl.policies import MarlSample
 
     cfg = marl_config_from_dict({
         "kind": "marl", "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
         "algorithm": {"name": "vdn", "min_size": 200, "capacity": 1000, "batch_size": 32,
                       "target_every": 5},
         "train": {"env_steps": 400, "rollout_steps": 25}})
-    trainer = VdnTrainer(cfg)
-    res = trainer.run(tmp_path / "vdn")
-    assert res.env_steps == 400 and len(trainer.replay) == 400 // 4 * 4
-    assert trainer.updates == (400 - 200) // 4 + 1 and trainer.updates >= 5
-    assert np.isfinite(res.records[-1]["agent/shared/loss/value"])
-    assert res.records[-1]["agent/shared/age_weight_mean"] < 1.0
-    assert (trainer.replay.priority[: len(trainer.replay)] > 0).all()
-    assert (tmp_path / "vdn" / "checkpoints" / "final" / "shared" / "model.safetensors").exists()
+    probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, 0)
+    probe.reset()
+    lay = q_layouts(cfg, probe)
+    learner, worker = QLearner(cfg, lay[POLICY]), QRollout(cfg, lay)
+    metrics: dict = {}
+    for k in range(4):
+        worker.load(POLICY, k, learner.weights())
+        res = worker.run(k)
+        assert res.transitions["obs"].shape == (25, 4, 3, 18)
+        learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
+        metrics, audit = learner.step()
+        assert audit == [(f"{k}-w0_0_0", k, k, 0)]
+    assert len(learner.replay) == 400
+    assert learner.updates == (400 - 200) // 4 + 1 and learner.updates >= 5
+    assert np.isfinite(metrics["loss/value"]) and metrics["age_weight_mean"] < 1.0
+    assert (learner.replay.priority[: len(learner.replay)] > 0).all()
