@@ -27,6 +27,9 @@ class EnvConfig(Strict):
     id: str
     options: dict[str, Any] = {}
     num_envs: int = Field(32, gt=0)  # environments per rollout worker, stepped as one batch
+    # AEC-only (turn-based) games: agents played inside the environment, not trained
+    # (agent -> "random": a uniform random legal move; flexmarl/envs/turns.py)
+    opponents: dict[str, str] = {}
 
 
 class NetworkConfig(Strict):

@@ -67,6 +67,10 @@ def q_layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayou
                           "all agents (agent id in its input); set it to true")
     if cfg.policy.network.kind != "mlp":
         raise ConfigError(f"policy.network.kind: {name} supports the mlp network only")
+    if cfg.store.compress_obs:
+        raise ConfigError(f"store.compress_obs: {name}'s transitions go to its replay table "
+                          "uncompressed (the option compresses MAPPO/IPPO's store rows); "
+                          "unset it")
     agents = list(venv.agents)
     spec = group_spec(agents, venv.action_specs, cfg.env.id)
     if spec.kind != "discrete":
@@ -128,7 +132,8 @@ class QRollout:
         self.cfg, self.algo, self.index = cfg, cfg.algorithm, index
         self.layout = layouts[POLICY]
         seed = cfg.seed + WORKER_SEED_STRIDE * index
-        self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, cfg.env.num_envs, seed)
+        self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, cfg.env.num_envs, seed,
+                                   cfg.env.opponents)
         self.venv.reset()
         self.agents = list(self.layout.agents)
         self.rng = np.random.default_rng(seed)

@@ -71,7 +71,7 @@ class MarlRun:
 
     def __init__(self, cfg: MarlRunConfig) -> None:
         self.cfg, self.algo = cfg, cfg.algorithm
-        probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, cfg.seed)
+        probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, cfg.seed, cfg.env.opponents)
         probe.reset()
         self.agents = list(probe.agents)
         self.layouts: dict[str, PolicyLayout] = self._layouts(cfg, probe)

@@ -83,6 +83,18 @@ def test_the_replay_learners_state_round_trips_exactly() -> None:
         a.accumulate([MarlSample("5-w0_0_0", 5, 5, 0, res.transitions)])
 
 
+@pytest.mark.parametrize(("over", "field"), [
+    ({"policy.share_parameters": False}, "policy.share_parameters"),
+    ({"policy.network.kind": "gru"}, "policy.network.kind"),
+    ({"store.compress_obs": True}, "store.compress_obs"),
+])
+def test_what_the_replay_learners_cannot_do_is_refused_naming_the_field(over, field):
+    from flexmarl.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        _parts(cfg(**over))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
