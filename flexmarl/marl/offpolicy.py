@@ -116,7 +116,7 @@ def q_input(o: torch.Tensor, norm: RunningMeanStd | None, n_agents: int) -> torc
 @dataclass
 class QRolloutResult(RolloutResult):
     # the iteration's joint transitions: field -> [T, E, ...] (obs, mask, actions, reward,
-    # next_obs, next_mask, done; QMIX: state, next_state)
+    # next_obs, next_mask, done, alive, next_alive; QMIX: state, next_state)
     transitions: dict[str, np.ndarray] = field(default_factory=dict)
     epsilon: float = 0.0  # at the iteration's last step
 
@@ -196,23 +196,31 @@ class QRollout:
         for t in range(T):
             o, m = joint(self.layout, venv.obs, venv.masks)
             s_now = venv.state.copy()
+            alive = np.stack([venv.alive[a] for a in self.agents], 1)  # [E, N] acting now
             eps = vdn.epsilon((k * T + t) * E_all, self.algo.eps_end, self.algo.eps_decay_steps)
             actions = self.act(o, m, eps)
             res = venv.step({a: actions[:, i:i + 1] for i, a in enumerate(self.agents)})
-            ended = np.stack([res["done"][a] for a in self.agents], 1).any(axis=1,
-                                                                           keepdims=True)
-            next_src = {a: np.where(ended, res["final_obs"][a], venv.obs[a])
-                        for a in self.agents}
+            done = np.stack([res["done"][a] for a in self.agents], 1)
+            trunc = np.stack([res["truncated"][a] for a in self.agents], 1)
+            # an agent whose chain ended here: its last observation (the environment may
+            # have reset); the others: the next step's
+            next_src = {a: np.where(done[:, i:i + 1], res["final_obs"][a], venv.obs[a])
+                        for i, a in enumerate(self.agents)}
             no, nm = joint(self.layout, next_src, venv.masks)
-            terminal = np.stack([res["done"][a] & ~res["truncated"][a]
-                                 for a in self.agents], 1).all(1)
+            # a future: still present, or cut by a time limit (bootstrapped); an agent that
+            # terminated (left) adds nothing to the next Q_tot
+            next_alive = alive & (~done | trunc)
+            ended = (done | ~alive).all(1)  # no agent left: the environment was reset
+            terminal = ended & ~(trunc & alive).any(1)
             reward = np.stack([res["reward"][a] for a in self.agents], 0).mean(axis=0)
             row = {"obs": o, "mask": m, "actions": actions.astype(np.int64),
                    "reward": reward.astype(np.float32), "next_obs": no, "next_mask": nm,
-                   "done": np.asarray(terminal, dtype=np.float32)}
+                   "done": np.asarray(terminal, dtype=np.float32),
+                   "alive": alive.astype(np.float32),
+                   "next_alive": next_alive.astype(np.float32)}
             if self.qmix:
                 row["state"] = s_now.astype(np.float32)
-                row["next_state"] = np.where(ended, res["final_state"],
+                row["next_state"] = np.where(ended[:, None], res["final_state"],
                                              venv.state).astype(np.float32)
             for name, value in row.items():
                 buf.setdefault(name, []).append(value)
@@ -304,17 +312,19 @@ class QLearner:
                                      self.q_target(x_next, d["next_mask"]))
             if self.mixer_target is not None:
                 targets = qmix.td_targets(q_next, q_next_target, d["reward"], d["done"],
-                                          self.algo.gamma, self.mixer_target, d["next_state"])
+                                          self.algo.gamma, self.mixer_target, d["next_state"],
+                                          d["next_alive"])
             else:
                 targets = vdn.td_targets(q_next, q_next_target, d["reward"], d["done"],
-                                         self.algo.gamma)
+                                         self.algo.gamma, d["next_alive"])
         q = self.q(q_input(d["obs"], self.norm, self.n), d["mask"])
         w = torch.from_numpy(b.age_weight if self.algo.age_weight
                              else np.ones_like(b.age_weight)).float()
         if self.mixer is not None:
-            loss, td = qmix.loss(q, d["actions"], targets, w, self.mixer, d["state"])
+            loss, td = qmix.loss(q, d["actions"], targets, w, self.mixer, d["state"],
+                                 d["alive"])
         else:
-            loss, td = vdn.loss(q, d["actions"], targets, w)
+            loss, td = vdn.loss(q, d["actions"], targets, w, d["alive"])
         self.opt.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(
