@@ -24,7 +24,7 @@ point after each step) holds its filled rows, priorities and insertion steps, so
 run is bit-identical to an uninterrupted one. Its size: per row the joint observations and
 next observations (2 x agents x obs floats), masks, actions, reward, done, plus QMIX's state
 and next state; simple_spread (3 agents, 18 floats, state 54): about 0.5 kB per row for VDN,
-0.9 kB for QMIX, so a full 100k-row table is about 50 / 90 MB in every checkpoint.
+0.95 kB for QMIX, so a full 100k-row table is about 50 / 95 MB in every checkpoint.
 """
 
 from __future__ import annotations
