@@ -3,6 +3,9 @@
 
     python benchmarks/mpe_runtime.py [--before 9215ce1] [--steps 20000] [--rounds 2]
                                      [--scenario speaker_listener] [--variants ...]
+                                     [--algo vdn --num-envs 32]
+
+(VDN / QMIX: `--before 7c44db5`, their in-process replay loop, vs the runtime.)
 
 `--before` is a git revision whose `flexmarl/` is exported to a temporary folder and run in a
 subprocess (its in-process driver); every variant of this tree runs in a subprocess too, so
@@ -35,11 +38,17 @@ CHILD = """
 import json, sys, time
 from flexmarl.marl.config import load_marl_config
 from flexmarl.marl.run import train_marl
+try:  # a tree before VDN / QMIX ran on the runtime: their in-process replay loop
+    from flexmarl.marl.offpolicy import train_vdn
+except ImportError:
+    train_vdn = None
 def main():
     cfg = load_marl_config(sys.argv[1], json.loads(sys.argv[2]))
     out = sys.argv[3] if len(sys.argv) > 3 else None
+    train = (train_vdn if train_vdn is not None and cfg.algorithm.name in ("vdn", "qmix")
+             else train_marl)
     t0 = time.perf_counter()
-    res = train_marl(cfg, out)
+    res = train(cfg, out)
     wall = time.perf_counter() - t0
     recs = res.records
     tail = recs[-max(1, len(recs) // 10):]
@@ -78,15 +87,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scenario", default="speaker_listener", choices=list(EXAMPLES))
+    ap.add_argument("--algo", default=None, choices=["mappo", "ippo", "vdn", "qmix"],
+                    help="algorithm.name (default: the example's); vdn/qmix with their "
+                         "defaults")
+    ap.add_argument("--num-envs", type=int, default=None, help="env.num_envs override")
     ap.add_argument("--variants", default="before,after,after-2rollout,after-2slots",
                     help="before | after | after-2rollout | after-2slots | after-nosup | "
                          "after-ckpt | ray")
     args = ap.parse_args()
     config = ROOT / EXAMPLES[args.scenario]
     base = [f"train.env_steps={args.steps}"]
-    half = max(1, yaml.safe_load(config.read_text())["env"]["num_envs"] // 2)
+    if args.algo is not None:
+        base.append(f"algorithm={{name: {args.algo}}}")
+    if args.num_envs is not None:
+        base.append(f"env.num_envs={args.num_envs}")
+    half = max(1, (args.num_envs or yaml.safe_load(config.read_text())["env"]["num_envs"])
+               // 2)
     variants = {
-        "before": ("in-process driver (before)", None, base),
+        "before": (f"in-process {'replay loop' if args.algo in ('vdn', 'qmix') else 'driver'}"
+                   " (before)", None, base),
         "after": ("runtime: 1 rollout worker, 1 training slot", ROOT, base),
         # the same env steps per iteration, split over two worker processes
         "after-2rollout": (f"runtime: 2 rollout workers x {half} envs, 1 slot", ROOT,
@@ -116,7 +135,8 @@ def main() -> None:
                 res = run_one(tree or before, config, sets, Path(tmp), out_dir)
                 results[v].append(res)
                 print(f"round {r} {v}: {json.dumps(res)}", flush=True)
-    print(f"\n{args.scenario}, {args.steps} env steps per run, {args.rounds} rounds "
+    print(f"\n{args.scenario}, {args.algo or 'the example'}'s algorithm, {args.steps} env "
+          f"steps per run, {args.rounds} rounds "
           f"alternating, mean over rounds (before = {args.before})\n")
     print("| variant | whole run env steps/s | steady-state env steps/s (median iteration) "
           "| wall s | return (last 10%) |")

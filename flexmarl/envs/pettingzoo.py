@@ -6,6 +6,8 @@
   is left.
 - AEC API: a *chain of turns*: turn t is a node of `env.agent_selection`, depending on turn t-1.
   Dead agents are stepped with `None` (PettingZoo's protocol) and produce no node.
+- AEC-only games (PettingZoo's classic board games) are trained through the Parallel API as a
+  chain of turns, with optional built-in opponents (`turns.py`).
 - `VecParallelEnv`: many Parallel environments of one id stepped as a batch, so that one policy
   forward pass covers all of them (auto-reset, per-episode returns and task metrics).
 
@@ -59,11 +61,17 @@ def env_module(env_id: str, field_name: str = "env.id"):
 
 
 def make_parallel(env_id: str, options: dict[str, Any] | None = None,
-                  field_name: str = "env.id"):
+                  field_name: str = "env.id", opponents: dict[str, str] | None = None):
+    """The Parallel environment; an AEC-only (turn-based) game as a chain of turns behind the
+    Parallel API (`turns.TurnParallelEnv`), with `opponents` played inside it."""
     module = env_module(env_id, field_name)
     if not hasattr(module, "parallel_env"):
-        raise EnvError(f"{field_name}: {env_id!r} has no Parallel API (AEC only); use "
-                       "AECAdapter")
+        from flexmarl.envs.turns import TurnParallelEnv
+
+        return TurnParallelEnv(make_aec(env_id, options, field_name), env_id, opponents)
+    if opponents:
+        raise EnvError(f"env.opponents: {env_id} has a Parallel API, every agent acts at "
+                       "every step; opponents are for turn-based (AEC-only) games")
     try:
         return module.parallel_env(**(options or {}))
     except TypeError as exc:
@@ -245,11 +253,13 @@ class VecParallelEnv:
     state, for bootstrapping a truncation.
     """
 
-    def __init__(self, env_id: str, options: dict[str, Any], num_envs: int, seed: int) -> None:
+    def __init__(self, env_id: str, options: dict[str, Any], num_envs: int, seed: int,
+                 opponents: dict[str, str] | None = None) -> None:
         if num_envs <= 0:
             raise EnvError(f"env.num_envs must be > 0, got {num_envs}")
         self.env_id = env_id
-        self.envs = [ParallelAdapter(make_parallel(env_id, options), env_id)
+        self.envs = [ParallelAdapter(make_parallel(env_id, options, opponents=opponents),
+                                     env_id)
                      for _ in range(num_envs)]
         first = self.envs[0]
         self.agents = first.agents

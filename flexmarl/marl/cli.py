@@ -8,8 +8,6 @@ from pathlib import Path
 
 import yaml
 
-from flexmarl.config.schema import ConfigError
-
 
 def is_marl_file(path: str) -> bool:
     """True when the YAML at `path` says `kind: marl` (unreadable files: the LLM loader's
@@ -25,16 +23,13 @@ def train_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flexmarl.marl.config import VdnConfig, load_marl_config
+    from flexmarl.marl.config import load_marl_config
     from flexmarl.orchestrator.checkpoint import Checkpoint, find_checkpoints
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
 
     cfg = load_marl_config(args.config, args.set)
     resume = Path(args.resume) if args.resume else None
     if resume is not None:
-        if isinstance(cfg.algorithm, VdnConfig):
-            raise ConfigError(f"{args.config}: --resume: {cfg.algorithm.name}'s replay loop "
-                              "writes no checkpoints yet (mappo/ippo runs resume)")
         check_resume_dir(resume)
     default_out = resume.parent if resume and resume.name == "checkpoints" else resume
     out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
@@ -42,11 +37,9 @@ def train_command(args: argparse.Namespace) -> int:
                                                  "out (the run's output folder)"))
     # every file of the generation verified against its manifest before any worker starts
     ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
-    from flexmarl.marl.offpolicy import VdnTrainer
-    from flexmarl.marl.run import MarlRun
+    from flexmarl.marl.run import make_run
 
-    # environments and networks built: spaces checked
-    trainer = VdnTrainer(cfg) if isinstance(cfg.algorithm, VdnConfig) else MarlRun(cfg)
+    trainer = make_run(cfg)  # environments probed: spaces checked
     console = Console(stderr=True)
     envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
     console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {cfg.env.id}, "
@@ -69,17 +62,14 @@ def train_command(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                         sort_keys=False))
-        if isinstance(trainer, MarlRun):
-            from flexmarl.orchestrator.checkpointing import RunInterrupted
+        from flexmarl.orchestrator.checkpointing import RunInterrupted
 
-            try:
-                result = trainer.run(out, on_iteration, resume=ckpt)
-            except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
-                progress.stop()
-                print(f"interrupted: {exc}", file=sys.stderr)
-                return 143
-        else:
-            result = trainer.run(out, on_iteration)
+        try:
+            result = trainer.run(out, on_iteration, resume=ckpt)
+        except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
+            progress.stop()
+            print(f"interrupted: {exc}", file=sys.stderr)
+            return 143
     import json
 
     (out / "summary.json").write_text(json.dumps({

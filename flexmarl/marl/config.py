@@ -28,6 +28,9 @@ class EnvConfig(Strict):
     id: str
     options: dict[str, Any] = {}
     num_envs: int = Field(32, gt=0)  # environments per rollout worker, stepped as one batch
+    # AEC-only (turn-based) games: agents played inside the environment, not trained
+    # (agent -> "random": a uniform random legal move; flexmarl/envs/turns.py)
+    opponents: dict[str, str] = {}
 
 
 class NetworkConfig(Strict):
@@ -120,7 +123,8 @@ class MarlTrainConfig(Strict):
     env_steps: int = Field(200_000, gt=0)  # environment steps in total (all envs)
     rollout_steps: int = Field(25, gt=0)  # steps per environment per iteration
     # As the LLM run's (docs/reliability.md): a checkpoint generation every N iterations
-    # (MAPPO/IPPO), the last `keep_checkpoints` kept under OUT/checkpoints/
+    # (VDN/QMIX: the replay table included), the last `keep_checkpoints` kept under
+    # OUT/checkpoints/
     checkpoint_every: int | None = Field(None, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
 
@@ -141,13 +145,13 @@ class MarlRuntimeConfig(Strict):
     address: str | None = None
     ray: RayConfig = RayConfig()
     torch_threads: int = Field(1, gt=0)  # per worker process
-    # MAPPO/IPPO: worker processes of the local runtime. Each rollout worker steps its own
+    # Worker processes of the local runtime. Each rollout worker steps its own
     # `env.num_envs` environments; policies share `train_workers` training slots (swapped
-    # when fewer). VDN runs in one process and ignores them.
+    # when fewer; VDN/QMIX have one policy, so one slot).
     rollout_workers: int = Field(1, gt=0)
     train_workers: int = Field(1, gt=0)
     swap_to: Literal["host", "disk"] = "host"
-    # The supervisor of the worker processes (MAPPO/IPPO), as the LLM run's: heartbeats, and
+    # The supervisor of the worker processes, as the LLM run's: heartbeats, and
     # restarts of lost workers (0: a lost worker fails the run)
     heartbeat_interval_s: float = Field(2.0, gt=0)
     heartbeat_misses: int = Field(3, gt=0)
@@ -199,20 +203,6 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
                for e in exc.errors()):
             text += "\n  (classic MARL runs on the local and ray runtimes, not the simulator)"
         raise ConfigError(text) from None
-    if isinstance(cfg.algorithm, VdnConfig) and (cfg.runtime.rollout_workers != 1
-                                                 or cfg.runtime.train_workers != 1):
-        raise ConfigError(f"{source}: runtime.rollout_workers / train_workers: "
-                          f"{cfg.algorithm.name} runs its replay loop in one process; leave "
-                          "them at 1")
-    if isinstance(cfg.algorithm, VdnConfig) and cfg.runtime.kind != "local":
-        raise ConfigError(f"{source}: runtime.kind: {cfg.algorithm.name}'s replay loop runs in "
-                          "one process on the local runtime (mappo/ippo run on ray too)")
-    if isinstance(cfg.algorithm, VdnConfig) and cfg.train.checkpoint_every is not None:
-        raise ConfigError(f"{source}: train.checkpoint_every: {cfg.algorithm.name}'s replay "
-                          "loop writes no checkpoints yet (mappo/ippo do); unset it")
-    if isinstance(cfg.algorithm, VdnConfig) and cfg.logging.backends != ["jsonl"]:
-        raise ConfigError(f"{source}: logging.backends: {cfg.algorithm.name}'s replay loop "
-                          "writes metrics.jsonl only (mappo/ippo runs log to every backend)")
     return cfg
 
 

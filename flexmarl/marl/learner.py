@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from flexmarl.training import state as st
 from flexmarl.training.algorithms import mappo
 
 Audit = list[tuple[str, int, int, int]]  # (sample_id, version, step, epoch)
+if TYPE_CHECKING:
+    from flexmarl.marl.offpolicy import QLearner
 
 
 class LearnerError(RuntimeError):
@@ -171,6 +173,19 @@ class PolicyLearner:
             for i, p in enumerate(state.meta["pending"])]
 
 
+if TYPE_CHECKING:
+    AnyLearner = PolicyLearner | QLearner
+
+
+def make_learner(cfg: MarlRunConfig, layout: PolicyLayout) -> AnyLearner:
+    """MAPPO / IPPO's `PolicyLearner`, or VDN / QMIX's replay learner (marl/offpolicy.py)."""
+    if isinstance(cfg.algorithm, MappoConfig):
+        return PolicyLearner(cfg, layout)
+    from flexmarl.marl.offpolicy import QLearner
+
+    return QLearner(cfg, layout)
+
+
 class MarlSlot:
     """One training slot: the learner of whichever policy is bound to it (`TrainSlot`'s
     contract for network policies). Learners are built once per policy and process and
@@ -179,10 +194,10 @@ class MarlSlot:
     def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
                  swap_dir: str | None = None) -> None:
         self.cfg, self.layouts, self.swap_dir = cfg, layouts, swap_dir
-        self.resident: dict[str, PolicyLearner] = {}
-        self.kept: dict[str, PolicyLearner] = {}
+        self.resident: dict[str, AnyLearner] = {}
+        self.kept: dict[str, AnyLearner] = {}
 
-    def learner(self, agent: str) -> PolicyLearner:
+    def learner(self, agent: str) -> AnyLearner:
         try:
             return self.resident[agent]
         except KeyError:
@@ -207,7 +222,7 @@ class MarlSlot:
                 if agent not in self.layouts:
                     raise LearnerError(f"no policy {agent!r} in this run "
                                        f"(policies: {', '.join(self.layouts)})")
-                learner = self.kept[agent] = PolicyLearner(self.cfg, self.layouts[agent])
+                learner = self.kept[agent] = make_learner(self.cfg, self.layouts[agent])
             if incoming is not None:
                 learner.restore(st.swap_in(incoming))
             self.resident[agent] = learner
@@ -243,7 +258,7 @@ class MarlSlot:
             return int(meta["version"]), label
         raise ValueError(f"unknown command {command!r}")
 
-def weights_form(learner: PolicyLearner, audit: Audit | None = None) -> Any:
+def weights_form(learner: AnyLearner, audit: Audit | None = None) -> Any:
     """Published weights in the state interface's wire form; the step's audit rides along in
     the metadata (the rows each epoch used, as the learner saw them)."""
     meta: dict[str, Any] = {"agent": learner.agent, "version": learner.version}

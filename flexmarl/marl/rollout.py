@@ -123,7 +123,7 @@ class EnvRollout:
         self.cfg, self.algo, self.index = cfg, cfg.algorithm, index
         E = cfg.env.num_envs
         self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, E,
-                                   cfg.seed + WORKER_SEED_STRIDE * index)
+                                   cfg.seed + WORKER_SEED_STRIDE * index, cfg.env.opponents)
         self.venv.reset()
         self.agents = list(self.venv.agents)
         self.gen = torch.Generator().manual_seed(cfg.seed + WORKER_SEED_STRIDE * index)

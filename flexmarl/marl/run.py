@@ -1,5 +1,5 @@
 """The classic MARL driver: a thin schedule over the local runtime's pools and the experience
-store (MAPPO / IPPO; VDN's replay loop is `offpolicy.py`).
+store (MAPPO / IPPO; VDN / QMIX: `replay_run.py`, the same run with a replay learner).
 
 Iteration k, with the orchestrator's `SyncSchedule` (docs/design.md section 5):
 1. rollout: every rollout worker process steps its `num_envs` environments for
@@ -49,7 +49,7 @@ from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointError, Checkp
 from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
 
-__all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "train_marl"]
+__all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "make_run", "train_marl"]
 
 
 @dataclass
@@ -70,13 +70,11 @@ class MarlRun:
     any worker starts), the store, the runtime, and the schedule's two halves."""
 
     def __init__(self, cfg: MarlRunConfig) -> None:
-        if not isinstance(cfg.algorithm, MappoConfig):  # vdn runs in marl/offpolicy.py
-            raise TypeError(f"the on-policy driver runs mappo/ippo, not {cfg.algorithm.name}")
         self.cfg, self.algo = cfg, cfg.algorithm
-        probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, cfg.seed)
+        probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, cfg.seed, cfg.env.opponents)
         probe.reset()
         self.agents = list(probe.agents)
-        self.layouts: dict[str, PolicyLayout] = layouts(cfg, probe)
+        self.layouts: dict[str, PolicyLayout] = self._layouts(cfg, probe)
         self.policy_of = {a: name for name, lay in self.layouts.items() for a in lay.agents}
         self.num_envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # all workers'
         self.store = ExperienceStore(self.agents)
@@ -90,6 +88,12 @@ class MarlRun:
         self._stop_requests = 0
         self._stop_after = False  # the boundary's checkpoint is taken: stop
         self._reset_iteration()
+
+    def _layouts(self, cfg: MarlRunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
+        """The policies (and the algorithm check): VDN / QMIX's driver overrides it."""
+        if not isinstance(cfg.algorithm, MappoConfig):  # vdn/qmix: marl/replay_run.py
+            raise TypeError(f"the on-policy driver runs mappo/ippo, not {cfg.algorithm.name}")
+        return layouts(cfg, probe)
 
     def _reset_iteration(self) -> None:
         self.episodes_k: list[dict[str, Any]] = []
@@ -372,6 +376,15 @@ class MarlRun:
         return rec
 
 
+def make_run(cfg: MarlRunConfig) -> MarlRun:
+    """The run for the config's algorithm: MAPPO / IPPO here, VDN / QMIX `VdnRun`."""
+    if isinstance(cfg.algorithm, MappoConfig):
+        return MarlRun(cfg)
+    from flexmarl.marl.replay_run import VdnRun
+
+    return VdnRun(cfg)
+
+
 def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=None,
                iterations: int | None = None, resume: str | Path | None = None,
                on_runtime=None) -> MarlResult:
@@ -380,7 +393,7 @@ def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=N
     `on_runtime(runtime)` is called once the workers run (fault tests)."""
     from flexmarl.orchestrator.checkpoint import find_checkpoints
 
-    run = MarlRun(cfg)
+    run = make_run(cfg)
     out_path = Path(out) if out is not None else None
     ckpt = find_checkpoints(resume).load() if resume is not None else None
     if out_path is not None:

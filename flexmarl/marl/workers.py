@@ -25,17 +25,21 @@ class MarlWorkerSpec(WorkerSpec):
 
 
 class RolloutHost:
-    """A rollout worker's commands over its environments (`EnvRollout`): `load_weights`
+    """A rollout worker's commands over its environments (`EnvRollout`, or VDN/QMIX's
+    epsilon-greedy `QRollout`): `load_weights`
     (policy, version, wire), `rollout` (k), and `get_state` / `set_state` (its environments'
     state). The same host is served by a local worker process (`marl_rollout_worker_main`)
     and by a Ray actor (`runtime.ray.proxy.HostActor`)."""
 
     def __init__(self, spec: MarlWorkerSpec) -> None:
-        from flexmarl.marl.config import MarlRunConfig
+        from flexmarl.marl.config import MarlRunConfig, VdnConfig
+        from flexmarl.marl.offpolicy import QRollout
         from flexmarl.marl.rollout import EnvRollout
 
         cfg = MarlRunConfig.model_validate(spec.config)
-        self.env = EnvRollout(cfg, spec.layouts, spec.index)  # spaces were checked in the driver
+        # spaces were checked in the driver; VDN / QMIX act epsilon-greedily (marl/offpolicy.py)
+        self.env: EnvRollout | QRollout = (QRollout if isinstance(cfg.algorithm, VdnConfig)
+                                           else EnvRollout)(cfg, spec.layouts, spec.index)
         self.capture_state = spec.capture_state
 
     def handle(self, command: str, payload: Any) -> tuple[Any, str]:

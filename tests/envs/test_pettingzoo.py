@@ -136,8 +136,8 @@ def test_vectorised_batch_resets_and_records_episodes() -> None:
 def test_unknown_env_and_unsupported_spaces_are_user_errors() -> None:
     with pytest.raises(EnvError, match="env.id: unknown environment 'no_such_env_v1'"):
         make_parallel("no_such_env_v1")
-    with pytest.raises(EnvError, match="tictactoe_v3.*no Parallel API"):
-        make_parallel("pettingzoo.classic.tictactoe_v3")
+    with pytest.raises(EnvError, match="env.opponents: .*simple_spread_v3 has a Parallel API"):
+        make_parallel("mpe2.simple_spread_v3", opponents={"agent_0": "random"})
     with pytest.raises(EnvError, match="env.options"):
         make_parallel("mpe2.simple_spread_v3", {"bogus": 1})
     with pytest.raises(SpaceError, match="env 'e', agent 'a0'.*observation space"):

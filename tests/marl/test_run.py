@@ -157,8 +157,6 @@ def test_config_errors_name_the_field(tmp_path, capsys) -> None:
         cfg(**{"algorithm.name": "ippo", "algorithm.critic_input": "state"})
     with pytest.raises(ConfigError, match="(?s)runtime.kind.*not the simulator"):
         cfg(**{"runtime.kind": "sim"})
-    with pytest.raises(ConfigError, match="runtime.kind: vdn"):
-        cfg(**{"algorithm": {"name": "vdn"}, "runtime.kind": "ray"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: marl\nenv: {id: mpe2.simple_nothing_v9}\n")
     assert main(["train", str(bad), "--out", str(tmp_path / "o")]) == 2

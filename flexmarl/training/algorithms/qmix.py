@@ -58,18 +58,25 @@ class QMixer(nn.Module):
 
 def td_targets(q_next_online: torch.Tensor, q_next_target: torch.Tensor,
                reward: torch.Tensor, done: torch.Tensor, gamma: float,
-               target_mixer: QMixer, next_state: torch.Tensor) -> torch.Tensor:
-    """Double-Q QMIX targets. q_next_*: [B, N, A] (masked), next_state [B, S] -> [B]."""
+               target_mixer: QMixer, next_state: torch.Tensor,
+               next_alive: torch.Tensor | None = None) -> torch.Tensor:
+    """Double-Q QMIX targets. q_next_*: [B, N, A] (masked), next_state [B, S] -> [B].
+    `next_alive` [B, N]: an agent that has left enters the mixer with Q = 0."""
     best = q_next_online.argmax(-1, keepdim=True)
     chosen = q_next_target.gather(-1, best).squeeze(-1)  # [B, N]
+    if next_alive is not None:
+        chosen = chosen * next_alive
     return reward + gamma * (1.0 - done) * target_mixer(chosen, next_state)
 
 
 def loss(q: torch.Tensor, actions: torch.Tensor, targets: torch.Tensor,
-         weights: torch.Tensor, mixer: QMixer, state: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, N, A], actions [B, N], state [B, S] -> (age-weighted Huber loss, TD errors [B])."""
+         weights: torch.Tensor, mixer: QMixer, state: torch.Tensor,
+         alive: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, N, A], actions [B, N], state [B, S] -> (age-weighted Huber loss, TD errors [B]).
+    `alive` [B, N]: an agent that did not act enters the mixer with Q = 0."""
     chosen = q.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    if alive is not None:
+        chosen = chosen * alive
     q_tot = mixer(chosen, state)
     td = q_tot - targets.detach()
     per = torch.nn.functional.huber_loss(q_tot, targets.detach(), reduction="none")

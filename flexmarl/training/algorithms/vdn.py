@@ -42,17 +42,27 @@ class QNet(nn.Module):
 
 
 def td_targets(q_next_online: torch.Tensor, q_next_target: torch.Tensor,
-               reward: torch.Tensor, done: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Double-Q VDN targets. q_next_*: [B, N, A] (masked), reward/done: [B] -> [B]."""
+               reward: torch.Tensor, done: torch.Tensor, gamma: float,
+               next_alive: torch.Tensor | None = None) -> torch.Tensor:
+    """Double-Q VDN targets. q_next_*: [B, N, A] (masked), reward/done: [B] -> [B].
+    `next_alive` [B, N] (1/0): agents with a future at the next step (present, or cut by a
+    time limit); an agent that has left adds nothing to the sum."""
     best = q_next_online.argmax(-1, keepdim=True)
-    q_tot_next = q_next_target.gather(-1, best).squeeze(-1).sum(-1)
-    return reward + gamma * (1.0 - done) * q_tot_next
+    chosen = q_next_target.gather(-1, best).squeeze(-1)
+    if next_alive is not None:
+        chosen = chosen * next_alive
+    return reward + gamma * (1.0 - done) * chosen.sum(-1)
 
 
 def loss(q: torch.Tensor, actions: torch.Tensor, targets: torch.Tensor,
-         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, N, A], actions [B, N] -> (age-weighted Huber loss, TD errors [B])."""
-    q_tot = q.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1).sum(-1)
+         weights: torch.Tensor, alive: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, N, A], actions [B, N] -> (age-weighted Huber loss, TD errors [B]). `alive`
+    [B, N]: agents that acted at this step; the others' Q is left out of Q_tot."""
+    chosen = q.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+    if alive is not None:
+        chosen = chosen * alive
+    q_tot = chosen.sum(-1)
     td = q_tot - targets.detach()
     per = torch.nn.functional.huber_loss(q_tot, targets.detach(), reduction="none")
     return (weights * per).mean(), td.detach()

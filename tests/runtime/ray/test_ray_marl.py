@@ -56,3 +56,25 @@ def test_training_slot_actor_killed_mid_step_is_restored_exactly(tmp_path, ray_h
     assert failed[0]["pool"] == "train" and failed[0]["pid"] == state["pid"]
     assert recovered[0]["pool"] == "train"
     assert_same_run(out, res.records, res.audit, reference)
+
+
+def test_qmix_on_ray_equals_the_local_run(tmp_path, ray_head):
+    """The replay learner (Q-nets, mixer, replay table) in a slot actor, epsilon-greedy
+    rollout in a rollout actor: the same records and final weights as on the local runtime."""
+    from tests.marl.test_reliability import final_weights
+    from tests.marl.test_replay_run import COMPARED as Q_COMPARED
+    from tests.marl.test_replay_run import cfg as q_cfg
+
+    local = train_marl(q_cfg(**{"train.checkpoint_every": None}), tmp_path / "local")
+    ray = train_marl(q_cfg(**{"train.checkpoint_every": None, "runtime.kind": "ray",
+                              "runtime.address": ray_head}), tmp_path / "ray")
+    assert ray.placement["runtime"] == "ray"
+    assert "agent/shared/loss/value" in local.records[-1]  # the learner did update
+    for a, b in zip(local.records, ray.records, strict=True):
+        for key in Q_COMPARED:  # (no loss before the replay table holds min_size rows)
+            assert a.get(key) == b.get(key), (a["iteration"], key)
+    got, want = final_weights(tmp_path / "ray"), final_weights(tmp_path / "local")
+    assert got.keys() == want.keys()
+    for policy, tensors in want.items():
+        for key, value in tensors.items():
+            assert (value == got[policy][key]).all(), (policy, key)

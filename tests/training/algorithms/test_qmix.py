@@ -72,25 +72,30 @@ def test_double_q_targets_through_the_target_mixer() -> None:
     assert float(td) == pytest.approx(-0.5) and float(loss) == pytest.approx(2.0 * 0.125)
 
 
-def test_qmix_selected_by_config_runs_on_spread(tmp_path) -> None:
+def test_qmix_selected_by_config_trains_its_mixer_on_spread() -> None:
     pytest.importorskip("mpe2")
+    from flexmarl.envs.pettingzoo import VecParallelEnv
     from flexmarl.marl.config import marl_config_from_dict
-    from flexmarl.marl.offpolicy import VdnTrainer
+    from flexmarl.marl.offpolicy import POLICY, QLearner, QRollout, q_layouts
+    from flexmarl.marl.policies import MarlSample
 
     cfg = marl_config_from_dict({
         "kind": "marl", "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
         "algorithm": {"name": "qmix", "min_size": 200, "capacity": 1000, "batch_size": 32,
                       "target_every": 5, "mixing_embed": 8},
         "train": {"env_steps": 400, "rollout_steps": 25}})
-    trainer = VdnTrainer(cfg)
-    assert trainer.mixer is not None and trainer.mixer.state_dim == trainer.venv.state.shape[1]
-    before = {k: v.clone() for k, v in trainer.mixer.state_dict().items()}
-    res = trainer.run(tmp_path / "qmix")
-    assert np.isfinite(res.records[-1]["agent/shared/loss/value"])
-    assert any(not torch.equal(before[k], v) for k, v in trainer.mixer.state_dict().items())
-    assert trainer.replay.fields["state"].shape[1] == trainer.mixer.state_dim
-    from safetensors.torch import load_file
-
-    saved = load_file(str(tmp_path / "qmix" / "checkpoints" / "final" / "shared"
-                          / "model.safetensors"))
-    assert any(k.startswith("mixer.hyper_w1") for k in saved)
+    probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, 0)
+    probe.reset()
+    lay = q_layouts(cfg, probe)
+    learner, worker = QLearner(cfg, lay[POLICY]), QRollout(cfg, lay)
+    assert learner.mixer is not None and learner.mixer.state_dim == probe.state.shape[1]
+    before = {k: v.clone() for k, v in learner.mixer.state_dict().items()}
+    metrics: dict = {}
+    for k in range(4):
+        worker.load(POLICY, k, learner.weights())
+        res = worker.run(k)
+        learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
+        metrics, _ = learner.step()
+    assert np.isfinite(metrics["loss/value"])
+    assert any(not torch.equal(before[k], v) for k, v in learner.mixer.state_dict().items())
+    assert learner.replay.fields["state"].shape[1] == learner.mixer.state_dim
