@@ -122,6 +122,11 @@ class MarlTrainConfig(Strict):
     # (MAPPO/IPPO), the last `keep_checkpoints` kept under OUT/checkpoints/
     checkpoint_every: int | None = Field(None, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
+    # MAPPO/IPPO: every N iterations (and after the last), a greedy evaluation of the new
+    # weights on `eval_episodes` episodes of their own (marl/evaluate.py): `eval/return`,
+    # `eval/<task metric>` in that iteration's record, beside the stochastic rollouts' figures
+    eval_every: int | None = Field(None, gt=0)
+    eval_episodes: int = Field(32, gt=0)
 
 
 class MarlStoreConfig(Strict):
@@ -201,6 +206,9 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
     if isinstance(cfg.algorithm, VdnConfig) and cfg.train.checkpoint_every is not None:
         raise ConfigError(f"{source}: train.checkpoint_every: {cfg.algorithm.name}'s replay "
                           "loop writes no checkpoints yet (mappo/ippo do); unset it")
+    if isinstance(cfg.algorithm, VdnConfig) and cfg.train.eval_every is not None:
+        raise ConfigError(f"{source}: train.eval_every: {cfg.algorithm.name}'s replay loop "
+                          "has no greedy evaluation yet (mappo/ippo do); unset it")
     if isinstance(cfg.algorithm, VdnConfig) and cfg.logging.backends != ["jsonl"]:
         raise ConfigError(f"{source}: logging.backends: {cfg.algorithm.name}'s replay loop "
                           "writes metrics.jsonl only (mappo/ippo runs log to every backend)")
