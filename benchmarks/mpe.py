@@ -279,7 +279,7 @@ def run_greedy(run_dir: Path, episodes: int, out: Path) -> None:
     rows = []
     for gen in find_checkpoints(run_dir).generations():
         completed, ev = evaluate_checkpoint(cfg, gen, episodes)
-        window = [r for r in records if completed - 10 <= r["iteration"] + 1 <= completed]
+        window = [r for r in records if completed - 10 <= r["iteration"] < completed]
         row = {"env_steps": completed * n_per, "generation": gen.name,
                "stochastic_return": float(np.mean([r["return_mean"] for r in window])),
                "greedy_return": ev["eval/return"]}
