@@ -4,7 +4,8 @@
                              [--scenarios spread,speaker_listener,reference]
                              [--algos mappo,ippo] [--part ppo|vdn|scripted|all|print]
                              [--vdn-steps 60000] [--mixers vdn,qmix] [--out docs/marl]
-                             [--seed 0]
+                             [--seed 0] [--eval-every N] [--eval-episodes 32]
+    python benchmarks/mpe.py --part greedy --run RUN_DIR [--eval-episodes 256] [--out DIR]
 
 Prints three tables:
 1. returns (mean episode return per agent, 25 steps) at the env-step budget, averaged over the
@@ -20,6 +21,12 @@ Prints three tables:
    what return and landmark coverage mpe2's spread allows: each agent steered to a landmark
    (the assignment of least total distance, or simply its nearest landmark) by the discrete
    action whose coasting stop point lands closest to it.
+6. (part greedy) a finished or running `flexmarl train` run folder: every checkpoint
+   generation under RUN/checkpoints/ acted greedily (most likely action, `marl/evaluate.py`)
+   next to the stochastic training rollouts' figures of the same iterations (mean of the 10
+   iterations up to the generation), as a table and `OUT/<name>_greedy.png`.
+With `--eval-every N` the training runs of part ppo evaluate greedily every N iterations too,
+and table 1 shows the greedy figures beside the stochastic ones.
 Writes `OUT/results.json` (part ppo), `OUT/results_{vdn,qmix}.json` (part vdn),
 `OUT/results_scripted.json` (part scripted), one
 learning-curve PNG per scenario (`OUT/<scenario>.png`, `OUT/spread_{vdn,qmix}.png`); `--part print` only prints
@@ -172,8 +179,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default="200000",
                     help="env steps per training run: N, or scenario=N,... per scenario")
-    ap.add_argument("--part", choices=["ppo", "vdn", "scripted", "all", "print"],
+    ap.add_argument("--part", choices=["ppo", "vdn", "scripted", "all", "print", "greedy"],
                     default="all")
+    ap.add_argument("--run", help="part greedy: a run folder with checkpoints/")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="part ppo: greedy evaluation every N iterations (train.eval_every)")
+    ap.add_argument("--eval-episodes", type=int, default=32)
     ap.add_argument("--vdn-steps", type=int, default=60_000)
     ap.add_argument("--mixers", default="vdn,qmix", help="replay learners of part vdn")
     ap.add_argument("--scenarios", default="spread,speaker_listener,reference")
@@ -191,6 +202,11 @@ def main() -> None:
         budget = {k: int(v) for k, v in (item.split("=") for item in args.steps.split(","))}
     else:
         budget = dict.fromkeys(scenarios, int(args.steps))
+    if args.part == "greedy":
+        if not args.run:
+            ap.error("--part greedy needs --run RUN_DIR (a run folder with checkpoints/)")
+        run_greedy(Path(args.run), args.eval_episodes, out)
+        return
     if args.part in ("vdn", "all"):
         run_vdn(args.vdn_steps, args.seed, out, args.mixers.split(","))
     if args.part in ("ppo", "all"):
@@ -214,6 +230,8 @@ def run_ppo(scenarios: list[str], algos: list[str], budget: dict[str, int], args
         curves = {}
         for algo in algos:
             cfg = config(sc, algo, steps, args.seed)
+            cfg.train.eval_every = args.eval_every
+            cfg.train.eval_episodes = args.eval_episodes
             t0 = time.perf_counter()
             res = train_marl(cfg, None)
             wall = time.perf_counter() - t0
@@ -224,6 +242,11 @@ def run_ppo(scenarios: list[str], algos: list[str], budget: dict[str, int], args
                 "env_steps": res.env_steps, "wall_s": wall,
                 "train_steps_per_s": res.env_steps / wall,
             }
+            evals = [r for r in res.records if "eval/return" in r]
+            if evals:  # the last greedy evaluation (after the last iteration)
+                entry["runs"][algo]["greedy"] = {"return": evals[-1]["eval/return"],
+                                                 metric: evals[-1][f"eval/{metric}"],
+                                                 "episodes": args.eval_episodes}
             curves[algo] = res.records
             print(f"[{sc} {algo}] {res.env_steps} steps in {wall:.0f} s: return "
                   f"{entry['runs'][algo]['return']:.2f}", flush=True)
@@ -234,6 +257,80 @@ def run_ppo(scenarios: list[str], algos: list[str], budget: dict[str, int], args
         plot(sc, curves, SCENARIOS[sc][1], out)
         results["scenarios"][sc] = entry
         (out / "results.json").write_text(json.dumps(results, indent=1))  # after each
+
+
+def run_greedy(run_dir: Path, episodes: int, out: Path) -> None:
+    """Every checkpoint generation of `run_dir` acted greedily, beside the stochastic
+    rollouts' figures of the iterations up to it (from its metrics.jsonl)."""
+    import yaml
+
+    from flexmarl.marl.config import marl_config_from_dict
+    from flexmarl.marl.evaluate import evaluate_checkpoint
+    from flexmarl.orchestrator.checkpoint import find_checkpoints
+
+    cfg = marl_config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()),
+                                str(run_dir / "config.yaml"))
+    metric = next((m for sc, (_, _, m) in SCENARIOS.items() if f"simple_{sc}_" in cfg.env.id),
+                  None)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    records = [r for r in records if "iteration" in r and "return_mean" in r]
+    n_per = cfg.env.num_envs * cfg.runtime.rollout_workers * cfg.train.rollout_steps
+    rows = []
+    for gen in find_checkpoints(run_dir).generations():
+        completed, ev = evaluate_checkpoint(cfg, gen, episodes)
+        window = [r for r in records if completed - 10 <= r["iteration"] < completed]
+        row = {"env_steps": completed * n_per, "generation": gen.name,
+               "stochastic_return": float(np.mean([r["return_mean"] for r in window])),
+               "greedy_return": ev["eval/return"]}
+        if metric is not None:
+            row["stochastic_metric"] = float(np.mean([r[f"task/{metric}"] for r in window]))
+            row["greedy_metric"] = ev[f"eval/{metric}"]
+        rows.append(row)
+        print(f"[{gen.name}] {row}", flush=True)
+    name = run_dir.name
+    (out / f"results_greedy_{name}.json").write_text(json.dumps(
+        {"run": str(run_dir), "env": cfg.env.id, "metric": metric, "episodes": episodes,
+         "rows": rows}, indent=1))
+    print(f"\n## {name}: greedy ({episodes} fixed episodes per generation) vs stochastic "
+          "(training rollouts, mean of the 10 iterations up to the generation)\n")
+    label = metric or "-"
+    print(f"| env steps | return: stochastic | greedy | {label}: stochastic | greedy |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['env_steps']} | {r['stochastic_return']:.2f} | {r['greedy_return']:.2f} | "
+              f"{r.get('stochastic_metric', float('nan')):.3f} | "
+              f"{r.get('greedy_metric', float('nan')):.3f} |")
+    plot_greedy(name, records, rows, metric, n_per, out)
+
+
+def plot_greedy(name: str, records: list[dict], rows: list[dict], metric: str | None,
+                n_per: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("return_mean", "stochastic_return", "greedy_return",
+             "mean episode return per agent")]
+    if metric is not None:
+        keys.append((f"task/{metric}", "stochastic_metric", "greedy_metric", metric))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.6))
+    for ax, (rkey, _, gkey, label) in zip(np.atleast_1d(axes), keys, strict=True):
+        x = np.array([(r["iteration"] + 1) * n_per for r in records])
+        y = np.array([r[rkey] for r in records])
+        w = max(1, len(y) // 50)
+        ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, mode="valid"),
+                label="stochastic (training rollouts)")
+        ax.plot([r["env_steps"] for r in rows], [r[gkey] for r in rows], "o-", ms=3,
+                label="greedy (checkpoints)")
+        ax.set_xlabel("environment steps")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{name}: MAPPO through the runtime, 2 shared CPU cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}_greedy.png", dpi=110)
+    plt.close(fig)
 
 
 def run_vdn(steps: int, seed: int, out: Path, mixers: list[str]) -> None:
@@ -320,6 +417,18 @@ def print_tables(results: dict, algos: list[str]) -> None:
               + " | ".join(f"{e['runs'][a]['return']:.1f}" for a in algos)
               + f" | {rnd:.3f} | " + " | ".join(f"{e['runs'][a][metric]:.3f}" for a in algos)
               + f" | {target} | {'-' if met is None else ('yes' if met else 'NO')} |")
+    greedy = [(sc, a, e["runs"][a]["greedy"]) for sc, e in results["scenarios"].items()
+              for a in algos if "greedy" in e["runs"][a]]
+    if greedy:
+        print("\n## Greedy evaluation (most likely action) after the last iteration, beside "
+              "the stochastic rollouts (mean of the last 10% of iterations)\n")
+        print("| scenario | algorithm | return: stochastic | greedy | task metric: stochastic "
+              "| greedy | greedy episodes |")
+        print("|---|---|---|---|---|---|---|")
+        for sc, a, g in greedy:
+            metric, r = SCENARIOS[sc][2], results["scenarios"][sc]["runs"][a]
+            print(f"| {sc} ({metric}) | {a.upper()} | {r['return']:.2f} | {g['return']:.2f} | "
+                  f"{r[metric]:.3f} | {g[metric]:.3f} | {g['episodes']} |")
     print("\n## Env steps/s (2 shared CPU cores)\n")
     print("| scenario | rollout, 32 envs vectorised | rollout, 1 env at a time | speed-up | "
           + " | ".join(f"training run {a.upper()}" for a in algos) + " |")

@@ -127,6 +127,11 @@ class MarlTrainConfig(Strict):
     # OUT/checkpoints/
     checkpoint_every: int | None = Field(None, gt=0)
     keep_checkpoints: int = Field(3, gt=0)
+    # MAPPO/IPPO: every N iterations (and after the last), a greedy evaluation of the new
+    # weights on `eval_episodes` episodes of their own (marl/evaluate.py): `eval/return`,
+    # `eval/<task metric>` in that iteration's record, beside the stochastic rollouts' figures
+    eval_every: int | None = Field(None, gt=0)
+    eval_episodes: int = Field(32, gt=0)
 
 
 class MarlStoreConfig(Strict):
@@ -203,6 +208,9 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
                for e in exc.errors()):
             text += "\n  (classic MARL runs on the local and ray runtimes, not the simulator)"
         raise ConfigError(text) from None
+    if isinstance(cfg.algorithm, VdnConfig) and cfg.train.eval_every is not None:
+        raise ConfigError(f"{source}: train.eval_every: {cfg.algorithm.name} has no greedy "
+                          "evaluation yet (mappo/ippo do); unset it")
     return cfg
 
 

@@ -87,6 +87,8 @@ class MarlRun:
         self.last_checkpoint: str | None = None
         self._stop_requests = 0
         self._stop_after = False  # the boundary's checkpoint is taken: stop
+        self.published: dict[str, tuple[int, Any]] = {}  # per policy: its latest weights
+        self.evaluator: Any = None  # train.eval_every: marl/evaluate.py's GreedyEvaluator
         self._reset_iteration()
 
     def _layouts(self, cfg: MarlRunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
@@ -172,6 +174,7 @@ class MarlRun:
         for a in self.layouts[policy].agents:
             self.store.evict(a, k)
         await self.runtime.rollout.publish(policy, k + 1, wire)
+        self.published[policy] = (k + 1, wire)
         for key, value in metrics.items():
             self.metrics_k[f"agent/{policy}/{key}"] = value
 
@@ -224,6 +227,7 @@ class MarlRun:
                 nonlocal t_iter
                 now = time.perf_counter()
                 rec = self._record(k, t_iter, now, start)
+                rec.update(self._evaluate(k, n_iter))
                 t_iter = now
                 episodes.extend({"iteration": k, "env_steps": rec["env_steps"], **e}
                                 for e in self.episodes_k)
@@ -348,6 +352,29 @@ class MarlRun:
             resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
         n_iter = iterations if iterations is not None else self.cfg.iterations
         return asyncio.run(self._run(out, on_iteration, n_iter, resume, on_runtime))
+
+    def _evaluate(self, k: int, n_iter: int) -> dict[str, float]:
+        """`train.eval_every`: after iterations eval_every - 1, 2 * eval_every - 1, ... and the
+        last one, the greedy evaluation of version k+1 (`eval/*`, with `eval_s`). It reads
+        the published weights only, so training is unchanged by it."""
+        every = self.cfg.train.eval_every
+        if every is None or ((k + 1) % every != 0 and k != n_iter - 1):
+            return {}
+        from flexmarl.marl.evaluate import GreedyEvaluator
+        from flexmarl.runtime.local.workers import from_numpy
+
+        t0 = time.perf_counter()
+        if self.evaluator is None:
+            self.evaluator = GreedyEvaluator(self.cfg, self.layouts,
+                                             self.cfg.train.eval_episodes)
+        for name, (version, wire) in self.published.items():
+            if version != k + 1:
+                raise RuntimeError(f"evaluation after iteration {k}: policy {name!r} "
+                                   f"published version {version}")
+            self.evaluator.load(name, version, from_numpy(wire))
+        out = self.evaluator.run()
+        out["eval_s"] = time.perf_counter() - t0
+        return out
 
     def _record(self, k: int, t0: float, t2: float, start: float) -> dict[str, Any]:
         n = self.num_envs * self.cfg.train.rollout_steps
