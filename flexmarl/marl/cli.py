@@ -72,9 +72,13 @@ def train_command(args: argparse.Namespace) -> int:
             return 143
     import json
 
+    # a resumed run's wall time covers only the iterations run here
+    done_before = ckpt.completed * envs * cfg.train.rollout_steps if ckpt is not None else 0
+    steps_here = result.env_steps - done_before
     (out / "summary.json").write_text(json.dumps({
         "status": "completed", "iterations": len(result.records), "env_steps": result.env_steps,
-        "wall_s": result.wall_s, "algorithm": cfg.algorithm.name}, indent=2))
+        "env_steps_this_process": steps_here, "wall_s": result.wall_s,
+        "algorithm": cfg.algorithm.name}, indent=2))
     tail = result.records[-max(1, len(result.records) // 10):]
     rets = [r["return_mean"] for r in tail if "return_mean" in r]
     print(f"final mean episode return per agent (last 10% of iterations): "
@@ -82,7 +86,9 @@ def train_command(args: argparse.Namespace) -> int:
     for key in sorted({k for r in tail for k in r if k.startswith("task/")}):
         vals = [r[key] for r in tail if key in r]
         print(f"{key}: {sum(vals) / len(vals):.3f}")
-    print(f"wall time: {result.wall_s:.1f} s, {result.env_steps / result.wall_s:.0f} env steps/s")
+    resumed = f" (resumed after {done_before})" if done_before else ""
+    print(f"wall time: {result.wall_s:.1f} s for {steps_here} env steps{resumed}, "
+          f"{steps_here / result.wall_s:.0f} env steps/s")
     print(f"metrics:     {out / 'metrics.jsonl'}")
     for path in sorted((out / "checkpoints" / "final").glob("*/model.safetensors")):
         print(f"checkpoint:  {path}")

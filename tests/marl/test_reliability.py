@@ -191,6 +191,9 @@ def _resume_and_check(config: Path, out: Path, completed: int, reference) -> Non
     pos = json.loads((out / "checkpoints" / latest / "position.json").read_text())
     assert pos["completed"] == ITERATIONS
     assert_same_run(out, records_on_disk(out), pos["audit"], reference)
+    summary = json.loads((out / "summary.json").read_text())  # speed of this process's part
+    assert summary["env_steps"] == ITERATIONS * ENVS * 25
+    assert summary["env_steps_this_process"] == (ITERATIONS - completed) * ENVS * 25
 
 
 @pytest.mark.slow  # two CLI runs, each starting its worker processes
