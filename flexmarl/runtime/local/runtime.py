@@ -476,9 +476,10 @@ class LocalRuntime(Runtime):
             sup = self.supervisor
 
             async def wait_slot(index: int) -> None:
-                if sup is None:
-                    raise WorkerLost(f"training slot {index} lost (runtime.max_worker_restarts"
-                                     "=0)")
+                if sup is None:  # why it was lost (an out-of-memory kill names its agents)
+                    why = self.train_workers[index].lost_reason
+                    raise WorkerLost(f"train worker {index} lost: {why or 'not running'} "
+                                     "(runtime.max_worker_restarts=0)")
                 await sup.wait_worker("train", index)
 
             async def pipe_weights(agent: str) -> Any:
