@@ -103,3 +103,23 @@ def test_the_benchmark_measures_both_paths():
                                                          ("collective", "gloo")}
     assert all(r["mb"] == 1 and r["mbs"] > 0 for r in rows)
     assert "| 1 | 1 |" in table(rows)
+
+
+def test_without_restarts_a_lost_slot_is_reported_with_its_reason():
+    """With `runtime.max_worker_restarts: 0` a publication whose slot was lost fails the run
+    naming why the slot was lost (an out-of-memory kill names its agents), as every other
+    lost-worker error does; it once said only "training slot 0 lost"."""
+    import asyncio
+
+    from flexmarl.config.schema import load_config
+    from flexmarl.runtime.base import WorkerLost
+    from flexmarl.runtime.local.runtime import LocalRuntime
+
+    cfg = load_config("examples/referential_game.yaml",
+                      ["runtime.max_worker_restarts=0", "runtime.publication=collective"])
+    runtime = LocalRuntime(cfg, 16, 16)  # built, not started: no process runs
+    runtime.train_workers[0].lost_reason = "killed by SIGKILL (exit code -9), most likely ..."
+    publisher = runtime.rollout.publisher
+    assert publisher is not None
+    with pytest.raises(WorkerLost, match=r"train worker 0 lost: killed by SIGKILL"):
+        asyncio.run(publisher.wait_slot(0))
