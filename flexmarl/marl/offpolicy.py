@@ -30,7 +30,6 @@ and next state; simple_spread (3 agents, 18 floats, state 54): about 0.5 kB per 
 from __future__ import annotations
 
 import copy
-import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -38,10 +37,15 @@ import numpy as np
 import torch
 
 from flexmarl.config.schema import ConfigError
-from flexmarl.envs.pettingzoo import EnvError, VecParallelEnv
+from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.marl.config import MarlRunConfig, VdnConfig
 from flexmarl.marl.policies import MarlSample, PolicyLayout, group_spec
-from flexmarl.marl.rollout import WORKER_SEED_STRIDE, RolloutResult, dump_state, load_state
+from flexmarl.marl.rollout import (
+    WORKER_SEED_STRIDE,
+    RolloutResult,
+    capture_worker_state,
+    restore_worker_state,
+)
 from flexmarl.policy.nets import RunningMeanStd
 from flexmarl.store.replay import ReplayTable
 from flexmarl.training import state as st
@@ -153,22 +157,10 @@ class QRollout:
         """The environments (by attribute: positions, velocities, step counters, their RNGs)
         and the exploration generator: restored into a worker of the same config, the next
         `run` is bit-identical."""
-        try:
-            blob, _ = dump_state({"index": self.index, "venv": self.venv, "rng": self.rng})
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise EnvError(
-                f"env.id: the state of {self.cfg.env.id!r} cannot be captured ({exc}), so "
-                "its rollout can be neither checkpointed nor redone after a lost worker; "
-                "set runtime.max_worker_restarts=0 and leave train.checkpoint_every unset"
-            ) from exc
-        return blob
+        return capture_worker_state(self.cfg.env.id, self.index, self.venv, rng=self.rng)
 
     def set_state(self, blob: bytes) -> None:
-        _, external = dump_state(self.venv)  # this worker's render resources, in order
-        state = load_state(blob, external)
-        if state["index"] != self.index:
-            raise ValueError(f"rollout worker {self.index}: offered the environment state of "
-                             f"worker {state['index']}")
+        state = restore_worker_state(blob, self.index, self.venv)
         self.venv, self.rng = state["venv"], state["rng"]
 
     @torch.no_grad()

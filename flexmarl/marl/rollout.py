@@ -78,6 +78,31 @@ def load_state(blob: bytes, external: list[Any]) -> Any:
     return unpickler.load()
 
 
+def capture_worker_state(env_id: str, index: int, venv: Any, **extra: Any) -> bytes:
+    """A rollout worker's state as one blob: its environments (by attribute) with `extra`
+    (generators, hidden states); an environment that does not pickle is refused by name."""
+    try:
+        blob, _ = dump_state({"index": index, "venv": venv, **extra})
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise EnvError(
+            f"env.id: the state of {env_id!r} cannot be captured ({exc}), so "
+            "its rollout can be neither checkpointed nor redone after a lost worker; "
+            "set runtime.max_worker_restarts=0 and leave train.checkpoint_every unset"
+        ) from exc
+    return blob
+
+
+def restore_worker_state(blob: bytes, index: int, venv: Any) -> dict[str, Any]:
+    """`capture_worker_state`'s fields, for worker `index` only, keeping the live worker's
+    render resources (`venv`'s, in order)."""
+    _, external = dump_state(venv)
+    state = load_state(blob, external)
+    if state["index"] != index:
+        raise ValueError(f"rollout worker {index}: offered the environment state of "
+                         f"worker {state['index']}")
+    return state
+
+
 @dataclass
 class RolledRow:
     """One (agent, environment) row of an iteration: what the driver writes to the store."""
@@ -139,24 +164,12 @@ class EnvRollout:
         the worker's action sampler, the GRU hidden states and episode-start flags. Restored
         by `set_state` into a worker of the same config, the next `run` is bit-identical."""
         hidden = {n: p.hidden for n, p in self.actors.items()}
-        try:
-            blob, _ = dump_state({"index": self.index, "venv": self.venv,
-                                  "gen": self.gen.get_state(), "hidden": hidden,
-                                  "start_flag": self._start_flag})
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise EnvError(
-                f"env.id: the state of {self.cfg.env.id!r} cannot be captured ({exc}), so "
-                "its rollout can be neither checkpointed nor redone after a lost worker; "
-                "set runtime.max_worker_restarts=0 and leave train.checkpoint_every unset"
-            ) from exc
-        return blob
+        return capture_worker_state(self.cfg.env.id, self.index, self.venv,
+                                    gen=self.gen.get_state(), hidden=hidden,
+                                    start_flag=self._start_flag)
 
     def set_state(self, blob: bytes) -> None:
-        _, external = dump_state(self.venv)  # this worker's render resources, in order
-        state = load_state(blob, external)
-        if state["index"] != self.index:
-            raise ValueError(f"rollout worker {self.index}: offered the environment state of "
-                             f"worker {state['index']}")
+        state = restore_worker_state(blob, self.index, self.venv)
         self.venv = state["venv"]
         self.gen.set_state(state["gen"])
         for name, h in state["hidden"].items():
