@@ -194,28 +194,21 @@ class OptimConfig(Strict):
     decay: float = Field(0.005, ge=0)  # lambda of critic_scaled (seed document: 0.001-0.01)
 
 
-# The Ray replica hosts hf models only (openai agents are served from the driver, as locally).
-VLLM_ON_RAY = ("agents.{agent}.backend.kind: vllm is not supported on runtime.kind=ray (the Ray "
-               "replicas host hf models only); use runtime.kind=local for a vllm agent, or "
-               "backend.kind hf or openai on Ray")
-
-
 class BackendConfig(Strict):
     """Where the agent's rollout requests are served (docs/design.md section 6).
 
     `hf`: transformers inside the rollout pool's replicas (the default, CPU or GPU);
-    `openai`: an OpenAI-compatible `/v1/completions` endpoint, for frozen agents and judges;
-    `vllm`: vLLM engines inside the replicas (`pip install flexmarl[vllm]`, GPU only).
+    `openai`: an OpenAI-compatible `/v1/completions` endpoint, for frozen agents and judges
+    (the route to an external server such as vLLM or SGLang).
     """
 
-    kind: Literal["hf", "openai", "vllm"] = "hf"
+    kind: Literal["hf", "openai"] = "hf"
     url: str | None = None  # openai: base URL, e.g. http://127.0.0.1:8000
     model: str | None = None  # openai: the model name the endpoint expects
     timeout_s: float = Field(30.0, gt=0)
     max_retries: int = Field(3, ge=0)
     backoff_s: float = Field(0.5, ge=0)  # first retry delay, doubled each retry
     max_concurrency: int = Field(16, gt=0)
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)  # vllm
 
     @field_validator("url")
     @classmethod
@@ -250,10 +243,6 @@ class AgentConfig(Strict):
                 f"optim.schedule: 'critic_scaled' scales by the critic's size and needs a critic "
                 f"(algorithm.name ppo), not {self.algorithm.name!r}"
             )
-        if self.backend.kind == "vllm" and (self.sampling.top_p < 1 or self.sampling.stop):
-            raise ValueError(
-                "sampling.top_p / sampling.stop: the vllm backend does not apply them yet "
-                "(hf and openai do); leave top_p at 1 and use stop_token_ids")
         return self
 
 
@@ -515,8 +504,6 @@ class RunConfig(Strict):
             if not name.isidentifier():
                 raise ValueError(f"agents: agent name {name!r} must be an identifier")
             backend = agent.backend
-            if backend.kind == "vllm" and self.runtime.kind == "ray":
-                raise ValueError(VLLM_ON_RAY.format(agent=name))
             if backend.kind == "openai":
                 if not backend.url:
                     raise ValueError(f"agents.{name}.backend.url: required for the openai "

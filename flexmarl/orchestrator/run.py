@@ -49,11 +49,6 @@ def prepare(cfg: RunConfig) -> Task:
     """Build and validate everything that can be checked before any worker starts."""
     task = load_task(cfg.task.builder, cfg.task.options)
     task.graph.validate(cfg.agents.keys())
-    for name, agent_cfg in cfg.agents.items():
-        if agent_cfg.backend.kind == "vllm":
-            from flexmarl.rollout.backends.vllm import import_vllm
-
-            import_vllm(name)  # a clear error now, not a dead replica later
     used = set(task.graph.agents)
     for agent in cfg.agents:
         if agent not in used:

@@ -29,7 +29,8 @@ def test_base_fields_are_copied_into_the_agents_and_survive_a_round_trip():
      "agents.a.model.hidden_size: set next to model.base 'smol'"),
     ({"model": {"base": "smol"}},
      "agents.a.lora: an agent on a shared base (model.base 'smol') trains a LoRA adapter"),
-    ({"model": {"base": "smol"}, "lora": {}, "backend": {"kind": "vllm"}},
+    ({"model": {"base": "smol"}, "lora": {},
+      "backend": {"kind": "openai", "url": "http://127.0.0.1:9"}, "trainable": False},
      "agents.a.backend.kind: an agent on a shared base"),
 ])
 def test_bad_base_is_one_clear_error(agent, message):

@@ -234,7 +234,7 @@ def _mb(nbytes: float) -> float:
 def make_engine(key: str, agents: list[str], cfg: Any, spec: WorkerSpec, max_seqs: int
                 ) -> tuple[Any, dict[str, Any]]:
     """The engine of one model on this replica and what it holds in memory: transformers (hf)
-    or vLLM for one agent's own model; for agents on a shared base (`key` "base:NAME"), one hf
+    for one agent's own model; for agents on a shared base (`key` "base:NAME"), one hf
     engine over the base with each agent's adapter. The hf model sits on this process's
     device in the agent's compute dtype."""
     from flexmarl.policy.adapters import build_replica_model, resident_bytes
@@ -255,10 +255,6 @@ def make_engine(key: str, agents: list[str], cfg: Any, spec: WorkerSpec, max_seq
         return HFEngine(model, max_seqs, kv_tokens, adapters=names,
                         tokenizer=tokenizer_loader(agents[0], acfg, spec.vocab_size)), memory
     agent = agents[0]
-    if acfg.backend.kind == "vllm":
-        from flexmarl.rollout.backends.vllm import VLLMEngine
-
-        return VLLMEngine(agent, acfg, max_seqs), {"agents": agents}
     model = build_model(agent, acfg.model, spec.vocab_size, spec.max_seq_len, cfg.seed, dev, dtype)
     nbytes = resident_bytes(model)
     return HFEngine(model, max_seqs, kv_tokens,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flexmarl.config.schema import VLLM_ON_RAY, RayBundle, RunConfig
+from flexmarl.config.schema import RayBundle, RunConfig
 from flexmarl.planning.planner import Plan
 from flexmarl.policy.model import approx_params
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
@@ -528,9 +528,6 @@ class RayRuntime(Runtime):
         self.config = cfg.model_dump(mode="json")
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.agents = list(cfg.agents)
-        for agent in self.agents:
-            if cfg.agents[agent].backend.kind == "vllm":  # also refused by the config schema
-                raise RayRuntimeError(VLLM_ON_RAY.format(agent=agent))
         # agents served by an external endpoint need no model in the replicas
         self.local_agents = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
         trainable = [a for a in self.agents if cfg.agents[a].trainable]

@@ -105,14 +105,6 @@ def test_publishing_to_an_endpoint_agent_is_refused():
     endpoint.close()
 
 
-def test_vllm_agent_on_ray_is_refused_by_name():
-    raw = _game_config(backend={"kind": "vllm"})
-    raw["runtime"] = {"kind": "ray"}
-    with pytest.raises(ValueError, match=r"agents.listener.backend.kind: vllm is not supported "
-                                         r"on runtime.kind=ray"):
-        config_from_dict(raw)
-
-
 # Heartbeats: a ping every 0.5 s, 6 unanswered intervals (3 s) make an actor hung.
 HEARTBEAT = ["runtime.heartbeat_interval_s=0.5", "runtime.heartbeat_misses=6"]
 
