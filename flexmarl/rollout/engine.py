@@ -1,9 +1,9 @@
 """Continuous batching for one transformers model: admit and retire sequences at each decode step.
 
-A replica keeps one running batch per model. Newcomers are prefilled together and their KV rows
-are merged into the running cache (left-padded to a common length, masked out); a sequence that
-finishes leaves the batch at once and its KV rows are dropped, so the batch stays full while
-long-tail generations run. Per-sequence state (position, Gumbel stream keyed by (seed,
+A replica keeps one running batch per model over a paged KV cache (`rollout.paged`): newcomers
+are prefilled together into blocks of their own, a sequence that finishes leaves the batch at
+once and its blocks go back to the free list; neither copies the cache, so the batch stays full
+while long-tail generations run. Per-sequence state (position, Gumbel stream keyed by (seed,
 sample_id, version), token mask, temperature) lives with the sequence, so a sequence decodes to
 the same tokens and log-probs whether alone or inside any batch (up to float rounding).
 
@@ -30,6 +30,7 @@ from flexmarl.policy.sampling import (
     noise_seed_of,
     top_p_mask,
 )
+from flexmarl.rollout.paged import NULL_BLOCK, BlockAllocator, KVStats, PagedKVCache
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Sequence:
     mask: torch.Tensor | None  # None: every token allowed
     admitted_at: float
     adapter: str | None = None  # the LoRA adapter its rows run through (shared-base models)
+    blocks: list[int] = field(default_factory=list)  # its block table in the paged cache
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -76,13 +78,7 @@ def _host_to(device: torch.device, rows: list[list[int]] | list[int]) -> torch.T
     return t.to(device)
 
 
-def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    extra = width - t.shape[dim]
-    if extra <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+BLOCK_SIZE = 16  # tokens per KV block
 
 
 class ContinuousBatcher:
@@ -99,7 +95,8 @@ class ContinuousBatcher:
     """
 
     def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
-                 tokenizer: Any = None, adapters: dict[str, str] | None = None):
+                 tokenizer: Any = None, adapters: dict[str, str] | None = None,
+                 block_size: int = BLOCK_SIZE):
         """`tokenizer`: the agent's tokenizer (on a shared base, the base's), or a function that
         loads it on first use, for requests with stop strings (None: such requests are refused)."""
         if max_seqs < 1:
@@ -117,14 +114,25 @@ class ContinuousBatcher:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.seqs: list[_Sequence] = []
-        self.cache: Any = None  # the transformers KV cache of the running batch
-        # [B, capacity] bool, True where the cache holds a real token; columns `:width` are in
-        # use. Decode steps fill one column in place (no growing copy) and pass the model its
-        # own 4D mask, so transformers builds none (and reads nothing back to decide whether
-        # it may skip it). Only for SDPA attention (the mask is boolean, as SDPA's own).
-        self.attn: torch.Tensor | None = None
-        self.width = 0
-        self._own_mask = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        # The paged cache: the token budget (admission control, `fits`) keeps every running
+        # sequence within its blocks; one partly filled block per sequence on top. On a GPU the
+        # pool is reserved at once (the budget is sized from rollout.kv_memory_fraction); on a
+        # CPU it grows in chunks as tokens arrive.
+        self.block_size = block_size
+        max_blocks = -(-max_tokens // block_size) + max_seqs + 1
+        self.allocator = BlockAllocator(max_blocks)
+        n_layers = model.config.num_hidden_layers
+        self.kv = PagedKVCache(self.allocator, block_size, n_layers, self.device,
+                               preallocate=self.device.type == "cuda")
+        # [B, blocks] the block table of each row on the device, rebuilt (one small copy) only
+        # when a row gains a block, joins or leaves; `_columns` the flat slots it gathers
+        self._table: torch.Tensor | None = None
+        self._columns: torch.Tensor | None = None
+        self._table_stale = True
+        # the model gets its own 4D mask, so transformers builds none: boolean for SDPA,
+        # additive for other attention implementations
+        self._bool_mask = getattr(model.config, "_attn_implementation", None) in ("sdpa", None)
+        self._dtype = param.dtype if param is not None else torch.float32
         self._banned: torch.Tensor | None = None  # [B, V] True: token masked; None: no mask
         self._rows: torch.Tensor | None = None  # [B] stacked-LoRA slot of each row
         self._only: int | None = None  # the one slot every row shares, if they do
@@ -209,6 +217,10 @@ class ContinuousBatcher:
     def kv_budget_used(self) -> int:
         return sum(s.budget for s in self.seqs)
 
+    def kv_stats(self) -> KVStats:
+        """The paged cache now: blocks in use and held, KV bytes per held token."""
+        return self.kv.stats(sum(s.kv for s in self.seqs))
+
     def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
         """Would `request` fit next to the running batch and `already` other newcomers?"""
         if self.active + already >= self.max_seqs:
@@ -225,23 +237,42 @@ class ContinuousBatcher:
         if not requests:
             return []
         now = time.time()
-        width = max(len(r.prompt) for r in requests)
-        # one host->device copy: left-padded ids, then the state (noise seed, tokens sampled,
-        # next position), the temperature's float64 bits and the padding's width
-        host = []
         for r in requests:
             if not r.prompt:
                 raise ValueError(f"request {r.sample_id}: empty prompt")
+        width = max(len(r.prompt) for r in requests)
+        bs = self.block_size
+        new = [_Sequence(r, None, now, self._adapter_of(r)) for r in requests]
+        for s in new:  # the prompt's blocks
+            s.blocks = [self.allocator.allocate() for _ in range(-(-len(s.request.prompt) // bs))]
+        n_blocks = max(len(s.blocks) for s in new)
+        # one host->device copy: left-padded ids, each input token's slot (padding: the null
+        # block), the block tables, then the state (noise seed, tokens sampled, next position),
+        # the temperature's float64 bits and the padding's width
+        host = []
+        for s in new:
+            r = s.request
+            pad = width - len(r.prompt)
+            slots = [s.blocks[j // bs] * bs + j % bs for j in range(len(r.prompt))]
             temp = struct.unpack("<q", struct.pack("<d", r.temperature))[0]
-            host.append([PAD] * (width - len(r.prompt)) + list(r.prompt)
-                        + [noise_seed_of(r), 0, len(r.prompt), temp, width - len(r.prompt)])
+            host.append([PAD] * pad + list(r.prompt) + [NULL_BLOCK] * pad + slots
+                        + s.blocks + [NULL_BLOCK] * (n_blocks - len(s.blocks))
+                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad])
         packed = _host_to(self.device, host)
         input_ids = packed[:, :width]
-        state = packed[:, width:width + 3].clone()
-        temps = packed[:, width + 3:width + 4].contiguous().view(torch.float64).float()
-        attn = torch.arange(width, device=self.device).unsqueeze(0) >= packed[:, width + 4:]
-        position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
-        new = [_Sequence(r, None, now, self._adapter_of(r)) for r in requests]
+        slots_t = packed[:, width:2 * width]
+        table = packed[:, 2 * width:2 * width + n_blocks]
+        at = 2 * width + n_blocks
+        state = packed[:, at:at + 3].clone()
+        temps = packed[:, at + 3:at + 4].contiguous().view(torch.float64).float()
+        # logical position of each input token (-1: padding)
+        logical = torch.arange(width, device=self.device).unsqueeze(0) - packed[:, at + 4:]
+        position_ids = logical.clamp(min=0)
+        columns = self._columns_of(table)
+        cols = torch.arange(columns.shape[1], device=self.device)
+        # causal over each row's own gathered columns; a padding query sees column 0 only (its
+        # output is dropped; an empty row would turn into NaN)
+        allowed = cols[None, None, :] <= logical.clamp(min=0)[:, :, None]
         banned = None
         if any(r.allowed_tokens is not None for r in requests):
             banned = self._banned_rows(requests)
@@ -253,18 +284,26 @@ class ContinuousBatcher:
             slots = self._slots([s.adapter for s in new])
             rows, only = _host_to(self.device, slots), (slots[0] if len(set(slots)) == 1
                                                           else None)
-        if self._own_mask:
-            causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
-            mask: torch.Tensor = causal.unsqueeze(0) & attn.unsqueeze(1)
-            mask = mask.unsqueeze(1)
-        else:
-            mask = attn.long()
-        out = self._forward(rows, only, input_ids=input_ids, attention_mask=mask,
-                            position_ids=position_ids, use_cache=True, logits_to_keep=1)
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        self.kv.slots, self.kv.columns = slots_t, columns
+        out = self._forward(rows, only, input_ids=input_ids,
+                            attention_mask=self._mask(allowed.unsqueeze(1)),
+                            position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                            **{self._cache_arg: self.kv})
         start = len(self.seqs)
-        self._merge(new, cache, attn, out.logits[:, -1, :].float(), state, temps, banned, rows)
+        self._merge(new, out.logits[:, -1, :].float(), state, temps, banned, rows)
         return self._sample(start)
+
+    def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
+        """[B, blocks * block_size] the flat slot of each row's logical token, in order."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=table.device)
+        return (table.unsqueeze(-1) * bs + offsets).reshape(table.shape[0], -1)
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self._bool_mask:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self._dtype, device=self.device).masked_fill(
+            ~allowed, torch.finfo(self._dtype).min)
 
     def _banned_rows(self, requests: list[GenerationRequest]) -> torch.Tensor:
         """[n, V] True for each request's disallowed tokens (built on the host, one copy)."""
@@ -278,12 +317,12 @@ class ContinuousBatcher:
             return (~allowed).pin_memory().to(self.device, non_blocking=True)
         return (~allowed).to(self.device)
 
-    def _merge(self, new: list[_Sequence], cache: Any, attn: torch.Tensor, logits: torch.Tensor,
+    def _merge(self, new: list[_Sequence], logits: torch.Tensor,
                state: torch.Tensor, temps: torch.Tensor, banned: torch.Tensor | None,
                rows: torch.Tensor | None) -> None:
-        if self.cache is None or not self.seqs:
-            self.seqs, self.cache, self.logits = new, cache, logits
-            self.attn, self.width = self._with_room(attn, attn.shape[1]), attn.shape[1]
+        self._table_stale = True
+        if not self.seqs:
+            self.seqs, self.logits = new, logits
             self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
             self._state, self._temps, self._banned, self._rows = state, temps, banned, rows
             self._only = None if rows is None else self._only_of(new)
@@ -300,16 +339,6 @@ class ContinuousBatcher:
         if rows is not None:
             assert self._rows is not None
             self._rows = torch.cat([self._rows, rows])
-        assert self.attn is not None
-        width = max(self.width, attn.shape[1])
-        for old_layer, new_layer in zip(self.cache.layers, cache.layers, strict=True):
-            old_layer.keys = torch.cat(
-                [_pad_left(old_layer.keys, width, 2), _pad_left(new_layer.keys, width, 2)])
-            old_layer.values = torch.cat(
-                [_pad_left(old_layer.values, width, 2), _pad_left(new_layer.values, width, 2)])
-        merged = torch.cat([_pad_left(self.attn[:, :self.width], width, 1),
-                            _pad_left(attn, width, 1)])
-        self.attn, self.width = self._with_room(merged, width), width
         self.logits = logits  # only the newcomers still need their first token
         self.seqs = self.seqs + new
         if rows is not None:
@@ -318,12 +347,6 @@ class ContinuousBatcher:
     def _only_of(self, seqs: list[_Sequence]) -> int | None:
         slots = set(self._slots([s.adapter for s in seqs]))
         return slots.pop() if len(slots) == 1 else None
-
-    def _with_room(self, attn: torch.Tensor, width: int, room: int = 64) -> torch.Tensor:
-        """The attention rows in a buffer with `room` free columns after `width`."""
-        out = torch.zeros((attn.shape[0], width + room), dtype=torch.bool, device=self.device)
-        out[:, :width] = attn[:, :width]
-        return out
 
     # --- decoding ----------------------------------------------------------------------------
     def _sample(self, start: int = 0) -> list[GenerationResult]:
@@ -377,13 +400,21 @@ class ContinuousBatcher:
         return GenerationResult(r.sample_id, s.tokens, s.logprobs, r.version,
                                 admitted_at=s.admitted_at, finished_at=time.time())
 
+    def _release(self, seqs: list[_Sequence]) -> None:
+        for s in seqs:
+            for block in s.blocks:
+                self.allocator.release(block)
+            s.blocks = []
+
     def _retire(self, keep: list[int]) -> None:
+        kept = set(keep)
+        self._release([s for i, s in enumerate(self.seqs) if i not in kept])
+        self._table_stale = True
         if not keep:
-            self.seqs, self.cache, self.attn, self.logits = [], None, None, None
+            self.seqs, self.logits = [], None
             self._state, self._temps = self._state[:0], self._temps[:0]
-            self._banned, self._rows, self._only, self.width = None, None, None, 0
+            self._banned, self._rows, self._only = None, None, None
             return
-        assert self.attn is not None
         idx = _host_to(self.device, keep)
         self.seqs = [self.seqs[i] for i in keep]
         self._choice = self._choice[idx]
@@ -394,32 +425,32 @@ class ContinuousBatcher:
                             else None)
         if self._rows is not None:
             self._rows, self._only = self._rows[idx], self._only_of(self.seqs)
-        # columns that now hold padding in every remaining row can go (known on the host)
-        first = self.width - max(s.kv for s in self.seqs)
-        self.attn = self.attn[idx, first:]
-        self.width -= first
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[idx, :, first:]
-            layer.values = layer.values[idx, :, first:]
 
     @torch.no_grad()
     def step(self) -> list[GenerationResult]:
         """One decode step for every running sequence; returns those that finished."""
         if not self.seqs:
             return []
-        assert self.attn is not None
-        if self.width == self.attn.shape[1]:
-            self.attn = self._with_room(self.attn, self.width, max(64, self.width // 2))
-        self.attn[:, self.width] = True  # the column of the token fed now
-        self.width += 1
-        attn = self.attn[:, :self.width]
-        mask = attn[:, None, None, :] if self._own_mask else attn.long()
+        bs = self.block_size
+        for s in self.seqs:  # the fed token's position (known on the host) may open a block
+            if s.kv >= len(s.blocks) * bs:
+                s.blocks.append(self.allocator.allocate())
+                self._table_stale = True
+        if self._table_stale or self._table is None or self._columns is None:
+            width = max(len(s.blocks) for s in self.seqs)
+            self._table = _host_to(self.device, [s.blocks + [NULL_BLOCK] * (width - len(s.blocks))
+                                                 for s in self.seqs])
+            self._columns = self._columns_of(self._table)
+            self._table_stale = False
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
+        self.kv.slots = self._table.gather(1, pos // bs) * bs + pos % bs
+        self.kv.columns = self._columns
+        cols = torch.arange(self._columns.shape[1], device=self.device)
+        allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
         out = self._forward(self._rows, self._only, input_ids=self._choice.unsqueeze(1),
-                            attention_mask=mask, position_ids=pos, use_cache=True,
-                            **{self._cache_arg: self.cache})
-        self.cache = out.cache if hasattr(out, "cache") else out.past_key_values
+                            attention_mask=self._mask(allowed), position_ids=pos,
+                            use_cache=True, **{self._cache_arg: self.kv})
         self.logits = out.logits[:, -1, :].float()
         return self._sample()
 
@@ -471,8 +502,10 @@ class HFEngine(ContinuousBatcher):
 
     def reset(self) -> None:
         """Drop the running batch (after a failure); the model stays loaded."""
-        self.seqs, self.cache, self.attn, self.logits = [], None, None, None
-        self._banned, self._rows, self._only, self.width = None, None, None, 0
+        self._release(self.seqs)
+        self.seqs, self.logits = [], None
+        self._table, self._columns, self._table_stale = None, None, True
+        self._banned, self._rows, self._only = None, None, None
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
         self._state = self._state[:0]
         self._temps = self._temps[:0]

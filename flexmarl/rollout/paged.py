@@ -1,0 +1,160 @@
+"""A paged KV cache for one replica's running batch: fixed-size blocks, a block table per sequence.
+
+The keys and values of every layer live in one pool of `block_size`-token blocks; a sequence owns
+the blocks its block table lists, in order, so its logical token j sits in slot
+`table[j // block_size] * block_size + j % block_size`. Admitting a sequence allocates blocks and
+retiring one frees them: neither copies the cache. Memory held follows the tokens actually
+cached (rounded up to a block), not the longest sequence times the batch.
+
+Attention goes through PyTorch's own `scaled_dot_product_attention` (or the model's configured
+attention) with an explicit mask over the gathered blocks of each row: `update` writes the new
+keys/values into their slots and returns each row's blocks gathered in logical order, the
+shape a transformers attention layer expects from its cache. Block 0 is a null block: padding
+writes there and unused table entries point there, always masked out.
+
+The pool grows in chunks (doubling) up to its limit, so a small run on a CPU never reserves
+gigabytes; `preallocate` reserves it all at once (on a GPU, sized from `rollout.kv_memory_fraction`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NULL_BLOCK = 0
+
+
+class CacheExhausted(RuntimeError):
+    """No free block is left (admission control should have queued the request)."""
+
+
+class BlockAllocator:
+    """Free list and reference counts of the pool's blocks (block 0 is the null block)."""
+
+    def __init__(self, max_blocks: int, first_chunk: int = 16):
+        if max_blocks < 2:
+            raise ValueError("a paged cache needs at least 2 blocks (one is the null block)")
+        self.max_blocks = max_blocks
+        self.capacity = min(max_blocks, max(2, first_chunk))  # blocks the pool holds now
+        self.refs = [0] * self.capacity
+        self.refs[NULL_BLOCK] = 1  # never handed out
+        self.free = list(range(self.capacity - 1, 0, -1))  # pop() hands out the lowest first
+
+    @property
+    def used(self) -> int:
+        """Blocks held by sequences (the null block excluded)."""
+        return self.capacity - 1 - len(self.free)
+
+    def grow(self, at_least: int) -> None:
+        """Double the capacity (at least to `at_least` blocks, past `max_blocks` only if a single
+        sequence needs it: an empty batch always takes one request)."""
+        new = min(max(self.capacity * 2, at_least), max(self.max_blocks, at_least))
+        if new <= self.capacity:
+            raise CacheExhausted(f"KV cache full: {self.capacity - 1} blocks in use")
+        self.refs.extend([0] * (new - self.capacity))
+        self.free[:0] = list(range(new - 1, self.capacity - 1, -1))
+        self.capacity = new
+
+    def allocate(self) -> int:
+        if not self.free:
+            self.grow(self.capacity + 1)
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more sequence reads `block` (a shared prefix)."""
+        assert self.refs[block] > 0, f"block {block} is free"
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        assert block != NULL_BLOCK and self.refs[block] > 0, f"block {block} released twice"
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free.append(block)
+
+
+@dataclass
+class KVStats:
+    """What the pool holds: for logs and the benchmark (bytes per held token vs a padded cache)."""
+
+    block_size: int
+    blocks_in_use: int
+    blocks_capacity: int
+    held_tokens: int
+    bytes_per_token: int  # K and V of one token, all layers
+    pool_bytes: int
+
+    @property
+    def fraction_in_use(self) -> float:
+        return self.blocks_in_use / max(1, self.blocks_capacity - 1)
+
+    @property
+    def bytes_per_held_token(self) -> float:
+        """KV bytes the blocks in use take per token they hold (>= bytes_per_token: the last
+        block of each sequence is partly empty)."""
+        return self.blocks_in_use * self.block_size * self.bytes_per_token / max(1, self.held_tokens)
+
+
+class PagedKVCache:
+    """The cache object handed to a transformers model (`cache=` / `past_key_values=`).
+
+    Before each forward the engine sets `slots` ([B, T] flat slot of each input token) and
+    `columns` ([B, C] flat slot of each gathered key column, C a multiple of the block size);
+    each attention layer then calls `update`, which writes and gathers.
+    """
+
+    is_compileable = False
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, n_layers: int,
+                 device: torch.device, preallocate: bool = False):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.n_layers = n_layers
+        self.device = device
+        self.preallocate = preallocate
+        self.keys: list[torch.Tensor | None] = [None] * n_layers  # [slots, H, D] per layer
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.slots: torch.Tensor | None = None
+        self.columns: torch.Tensor | None = None
+        self.token_bytes = 0
+
+    def _pool(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's pool, grown to the allocator's capacity (a copy only when it grows)."""
+        rows = (self.allocator.max_blocks if self.preallocate else self.allocator.capacity) \
+            * self.block_size
+        keys, values = self.keys[layer], self.values[layer]
+        heads, dim = like.shape[1], like.shape[3]
+        if keys is None or values is None:
+            keys = like.new_zeros((rows, heads, dim))
+            values = like.new_zeros((rows, heads, dim))
+            self.token_bytes = 2 * heads * dim * like.element_size() * self.n_layers
+        elif keys.shape[0] < rows:
+            extra = like.new_zeros((rows - keys.shape[0], heads, dim))
+            keys, values = torch.cat([keys, extra]), torch.cat([values, extra])
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' keys/values ([B, H, T, D]) into their slots; return each row's
+        gathered columns ([B, H, C, D]), masked by the engine's attention mask."""
+        assert self.slots is not None and self.columns is not None, "slots not set"
+        keys, values = self._pool(layer_idx, key_states)
+        flat = self.slots.reshape(-1)
+        b, h, t, d = key_states.shape
+        keys.index_copy_(0, flat, key_states.transpose(1, 2).reshape(b * t, h, d))
+        values.index_copy_(0, flat, value_states.transpose(1, 2).reshape(b * t, h, d))
+        cols = self.columns
+        return keys[cols].transpose(1, 2), values[cols].transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.columns is None else int(self.columns.shape[1])
+
+    def stats(self, held_tokens: int) -> KVStats:
+        return KVStats(self.block_size, self.allocator.used, self.allocator.capacity,
+                       held_tokens, self.token_bytes,
+                       sum(int(k.numel() * k.element_size()) * 2 for k in self.keys
+                           if k is not None))
