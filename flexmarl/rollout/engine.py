@@ -112,23 +112,21 @@ class ContinuousBatcher:
         self._cache_arg = cache_argument(model)
         self.vocab = model.config.vocab_size
         self.max_seqs = max_seqs
-        self.max_tokens = max_tokens
         self.seqs: list[_Sequence] = []
         # The paged cache: the token budget (admission control, `fits`) keeps every running
         # sequence within its blocks; one partly filled block per sequence on top. On a GPU the
         # pool is reserved at once (the budget is sized from rollout.kv_memory_fraction); on a
         # CPU it grows in chunks as tokens arrive.
         self.block_size = block_size
-        max_blocks = -(-max_tokens // block_size) + max_seqs + 1
-        self.allocator = BlockAllocator(max_blocks)
-        n_layers = model.config.num_hidden_layers
-        self.kv = PagedKVCache(self.allocator, block_size, n_layers, self.device,
-                               preallocate=self.device.type == "cuda")
-        # [B, blocks] the block table of each row on the device, rebuilt (one small copy) only
-        # when a row gains a block, joins or leaves; `_columns` the flat slots it gathers
+        self.allocator = BlockAllocator(2)
+        self.kv = PagedKVCache(self.allocator, block_size, model.config.num_hidden_layers,
+                               self.device)
+        self.max_tokens = max_tokens
+        # [B, blocks] the block table of each row on the device: rows join and leave on the
+        # device; copied up (one small pinned copy) only on a step where a row opens a block.
+        # `_columns`: the flat slots it gathers (None: to recompute)
         self._table: torch.Tensor | None = None
         self._columns: torch.Tensor | None = None
-        self._table_stale = True
         # the model gets its own 4D mask, so transformers builds none: boolean for SDPA,
         # additive for other attention implementations
         self._bool_mask = getattr(model.config, "_attn_implementation", None) in ("sdpa", None)
@@ -143,6 +141,23 @@ class ContinuousBatcher:
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
         self._tokenizer = tokenizer
+
+    @property
+    def max_tokens(self) -> int:
+        """The KV token budget (prompt + max_new_tokens of every running sequence)."""
+        return self._max_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, tokens: int) -> None:
+        # one partly filled block per sequence on top of the budget, plus the null block
+        self._max_tokens = tokens
+        self.allocator.max_blocks = max(self.allocator.capacity,
+                                        -(-tokens // self.block_size) + self.max_seqs + 1)
+
+    def reserve_kv(self) -> None:
+        """Reserve the whole pool now rather than growing it (a GPU replica, whose budget was
+        sized from `rollout.kv_memory_fraction`): no allocation while decoding."""
+        self.kv.preallocate = True
 
     def tokenizer(self) -> Any:
         if callable(self._tokenizer) and not hasattr(self._tokenizer, "decode"):
@@ -290,7 +305,7 @@ class ContinuousBatcher:
                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
                             **{self._cache_arg: self.kv})
         start = len(self.seqs)
-        self._merge(new, out.logits[:, -1, :].float(), state, temps, banned, rows)
+        self._merge(new, table, out.logits[:, -1, :].float(), state, temps, banned, rows)
         return self._sample(start)
 
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
@@ -317,10 +332,16 @@ class ContinuousBatcher:
             return (~allowed).pin_memory().to(self.device, non_blocking=True)
         return (~allowed).to(self.device)
 
-    def _merge(self, new: list[_Sequence], logits: torch.Tensor,
+    def _merge(self, new: list[_Sequence], table: torch.Tensor, logits: torch.Tensor,
                state: torch.Tensor, temps: torch.Tensor, banned: torch.Tensor | None,
                rows: torch.Tensor | None) -> None:
-        self._table_stale = True
+        self._columns = None
+        if not self.seqs or self._table is None:
+            self._table = table
+        else:  # the newcomers' block tables join on the device (no copy up)
+            width = max(self._table.shape[1], table.shape[1])
+            self._table = torch.cat([F.pad(self._table, (0, width - self._table.shape[1])),
+                                     F.pad(table, (0, width - table.shape[1]))])
         if not self.seqs:
             self.seqs, self.logits = new, logits
             self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -409,8 +430,9 @@ class ContinuousBatcher:
     def _retire(self, keep: list[int]) -> None:
         kept = set(keep)
         self._release([s for i, s in enumerate(self.seqs) if i not in kept])
-        self._table_stale = True
+        self._columns = None
         if not keep:
+            self._table = None
             self.seqs, self.logits = [], None
             self._state, self._temps = self._state[:0], self._temps[:0]
             self._banned, self._rows, self._only = None, None, None
@@ -418,6 +440,8 @@ class ContinuousBatcher:
         idx = _host_to(self.device, keep)
         self.seqs = [self.seqs[i] for i in keep]
         self._choice = self._choice[idx]
+        assert self._table is not None
+        self._table = self._table[idx]
         self._state, self._temps = self._state[idx], self._temps[idx]
         if self._banned is not None:
             self._banned = (self._banned[idx]
@@ -432,16 +456,21 @@ class ContinuousBatcher:
         if not self.seqs:
             return []
         bs = self.block_size
+        opened = False
         for s in self.seqs:  # the fed token's position (known on the host) may open a block
             if s.kv >= len(s.blocks) * bs:
                 s.blocks.append(self.allocator.allocate())
-                self._table_stale = True
-        if self._table_stale or self._table is None or self._columns is None:
+                opened = True
+        if opened or self._table is None:
             width = max(len(s.blocks) for s in self.seqs)
             self._table = _host_to(self.device, [s.blocks + [NULL_BLOCK] * (width - len(s.blocks))
                                                  for s in self.seqs])
+            self._columns = None
+        if self._columns is None:
+            # only as many columns as the longest row needs (rows joined or left)
+            width = max(len(s.blocks) for s in self.seqs)
+            self._table = self._table[:, :width]
             self._columns = self._columns_of(self._table)
-            self._table_stale = False
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
         self.kv.slots = self._table.gather(1, pos // bs) * bs + pos % bs
@@ -504,7 +533,7 @@ class HFEngine(ContinuousBatcher):
         """Drop the running batch (after a failure); the model stays loaded."""
         self._release(self.seqs)
         self.seqs, self.logits = [], None
-        self._table, self._columns, self._table_stale = None, None, True
+        self._table, self._columns = None, None
         self._banned, self._rows, self._only = None, None, None
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
         self._state = self._state[:0]

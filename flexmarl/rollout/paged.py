@@ -26,17 +26,13 @@ import torch
 NULL_BLOCK = 0
 
 
-class CacheExhausted(RuntimeError):
-    """No free block is left (admission control should have queued the request)."""
-
-
 class BlockAllocator:
     """Free list and reference counts of the pool's blocks (block 0 is the null block)."""
 
     def __init__(self, max_blocks: int, first_chunk: int = 16):
         if max_blocks < 2:
             raise ValueError("a paged cache needs at least 2 blocks (one is the null block)")
-        self.max_blocks = max_blocks
+        self.max_blocks = max_blocks  # may be raised later (the replica's KV budget)
         self.capacity = min(max_blocks, max(2, first_chunk))  # blocks the pool holds now
         self.refs = [0] * self.capacity
         self.refs[NULL_BLOCK] = 1  # never handed out
@@ -48,11 +44,10 @@ class BlockAllocator:
         return self.capacity - 1 - len(self.free)
 
     def grow(self, at_least: int) -> None:
-        """Double the capacity (at least to `at_least` blocks, past `max_blocks` only if a single
-        sequence needs it: an empty batch always takes one request)."""
+        """Double the capacity (at least to `at_least` blocks), up to `max_blocks`; past it only
+        by what is needed: admission control keeps the batch within the budget, except for the
+        one request an empty batch always takes, however long."""
         new = min(max(self.capacity * 2, at_least), max(self.max_blocks, at_least))
-        if new <= self.capacity:
-            raise CacheExhausted(f"KV cache full: {self.capacity - 1} blocks in use")
         self.refs.extend([0] * (new - self.capacity))
         self.free[:0] = list(range(new - 1, self.capacity - 1, -1))
         self.capacity = new

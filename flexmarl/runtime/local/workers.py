@@ -279,6 +279,8 @@ def set_kv_budgets(engines: dict[str, Any], cfg: Any) -> None:
     for engine in hf:
         engine.max_tokens = kv_token_budget(cfg.rollout.max_batch_tokens, engine.model,
                                             cfg.rollout.kv_memory_fraction / len(hf))
+        if engine.device.type == "cuda":
+            engine.reserve_kv()  # the paged pool, reserved once
 
 
 def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
