@@ -175,6 +175,39 @@ def bench_rollout(device: torch.device, small: bool, vocab: int) -> None:
                           "per_step": tail}
 
 
+def bench_rollout_cases(device: torch.device, small: bool) -> None:
+    """The engine benchmark's cases on this device (benchmarks/engine_overhead.py): (a) an
+    overhead-bound model, batch 64, outputs 4..64; (b) 256-token prompts shared by groups of 8.
+    One timed round each, after a warm-up run, alternating engine and generate."""
+    section("rollout cases (a) overhead-bound, (b) shared prompts: engine vs model.generate")
+    from flexmarl.bench.engine_overhead import (
+        _model,
+        grouped_requests,
+        kv_footprint,
+        long_tail_costs,
+        print_kv_table,
+        print_tail_table,
+        requests,
+    )
+
+    out = {}
+    n_a, groups = (16, 2) if small else (64, 8)
+    for case, (model, reqs) in {
+        "a": (_model(32, 1, 512), requests(n_a, 512, 4, spread=16)),
+        "b": (_model(256, 4, 2048), grouped_requests(groups, 8, 2048,
+                                                     prompt_len=32 if small else 256)),
+    }.items():
+        model = model.to(device)
+        long_tail_costs(model, reqs[:8], 64, rounds=1)  # warm-up
+        costs = long_tail_costs(model, reqs, 64, rounds=1)
+        print_tail_table(f"({case}) {len(reqs)} requests, batch 64", costs)
+        kv = kv_footprint(model, reqs, 64)
+        print_kv_table(f"({case}) KV memory", kv)
+        out[case] = {"speedup": costs["engine"]["tok_s"] / costs["generate"]["tok_s"],
+                     "engine_tps": costs["engine"]["tok_s"], "kv": kv}
+    RESULTS["rollout_cases"] = out
+
+
 # --- 2. trainer vs plain loop ---------------------------------------------------------------
 def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer:
     section("training: AgentTrainer vs a plain PyTorch loop (same rows, autocast, AdamW)")
@@ -373,7 +406,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--only", default="rollout,training,transfers,logprob,run")
+    parser.add_argument("--only", default="rollout,cases,training,transfers,logprob,run")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine's run")
     args = parser.parse_args()
@@ -387,7 +420,8 @@ def main() -> None:
     RESULTS["device"] = name
     vocab = 256 if args.small else 32000
     t0 = time.perf_counter()
-    steps = [("rollout", lambda: bench_rollout(device, args.small, vocab))]
+    steps = [("rollout", lambda: bench_rollout(device, args.small, vocab)),
+             ("cases", lambda: bench_rollout_cases(device, args.small))]
     trainer_box: list[AgentTrainer] = []
     steps.append(("training", lambda: trainer_box.append(
         bench_trainer(device, args.small, vocab))))

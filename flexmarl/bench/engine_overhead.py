@@ -324,3 +324,54 @@ def print_tail_table(title: str, costs: dict[str, dict[str, float]]) -> None:
     for who, c in costs.items():
         if who != "generate":
             print(f"{who} / generate: {c['tok_s'] / g:.2f}x")
+
+
+def grouped_requests(groups: int, group_size: int, vocab: int, prompt_len: int = 256,
+                     lo: int = 4, hi: int = 60, seed: int = 0) -> list[Any]:
+    """GRPO's case: `groups` prompts of `prompt_len` tokens, each sampled `group_size` times
+    (own sample ids, hence own noise streams), output lengths long-tailed in [lo, hi]."""
+    from flexmarl.policy.sampling import GenerationRequest
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.exp(rng.normal(np.log(lo * 2.5), 0.8, size=groups * group_size)),
+                      lo, hi).astype(int)
+    lengths[0], lengths[1] = lo, hi
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(3, vocab, prompt_len).tolist()
+        out += [GenerationRequest(f"g{g}_s{k}", "bench", 0, prompt,
+                                  int(lengths[g * group_size + k]), seed=seed)
+                for k in range(group_size)]
+    return out
+
+
+def kv_footprint(model: Any, reqs: list[Any], max_seqs: int) -> dict[str, float]:
+    """KV bytes per held token, averaged over the decode steps of `reqs` through the paged
+    engine, against a padded cache (every row as wide as the batch's longest row, as a
+    left-padded dynamic cache holds it)."""
+    from flexmarl.rollout.engine import HFEngine
+
+    engine = HFEngine(model, max_seqs, 1 << 30)
+    queue = list(reqs)
+    paged, padded, fraction = [], [], []
+    while queue or engine.seqs:
+        take = []
+        while queue and engine.fits(queue[0], len(take)):
+            take.append(queue.pop(0))
+        engine.admit(take)
+        if engine.seqs:
+            st = engine.kv_stats()
+            if st.held_tokens:
+                paged.append(st.bytes_per_held_token)
+                width = max(s.kv for s in engine.seqs)
+                padded.append(len(engine.seqs) * width * st.bytes_per_token / st.held_tokens)
+                fraction.append(st.fraction_in_use)
+        engine.step()
+    return {"paged": statistics.mean(paged), "padded": statistics.mean(padded),
+            "exact": float(engine.kv.token_bytes), "fraction": statistics.mean(fraction)}
+
+
+def print_kv_table(title: str, kv: dict[str, float]) -> None:
+    print(title)
+    print(f"  KV bytes per held token: paged {kv['paged']:.0f}, padded cache {kv['padded']:.0f}, "
+          f"one token's K+V {kv['exact']:.0f}; pool fraction in use {kv['fraction']:.2f}")

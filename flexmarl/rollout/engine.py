@@ -257,33 +257,62 @@ class ContinuousBatcher:
                 raise ValueError(f"request {r.sample_id}: empty prompt")
         width = max(len(r.prompt) for r in requests)
         bs = self.block_size
+        # Prefix sharing: requests with the same prompt on the same adapter (a GRPO group)
+        # prefill it once. The first of each prompt (its leader) comes first in the batch;
+        # the others share its full blocks (reference counts) and get a copy of its last,
+        # partly filled block, which they will write their own tokens into (copy on write).
+        leaders: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        lead_of: list[int] = []
+        for r in requests:
+            key = (self._adapter_of(r), tuple(r.prompt))
+            lead_of.append(leaders.setdefault(key, len(leaders)))
+        order = sorted(range(len(requests)),
+                       key=lambda i: (0 if lead_of[i] not in lead_of[:i] else 1, i))
+        requests = [requests[i] for i in order]
+        lead_of = [lead_of[i] for i in order]
+        n_lead = len(leaders)
         new = [_Sequence(r, None, now, self._adapter_of(r)) for r in requests]
-        for s in new:  # the prompt's blocks
-            s.blocks = [self.allocator.allocate() for _ in range(-(-len(s.request.prompt) // bs))]
+        cow: dict[int, tuple[int, int]] = {}  # follower -> (leader's last block, its copy)
+        for i, s in enumerate(new):
+            n = len(s.request.prompt)
+            if i < n_lead:  # the prompt's blocks
+                s.blocks = [self.allocator.allocate() for _ in range(-(-n // bs))]
+                continue
+            lead = new[lead_of[i]].blocks
+            s.blocks = lead[:n // bs]
+            for block in s.blocks:
+                self.allocator.share(block)
+            if n % bs:
+                s.blocks.append(self.allocator.allocate())
+                cow[i] = (lead[-1], s.blocks[-1])
         n_blocks = max(len(s.blocks) for s in new)
         # one host->device copy: left-padded ids, each input token's slot (padding: the null
         # block), the block tables, then the state (noise seed, tokens sampled, next position),
-        # the temperature's float64 bits and the padding's width
+        # the temperature's float64 bits, the padding's width, the row of its leader, and the
+        # blocks to copy on write (null to null where none)
         host = []
-        for s in new:
+        for i, s in enumerate(new):
             r = s.request
             pad = width - len(r.prompt)
             slots = [s.blocks[j // bs] * bs + j % bs for j in range(len(r.prompt))]
             temp = struct.unpack("<q", struct.pack("<d", r.temperature))[0]
+            src, dst = cow.get(i, (NULL_BLOCK, NULL_BLOCK))
             host.append([PAD] * pad + list(r.prompt) + [NULL_BLOCK] * pad + slots
                         + s.blocks + [NULL_BLOCK] * (n_blocks - len(s.blocks))
-                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad])
+                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad, lead_of[i], src, dst])
         packed = _host_to(self.device, host)
-        input_ids = packed[:, :width]
-        slots_t = packed[:, width:2 * width]
+        shared = n_lead < len(new)
+        input_ids = packed[:n_lead, :width]
+        slots_t = packed[:n_lead, width:2 * width]
         table = packed[:, 2 * width:2 * width + n_blocks]
         at = 2 * width + n_blocks
         state = packed[:, at:at + 3].clone()
         temps = packed[:, at + 3:at + 4].contiguous().view(torch.float64).float()
         # logical position of each input token (-1: padding)
-        logical = torch.arange(width, device=self.device).unsqueeze(0) - packed[:, at + 4:]
+        logical = (torch.arange(width, device=self.device).unsqueeze(0)
+                   - packed[:n_lead, at + 4:at + 5])
         position_ids = logical.clamp(min=0)
-        columns = self._columns_of(table)
+        columns = self._columns_of(table[:n_lead])
         cols = torch.arange(columns.shape[1], device=self.device)
         # causal over each row's own gathered columns; a padding query sees column 0 only (its
         # output is dropped; an empty row would turn into NaN)
@@ -300,12 +329,16 @@ class ContinuousBatcher:
             rows, only = _host_to(self.device, slots), (slots[0] if len(set(slots)) == 1
                                                           else None)
         self.kv.slots, self.kv.columns = slots_t, columns
-        out = self._forward(rows, only, input_ids=input_ids,
+        out = self._forward(None if rows is None else rows[:n_lead], only, input_ids=input_ids,
                             attention_mask=self._mask(allowed.unsqueeze(1)),
                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
                             **{self._cache_arg: self.kv})
+        logits = out.logits[:, -1, :].float()
+        if shared:  # followers: their leader's logits; their own copy of its last block
+            logits = logits[packed[:, at + 5]]
+            self.kv.copy_blocks(packed[n_lead:, at + 6], packed[n_lead:, at + 7])
         start = len(self.seqs)
-        self._merge(new, table, out.logits[:, -1, :].float(), state, temps, banned, rows)
+        self._merge(new, table, logits, state, temps, banned, rows)
         return self._sample(start)
 
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,16 @@ class PagedKVCache:
         cols = self.columns
         return keys[cols].transpose(1, 2), values[cols].transpose(1, 2)
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks `src` onto `dst` in every layer (copy on write of a shared block)."""
+        offsets = torch.arange(self.block_size, device=src.device)
+        s = (src.unsqueeze(1) * self.block_size + offsets).reshape(-1)
+        d = (dst.unsqueeze(1) * self.block_size + offsets).reshape(-1)
+        for keys, values in zip(self.keys, self.values, strict=True):
+            if keys is not None and values is not None:
+                keys.index_copy_(0, d, keys[s])
+                values.index_copy_(0, d, values[s])
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.columns is None else int(self.columns.shape[1])
 
