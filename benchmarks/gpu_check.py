@@ -7,7 +7,9 @@ Models are random-initialised Llama-shaped ones (the default: 24 layers, hidden 
 0.37B parameters, vocabulary 32000), so only torch, transformers, numpy, safetensors, pydantic,
 pyyaml, rich and msgpack are needed. It prints:
 1. rollout tokens/s of FlexMARL's continuous-batching engine against `model.generate` (static
-   batches) on the same long-tailed requests (output lengths varying 8x);
+   batches) on the same long-tailed requests (output lengths varying 8x); then the engine
+   benchmark's cases (a) overhead-bound model, batch 64, outputs 4..64 and (b) 256-token
+   prompts shared by groups of 8 (prefix sharing), with KV bytes per held token (`cases`);
 2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW);
 3. swap MB/s of a full training state device <-> pinned host, and publication MB/s trainer ->
    replica (the wire form a worker pipe carries, loaded into the replica's model), then
