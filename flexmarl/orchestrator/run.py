@@ -16,7 +16,7 @@ import yaml
 from flexmarl.config.schema import RunConfig
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
-from flexmarl.orchestrator import contracts
+from flexmarl.graph import contracts
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.preflight import check_memory

@@ -283,5 +283,5 @@ def test_a_static_condition_skips_its_branch_as_a_dynamic_one_does(mode):
     def broken(ctx: Any) -> bool:
         raise KeyError("no such field")
 
-    with pytest.raises(FailureBudgetExceeded, match="prompt builder raised KeyError"):
+    with pytest.raises(FailureBudgetExceeded, match=r"condition \(when=\) raised KeyError"):
         once(True, broken)
