@@ -658,6 +658,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
+    runtime = raw.get("runtime")
+    if isinstance(runtime, dict) and runtime.get("kind") == "sim":
+        # the simulated runtime runs workloads (sim/workload.py), not a user's task and models
+        raise ConfigError(f"{path}: runtime.kind: 'sim' is the simulator's own runtime, not one "
+                          "a run config can choose; simulate a workload with `flexmarl simulate "
+                          "WORKLOAD.yaml` (examples/sim/), or use runtime.kind local or ray")
     return config_from_dict(raw, str(path))
 
 

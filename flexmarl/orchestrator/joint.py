@@ -32,7 +32,6 @@ one step off), in episodes whose version vector is iteration k's.
 from __future__ import annotations
 
 import asyncio
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +60,7 @@ from flexmarl.telemetry.recorder import Telemetry
 
 __all__ = [
     "EpisodeFailure", "FailureBudgetExceeded", "IterationState", "JointOrchestrator",
-    "RunInterrupted", "SaveCheckpoint", "TrainingDiverged", "assign_credit", "format_exception",
+    "RunInterrupted", "SaveCheckpoint", "TrainingDiverged", "assign_credit",
 ]
 
 
@@ -229,6 +228,3 @@ class JointOrchestrator:
         if self.checkpoints.due(k):
             self.checkpoints.capture(k, self.trainable)
 
-
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from flexmarl.config.schema import RunConfig
+from flexmarl.graph import contracts
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
-from flexmarl.graph import contracts
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.preflight import check_memory

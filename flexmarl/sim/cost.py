@@ -697,13 +697,6 @@ class CostModel:
 
     # --- transfers and state changes ---------------------------------------------------------
 
-    def transfer_time(self, nbytes: float, *, inter_node: bool) -> float:
-        """Move ``nbytes`` over one GPU's link: NVLink inside a node, its NIC across nodes."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        latency = P2P_LATENCY_INTER_S if inter_node else P2P_LATENCY_INTRA_S
-        return latency + nbytes / self._link_bw(inter_node)
-
     def weight_transfer_time(self, model: ModelSpec, *, inter_node: bool, links: int = 1) -> float:
         """Publish a model's weights to another device group.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -199,7 +199,6 @@ class ExperienceStore:
         self.tables = {a: AgentTable(a) for a in agents}
         self.objects = objects if objects is not None else LocalObjectStore()
         self.evicted: dict[str, dict[str, int]] = {a: defaultdict(int) for a in self.tables}
-        self._listeners: list[Callable[[str], None]] = []
         self._generation: dict[tuple[str, int], GenerationStats] = {}
 
     def table(self, agent: str) -> AgentTable:
@@ -208,18 +207,9 @@ class ExperienceStore:
         except KeyError as exc:
             raise StoreError(f"unknown agent {agent!r} (tables: {', '.join(self.tables)})") from exc
 
-    def subscribe(self, fn: Callable[[str], None]) -> None:
-        """`fn(agent)` is called whenever a row of that agent changes status."""
-        self._listeners.append(fn)
-
-    def _notify(self, agent: str) -> None:
-        for fn in self._listeners:
-            fn(agent)
-
     # --- writes ---------------------------------------------------------------------------
     def add(self, row: Row) -> Row:
         self.table(row.agent).insert(row)
-        self._notify(row.agent)
         return row
 
     def set_generated(
@@ -235,7 +225,6 @@ class ExperienceStore:
         stat.rows += 1
         stat.prompt_tokens += len(data.get("prompt", ()))
         stat.response_tokens += len(data.get("response", ()))
-        self._notify(agent)
         return row
 
     def _put(self, agent: str, array: np.ndarray) -> TensorRef:
@@ -249,20 +238,17 @@ class ExperienceStore:
     def set_rewarded(self, agent: str, sample_id: str, reward: float) -> Row:
         row = self.table(agent).transition(sample_id, Status.REWARDED)
         row.data["reward"] = float(reward)
-        self._notify(agent)
         return row
 
     def set_ready(self, agent: str, sample_id: str, advantage: float) -> Row:
         row = self.table(agent).transition(sample_id, Status.READY)
         row.data["advantage"] = float(advantage)
-        self._notify(agent)
         return row
 
     def set_failed(self, agent: str, sample_id: str, error: str) -> Row:
         row = self.table(agent).transition(sample_id, Status.FAILED)
         row.error = error
         self._free(row)
-        self._notify(agent)
         return row
 
     def _free(self, row: Row) -> None:
@@ -299,8 +285,6 @@ class ExperienceStore:
         for row in rows:
             table.transition(row.sample_id, Status.CONSUMED)
             row.consumed_by_step = step
-        if rows:
-            self._notify(agent)
         return rows
 
     def fetch(self, row: Row, name: str) -> np.ndarray:
