@@ -119,7 +119,7 @@ class JointOrchestrator:
         # Between iterations the planner (planning/planner.py) plans from what was measured
         # (node latencies, training seconds): the training order along the critical path and,
         # with more replicas than agents, the replicas per agent; the pools follow it. The
-        # simulator's runtime hosts the same planner with its cost-model demand (runtime/sim).
+        # simulator's runtime hosts the same planner with its cost-model demand (sim/runtime).
         self.planner: Planner | None = None
         if cfg.runtime.kind != "sim":
             graph = self.episodes.graph

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.orchestrator.joint import JointOrchestrator
-from flexmarl.runtime.sim.clock import run_virtual
-from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
 from flexmarl.sim.cost import CostModel
+from flexmarl.sim.runtime.clock import run_virtual
+from flexmarl.sim.runtime.runtime import SimFeatures, SimRuntime
 from flexmarl.sim.task import workload_config, workload_task
 from flexmarl.sim.workload import Workload, load_workload
 from flexmarl.store.experience import parse_sample_id

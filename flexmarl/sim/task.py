@@ -16,7 +16,7 @@ from flexmarl.config.schema import RunConfig, config_from_dict
 from flexmarl.graph.meg import MEG, EpisodeContext, NodePrompt
 from flexmarl.graph.task import Task
 from flexmarl.policy.model import stable_seed
-from flexmarl.sim.cost import keyed_uniform
+from flexmarl.sim.lengths import keyed_uniform
 from flexmarl.sim.workload import EpisodeNode, Workload
 
 

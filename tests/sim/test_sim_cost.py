@@ -5,15 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexmarl.sim.cost import (
-    MODEL_PRESETS,
-    CostModel,
-    LengthDistribution,
-    ModelSpec,
-    UnknownModelError,
-    get_model,
-)
+from flexmarl.sim.cost import CostModel
 from flexmarl.sim.hardware import get_accelerator
+from flexmarl.sim.lengths import LengthDistribution
+from flexmarl.sim.models import MODEL_PRESETS, ModelSpec, UnknownModelError, get_model
 
 H800 = get_accelerator("H800")
 M7 = get_model("7B")

@@ -540,7 +540,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     users' work during the profiling, or an older profile's probe); with `external` None the run
     sees the profile's load, and the profiled costs and curve are used as measured."""
     from flexmarl.orchestrator.joint import JointOrchestrator
-    from flexmarl.runtime.sim.clock import run_virtual
+    from flexmarl.sim.runtime.clock import run_virtual
     from flexmarl.telemetry.recorder import Telemetry
 
     cfg = mirror_config(cfg, iterations, mode)
