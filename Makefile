@@ -27,6 +27,7 @@ demo-llm: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
 	$(BIN)/mypy flexmarl
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
@@ -35,6 +36,7 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
 	$(BIN)/mypy flexmarl
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml

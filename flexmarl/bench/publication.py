@@ -58,7 +58,7 @@ def _setup(device: str, visible: str | None) -> str:
 def _slot_main(conn: Connection, store: tuple[str, int, float], device: str,
                visible: str | None, dtype: str) -> None:
     from flexmarl.runtime.local.publication import PairGroups, SlotPublisher
-    from flexmarl.runtime.local.workers import publish_form
+    from flexmarl.training.state import publish_form
 
     dev = _setup(device, visible)
     publisher = SlotPublisher(PairGroups(*store))
@@ -81,7 +81,7 @@ def _slot_main(conn: Connection, store: tuple[str, int, float], device: str,
 def _replica_main(conn: Connection, store: tuple[str, int, float], device: str,
                   visible: str | None) -> None:
     from flexmarl.runtime.local.publication import PairGroups, receive
-    from flexmarl.runtime.local.workers import from_numpy
+    from flexmarl.training.state import from_numpy
 
     _setup(device, visible)
     groups = PairGroups(*store)

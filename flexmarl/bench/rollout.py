@@ -33,7 +33,8 @@ def batching_speedup(n: int = 32, new_tokens: int = 48, prompt: int = 8) -> dict
     import torch
 
     from flexmarl.policy.model import build_model
-    from flexmarl.policy.sampling import GenerationRequest, generate
+    from flexmarl.policy.sampling import generate
+    from flexmarl.types import GenerationRequest
 
     torch.set_num_threads(1)
     model = build_model("bench", ModelConfig(), vocab_size=64, max_seq_len=prompt + new_tokens + 8,

@@ -24,7 +24,8 @@ import torch
 
 from flexmarl.config.schema import AgentConfig, load_config
 from flexmarl.training import state as st
-from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import Sample
 
 MB = 1024 * 1024
 

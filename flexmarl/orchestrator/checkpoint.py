@@ -88,15 +88,6 @@ def _slow_down() -> None:
         time.sleep(delay)
 
 
-def encode_array(a: np.ndarray) -> dict[str, Any]:
-    a = np.ascontiguousarray(a)
-    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.tobytes()}
-
-
-def decode_array(d: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(d["data"], dtype=d["dtype"]).reshape(d["shape"]).copy()
-
-
 class CheckpointManager:
     def __init__(self, root: str | Path, keep: int = 3) -> None:
         self.root = Path(root)

@@ -26,7 +26,6 @@ from flexmarl.graph.meg import MEG, EpisodeContext, GraphError
 from flexmarl.graph.task import Task
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.policy.model import stable_seed
-from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.runtime.base import RolloutPool
 from flexmarl.store.experience import (
     ExperienceStore,
@@ -38,6 +37,7 @@ from flexmarl.store.experience import (
 )
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import algorithms
+from flexmarl.types import GenerationRequest
 
 
 class EpisodeFailure(RuntimeError):

@@ -19,7 +19,7 @@ from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
-from flexmarl.orchestrator.preflight import check_memory
+from flexmarl.policy.memory import check_memory
 from flexmarl.runtime import heap
 from flexmarl.runtime.base import Runtime
 from flexmarl.telemetry.gpu import GpuMonitor

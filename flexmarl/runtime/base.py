@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from flexmarl.planning.planner import Plan

@@ -131,7 +131,8 @@ def heldout_score(task: Any, models: dict[str, torch.nn.Module], inputs: list[di
     """Mean episode reward of the task's graph on `inputs` with `models`, every node decoded
     with noise keyed by (seed, input, node): two versions see the same noise."""
     from flexmarl.policy.model import stable_seed
-    from flexmarl.policy.sampling import GenerationRequest, generate
+    from flexmarl.policy.sampling import generate
+    from flexmarl.types import GenerationRequest
 
     graph = task.graph
     ctxs = [EpisodeContext(f"heldout-{i}", 0, dict(d)) for i, d in enumerate(inputs)]

@@ -152,7 +152,7 @@ class OnlineLearner:
               micro_batch: int) -> StepReport:
         """One update on claimed `rows`, kept only if the KL to `shadow` stays within bound."""
         from flexmarl.training.algorithms import grpo
-        from flexmarl.training.trainer import Sample
+        from flexmarl.types import Sample
 
         self.steps += 1
         batch = self._batch(rows)

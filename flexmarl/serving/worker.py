@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.serving.agents import Version
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 @dataclass

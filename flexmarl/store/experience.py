@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.errors import UserError
+from flexmarl.types import Sample, decode_array, encode_array
 
 
 class StoreError(UserError, RuntimeError):
@@ -293,8 +294,6 @@ class ExperienceStore:
     def micro_batch(self, agent: str, rows: list[Row]) -> Any:
         """What the train pool's `accumulate` gets for rows just taken: here plain `Sample`s
         with their payloads fetched; a distributed store hands over a reference instead."""
-        from flexmarl.training.trainer import Sample  # torch: only once training starts
-
         return [
             Sample(
                 sample_id=r.sample_id, prompt=r.data["prompt"], response=r.data["response"],
@@ -329,7 +328,6 @@ class ExperienceStore:
     def snapshot(self, min_iteration: int) -> list[dict[str, Any]]:
         """Rows of iterations >= `min_iteration` (those no committed step has trained on), as
         plain values with their status and whatever payload is still held, for a checkpoint."""
-        from flexmarl.orchestrator.checkpoint import encode_array
 
         out = []
         for table in self.tables.values():
@@ -353,7 +351,6 @@ class ExperienceStore:
     def restore_row(self, d: dict[str, Any]) -> Row:
         """Re-insert a snapshotted row of a finished episode as `rewarded` (its group's
         advantages are computed again when the group is complete, exactly as the first time)."""
-        from flexmarl.orchestrator.checkpoint import decode_array
 
         if d["status"] not in (Status.REWARDED.value, Status.READY.value):
             raise StoreError(f"agent {d['agent']!r}: row {d['sample_id']} is {d['status']}; "

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from flexmarl.planning.planner import Plan
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.runtime.base import RolloutPool, TrainPool, WorkerError, WorkerLost
 from flexmarl.training.digest_host import DigestSlotHost, digest, digest_of, weights_of
 from flexmarl.training.host import SlotPool
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 async def _yields(n: int) -> None:

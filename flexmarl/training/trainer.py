@@ -12,7 +12,6 @@ import contextlib
 import copy
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +26,11 @@ from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
 from flexmarl.training import algorithms, lora
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef
+from flexmarl.types import Sample
 
 
 class TrainingError(RuntimeError):
     pass
-
-
-@dataclass
-class Sample:
-    """One row as the trainer needs it (the store's data contract, by named keys)."""
-
-    sample_id: str
-    prompt: list[int]
-    response: list[int]
-    old_logprobs: list[float]
-    advantage: float
-    allowed: list[int] | None
-    temperature: float
-    policy_version: int
-    reward: float = 0.0
 
 
 def lr_factor(cfg: OptimConfig, step: int, total: int, n_actor: int, n_critic: int) -> float:

@@ -13,7 +13,8 @@ import torch
 from flexmarl.config.schema import AgentConfig
 from flexmarl.orchestrator import checkpoint as ck
 from flexmarl.orchestrator.checkpoint import CheckpointError, CheckpointManager
-from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import Sample, decode_array, encode_array
 
 VOCAB, SEQ = 30, 16
 
@@ -52,14 +53,14 @@ def test_generations_published_atomically_and_pruned(tmp_path):
     manager = CheckpointManager(tmp_path / "ck", keep=2)
     trainer = _trainer()
     rows = [{"sample_id": "3-0_0_1", "status": "ready", "arrays": {
-        "logprobs": ck.encode_array(np.arange(3, dtype=np.float32))}}]
+        "logprobs": encode_array(np.arange(3, dtype=np.float32))}}]
     for completed in (1, 2, 3):
         _save(manager, completed, trainer, rows)
     assert [p.name for p in manager.generations()] == ["gen-000002", "gen-000003"]
     assert (tmp_path / "ck" / "LATEST").read_text().strip() == "gen-000003"
     loaded = manager.load()
     assert loaded.completed == 3 and loaded.rows[0]["sample_id"] == "3-0_0_1"
-    assert ck.decode_array(loaded.rows[0]["arrays"]["logprobs"]).tolist() == [0.0, 1.0, 2.0]
+    assert decode_array(loaded.rows[0]["arrays"]["logprobs"]).tolist() == [0.0, 1.0, 2.0]
     arrays, meta = loaded.trainer_states["a"]
     fresh = _trainer()
     fresh.set_state(arrays, meta)

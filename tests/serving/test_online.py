@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl.policy.sampling import GenerationRequest, generate, make_token_batch, response_forward
+from flexmarl.policy.sampling import generate, make_token_batch, response_forward
 from flexmarl.serving.agents import load_run
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.compress import pack, unpack
 from flexmarl.serving.online import OnlineLearner, importance_weights
+from flexmarl.types import GenerationRequest
 
 LN = math.log
 

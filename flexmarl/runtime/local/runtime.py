@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from flexmarl.config.schema import RunConfig
 from flexmarl.planning.planner import Plan
 from flexmarl.policy.device import Placement, plan_placements
+from flexmarl.policy.memory import memory_hints
 from flexmarl.policy.model import approx_params
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.base import (
@@ -43,6 +43,7 @@ from flexmarl.runtime.local.workers import (
     train_worker_main,
 )
 from flexmarl.training.host import SlotPool
+from flexmarl.types import GenerationRequest, GenerationResult
 
 _GENERATIONS = itertools.count()
 
@@ -458,8 +459,6 @@ class LocalRuntime(Runtime):
             WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink)
             for i in range(n_train)
         ]
-        from flexmarl.orchestrator.preflight import memory_hints
-
         for w, hint in zip(self.rollout_workers + self.train_workers,
                            memory_hints(cfg, vocab_size, len(self.rollout_workers),
                                         len(self.train_workers), local_agents, trainable),

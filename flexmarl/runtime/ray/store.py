@@ -459,7 +459,7 @@ class RayExperienceStore(ExperienceStore):
     def snapshot(self, min_iteration: int) -> list[dict[str, Any]]:
         """As the spine's, with the payloads of rewarded / ready rows (the only ones a resume
         restores) fetched from the object store: a checkpoint is written on the driver."""
-        from flexmarl.orchestrator.checkpoint import encode_array
+        from flexmarl.types import encode_array
 
         keep = (Status.REWARDED, Status.READY)
         rows = [r for t in self.tables.values() for r in t.rows.values()

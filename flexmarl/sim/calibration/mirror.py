@@ -31,7 +31,6 @@ import numpy as np
 from flexmarl.config.schema import RunConfig
 from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
 from flexmarl.policy.model import approx_params, stable_seed
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.runtime.base import WorkerLost
@@ -39,6 +38,7 @@ from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
 from flexmarl.training.digest_host import DigestSlotHost
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 class CpuShare:

@@ -60,6 +60,7 @@ from flexmarl.sim.calibration.machine import (
     measure_external_load,
 )
 from flexmarl.sim.calibration.mirror import mirror_config
+from flexmarl.types import GenerationRequest, GenerationResult, Sample
 
 # --- measurement helpers ----------------------------------------------------------------------
 # How repeated timings of one point are summarised: the median is the typical cost at the
@@ -88,7 +89,6 @@ def _grid(upper: int, points: Sequence[int]) -> list[int]:
 def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
                    reps: int = 5) -> dict[str, Fit]:
     """Prefill and decode of one model through the real continuous batcher."""
-    from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.rollout.engine import HFEngine
 
     engine = HFEngine(model, max_seqs)
@@ -133,7 +133,6 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
 
 def _samples(n: int, prompt: int, response: int, vocab: int, version: int, tag: str,
              allowed: list[int] | None) -> list[Any]:
-    from flexmarl.training.trainer import Sample
 
     rng = np.random.default_rng(n * 1000 + prompt)
     pool = allowed or list(range(3, vocab))
@@ -147,9 +146,9 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                     prompt_len: int, response_len: int, allowed: list[int] | None,
                     reps: int = 5) -> dict[str, Fit]:
     """accumulate / step / weights / swap / get_state of one agent's real trainer."""
-    from flexmarl.runtime.local.workers import publish_form, state_to_numpy
     from flexmarl.training import state as st
     from flexmarl.training.host import TrainHost
+    from flexmarl.training.state import publish_form, state_to_numpy
 
     slot = TrainHost(cfg, vocab, max_seq_len)
     t0 = time.perf_counter()
@@ -209,7 +208,7 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
 def profile_load_weights(model: Any, agent: str, reps: int = 5) -> Fit:
     from flexmarl.policy.model import weights_of
     from flexmarl.rollout.engine import HFEngine
-    from flexmarl.runtime.local.workers import from_numpy, publish_form
+    from flexmarl.training.state import from_numpy, publish_form
 
     engine = HFEngine(model, 4)
     wire = publish_form(weights_of(model), agent, 1)
@@ -221,7 +220,6 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
     """Speaks the local workers' protocol and answers every command at once: generate requests
     with `max_new_tokens` tokens (the first allowed token), published weights as a blob of
     `spec` bytes (the real wire form's size), the rest with what a real worker returns."""
-    from flexmarl.policy.sampling import GenerationResult
 
     blob = bytes(int(spec or 0))
     conn.send((-1, True, "ready", []))
@@ -255,7 +253,6 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
 
 async def _ipc_measure(samples_of: Callable[[int], Any], wire: Any,
                        reps: int) -> dict[str, Fit]:
-    from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.runtime.local.runtime import WorkerProxy
 
     proxy = WorkerProxy("profile", 0, echo_worker_main, None, NullSink())
@@ -347,7 +344,6 @@ async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
     predict for the same work (`worker_scale["rollout"]`); the fits were measured one model at
     a time, in hot loops, and a replica whose models alternate runs slower than that. In both
     the first round warms the replica up and is left out."""
-    from flexmarl.policy.sampling import GenerationRequest
 
     proxy, sink = await _start_worker(cfg, vocab, max_len, list(agents))
     ids = itertools.count()
@@ -499,7 +495,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     import torch
 
     from flexmarl.policy.model import build_model, weights_of
-    from flexmarl.runtime.local.workers import publish_form
+    from flexmarl.training.state import publish_form
 
     log = log or (lambda s: None)
     started = time.perf_counter()

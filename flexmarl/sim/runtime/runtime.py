@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexmarl.planning.planner import Planner, Resources
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.scheduler import ReplicaScheduler, Reply
 from flexmarl.runtime.base import RolloutPool, Runtime, TrainPool
 from flexmarl.sim.cost import CostModel
@@ -47,7 +46,7 @@ from flexmarl.sim.runtime.engine import CostModelEngine
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
 from flexmarl.training.allocator import SlotAllocator
-from flexmarl.training.trainer import Sample
+from flexmarl.types import GenerationRequest, GenerationResult, Sample
 
 
 @dataclass

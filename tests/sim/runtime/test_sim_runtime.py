@@ -188,9 +188,9 @@ def test_simulated_replicas_admit_waiting_requests_in_priority_order(wl):
     import asyncio
     import dataclasses
 
-    from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.sim.runtime.clock import run_virtual
     from flexmarl.sim.runtime.runtime import SimFeatures, SimRuntime
+    from flexmarl.types import GenerationRequest
 
     async def main():
         rt = SimRuntime(wl, SimFeatures(balance="static"),
