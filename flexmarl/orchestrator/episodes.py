@@ -240,16 +240,7 @@ class EpisodeRunner:
         except Exception as exc:  # noqa: BLE001 - worker or user failure: fail this episode only
             error = f"{type(exc).__name__}: {exc}"
         if error is not None:
-            for row in rows.values():
-                if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
-                    self.store.set_failed(row.agent, row.sample_id, error)
-            it.episodes_failed += 1
-            if self.first_error is None:
-                self.first_error = f"iteration {k}, episode {input_id}/{traj}: {error}"
-            if len(it.errors) < 5:
-                it.errors.append(error)
-            self.telemetry.event("episode_failed", iteration=k, input_id=input_id,
-                                 trajectory=traj, error=error)
+            self._failed(it, ctx, rows, error)
         else:
             for name, row in rows.items():
                 self.store.set_rewarded(row.agent, row.sample_id, rewards[name])
@@ -262,6 +253,21 @@ class EpisodeRunner:
         it.episodes_done += 1
         if it.episodes_done == it.episodes_total:
             self._rollout_finished(it)
+
+    def _failed(self, it: IterationState, ctx: EpisodeContext, rows: dict[str, Row],
+                error: str) -> None:
+        """A failed episode: its rows failed (none trained), counted and reported."""
+        for row in rows.values():
+            if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
+                self.store.set_failed(row.agent, row.sample_id, error)
+        it.episodes_failed += 1
+        where = f"episode {ctx.input_id}/{ctx.trajectory_id}"
+        if self.first_error is None:
+            self.first_error = f"iteration {it.index}, {where}: {error}"
+        if len(it.errors) < 5:
+            it.errors.append(error)
+        self.telemetry.event("episode_failed", iteration=it.index, input_id=ctx.input_id,
+                             trajectory=ctx.trajectory_id, error=error)
 
     def _node_resolved(self, it: IterationState, level: int, _task: asyncio.Future) -> None:
         self._resolved(it, level)

@@ -24,14 +24,14 @@ from flexmarl.graph.meg import EpisodeContext
 from flexmarl.serving.protocol import ApiError, Sampling, bad
 
 
-async def run_episode(service: Any, body: dict) -> dict[str, Any]:
+def _checked_body(service: Any, body: dict) -> tuple[dict, int | None, float | None]:
+    """(the episode's input, its seed, the temperature override) from the request body."""
     run = service.run
     task = run.task
     if task is None:
         raise ApiError(400, f"the run's task did not load, so its graph cannot run: "
                             f"{run.task_error}", code="no_task")
-    graph = task.graph
-    missing = sorted({n.agent for n in graph.nodes.values()} - set(service.workers))
+    missing = sorted({n.agent for n in task.graph.nodes.values()} - set(service.workers))
     if missing:
         raise ApiError(400, f"the graph needs agents that are not served here: "
                             f"{', '.join(missing)}", code="agents_not_served")
@@ -48,6 +48,14 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
     if temps is not None and (isinstance(temps, bool) or not isinstance(temps, (int, float))
                               or not 0 <= temps <= 2):
         raise bad("temperature", "must be a number in [0, 2] (overrides every agent's)")
+    return data, seed, temps
+
+
+async def run_episode(service: Any, body: dict) -> dict[str, Any]:
+    run = service.run
+    task = run.task
+    data, seed, temps = _checked_body(service, body)
+    graph = task.graph
     episode_id = uuid.uuid4().hex
     ctx = EpisodeContext(input_id=episode_id, trajectory_id=0, data=data)
     executor = GraphExecutor(graph, PromptRenderer(run.cfg.agents, task.vocab_size),
@@ -99,14 +107,22 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
         raise ApiError(500, str(exc), kind="server_error") from exc
     result: dict[str, Any] = {"id": f"ep-{episode_id}", "object": "episode", "input": data,
                               "nodes": {n: nodes[n] for n in order}}
+    return {**result, **_scores(executor, ctx, [n for n in order if ran[n]])}
+
+
+def _scores(executor: GraphExecutor, ctx: EpisodeContext, ran: list[str]) -> dict[str, Any]:
+    """The episode's rewards and success as the task scores them (its errors reported, not
+    raised: the episode itself was served)."""
+    graph = executor.graph
+    out: dict[str, Any] = {}
     try:
         if graph.episode_reward is not None:
-            result["reward"] = executor.team_reward(ctx)
-        result["node_rewards"] = executor.node_rewards(
-            ctx, [n for n in order if ran[n] and graph.nodes[n].reward is not None])
+            out["reward"] = executor.team_reward(ctx)
+        out["node_rewards"] = executor.node_rewards(
+            ctx, [n for n in ran if graph.nodes[n].reward is not None])
         success = executor.success(ctx)
         if success is not None:
-            result["success"] = success
-    except (TaskCodeError, ContractError) as exc:  # the task's reward on a served episode
-        result["reward_error"] = str(exc)
-    return result
+            out["success"] = success
+    except (TaskCodeError, ContractError) as exc:
+        out["reward_error"] = str(exc)
+    return out
