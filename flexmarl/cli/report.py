@@ -11,18 +11,20 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 from flexmarl.cli.doctor import Run, diagnose, load_run
 from flexmarl.config.schema import ConfigError
+from flexmarl.sim.simulate import write_gantt
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # optional dependency: the optional `plots` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: the optional `plots` extra
 
     return plt
 
@@ -85,7 +87,6 @@ def _gantt(run: Run, path: Path) -> Path | None:
     t0 = min(s.start for s in spans)  # the trace's clock starts before the workers do
     for s in spans:
         s.start, s.end = s.start - t0, s.end - t0
-    from flexmarl.sim.simulate import write_gantt
 
     horizon = max(s.end for s in spans)
     n = max(len(run.records), 1)
@@ -228,6 +229,4 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def report_images(html_text: str) -> list[str]:
     """The data URIs of a report's images (tests)."""
-    import re
-
     return re.findall(r'src="(data:image/png;base64,[^"]+)"', html_text)

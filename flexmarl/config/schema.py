@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import (
@@ -222,7 +223,6 @@ class BackendConfig(Strict):
     def _url(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        from urllib.parse import urlparse
 
         parsed = urlparse(value)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:

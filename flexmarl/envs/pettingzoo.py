@@ -25,13 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.envs.spaces import ActionSpec, ObsSpec, action_spec, obs_spec
-from flexmarl.errors import UserError
-
-
-class EnvError(UserError, ValueError):
-    """An environment that cannot be built or driven: names the field, env id or agent."""
-
+from flexmarl.envs.spaces import ActionSpec, EnvError, ObsSpec, action_spec, obs_spec
+from flexmarl.envs.turns import TurnParallelEnv
 
 FAMILIES = ("mpe2", "pettingzoo.classic", "pettingzoo.butterfly", "pettingzoo.sisl")
 
@@ -66,8 +61,6 @@ def make_parallel(env_id: str, options: dict[str, Any] | None = None,
     Parallel API (`turns.TurnParallelEnv`), with `opponents` played inside it."""
     module = env_module(env_id, field_name)
     if not hasattr(module, "parallel_env"):
-        from flexmarl.envs.turns import TurnParallelEnv
-
         return TurnParallelEnv(make_aec(env_id, options, field_name), env_id, opponents)
     if opponents:
         raise EnvError(f"env.opponents: {env_id} has a Parallel API, every agent acts at "

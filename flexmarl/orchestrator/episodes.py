@@ -26,6 +26,7 @@ from flexmarl.graph.meg import MEG, EpisodeContext, GraphError
 from flexmarl.graph.task import Task
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.policy.model import stable_seed
+from flexmarl.policy.tokenizer import model_vocab
 from flexmarl.runtime.base import RolloutPool
 from flexmarl.store.experience import (
     ExperienceStore,
@@ -395,7 +396,6 @@ class EpisodeRunner:
         the agent's model (its tokenizer was checked to fit it when loaded)."""
         if not is_text:
             return self.task.vocab_size
-        from flexmarl.policy.tokenizer import model_vocab
 
         return model_vocab(self.cfg.agents[agent].model, self.task.vocab_size)
 

@@ -216,11 +216,11 @@ def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60,
                 xlabel: str = "simulated time (s)") -> Path:
     """One panel per system, one lane per worker, colour per agent; rollout solid, training
     hatched. Lanes beyond `max_lanes` (large clusters) are left out of the picture."""
-    import matplotlib
+    import matplotlib  # optional dependency: the optional `plots` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # optional dependency: the optional `plots` extra
+    from matplotlib.patches import Patch  # optional dependency: the optional `plots` extra
 
     agents = [a.name for a in results[0].runtime.wl.agents]
     cmap = plt.get_cmap("tab20" if len(agents) > 10 else "tab10")

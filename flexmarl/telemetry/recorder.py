@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexmarl.telemetry.loggers import scalars
+
 
 @dataclass(slots=True)
 class Span:
@@ -99,8 +101,6 @@ class Telemetry:
             self._metrics_file.write(json.dumps(clean) + "\n")
             self._metrics_file.flush()
         if self.loggers:
-            from flexmarl.telemetry.loggers import scalars
-
             step, values = int(record.get("iteration", 0)), scalars(clean)
             for logger in self.loggers:
                 logger.log(step, values)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.config.schema import RunConfig, load_config
+from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
     OtherLoad,
@@ -81,8 +82,6 @@ class CalibrationRow:
 
 def _local(config: str | Path, overrides: list[str] | None = None) -> tuple[RunConfig, Any]:
     """The config on the local runtime (whatever its `runtime.kind`), and its task."""
-    from flexmarl.orchestrator.run import prepare
-
     cfg = load_config(config, overrides)
     if cfg.runtime.kind != "local":
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
@@ -93,8 +92,6 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
               out: str | Path | None = None, profile: str | Path | None = None,
               modes: tuple[str, ...] = ("sync", "async"),
               log: Any = print, reps: int = 5) -> list[CalibrationRow]:
-    from flexmarl.orchestrator.run import train
-
     cfg, task = _local(config, overrides)
     out = Path(out or Path("runs") / "calibrate" / cfg.name)
     out.mkdir(parents=True, exist_ok=True)
