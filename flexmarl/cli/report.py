@@ -214,7 +214,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 {_summary_table(run)}
 <h2 id="doctor">Doctor</h2>{finding_html}
 <h2 id="learning">Learning curves</h2>{_img(learning, "learning curves per agent")}
-<h2 id="training">Training diagnostics</h2>{_img(diagnostics, "entropy, gradient norm, clip fraction, KL")}
+<h2 id="training">Training diagnostics</h2>
+{_img(diagnostics, "entropy, gradient norm, clip fraction, KL")}
 <h2 id="busy">Where the time went</h2>{_img(busy, "rollout/training busy fractions over time")}
 {_img(gantt, "Gantt chart of the run (trace.json): rollout solid, training hatched")}
 <h2 id="throughput">Throughput</h2>{_img(throughput, "rollout and trainer throughput")}

@@ -293,7 +293,8 @@ def simulate(path: str | Path, systems: list[str] | None = None, iterations: int
         summary = [{"system": r.system, "per_iteration_s": r.per_iteration_s,
                     "makespan_s": r.makespan_s, "utilisation": r.utilisation,
                     "lower_bound_s": r.lower_bound_s, "efficiency": r.efficiency,
-                    "real_s": r.real_s, "cpu_s": r.cpu_s, "plan": r.runtime.plans[-1]} for r in results]
+                    "real_s": r.real_s, "cpu_s": r.cpu_s, "plan": r.runtime.plans[-1]}
+                   for r in results]
         (out / "report.json").write_text(json.dumps(summary, indent=2))
         print(f"trace: {out / 'trace.json'}")
         if pictures:

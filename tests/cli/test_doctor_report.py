@@ -135,7 +135,8 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "flexmarl", "train", str(ROOT / "examples" / "referential_game.yaml"),
+        [sys.executable, "-m", "flexmarl", "train",
+         str(ROOT / "examples" / "referential_game.yaml"),
          "--set", "train.iterations=2", "--set", "train.inputs_per_iteration=4",
          "--set", "logging.backends=[jsonl, tensorboard, wandb, mlflow]", "--out", str(run)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -77,7 +77,8 @@ def test_prefill_hand_computed() -> None:
 
 
 def test_train_time_hand_computed() -> None:
-    # 7B over 1M tokens on 8 H800s: 6 * 7.61e9 * 1e6 / (8 * 989.5e12 * 0.4) = 4.566e16 / 3.1664e15 = 14.4202 s.
+    # 7B over 1M tokens on 8 H800s: 6 * 7.61e9 * 1e6 / (8 * 989.5e12 * 0.4)
+    #   = 4.566e16 / 3.1664e15 = 14.4202 s.
     # Optimizer step: Adam 7.61e9 * 30 B / (8 * 3.35e12 * 0.7) = 0.012170 s, plus the ring
     # all-reduce of BF16 grads 2 * 7/8 * 15.22e9 B / (200e9 * 0.8 B/s) = 0.166469 s, plus
     # 28 layers * 10 us latency = 0.00028 s.

@@ -134,7 +134,8 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
     print_table(cfg.name, rows, iterations, loads, prof_load)
     (out / "calibration.json").write_text(json.dumps({
         "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
-        "machine": machine_info(), "loadavg": loads, "profile": str(profile or out / "profile.json"),
+        "machine": machine_info(), "loadavg": loads,
+        "profile": str(profile or out / "profile.json"),
         "profiled_load": prof_load, "rows": [r.to_dict() for r in rows],
         "simulated_records": {m: s.records for m, s in sims.items()},
     }, indent=2, default=str))
