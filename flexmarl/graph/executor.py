@@ -37,13 +37,15 @@ class TaskCodeError(RuntimeError):
 
 
 def _task_code(node: str | None, what: str, fn: Callable[[EpisodeContext], Any],
-               ctx: EpisodeContext) -> Any:
-    """`fn(ctx)`, with what it raises named (a `UserError` is ours: it passes unchanged)."""
+               ctx: EpisodeContext, *, user_errors_stop: bool = True) -> Any:
+    """`fn(ctx)`, with what it raises named. A `UserError` from a condition or a prompt builder
+    (a bad prompt, an output read before it exists) stops the run; a reward's is an episode
+    failure like any other exception (`user_errors_stop=False`)."""
     try:
         return fn(ctx)
-    except UserError:
-        raise
     except Exception as exc:  # noqa: BLE001 - the task's code
+        if user_errors_stop and isinstance(exc, UserError):
+            raise
         raise TaskCodeError(node, what, exc) from exc
 
 
@@ -147,7 +149,8 @@ class GraphExecutor:
         """The episode's team reward (0 without one), checked to be a finite number."""
         if self.graph.episode_reward is None:
             return 0.0
-        value = _task_code(None, "episode reward", self.graph.episode_reward, ctx)
+        value = _task_code(None, "episode reward", self.graph.episode_reward, ctx,
+                           user_errors_stop=False)
         return contracts.check_reward("episode reward", value)
 
     def node_rewards(self, ctx: EpisodeContext, ran: Iterable[str]) -> dict[str, float]:
@@ -157,7 +160,7 @@ class GraphExecutor:
             fn = self.graph.nodes[name].reward
             out[name] = 0.0
             if fn is not None:
-                value = _task_code(name, "reward", fn, ctx)
+                value = _task_code(name, "reward", fn, ctx, user_errors_stop=False)
                 out[name] = contracts.check_reward(f"node {name!r}: reward", value)
         return out
 
