@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import NullSink
 from flexmarl.config.schema import RunConfig, load_config
 from flexmarl.policy.model import build_model
-from flexmarl.runtime.base import NullSink
 from flexmarl.runtime.local.runtime import LocalRuntime
 from flexmarl.runtime.ray.runtime import RayRuntime
 from flexmarl.store.experience import ExperienceStore, Row, TensorRef

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
-        base = sys.modules.get("flexmarl.runtime.base")  # not imported for config errors
+        base = sys.modules.get("flexmarl.api.runtime")  # not imported for config errors
         if base is not None and isinstance(exc, base.WorkerError):
             # workers lost beyond runtime.max_worker_restarts (e.g. out-of-memory kills): the
             # reason is in the message

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import RolloutPool
 from flexmarl.config.schema import CreditConfig, RunConfig
 from flexmarl.errors import UserError
 from flexmarl.graph import contracts
@@ -27,7 +28,6 @@ from flexmarl.graph.task import Task
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.tokenizer import model_vocab
-from flexmarl.runtime.base import RolloutPool
 from flexmarl.store.experience import (
     ExperienceStore,
     Row,

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from flexmarl.api.runtime import TrainPool
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
-from flexmarl.runtime.base import TrainPool
 
 
 class IterationRollout(Protocol):

@@ -13,9 +13,9 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from flexmarl.api.runtime import WorkerError
 from flexmarl.config.schema import load_config
 from flexmarl.orchestrator.run import train
-from flexmarl.runtime.base import WorkerError
 from flexmarl.runtime.ray.session import RayRuntimeError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
