@@ -480,6 +480,9 @@ class LoggingConfig(Strict):
     is always written; list more backends to add them."""
 
     backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    # what the agents say: per iteration and agent, the first trajectory of this many inputs
+    # (prompt, answer, reward, advantage) in OUT/samples.jsonl; 0 writes none
+    samples_per_agent: int = Field(2, ge=0)
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
 

@@ -222,6 +222,7 @@ class JointOrchestrator:
         record = self.metrics.record(it, t0, now, self._start)
         self.records.append(record)
         self.telemetry.log(record)
+        self.telemetry.samples(it.samples)
         if self.on_iteration is not None:
             self.on_iteration(record)
         self.budget.check(it, self.episodes.first_error)
