@@ -65,7 +65,7 @@ def fault_at_call(pool_name: str, method: str, n: int, action: Action, *,
 
 
 async def kill_first_actor(pool: Any, *_: Any) -> int:
-    pid = pool.actors[0].where["pid"]
+    pid = pool.workers[0].process.pid
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -114,7 +114,7 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
 
     async def kill_the_stepping_slot(pool: Any, agent: str) -> int:
         # the slot that stepped it (one slot: the agent may be swapped out by now)
-        pid = pool.actors[pool.binding.get(agent, 0)].where["pid"]
+        pid = pool.workers[pool.binding.get(agent, 0)].process.pid
         os.kill(pid, signal.SIGKILL)
         while os.path.exists(f"/proc/{pid}"):  # gone, and Ray knows it
             await asyncio.sleep(0.05)
