@@ -508,8 +508,11 @@ class LocalRuntime(Runtime):
             async def pipe_weights(agent: str) -> Any:
                 return await self.train._call(agent, "weights_pipe", agent)
 
+            def refetched(agent: str, version: int) -> None:
+                sink.fault("weights_refetched", agent=agent, version=version)
+
             self.rollout.publisher = Publisher(self.train_workers, self.placements,
-                                               wait_slot, pipe_weights)
+                                               wait_slot, pipe_weights, refetched)
 
     # --- what a runtime that hosts the same workers elsewhere (Ray) changes ------------------
     def _launcher(self) -> Launcher:
