@@ -92,7 +92,7 @@ async def _measure(cfg: RunConfig, runtime: Any, log: SpanLog, rounds: int,
     await runtime.start()
     try:
         agent = "speaker"
-        store = runtime.make_store() or ExperienceStore(list(cfg.agents))
+        store = ExperienceStore(list(cfg.agents))  # the driver's, on both runtimes
         out = {"handoff_ms": await _handoff(runtime, store, log, agent, "d",
                                             rounds, mb)}
         publish = []
