@@ -19,6 +19,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1 (default: "
                         "$FLEXMARL_API_KEY if set)")
+    s.add_argument("--tenants", default=None, metavar="FILE",
+                   help="YAML file of tenants: each with its own key (api_key or api_key_env), "
+                        "requests_per_minute / requests_per_day, admin, train (docs/serving.md); "
+                        "not with --api-key")
     s.add_argument("--agent", action="append", default=None,
                    help="serve only this agent (repeatable; default every agent of the run)")
     s.add_argument("--device", default="auto", help="auto (cuda when visible), cpu, cuda:N")
@@ -114,14 +118,27 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"serve: {exc.name} is not installed; pip install "
                           "'flexmarl[serve]'") from None
+    api_key = args.api_key or os.environ.get("FLEXMARL_API_KEY")
+    tenants = None
+    if args.tenants is not None:
+        if args.api_key:
+            raise ConfigError("serve: --tenants and --api-key together: each tenant's key is "
+                              "in the tenants file; drop --api-key")
+        from flexmarl.serving.tenants import load_tenants
+
+        tenants = load_tenants(args.tenants)
+        api_key = None  # $FLEXMARL_API_KEY is not a tenant: the file names every key
+        if args.learn and not tenants.trainers:
+            raise ConfigError(f"serve: --learn with {args.tenants}: no tenant has train: true, "
+                              "so no traffic may train the online policy")
     deploy = deploy_config(args)
     from flexmarl.serving.app import serve
     from flexmarl.serving.protocol import Limits
 
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     max_tokens=args.max_tokens, max_pending=args.max_pending)
-    serve(rd, args.host, args.port, api_key=args.api_key or os.environ.get("FLEXMARL_API_KEY"),
+    serve(rd, args.host, args.port, api_key=api_key,
           device=args.device, limits=limits, watch_s=args.watch, agents=args.agent,
           max_batch_seqs=args.max_batch_seqs, capture=args.capture, torch_threads=args.threads,
-          deploy=deploy)
+          deploy=deploy, tenants=tenants)
     return 0

@@ -261,7 +261,8 @@ class AgentDeployment:
             return True
         if self.cfg.feedback_weight == 0:
             return True
-        fb = self.service.capture.feedback_by_version(self.name, c.started) \
+        fb = self.service.capture.feedback_by_version(
+            self.name, c.started, self.service.learning_tenants) \
             if self.service.capture is not None else {}
         return fb.get(c.version.number, (0.0, 0))[1] >= self.cfg.canary_min_feedback
 
@@ -271,7 +272,8 @@ class AgentDeployment:
         if c is None or not (force or self.ready()):
             return None
         shadow_v = self.spec.version
-        fb = self.service.capture.feedback_by_version(self.name, c.started) \
+        fb = self.service.capture.feedback_by_version(
+            self.name, c.started, self.service.learning_tenants) \
             if self.service.capture is not None else {}
         cf, sf = fb.get(c.version.number), fb.get(shadow_v.number)
         use_fb = self.cfg.feedback_weight > 0 and cf is not None and sf is not None and \
@@ -376,12 +378,13 @@ class AgentDeployment:
         with self.lock:
             self.beat = time.monotonic()
             lr, capture = self.learner, self.service.capture
+            tenants = self.service.learning_tenants  # None: no tenants, every row
             due = time.monotonic() - self.last_update >= self.cfg.update_every_s
             if lr is not None and capture is not None and due and capture.available(
-                    self.name, self.cfg.min_temperature) >= self.cfg.batch:
+                    self.name, self.cfg.min_temperature, tenants) >= self.cfg.batch:
                 self.last_update = time.monotonic()
                 rows = capture.claim(self.name, self.cfg.batch, lr.steps + 1,
-                                     self.cfg.min_temperature)
+                                     self.cfg.min_temperature, tenants)
                 if rows:
                     rep = lr.train(rows, self.spec.model, capture,
                                    self.service.run.cfg.train.micro_batch_size)

@@ -51,7 +51,8 @@ def _checked_body(service: Any, body: dict) -> tuple[dict, int | None, float | N
     return data, seed, temps
 
 
-async def run_episode(service: Any, body: dict) -> dict[str, Any]:
+async def run_episode(service: Any, body: dict, tenant: str | None = None
+                      ) -> dict[str, Any]:
     run = service.run
     task = run.task
     data, seed, temps = _checked_body(service, body)
@@ -76,7 +77,8 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
                      seed=(seed * 1000 + order.index(name)) if seed is not None else None,
                      stop=list(prompt.stop), stop_token_ids=list(prompt.stop_tokens),
                      allowed_token_ids=prompt.allowed_tokens,
-                     token_ids_out=not (node.is_text and spec.tokenizer is not None))
+                     token_ids_out=not (node.is_text and spec.tokenizer is not None),
+                     tenant=tenant)
         if service.capture is not None:  # each node captured; feedback on the episode id
             s.response_id, s.endpoint, s.episode = f"ep-{episode_id}/{name}", "episodes", \
                 f"ep-{episode_id}"

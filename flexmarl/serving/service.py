@@ -26,6 +26,7 @@ from flexmarl.serving.protocol import (
     bad,
     token_text,
 )
+from flexmarl.serving.tenants import Tenants
 from flexmarl.serving.worker import AgentWorker, Job, ServeRequest
 
 GREEDY_TEMPERATURE = 1e-4  # temperature 0 is served as (numerically) greedy decoding
@@ -53,12 +54,16 @@ class Service:
 
     def __init__(self, run: ServedRun, limits: Limits | None = None,
                  api_key: str | None = None, max_batch_seqs: int | None = None,
-                 capture: Capture | None = None, deploy: DeployConfig | None = None) -> None:
+                 capture: Capture | None = None, deploy: DeployConfig | None = None,
+                 tenants: Tenants | None = None) -> None:
         from flexmarl.policy.device import kv_token_budget
 
         self.run = run
         self.limits = limits or Limits()
+        if api_key and tenants is not None:
+            raise ValueError("an API key and tenants together: the tenants' keys replace it")
         self.api_key = api_key
+        self.tenants = tenants
         self.capture = capture
         self.workers: dict[str, AgentWorker] = {}
         rcfg = run.cfg.rollout
@@ -78,6 +83,11 @@ class Service:
             w.stop()
         if self.capture is not None:
             self.capture.close()
+
+    @property
+    def learning_tenants(self) -> list[str] | None:
+        """The tenants whose traffic online learning may train on (None: no tenants, all)."""
+        return self.tenants.trainers if self.tenants is not None else None
 
     @property
     def pending(self) -> int:
@@ -198,7 +208,7 @@ class Service:
             await asyncio.to_thread(self.capture.record, s.response_id, spec.name,
                                     version.describe(), s.endpoint, s.prompt, tokens, logprobs,
                                     full, reason, max(s.temperature, GREEDY_TEMPERATURE),
-                                    s.top_p, s.allowed_token_ids, s.episode)
+                                    s.top_p, s.allowed_token_ids, s.episode, s.tenant)
         yield Outcome(full, tokens, logprobs, reason, version)
 
     def failover(self, name: str) -> AgentWorker:

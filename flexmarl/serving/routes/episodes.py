@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from flexmarl.serving.capture import FeedbackError
 from flexmarl.serving.episodes import run_episode
 from flexmarl.serving.protocol import ApiError, bad
-from flexmarl.serving.routes.common import body_of, service_of
+from flexmarl.serving.routes.common import body_of, service_of, tenant_of
 
 router = APIRouter()
 
@@ -20,7 +20,7 @@ router = APIRouter()
 async def episodes(request: Request) -> JSONResponse:
     service = service_of(request)
     body = await body_of(request)
-    return JSONResponse(await run_episode(service, body))
+    return JSONResponse(await run_episode(service, body, tenant_of(request)))
 
 @router.post("/v1/feedback")
 async def feedback(request: Request) -> dict:
@@ -38,7 +38,8 @@ async def feedback(request: Request) -> dict:
     if comment is not None and not isinstance(comment, str):
         raise bad("comment", "must be a string")
     try:
-        await asyncio.to_thread(service.capture.feedback, rid, float(reward), comment)
+        await asyncio.to_thread(service.capture.feedback, rid, float(reward), comment,
+                                tenant_of(request))
     except FeedbackError as exc:
         raise ApiError(exc.status, str(exc), "id") from None
     return {"id": rid, "object": "feedback", "reward": float(reward)}
