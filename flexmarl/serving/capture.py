@@ -174,6 +174,24 @@ class Capture:
                 "c.response_id IS NULL AND i.temperature >= ? AND i.response != '[]'" + where,
                 (agent, min_temperature, *params)).fetchone()[0]
 
+    def release(self, agent: str, after_step: int) -> list[str]:
+        """Hand back `agent`'s rows claimed at a step after `after_step` (the steps a restored
+        training snapshot does not contain: claimed before a crash, or trained into weights the
+        crash lost), so the next claims deliver them again; returns their ids."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                ids = [r[0] for r in self._db.execute(
+                    "SELECT response_id FROM consumed WHERE agent = ? AND step > ? "
+                    "ORDER BY step, response_id", (agent, after_step))]
+                self._db.execute("DELETE FROM consumed WHERE agent = ? AND step > ?",
+                                 (agent, after_step))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return ids
+
     def settle(self, ids: list[str], outcome: str) -> None:
         """What became of claimed rows: "trained", or "kl_stop" (the update was undone)."""
         with self._lock:

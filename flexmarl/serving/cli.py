@@ -7,6 +7,24 @@ import argparse
 import os
 from pathlib import Path
 
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(text: str) -> float:
+    """Seconds from `900`, `90s`, `15m`, `1.5h` or `1d` (an argparse type)."""
+    t = text.strip().lower()
+    scale = DURATION_UNITS.get(t[-1:], None)
+    number = t[:-1] if scale is not None else t
+    try:
+        value = float(number) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: seconds or a number with s, m, h or d "
+            "(e.g. 15m)") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite duration")
+    return value
+
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse's subparsers
     s = sub.add_parser("serve", help="serve every agent of a run on one OpenAI-compatible "
@@ -61,9 +79,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
                    help="learning rate of online updates (default: the agent's optim.lr)")
     d.add_argument("--online-batch", type=int, default=64,
                    help="captured rows per online update (default 64)")
-    d.add_argument("--update-every", type=float, default=0.0, metavar="SECONDS",
-                   help="at most one online update per this many seconds (default 0: whenever "
-                        "a batch is ready; the enterprise document's cadence is 900)")
+    d.add_argument("--update-every", type=duration, default=0.0, metavar="DURATION",
+                   help="at most one online update per this long: seconds or 30s / 15m / 1h "
+                        "(default 0: whenever a batch is ready; the enterprise document's "
+                        "cadence is 15m)")
     d.add_argument("--canary-every", type=int, default=10,
                    help="applied online updates between canary candidates (default 10)")
     d.add_argument("--canary-min-feedback", type=int, default=20,
@@ -74,8 +93,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
                    help="held-out task inputs a version is scored on (0: feedback only)")
     d.add_argument("--feedback-weight", type=float, default=0.5,
                    help="weight of traffic feedback in a version's score (default 0.5)")
-    d.add_argument("--snapshot-every", type=float, default=300.0, metavar="SECONDS",
-                   help="snapshot the training policy's state this often (default 300)")
+    d.add_argument("--snapshot-every", type=duration, default=300.0, metavar="DURATION",
+                   help="snapshot the training policy's state this often: seconds or 30s / "
+                        "5m / 1h (default 300)")
+    d.add_argument("--snapshot-url", default=None, metavar="URL",
+                   help="where training snapshots go, through fsspec: a folder (default "
+                        "RUN_DIR/serving), file://..., memory://..., s3://... (with s3fs)")
     return s
 
 
@@ -96,7 +119,7 @@ def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imp
         canary_every=args.canary_every,
         canary_min_feedback=args.canary_min_feedback, canary_max_s=args.canary_max_s,
         heldout=args.heldout, feedback_weight=args.feedback_weight,
-        snapshot_every_s=args.snapshot_every).validate()
+        snapshot_every_s=args.snapshot_every, snapshot_url=args.snapshot_url).validate()
 
 
 def run_serve(args: argparse.Namespace) -> int:
