@@ -11,6 +11,7 @@ Routes (all under the API key when one is set, or a tenant's key with --tenants,
   POST /v1/feedback                 a reward for a captured response (with --capture)
   POST /v1/admin/reload             load new weights for one or all agents     routes/admin.py
   GET  /v1/admin/versions           each agent's served version and the versions still running
+  GET  /v1/admin/drift              rolling reward per agent and team, peaks, drift alerts
   GET  /v1/admin/deployment         shadow / canary / training per agent, heartbeats, events
   POST /v1/admin/canary             deploy weights (or the training policy) as an agent's canary
   POST /v1/admin/canary/decide      score the canary now: promote or roll back
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse
 from flexmarl.serving.agents import ServeError
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.deploy import DeployConfig
+from flexmarl.serving.drift import DriftConfig
 from flexmarl.serving.protocol import ApiError, Limits
 from flexmarl.serving.routes import admin, episodes, openai
 from flexmarl.serving.routes.common import too_large
@@ -119,6 +121,8 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
         out: dict[str, Any] = {
             "status": "ok", "pending": service.pending,
             "agents": {n: s.version.number for n, s in service.run.agents.items()}}
+        if service.drift is not None:
+            out["drift_alerts"] = len(service.drift.alerts)
         if service.deployment is not None:
             beats = service.deployment.heartbeats()
             out["heartbeats"] = beats
@@ -134,7 +138,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           watch_s: float | None = None, agents: list[str] | None = None,
           max_batch_seqs: int | None = None, capture: str | Path | None = None,
           torch_threads: int | None = None, deploy: DeployConfig | None = None,
-          tenants: Tenants | None = None) -> None:
+          tenants: Tenants | None = None, drift: DriftConfig | None = None) -> None:
     import uvicorn
 
     from flexmarl.serving.agents import load_run
@@ -146,7 +150,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         # intra-op threads spinning between steps starve the HTTP thread of a CPU
         torch.set_num_threads(torch_threads or run.cfg.runtime.torch_threads)
     service = Service(run, limits, api_key, max_batch_seqs,
-                      Capture(capture) if capture is not None else None, deploy, tenants)
+                      Capture(capture) if capture is not None else None, deploy, tenants,
+                      drift)
     app = create_app(service, watch_s)
     names = ", ".join(f"{n} (v{s.version.number}: {s.version.source})"
                       for n, s in run.agents.items())

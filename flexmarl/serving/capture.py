@@ -133,6 +133,14 @@ class Capture:
                 raise
             return len(ids)
 
+    def served(self, rid: str) -> list[tuple[str, int, str | None]]:
+        """(agent, served version, episode) of response `rid`, or of every node of episode
+        `rid`."""
+        with self._lock:
+            return [(r[0], int(r[1]), r[2]) for r in self._db.execute(
+                "SELECT agent, version, episode FROM interactions WHERE id=? OR episode=? "
+                "ORDER BY id", (rid, rid))]
+
     def claim(self, agent: str, n: int, step: int, min_temperature: float = 0.05,
               tenants: list[str] | None = None) -> list[CapturedRow]:
         """The oldest `n` rewarded rows of `agent` not yet consumed, marked consumed (outcome

@@ -59,6 +59,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
     s.add_argument("--capture", default=None, metavar="DB",
                    help="record every served interaction durably (SQLite, WAL, fsync) before "
                         "answering; enables /v1/feedback")
+    s.add_argument("--drift-window", type=int, default=200, metavar="N",
+                   help="with --capture: feedback rewards per rolling window of the drift "
+                        "monitor, per agent and per team (default 200; 0: off)")
+    s.add_argument("--drift-drop", type=float, default=0.25, metavar="FRACTION",
+                   help="a rolling mean this far below its peak (relative) is drift: alert, "
+                        "and roll back to the peak's versions (default 0.25)")
     d = s.add_argument_group("triple-buffer deployment and online learning (docs/serving.md)")
     d.add_argument("--deploy", action="store_true",
                    help="shadow / canary per agent: canaries through /v1/admin/canary, events in "
@@ -155,6 +161,13 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"serve: --learn with {args.tenants}: no tenant has train: true, "
                               "so no traffic may train the online policy")
     deploy = deploy_config(args)
+    if args.drift_window < 0:
+        raise ConfigError("serve: --drift-window must be >= 0 (0: off)")
+    if not 0 < args.drift_drop < 1:
+        raise ConfigError("serve: --drift-drop must be in (0, 1)")
+    from flexmarl.serving.drift import DriftConfig
+
+    drift = DriftConfig(window=args.drift_window, drop=args.drift_drop)
     from flexmarl.serving.app import serve
     from flexmarl.serving.protocol import Limits
 
@@ -163,5 +176,5 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(rd, args.host, args.port, api_key=api_key,
           device=args.device, limits=limits, watch_s=args.watch, agents=args.agent,
           max_batch_seqs=args.max_batch_seqs, capture=args.capture, torch_threads=args.threads,
-          deploy=deploy, tenants=tenants)
+          deploy=deploy, tenants=tenants, drift=drift)
     return 0

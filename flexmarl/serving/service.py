@@ -18,6 +18,7 @@ from flexmarl.serving.agents import (
 )
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.deploy import DeployConfig, Deployment
+from flexmarl.serving.drift import DriftConfig, DriftMonitor
 from flexmarl.serving.protocol import (
     ApiError,
     Limits,
@@ -55,7 +56,7 @@ class Service:
     def __init__(self, run: ServedRun, limits: Limits | None = None,
                  api_key: str | None = None, max_batch_seqs: int | None = None,
                  capture: Capture | None = None, deploy: DeployConfig | None = None,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, drift: DriftConfig | None = None) -> None:
         from flexmarl.policy.device import kv_token_budget
 
         self.run = run
@@ -75,6 +76,9 @@ class Service:
         self.started = time.time()
         self._reload_lock = asyncio.Lock()
         self.deployment = Deployment(self, deploy) if deploy is not None else None
+        # on by default with captured feedback (flexmarl serve); off for a bare Service
+        self.drift = DriftMonitor(self, drift) if drift is not None and drift.window > 0 \
+            and capture is not None else None
 
     def close(self) -> None:
         if self.deployment is not None:

@@ -96,3 +96,10 @@ async def versions(request: Request) -> dict:
                            "running": service.workers[n].versions_running()}
                        for n, s in service.run.agents.items()}}
 
+
+@router.get("/v1/admin/drift")
+async def drift(request: Request) -> dict:
+    service = service_of(request)
+    if service.drift is None:
+        return {"enabled": False}
+    return {"enabled": True, **service.drift.describe()}

@@ -42,5 +42,11 @@ async def feedback(request: Request) -> dict:
                                 tenant_of(request))
     except FeedbackError as exc:
         raise ApiError(exc.status, str(exc), "id") from None
+    tenant = tenant_of(request)
+    if service.drift is not None and (service.tenants is None
+                                      or tenant in service.tenants.trainers):
+        served = await asyncio.to_thread(service.capture.served, rid)
+        await asyncio.to_thread(service.drift.observe, [(a, v) for a, v, _ in served],
+                                float(reward), any(e == rid for _, _, e in served))
     return {"id": rid, "object": "feedback", "reward": float(reward)}
 
