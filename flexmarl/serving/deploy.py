@@ -414,6 +414,7 @@ class AgentDeployment:
                         policy_version=lr.trainer.version, shadow_version=self.spec.version.number)
                     self.since_candidate += rep.applied
             if lr is not None and self.canary is None and \
+                    self.service.team_canary is None and \
                     self.since_candidate >= self.cfg.canary_every:
                 self.start_canary(lr.snapshot_model(self.spec.model),
                                   f"online-step-{lr.steps}", lr.trainer.version, gate=True)

@@ -116,6 +116,7 @@ class Sampling:
     endpoint: str = ""
     episode: str | None = None  # the episode a captured node belongs to
     tenant: str | None = None  # who asked (with --tenants), recorded with the capture
+    pin: str | None = None  # "shadow" / "canary": the version a team canary's episode uses
 
 
 def common(body: dict, spec: AgentSpec, prompt: list[int], limits: Limits,

@@ -27,6 +27,7 @@ from flexmarl.serving.protocol import (
     bad,
     token_text,
 )
+from flexmarl.serving.team import TeamCanary, TeamCanaryConfig
 from flexmarl.serving.tenants import Tenants
 from flexmarl.serving.worker import AgentWorker, Job, ServeRequest
 
@@ -76,6 +77,7 @@ class Service:
         self.started = time.time()
         self._reload_lock = asyncio.Lock()
         self.deployment = Deployment(self, deploy) if deploy is not None else None
+        self.team_canary: TeamCanary | None = None
         # on by default with captured feedback (flexmarl serve); off for a bare Service
         self.drift = DriftMonitor(self, drift) if drift is not None and drift.window > 0 \
             and capture is not None else None
@@ -131,7 +133,7 @@ class Service:
         if not worker.alive and not worker._stopped:
             worker = self.failover(spec.name)
         worker.submit(Job(request, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
-                          deltas=deltas))
+                          deltas=deltas, pin=s.pin))
         finished = False
         try:
             while True:
@@ -237,6 +239,68 @@ class Service:
             print(f"failover: agent {name!r}: engine thread lost ({old.error}); replaced",
                   flush=True)
         return new
+
+    # --- team canary ---------------------------------------------------------------------------
+    def start_team_canary(self, paths: dict[str, str], cfg: TeamCanaryConfig) -> dict[str, Any]:
+        """Load new weights for the agents in `paths` as one team canary (`team.py`)."""
+        if self.team_canary is not None:
+            raise ApiError(409, "a team canary is in flight: decide it first "
+                                "(POST /v1/admin/team-canary/decide)", code="team_canary_busy")
+        if cfg.score == "feedback" and self.capture is None:
+            raise bad("score", "\"feedback\" needs captured episodes: start the server with "
+                               "--capture DB (or score \"task\")")
+        for name in paths:
+            if name not in self.workers:
+                raise ApiError(404, f"agents.{name}: not served here (agents: "
+                                    f"{', '.join(self.workers)})", "agents")
+        busy = [n for n, w in self.workers.items() if w.canary_version is not None]
+        if busy:
+            raise ApiError(409, f"agent canary in flight for {', '.join(busy)}: decide it "
+                                "before a team canary", code="canary_busy")
+        versions, models = {}, {}
+        for name, path in paths.items():
+            spec = self.run.agents[name]
+            source = explicit_source(path)
+            models[name] = spec.next_model(source)
+            versions[name] = Version(spec.next_number(), f"team-{source.label}",
+                                     source.policy_version, time.time())
+        for name in paths:  # share 0: only pinned episodes reach these engines
+            self.workers[name].set_canary(models[name], versions[name], 0.0)
+        self.team_canary = TeamCanary(versions, models, cfg)
+        return self._team_event("team_canary_start", versions={
+            n: v.number for n, v in versions.items()}, shadows={
+            n: self.run.agents[n].version.number for n in versions}, share=cfg.share,
+            min_episodes=cfg.min_episodes, confidence=cfg.confidence, margin=cfg.margin,
+            score=cfg.score)
+
+    def decide_team(self, force: bool = False) -> dict[str, Any] | None:
+        """Apply the team canary's verdict when it has one (promote or roll back every agent
+        of the vector together); None while it waits for evidence."""
+        tc = self.team_canary
+        if tc is None:
+            return None
+        verdict, stats = tc.verdict(force)
+        if verdict is None:
+            return None
+        self.team_canary = None
+        previous = {n: self.run.agents[n].version.number for n in tc.versions}
+        for name, version in tc.versions.items():
+            worker, spec = self.workers[name], self.run.agents[name]
+            if verdict == "promote":
+                worker.promote()
+                with spec.lock:
+                    spec.model, spec.version = tc.models[name], version
+            else:
+                worker.rollback()
+        return self._team_event(f"team_{verdict}", versions={
+            n: v.number for n, v in tc.versions.items()}, previous=previous, **stats)
+
+    def _team_event(self, event: str, **fields: Any) -> dict[str, Any]:
+        if self.deployment is not None:
+            return self.deployment.events.log(event, "team", **fields)
+        entry = {"time": time.time(), "event": event, "agent": "team", **fields}
+        print(f"{event}: {fields}", flush=True)
+        return entry
 
     # --- reload ----------------------------------------------------------------------------------
     async def reload(self, agent: str | None = None, path: str | None = None,

@@ -42,6 +42,10 @@ async def feedback(request: Request) -> dict:
                                 tenant_of(request))
     except FeedbackError as exc:
         raise ApiError(exc.status, str(exc), "id") from None
+    team = service.team_canary
+    if team is not None and rid in team.arm_of:  # a team canary scored on feedback
+        team.observe(team.arm_of.pop(rid), float(reward))
+        await asyncio.to_thread(service.decide_team)
     tenant = tenant_of(request)
     if service.drift is not None and (service.tenants is None
                                       or tenant in service.tenants.trainers):
