@@ -12,6 +12,9 @@ Routes (all under the API key when one is set, or a tenant's key with --tenants,
   POST /v1/admin/reload             load new weights for one or all agents     routes/admin.py
   GET  /v1/admin/versions           each agent's served version and the versions still running
   GET  /v1/admin/drift              rolling reward per agent and team, peaks, drift alerts
+  POST /v1/admin/team-canary        a version vector as one canary, scored on whole episodes
+  GET  /v1/admin/team-canary        its counts, means and confidence interval
+  POST /v1/admin/team-canary/decide apply the promotion rule now
   GET  /v1/admin/deployment         shadow / canary / training per agent, heartbeats, events
   POST /v1/admin/canary             deploy weights (or the training policy) as an agent's canary
   POST /v1/admin/canary/decide      score the canary now: promote or roll back
