@@ -105,7 +105,60 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
     d.add_argument("--snapshot-url", default=None, metavar="URL",
                    help="where training snapshots go, through fsspec: a folder (default "
                         "RUN_DIR/serving), file://..., memory://..., s3://... (with s3fs)")
+    add_serve_learn_parser(sub)
     return s
+
+
+def add_serve_learn_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse's
+    """`flexmarl serve-learn`: the online trainer in its own process (trainer_process.py)."""
+    t = sub.add_parser("serve-learn", help="train a served agent online in its own process, "
+                                           "from the server's capture store, publishing "
+                                           "canaries to it (docs/serving.md)")
+    t.add_argument("run_dir", help="the run folder the server serves")
+    t.add_argument("--capture", required=True, metavar="DB",
+                   help="the server's capture store (its --capture)")
+    t.add_argument("--agent", required=True, help="the agent to train")
+    t.add_argument("--server", required=True, metavar="URL",
+                   help="the server, e.g. http://127.0.0.1:8000 (started with --deploy)")
+    t.add_argument("--api-key", default=None,
+                   help="an admin key of the server (default $FLEXMARL_API_KEY)")
+    t.add_argument("--online-batch", type=int, default=64)
+    t.add_argument("--online-lr", type=float, default=None)
+    t.add_argument("--canary-every", type=int, default=10)
+    t.add_argument("--kl-max", type=float, default=0.5)
+    t.add_argument("--is-max", type=float, default=2.0)
+    t.add_argument("--update-every", type=duration, default=0.0, metavar="DURATION")
+    t.add_argument("--snapshot-every", type=duration, default=300.0, metavar="DURATION")
+    t.add_argument("--snapshot-url", default=None, metavar="URL",
+                   help="fsspec URL of the trainer's snapshots (default RUN_DIR/serving/trainer)")
+    t.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
+    t.set_defaults(fn=run_serve_learn)
+    return t
+
+
+def run_serve_learn(args: argparse.Namespace) -> int:
+    from flexmarl.config.schema import ConfigError
+
+    if not (Path(args.run_dir) / "config.yaml").is_file():
+        raise ConfigError(f"serve-learn: {args.run_dir} is not a run folder (no config.yaml)")
+    if not Path(args.capture).is_file():
+        raise ConfigError(f"serve-learn: --capture {args.capture}: no such file (start the "
+                          "server with --capture first)")
+    if args.online_batch < 2 or args.canary_every < 1 or args.kl_max <= 0:
+        raise ConfigError("serve-learn: --online-batch must be >= 2, --canary-every >= 1, "
+                          "--kl-max > 0")
+    import torch
+
+    from flexmarl.serving.trainer_process import OnlineTrainer, TrainerConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainerConfig(batch=args.online_batch, canary_every=args.canary_every,
+                        kl_max=args.kl_max, is_max=args.is_max, lr=args.online_lr,
+                        update_every_s=args.update_every, snapshot_every_s=args.snapshot_every)
+    OnlineTrainer(args.run_dir, args.capture, args.agent, args.server, cfg, args.snapshot_url,
+                  args.api_key or os.environ.get("FLEXMARL_API_KEY")).run_forever()
+    return 0
 
 
 def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imported lazily
