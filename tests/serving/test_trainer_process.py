@@ -108,7 +108,7 @@ def test_sigkill_of_the_trainer_process_under_load(toy_run, tmp_path):
         wait_for_serve(openai.OpenAI(base_url=url, api_key="x", max_retries=0), server)
         for t in threads:
             t.start()
-        for life in range(2):
+        for _life in range(2):
             procs.append(trainer())
             goal = count("train_step") + 4
             deadline = time.time() + 120
