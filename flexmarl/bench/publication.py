@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from flexmarl.runtime.local.publication import PairGroups, SlotPublisher, pair_key, receive
+from flexmarl.training.state import from_numpy, publish_form
+
 MB = 2**20
 
 
 def _weights(mb: float, device: str, dtype: str) -> dict[str, Any]:
     """About `mb` MB of tensors of 4 MB (the last one smaller)."""
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
     dt = getattr(torch, dtype)
     per = 4 * MB // torch.empty(0, dtype=dt).element_size()
@@ -42,11 +46,9 @@ def _weights(mb: float, device: str, dtype: str) -> dict[str, Any]:
 
 
 def _setup(device: str, visible: str | None) -> str:
-    import os
-
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
     torch.set_num_threads(1)
     if device.startswith("cuda"):
@@ -57,9 +59,6 @@ def _setup(device: str, visible: str | None) -> str:
 
 def _slot_main(conn: Connection, store: tuple[str, int, float], device: str,
                visible: str | None, dtype: str) -> None:
-    from flexmarl.runtime.local.publication import PairGroups, SlotPublisher
-    from flexmarl.training.state import publish_form
-
     dev = _setup(device, visible)
     publisher = SlotPublisher(PairGroups(*store))
     weights: dict[str, Any] = {}
@@ -80,9 +79,6 @@ def _slot_main(conn: Connection, store: tuple[str, int, float], device: str,
 
 def _replica_main(conn: Connection, store: tuple[str, int, float], device: str,
                   visible: str | None) -> None:
-    from flexmarl.runtime.local.publication import PairGroups, receive
-    from flexmarl.training.state import from_numpy
-
     _setup(device, visible)
     groups = PairGroups(*store)
     while True:
@@ -102,8 +98,8 @@ class _Rig:
     moving parts one measurement round drives."""
 
     def __init__(self, device: str, dtype: str, n_rep: int, timeout_s: float) -> None:
-        import torch
-        import torch.distributed as dist
+        import torch  # start-up cost: torch only where it runs
+        import torch.distributed as dist  # start-up cost: torch only where it runs
 
         gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
         self.apart = gpus > n_rep
@@ -137,8 +133,6 @@ class _Rig:
 
     def once(self, mode: str, n: int, version: int) -> float:
         """Seconds from the slot's flatten to the last of `n` replicas holding the tensors."""
-        from flexmarl.runtime.local.publication import pair_key
-
         t0 = time.perf_counter()
         if mode == "pipe":
             self.slot.send(("pipe", version))

@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import NullSink
 from flexmarl.config.schema import RunConfig, load_config
-from flexmarl.runtime.base import NullSink
-from flexmarl.store.experience import ExperienceStore, Row
+from flexmarl.policy.model import build_model
+from flexmarl.runtime.local.runtime import LocalRuntime
+from flexmarl.runtime.ray.runtime import RayRuntime
+from flexmarl.store.experience import ExperienceStore, Row, TensorRef
 from flexmarl.tasks.referential import build_referential_game
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "referential_game.yaml"
@@ -52,9 +55,8 @@ def _fill(store: ExperienceStore, agent: str, tag: str, rows: int) -> list[str]:
     payloads: list[Any] = [np.array([-2.0], dtype=np.float32)] * rows
     actors = getattr(store, "actors", None)
     if actors is not None:
-        import ray
+        import ray  # optional dependency: Ray is the optional `ray` extra
 
-        from flexmarl.store.experience import TensorRef
 
         (block,) = ray.get(actors[agent].adopt.remote(payloads))
         payloads = [TensorRef((block, j), (1,), "float32") for j in range(rows)]
@@ -91,8 +93,6 @@ async def _handoff(runtime: Any, store: ExperienceStore, log: SpanLog, agent: st
 
 
 def n_params(cfg: RunConfig, agent: str, vocab: int, seq: int) -> int:
-    from flexmarl.policy.model import build_model
-
     model = build_model(agent, cfg.agents[agent].model, vocab, seq, cfg.seed)
     return sum(p.numel() for p in model.parameters())
 
@@ -122,9 +122,6 @@ async def _measure(cfg: RunConfig, runtime: Any, log: SpanLog, rounds: int,
 
 def bench_ray_overhead(rounds: int = 20, micro_batch: int = 64,
                        address: str | None = None) -> dict[str, dict[str, float]]:
-    from flexmarl.runtime.local.runtime import LocalRuntime
-    from flexmarl.runtime.ray.runtime import RayRuntime
-
     overrides = [*BIG, "runtime.kind=ray"]
     if address:
         overrides.append(f"runtime.address={address}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import (
@@ -222,7 +223,6 @@ class BackendConfig(Strict):
     def _url(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        from urllib.parse import urlparse
 
         parsed = urlparse(value)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -480,6 +480,9 @@ class LoggingConfig(Strict):
     is always written; list more backends to add them."""
 
     backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    # what the agents say: per iteration and agent, the first trajectory of this many inputs
+    # (prompt, answer, reward, advantage) in OUT/samples.jsonl; 0 writes none
+    samples_per_agent: int = Field(2, ge=0)
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
 

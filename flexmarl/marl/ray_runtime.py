@@ -18,11 +18,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from flexmarl.api.runtime import RuntimeSink
 from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import PolicyLayout
 from flexmarl.marl.runtime import MarlRuntime
 from flexmarl.marl.workers import MarlWorkerSpec
-from flexmarl.runtime.base import RuntimeSink
 from flexmarl.runtime.ray.proxy import ActorProxy, ActorTarget
 from flexmarl.runtime.ray.runtime import bundle_of
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from flexmarl.api.runtime import Runtime
 from flexmarl.config.schema import RunConfig
 from flexmarl.graph import contracts
 from flexmarl.graph.meg import GraphError
@@ -21,7 +22,6 @@ from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.memory import check_memory
 from flexmarl.runtime import heap
-from flexmarl.runtime.base import Runtime
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.loggers import check_installed
 from flexmarl.telemetry.recorder import Telemetry

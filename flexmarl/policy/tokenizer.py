@@ -52,6 +52,19 @@ def byte_tokenizer() -> Any:
     return fast
 
 
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def base_model_name(agent: str, cfg: ModelConfig) -> str:
+    """What a checkpoint names as its base: SmolLM2's hub id, a model folder's path, or for a
+    random model the agent (or shared base) whose seed drew it."""
+    if cfg.kind == "smollm2":
+        return SMOLLM2_NAME
+    if cfg.kind == "path":
+        return str(cfg.path)
+    return f"flexmarl-random:{cfg.base or agent}"
+
+
 def model_vocab(cfg: ModelConfig, task_vocab: int) -> int:
     """The vocabulary size of the agent's model, without loading its weights."""
     if cfg.kind == "smollm2":

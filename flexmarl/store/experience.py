@@ -141,7 +141,8 @@ class AgentTable:
 
     def insert(self, row: Row) -> None:
         if row.agent != self.agent:
-            raise StoreError(f"row {row.sample_id} of agent {row.agent!r} put in table {self.agent!r}")
+            raise StoreError(f"row {row.sample_id} of agent {row.agent!r} put in table "
+                             f"{self.agent!r}")
         if row.sample_id in self.rows:
             raise StoreError(f"agent {self.agent!r}: row {row.sample_id} already exists")
         if row.status is not Status.PENDING:

@@ -210,7 +210,7 @@ class Publisher:
         """Deliver `ref` to the live `replicas`. Returns what the driver should keep as the
         latest: the ref, or the pipe form when the slot was lost and the weights were
         fetched from its restored successor (then delivered through the pipes)."""
-        from flexmarl.runtime.base import WorkerError, WorkerLost
+        from flexmarl.api.runtime import WorkerError, WorkerLost
 
         async with self.lock:
             if restart and ref.version < self.published.get(ref.agent, -1):

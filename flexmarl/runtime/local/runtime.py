@@ -17,14 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from flexmarl.config.schema import RunConfig
-from flexmarl.planning.planner import Plan
-from flexmarl.policy.device import Placement, plan_placements
-from flexmarl.policy.memory import memory_hints
-from flexmarl.policy.model import approx_params
-from flexmarl.rollout.backends.openai import OpenAIBackend
-from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import (
+from flexmarl.api.runtime import (
     NullSink,
     RolloutPool,
     Runtime,
@@ -35,6 +28,13 @@ from flexmarl.runtime.base import (
     WorkerLost,
     load_latest,
 )
+from flexmarl.config.schema import RunConfig
+from flexmarl.planning.planner import Plan
+from flexmarl.policy.device import Placement, plan_placements
+from flexmarl.policy.memory import memory_hints
+from flexmarl.policy.model import approx_params
+from flexmarl.rollout.backends.openai import OpenAIBackend
+from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.local.publication import PublishedRef, Publisher
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,

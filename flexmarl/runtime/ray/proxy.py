@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from flexmarl.runtime.base import SpanSink, WorkerError, WorkerLost
+from flexmarl.api.runtime import SpanSink, WorkerError, WorkerLost
 from flexmarl.runtime.local.workers import _setup_torch, chaos_stall
 
 HEALTH_GROUP = "health"  # the actors' concurrency group for pings: a thread of its own

@@ -20,13 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flexmarl.config.schema import VLLM_ON_RAY, RayBundle, RunConfig
-from flexmarl.planning.planner import Plan
-from flexmarl.policy.model import approx_params
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.rollout.backends.openai import OpenAIBackend
-from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import (
+from flexmarl.api.runtime import (
     NullSink,
     RolloutPool,
     Runtime,
@@ -36,6 +30,12 @@ from flexmarl.runtime.base import (
     WorkerLost,
     load_latest,
 )
+from flexmarl.config.schema import VLLM_ON_RAY, RayBundle, RunConfig
+from flexmarl.planning.planner import Plan
+from flexmarl.policy.model import approx_params
+from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.rollout.backends.openai import OpenAIBackend
+from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.local.workers import WorkerSpec
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
 from flexmarl.runtime.ray.store import RayExperienceStore, RayMicroBatch

@@ -51,7 +51,22 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.runtime.base import NullSink
+from flexmarl.api.runtime import NullSink
+from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.policy.model import build_model, weights_of
+from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.engine import HFEngine
+from flexmarl.runtime.local.runtime import (
+    LocalRolloutPool,
+    LocalRuntime,
+    LocalTrainPool,
+    WorkerProxy,
+)
+from flexmarl.runtime.local.workers import (
+    WorkerSpec,
+    rollout_worker_main,
+    train_worker_main,
+)
 from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
 from flexmarl.sim.calibration.machine import (
     OtherLoad,
@@ -60,6 +75,10 @@ from flexmarl.sim.calibration.machine import (
     measure_external_load,
 )
 from flexmarl.sim.calibration.mirror import mirror_config
+from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.training import state as st
+from flexmarl.training.host import TrainHost
+from flexmarl.training.state import from_numpy, publish_form, state_to_numpy
 from flexmarl.types import GenerationRequest, GenerationResult, Sample
 
 # --- measurement helpers ----------------------------------------------------------------------
@@ -89,8 +108,6 @@ def _grid(upper: int, points: Sequence[int]) -> list[int]:
 def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
                    reps: int = 5) -> dict[str, Fit]:
     """Prefill and decode of one model through the real continuous batcher."""
-    from flexmarl.rollout.engine import HFEngine
-
     engine = HFEngine(model, max_seqs)
     rng = np.random.default_rng(0)
     ids = iter(range(1 << 30))
@@ -146,10 +163,6 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                     prompt_len: int, response_len: int, allowed: list[int] | None,
                     reps: int = 5) -> dict[str, Fit]:
     """accumulate / step / weights / swap / get_state of one agent's real trainer."""
-    from flexmarl.training import state as st
-    from flexmarl.training.host import TrainHost
-    from flexmarl.training.state import publish_form, state_to_numpy
-
     slot = TrainHost(cfg, vocab, max_seq_len)
     t0 = time.perf_counter()
     slot.bind(agent, None)
@@ -206,10 +219,6 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
 
 
 def profile_load_weights(model: Any, agent: str, reps: int = 5) -> Fit:
-    from flexmarl.policy.model import weights_of
-    from flexmarl.rollout.engine import HFEngine
-    from flexmarl.training.state import from_numpy, publish_form
-
     engine = HFEngine(model, 4)
     wire = publish_form(weights_of(model), agent, 1)
     return constant([_timed(lambda: engine.load_weights(from_numpy(wire)), reps)])
@@ -253,8 +262,6 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
 
 async def _ipc_measure(samples_of: Callable[[int], Any], wire: Any,
                        reps: int) -> dict[str, Fit]:
-    from flexmarl.runtime.local.runtime import WorkerProxy
-
     proxy = WorkerProxy("profile", 0, echo_worker_main, None, NullSink())
     await proxy.start()
     try:
@@ -303,13 +310,6 @@ async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
                         pool: str = "rollout") -> tuple[Any, _Spans]:
     """A real worker process of the local runtime (`rollout_worker_main`, or
     `train_worker_main` for pool "train") hosting `names`, and the sink its spans go to."""
-    from flexmarl.runtime.local.runtime import WorkerProxy
-    from flexmarl.runtime.local.workers import (
-        WorkerSpec,
-        rollout_worker_main,
-        train_worker_main,
-    )
-
     rt = cfg.runtime
     spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
                       rt.deterministic, cfg.rollout.max_batch_seqs,
@@ -457,10 +457,6 @@ def measure_lengths(cfg: Any, task: Any
     """One sync iteration of the config on the real local runtime (its worker processes, its
     weight publication): per agent, (prompt length, output length, has stop tokens) of each
     request its replicas served, and the request's allowed tokens."""
-    from flexmarl.orchestrator.joint import JointOrchestrator
-    from flexmarl.runtime.local.runtime import LocalRuntime
-    from flexmarl.telemetry.recorder import Telemetry
-
     one = mirror_config(cfg, 1, "sync")
     lengths: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
     allowed: dict[str, list[int] | None] = {}
@@ -492,10 +488,8 @@ def measure_lengths(cfg: Any, task: Any
 def profile_local(cfg: Any, task: Any, *, reps: int = 5,
                   log: Callable[[str], None] | None = None) -> LocalProfile:
     """Measure `cfg`'s agents on this machine (see the module docstring)."""
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
-    from flexmarl.policy.model import build_model, weights_of
-    from flexmarl.training.state import publish_form
 
     log = log or (lambda s: None)
     started = time.perf_counter()
@@ -573,11 +567,6 @@ async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentPr
     once (`echo_worker_main`). Returns this process's CPU seconds per generate request (the
     rollout phase) and per training command (the rest); message latency is not in it (the
     `ipc_*` fits), nor the echo workers' own time."""
-    from flexmarl.orchestrator.joint import JointOrchestrator
-    from flexmarl.rollout.balancer import Balancer
-    from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, WorkerProxy
-    from flexmarl.telemetry.recorder import Telemetry
-
     rt = cfg.runtime
     trainable = [a for a in cfg.agents if cfg.agents[a].trainable]
     nbytes = max((p.weights_bytes for p in agents.values()), default=0)

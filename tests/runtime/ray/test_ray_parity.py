@@ -15,11 +15,11 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from flexmarl.api.runtime import WorkerError
 from flexmarl.config.schema import BackendConfig, config_from_dict
 from flexmarl.orchestrator.run import train
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import WorkerError
 from flexmarl.runtime.ray.runtime import RayRolloutPool
 from tests.faults.conftest import (
     events,

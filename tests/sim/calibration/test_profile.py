@@ -1,4 +1,5 @@
-"""The local profiler's fits and JSON, the mirrored local runtime, and --profile-local end to end."""
+"""The local profiler's fits and JSON, the mirrored local runtime, and --profile-local end to
+end."""
 
 from __future__ import annotations
 

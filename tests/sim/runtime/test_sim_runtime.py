@@ -318,7 +318,8 @@ def test_conditional_edges_skip_nodes_at_their_probability_and_every_system_sees
     for system in ("flexmarl", "marti"):
         res = simulate_system(wl, system, iterations=1)
         node_of = {turn: name for name, turn in res.orchestrator.episodes.turns.items()}
-        agent_of = {name: node.agent for name, node in res.orchestrator.episodes.graph.nodes.items()}
+        nodes = res.orchestrator.episodes.graph.nodes
+        agent_of = {name: node.agent for name, node in nodes.items()}
         calls: dict[str, set] = {}
         for sid in res.runtime.requests:
             from flexmarl.store.experience import parse_sample_id
