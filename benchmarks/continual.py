@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--online-lr", default="0.0005")
     ap.add_argument("--canary-every", default="3")
     ap.add_argument("--snapshot-every", default="15")
+    ap.add_argument("--online-algorithm", default="auto", choices=["auto", "grpo", "ppo"])
     ap.add_argument("--snapshot-url", default=None,
                     help="fsspec URL of the training snapshots (default: a file:// folder)")
     args = ap.parse_args()
@@ -149,6 +150,7 @@ def main() -> None:
     node = {"listener": "listen", "speaker": "speak"}[args.weak]
     extra = ["--canary-share", args.canary_share, "--online-batch", args.online_batch,
              "--online-lr", args.online_lr, "--canary-every", args.canary_every,
+             "--online-algorithm", args.online_algorithm,
              "--heldout", "128", "--snapshot-every", args.snapshot_every, "--snapshot-url",
              args.snapshot_url or f"file://{tmp / 'snapshots'}"]
     url = f"http://127.0.0.1:{args.port}/v1"
@@ -174,7 +176,8 @@ def main() -> None:
     events = [json.loads(x) for x in (run / "serving" / "events.jsonl").read_text().splitlines()]
     print(f"\ncontinual learning: referential game, weak {args.weak} (initial weights), "
           f"{args.clients} clients, episodes at temperature 1 with feedback; canary share "
-          f"{args.canary_share}, online batch {args.online_batch}, lr {args.online_lr}")
+          f"{args.canary_share}, online batch {args.online_batch}, lr {args.online_lr}, "
+          f"algorithm {args.online_algorithm}")
     print("\n| window (s) | episodes | served success | versions serving the "
           f"{args.weak} (episodes) |")
     print("|---|---|---|---|")

@@ -79,6 +79,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
     d.add_argument("--kl-max", type=float, default=0.5,
                    help="undo an online update whose KL to the shadow exceeds this "
                         "(nats per token, default 0.5)")
+    d.add_argument("--online-algorithm", choices=["auto", "grpo", "ppo"], default="auto",
+                   help="the online loss: GRPO (the batch is the group) or PPO (a critic, GAE; "
+                        "the clipped ratio to the served log-probs); auto: the agent's "
+                        "algorithm (default)")
     d.add_argument("--is-max", type=float, default=2.0,
                    help="truncation of the off-policy importance weights (default 2)")
     d.add_argument("--online-lr", type=float, default=None,
@@ -127,6 +131,7 @@ def add_serve_learn_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - ar
     t.add_argument("--canary-every", type=int, default=10)
     t.add_argument("--kl-max", type=float, default=0.5)
     t.add_argument("--is-max", type=float, default=2.0)
+    t.add_argument("--online-algorithm", choices=["auto", "grpo", "ppo"], default="auto")
     t.add_argument("--update-every", type=duration, default=0.0, metavar="DURATION")
     t.add_argument("--snapshot-every", type=duration, default=300.0, metavar="DURATION")
     t.add_argument("--snapshot-url", default=None, metavar="URL",
@@ -155,7 +160,8 @@ def run_serve_learn(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cfg = TrainerConfig(batch=args.online_batch, canary_every=args.canary_every,
                         kl_max=args.kl_max, is_max=args.is_max, lr=args.online_lr,
-                        update_every_s=args.update_every, snapshot_every_s=args.snapshot_every)
+                        update_every_s=args.update_every, snapshot_every_s=args.snapshot_every,
+                        algorithm=args.online_algorithm)
     OnlineTrainer(args.run_dir, args.capture, args.agent, args.server, cfg, args.snapshot_url,
                   args.api_key or os.environ.get("FLEXMARL_API_KEY")).run_forever()
     return 0
@@ -178,7 +184,8 @@ def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imp
         canary_every=args.canary_every,
         canary_min_feedback=args.canary_min_feedback, canary_max_s=args.canary_max_s,
         heldout=args.heldout, feedback_weight=args.feedback_weight,
-        snapshot_every_s=args.snapshot_every, snapshot_url=args.snapshot_url).validate()
+        snapshot_every_s=args.snapshot_every, snapshot_url=args.snapshot_url,
+        online_algorithm=args.online_algorithm).validate()
 
 
 def run_serve(args: argparse.Namespace) -> int:

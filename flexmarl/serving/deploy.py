@@ -79,6 +79,7 @@ class DeployConfig:
     snapshot_every_s: float = 300.0
     deploy_dir: Path | None = None  # default RUN_DIR/serving
     snapshot_url: str | None = None  # fsspec URL of training snapshots (default deploy_dir)
+    online_algorithm: str = "auto"  # grpo / ppo / auto (the agent's) [--online-algorithm]
 
     def validate(self) -> DeployConfig:
         checks = [
@@ -209,7 +210,8 @@ class AgentDeployment:
                 raise ServeError(f"--learn {name}: the run's task did not load: "
                                  f"{run.task_error}")
             self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,
-                                         run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr)
+                                         run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr,
+                                         cfg.online_algorithm)
             self._resume()
 
     # --- scoring ---------------------------------------------------------------------------

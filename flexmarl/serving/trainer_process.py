@@ -44,6 +44,7 @@ class TrainerConfig:
     snapshot_every_s: float = 300.0
     min_temperature: float = 0.05
     poll_s: float = 0.2
+    algorithm: str = "auto"  # grpo / ppo / auto (the agent's)
 
 
 class ServerClient:
@@ -83,7 +84,7 @@ class OnlineTrainer:
         self.server = ServerClient(server, api_key)
         self.learner = OnlineLearner(self.spec, self.run.task.vocab_size,
                                      self.run.task.max_seq_len, self.run.cfg.seed, "cpu",
-                                     cfg.kl_max, cfg.is_max, cfg.lr)
+                                     cfg.kl_max, cfg.is_max, cfg.lr, cfg.algorithm)
         self.shadow = self.spec.model  # the KL reference: what the server serves
         self.pending: tuple[int, Any] | None = None  # (canary version, its model)
         self.since_candidate = 0
