@@ -17,7 +17,7 @@ from flexmarl.serving.agents import (
     resolve_source,
 )
 from flexmarl.serving.capture import Capture
-from flexmarl.serving.deploy import DeployConfig, Deployment
+from flexmarl.serving.deploy import Canary, DeployConfig, Deployment
 from flexmarl.serving.drift import DriftConfig, DriftMonitor
 from flexmarl.serving.protocol import (
     ApiError,
@@ -290,6 +290,13 @@ class Service:
                 worker.promote()
                 with spec.lock:
                     spec.model, spec.version = tc.models[name], version
+                dep = self.deployment.agents.get(name) if self.deployment is not None else None
+                if dep is not None:  # a restart serves the promoted vector (SHADOW files)
+                    dep.heldout_cache = {}
+                    dep._write_shadow(Canary(version, tc.models[name], tc.started, None))
+                    if dep.learner is not None:  # training goes on from what now serves
+                        dep.learner.reset(tc.models[name], version.number)
+                        dep.since_candidate = 0
             else:
                 worker.rollback()
         return self._team_event(f"team_{verdict}", versions={

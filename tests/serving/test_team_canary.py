@@ -4,6 +4,7 @@ as one by the confidence-interval rule; the rule's statistics by hand."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flexmarl.serving.capture import Capture
+from flexmarl.serving.deploy import DeployConfig
 from flexmarl.serving.team import TeamCanary, TeamCanaryConfig
 from flexmarl.serving.toy import save_llama
 from tests.serving.conftest import post, start
@@ -47,7 +49,8 @@ def _weights(tmp: Path, name: str, vocab: int, seed: int) -> str:
 def test_team_canary_promoted_and_rolled_back_as_one(toy_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(toy_run, run)
-    running = start(run, capture=Capture(tmp_path / "c.sqlite"))
+    running = start(run, capture=Capture(tmp_path / "c.sqlite"),
+                    deploy=DeployConfig(heldout=0, canary_min_feedback=10_000))
     url = running.url
     agents = running.service.run.agents
     try:
@@ -88,6 +91,11 @@ def test_team_canary_promoted_and_rolled_back_as_one(toy_run, tmp_path):
         assert state == {"active": False}  # 10 and 30 scored: the rule decided
         _, models = post(f"{url}/models", method="GET")
         assert {m["id"]: m["version"] for m in models["data"]} == canary  # promoted as one
+        for name in canary:  # written as each agent's SHADOW: a restart serves the vector
+            assert (run / "serving" / name / "SHADOW").read_text() == "v2"
+        events = [json.loads(x)["event"] for x in
+                  (run / "serving" / "events.jsonl").read_text().splitlines()]
+        assert "team_canary_start" in events and "team_promote" in events
 
         paths = {"listener": _weights(tmp_path, "listener", agents["listener"].vocab, 8)}
         status, body = post(f"{url}/admin/team-canary", {
