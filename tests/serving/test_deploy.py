@@ -5,6 +5,7 @@ SIGKILL of a learning server under load (slow)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import signal
@@ -270,7 +271,7 @@ def test_sigkill_of_a_learning_server_under_load(run_copy, tmp_path):
                                                              "reward": float(ep["success"])})
                         if status == 200:
                             acked_fb.append(ep["id"])
-                    except OSError:
+                    except (OSError, http.client.HTTPException, ValueError):
                         return  # the server is gone
 
             before = len(steps())
