@@ -384,7 +384,7 @@ class RuntimeConfig(Strict):
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
     swap_to: Literal["host", "disk"] = "host"
-    # How published weights reach the rollout replicas (local runtime): `pipe` through the
+    # How published weights reach the rollout replicas (local and Ray): `pipe` through the
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
     # training slot to each replica over torch.distributed (gloo; NCCL where both ends are on
     # different GPUs); `auto`: collective where torch.distributed is available (docs/gpu.md:
@@ -569,10 +569,6 @@ class RunConfig(Strict):
                     f"agents.{name}.lora: an agent on a shared base (model.base {base!r}) "
                     f"trains a LoRA adapter; give agents.{name}.lora (e.g. {{r: 8}}), or set "
                     f"agents.{name}.trainable: false to use the base as it is")
-            if self.runtime.kind == "ray":
-                raise ValueError(f"agents.{name}.model.base: shared base models are not "
-                                 "supported on runtime.kind=ray yet (use runtime.kind=local, "
-                                 "or give each agent its own model)")
             agent.model = entry.model_copy(update={"base": base})
             used.add(base)
         for key in self.models:

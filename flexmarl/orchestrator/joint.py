@@ -79,11 +79,9 @@ class JointOrchestrator:
         on_iteration: Callable[[dict[str, Any]], None] | None = None,
         save_checkpoint: SaveCheckpoint | None = None,
         resume: Any = None,
-        store: ExperienceStore | None = None,
     ) -> None:
         """`save_checkpoint` writes a generation every `train.checkpoint_every` iterations and
-        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left;
-        `store` is the runtime's experience store (default: an in-process one)."""
+        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left."""
         self.cfg = cfg
         self.task = task
         self.rollout = rollout
@@ -92,9 +90,8 @@ class JointOrchestrator:
         self.on_iteration = on_iteration
         self.agents = list(cfg.agents)
         self.trainable = [a for a in self.agents if cfg.agents[a].trainable]
-        # The runtime may bring its own store (Ray: one table actor per agent) with the same
-        # interface; the orchestrator is the same code either way.
-        self.store = store if store is not None else ExperienceStore(self.agents)
+        # the driver's store, on every runtime: workers get rows through the pools' calls
+        self.store = ExperienceStore(self.agents)
         # one_step_off: how many versions the rollout lags training
         self.staleness = cfg.pipeline.max_staleness
         self.version_book = Versions(self.agents, self.trainable, self.staleness, rollout)

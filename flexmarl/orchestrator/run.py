@@ -173,8 +173,7 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         telemetry.event("placement", **runtime.placement())
         manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
         orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
-                                 save_checkpoint=manager.save, resume=ckpt,
-                                 store=runtime.make_store())  # Ray: per-agent table actors
+                                 save_checkpoint=manager.save, resume=ckpt)
         for sig in (signal.SIGTERM, signal.SIGINT):  # checkpoint at the next boundary, stop
             try:
                 loop.add_signal_handler(sig, orch.request_stop)
