@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-llm test test-slow lint bench bench-training clean
+.PHONY: venv demo demo-llm test test-slow lint docs bench bench-training clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
 	$(BIN)/mypy flexmarl
 	$(BIN)/lint-imports
+
+# The task API reference from the docstrings, into build/docs (broken references fail it).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -f mkdocs.yml
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml

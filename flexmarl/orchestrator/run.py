@@ -47,7 +47,7 @@ class RunResult:
 
 def prepare(cfg: RunConfig) -> Task:
     """Build and validate everything that can be checked before any worker starts."""
-    task = load_task(cfg.task.builder, cfg.task.options)
+    task = load_task(cfg.task.builder, cfg.task.options, cfg.agents)
     task.graph.validate(cfg.agents.keys())
     for name, agent_cfg in cfg.agents.items():
         if agent_cfg.backend.kind == "vllm":
