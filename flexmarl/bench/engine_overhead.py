@@ -355,7 +355,7 @@ def kv_footprint(model: Any, reqs: list[Any], max_seqs: int) -> dict[str, float]
     queue = list(reqs)
     paged, padded, fraction = [], [], []
     while queue or engine.seqs:
-        take = []
+        take: list[Any] = []
         while queue and engine.fits(queue[0], len(take)):
             take.append(queue.pop(0))
         engine.admit(take)
