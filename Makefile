@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-llm test test-slow lint bench bench-training clean
+.PHONY: venv demo demo-llm test test-slow docs lint bench bench-training clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# the task API reference, generated from the docstrings, into build/docs (strict: broken refs fail)
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict -d build/docs
 
 lint: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks

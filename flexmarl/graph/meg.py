@@ -24,6 +24,11 @@ class NodePrompt:
 
     `allowed_tokens` constrains decoding (an action mask); the trainer re-applies the same mask
     so that training log-probs are those of the distribution that sampled.
+
+    Example:
+        ```python
+        NodePrompt(tokens=[1, 5, 9], max_new_tokens=1, allowed_tokens=[3, 4])
+        ```
     """
 
     tokens: list[int]
@@ -44,6 +49,12 @@ class TextPrompt:
     A prompt builder may also return the plain string or the message list itself; then the
     agent's `sampling` settings (`max_tokens`, `stop`, `stop_token_ids`) apply unchanged.
     `max_new_tokens` overrides `sampling.max_tokens`; `stop` adds to `sampling.stop`.
+
+    Example:
+        ```python
+        TextPrompt([{"role": "user", "content": "Is 3 + 4 = 7? Answer yes or no."}],
+                   max_new_tokens=4, stop=["\n"])
+        ```
     """
 
     prompt: str | list[dict[str, str]]
@@ -53,7 +64,26 @@ class TextPrompt:
 
 @dataclass
 class EpisodeContext:
-    """What a prompt builder or a reward function sees: the episode's input and node outputs."""
+    """What a prompt builder or a reward function sees: the episode's input and node outputs.
+
+    Attributes:
+        input_id: `"<iteration>-<input index>"`, shared by the trajectories of one group.
+        trajectory_id: which of the group's trajectories this episode is (0..G-1).
+        data: the input dict that `Task.sample_inputs` returned for this episode.
+        outputs: token ids of every node that has run, by node name (use `output`).
+        texts: decoded responses of text-level nodes, by node name (use `text`).
+
+    A `reward=` function receives this context once every node it can read has run, and
+    returns a float (the node's own reward; `set_episode_reward`'s function returns the team's).
+
+    Example:
+        ```python
+        def judge_reward(ctx: EpisodeContext) -> float:
+            said_yes = ctx.text("judge").strip().lower().startswith("yes")
+            right = ctx.text("answer").strip() == str(ctx.data["sum"])
+            return float(said_yes == right)
+        ```
+    """
 
     input_id: str
     trajectory_id: int
@@ -82,8 +112,14 @@ class EpisodeContext:
 
 PromptValue = NodePrompt | TextPrompt | str | list[dict[str, str]]
 PromptBuilder = Callable[[EpisodeContext], PromptValue]
+"""`prompt(ctx)`: text, chat messages (`[{"role": "user", "content": ...}]`), a `TextPrompt`
+or a `NodePrompt`. Example: `lambda ctx: f"Add {ctx.data['a']} and {ctx.data['b']}."`"""
 RewardFn = Callable[[EpisodeContext], float]
+"""`reward(ctx) -> float`: the reward of a node (`reward=`) or of the episode
+(`set_episode_reward`). Example: `lambda ctx: float(ctx.text("answer") == ctx.data["gold"])`"""
 Condition = Callable[[EpisodeContext], bool]
+"""`when(ctx) -> bool`: False skips the node and everything downstream of it in this episode.
+Example: `lambda ctx: ctx.data["needs_review"]`"""
 
 
 @dataclass
@@ -100,7 +136,27 @@ class Node:
 
 @dataclass
 class MEG:
-    """A per-episode DAG of agent invocations plus the rewards that score an episode."""
+    """A per-episode DAG of agent invocations plus the rewards that score an episode.
+
+    Build it by chaining [`node`][flexmarl.graph.meg.MEG.node] calls; each node names its agent
+    (a key of the run's `agents:`), the nodes whose outputs it reads (`inputs`) and a prompt
+    builder `prompt(ctx)` that returns text, chat messages, a
+    [`TextPrompt`][flexmarl.graph.meg.TextPrompt] or a token-level
+    [`NodePrompt`][flexmarl.graph.meg.NodePrompt]. A `reward(ctx) -> float` on a node scores
+    that node's response; [`set_episode_reward`][flexmarl.graph.meg.MEG.set_episode_reward]
+    scores the whole episode (shared by every node as `train.credit` says).
+
+    Example:
+        ```python
+        graph = (MEG()
+                 .node("answer", agent="solver", prompt=lambda ctx: ctx.data["question"])
+                 .node("judge", agent="judge", inputs=["answer"],
+                       prompt=lambda ctx: f"Is this right? {ctx.text('answer')}",
+                       reward=lambda ctx: float(ctx.text("judge").startswith("yes")
+                                                == ctx.data["answer_is_right"]))
+                 .set_episode_reward(lambda ctx: float(ctx.text("answer") == ctx.data["gold"])))
+        ```
+    """
 
     nodes: dict[str, Node] = field(default_factory=dict)
     episode_reward: RewardFn | None = None
