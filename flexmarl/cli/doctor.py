@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from flexmarl.config.schema import ConfigError
+from flexmarl.telemetry.samples import read_samples
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Run:
     events: list[dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    # OUT/samples.jsonl: what the agents said (telemetry.samples)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def agents(self) -> list[str]:
@@ -111,7 +114,12 @@ def load_run(run_dir: str | Path) -> Run:
         summary = json.loads((path / "summary.json").read_text())
     except (OSError, ValueError):
         pass
-    return Run(path, records, events, config if isinstance(config, dict) else {}, summary)
+    try:
+        samples = read_samples(path / "samples.jsonl")
+    except ValueError:  # a truncated or foreign file: the report goes on without it
+        samples = []
+    return Run(path, records, events, config if isinstance(config, dict) else {}, summary,
+               samples)
 
 
 # --- rules ---------------------------------------------------------------------------------

@@ -20,14 +20,19 @@ class GraphError(UserError, ValueError):
 
 @dataclass
 class NodePrompt:
-    """What a node asks its agent: prompt tokens, how many tokens it may emit, which ones.
+    """A token-level prompt: the ids a node gives its agent, how many it may emit, which ones.
 
-    `allowed_tokens` constrains decoding (an action mask); the trainer re-applies the same mask
-    so that training log-probs are those of the distribution that sampled.
+    For tasks with their own small vocabulary and random models (the referential game), where
+    full control of the ids matters. `allowed_tokens` constrains decoding (an action mask);
+    the trainer re-applies the same mask so that training log-probs are those of the
+    distribution that sampled. `stop_tokens` end the response; `stop` strings need the agent's
+    tokenizer.
 
     Example:
         ```python
-        NodePrompt(tokens=[1, 5, 9], max_new_tokens=1, allowed_tokens=[3, 4])
+        # the listener picks one of the candidates shown (token ids of the task's vocabulary)
+        NodePrompt(tokens=[BOS, *candidates, SEP, *ctx.output("speak")], max_new_tokens=1,
+                   allowed_tokens=candidates)
         ```
     """
 
@@ -52,8 +57,9 @@ class TextPrompt:
 
     Example:
         ```python
-        TextPrompt([{"role": "user", "content": "Is 3 + 4 = 7? Answer yes or no."}],
-                   max_new_tokens=4, stop=["\n"])
+        def judge(ctx: EpisodeContext) -> TextPrompt:
+            return TextPrompt([{"role": "user", "content": f"Is {ctx.text('ask')} right?"}],
+                              max_new_tokens=2, stop=["\n"])
         ```
     """
 
@@ -64,24 +70,18 @@ class TextPrompt:
 
 @dataclass
 class EpisodeContext:
-    """What a prompt builder or a reward function sees: the episode's input and node outputs.
+    """`ctx`: what a prompt builder, a condition (`when=`) or a reward function sees.
 
-    Attributes:
-        input_id: `"<iteration>-<input index>"`, shared by the trajectories of one group.
-        trajectory_id: which of the group's trajectories this episode is (0..G-1).
-        data: the input dict that `Task.sample_inputs` returned for this episode.
-        outputs: token ids of every node that has run, by node name (use `output`).
-        texts: decoded responses of text-level nodes, by node name (use `text`).
-
-    A `reward=` function receives this context once every node it can read has run, and
-    returns a float (the node's own reward; `set_episode_reward`'s function returns the team's).
+    `data` is the episode's input, one of the dicts `Task.sample_inputs` returned; `input_id`
+    and `trajectory_id` say which input and which of its `train.group_size` samples this
+    episode is. `output(node)` gives the token ids a node sampled (what is trained on),
+    `text(node)` a text-level node's decoded answer; both exist once the node ran, so a
+    node reads only the nodes in its `inputs`.
 
     Example:
         ```python
-        def judge_reward(ctx: EpisodeContext) -> float:
-            said_yes = ctx.text("judge").strip().lower().startswith("yes")
-            right = ctx.text("answer").strip() == str(ctx.data["sum"])
-            return float(said_yes == right)
+        def reward(ctx: EpisodeContext) -> float:
+            return float(ctx.text("ask").strip() == str(ctx.data["a"] + ctx.data["b"]))
         ```
     """
 
@@ -112,14 +112,8 @@ class EpisodeContext:
 
 PromptValue = NodePrompt | TextPrompt | str | list[dict[str, str]]
 PromptBuilder = Callable[[EpisodeContext], PromptValue]
-"""`prompt(ctx)`: text, chat messages (`[{"role": "user", "content": ...}]`), a `TextPrompt`
-or a `NodePrompt`. Example: `lambda ctx: f"Add {ctx.data['a']} and {ctx.data['b']}."`"""
 RewardFn = Callable[[EpisodeContext], float]
-"""`reward(ctx) -> float`: the reward of a node (`reward=`) or of the episode
-(`set_episode_reward`). Example: `lambda ctx: float(ctx.text("answer") == ctx.data["gold"])`"""
 Condition = Callable[[EpisodeContext], bool]
-"""`when(ctx) -> bool`: False skips the node and everything downstream of it in this episode.
-Example: `lambda ctx: ctx.data["needs_review"]`"""
 
 
 @dataclass
@@ -136,25 +130,20 @@ class Node:
 
 @dataclass
 class MEG:
-    """A per-episode DAG of agent invocations plus the rewards that score an episode.
+    """The Multi-agent Execution Graph of one episode: its nodes (agent calls), what feeds
+    what, and the rewards that score it.
 
-    Build it by chaining [`node`][flexmarl.graph.meg.MEG.node] calls; each node names its agent
-    (a key of the run's `agents:`), the nodes whose outputs it reads (`inputs`) and a prompt
-    builder `prompt(ctx)` that returns text, chat messages, a
-    [`TextPrompt`][flexmarl.graph.meg.TextPrompt] or a token-level
-    [`NodePrompt`][flexmarl.graph.meg.NodePrompt]. A `reward(ctx) -> float` on a node scores
-    that node's response; [`set_episode_reward`][flexmarl.graph.meg.MEG.set_episode_reward]
-    scores the whole episode (shared by every node as `train.credit` says).
+    Build it with chained `node` calls; `set_episode_reward` adds a team reward credited to
+    every node (`train.credit` says how), `set_success` the task's success (metrics only).
+    The graph is a DAG: `validate` names a cycle, an unknown agent or a missing input.
 
     Example:
         ```python
         graph = (MEG()
-                 .node("answer", agent="solver", prompt=lambda ctx: ctx.data["question"])
-                 .node("judge", agent="judge", inputs=["answer"],
-                       prompt=lambda ctx: f"Is this right? {ctx.text('answer')}",
-                       reward=lambda ctx: float(ctx.text("judge").startswith("yes")
-                                                == ctx.data["answer_is_right"]))
-                 .set_episode_reward(lambda ctx: float(ctx.text("answer") == ctx.data["gold"])))
+                 .node("ask", agent="answerer", prompt=ask, reward=answer_right)
+                 .node("judge", agent="judge", inputs=["ask"], prompt=judge,
+                       reward=verdict_right)
+                 .set_success(answer_right))
         ```
     """
 
@@ -173,12 +162,29 @@ class MEG:
         reward: RewardFn | None = None,
         static_when: bool = False,
     ) -> MEG:
-        """Add a node; `when` may skip it (and so end its branch) for a given episode.
+        """Add a node: one call of `agent` in every episode (unless `when` skips it).
 
-        `static_when`: `when` reads only the episode's input and trajectory, not its outputs,
-        so it is decided when the episode starts and a node it skips, with everything
-        downstream, costs nothing (a graph with many conditional variants of a node, as the
-        simulator's, would otherwise run a task per variant per episode)."""
+        Args:
+            name: the node's name (no `_`), unique in the graph.
+            agent: the agent that answers, a key of the run config's `agents`.
+            prompt: `prompt(ctx)` returns what the agent is asked: a string or a list of chat
+                messages (`[{"role": ..., "content": ...}]`; the agent's chat template
+                applies), a `TextPrompt`, or a token-level `NodePrompt`.
+            inputs: the nodes whose outputs this one reads; it runs once they all ran.
+            when: `when(ctx)` returns a bool; False skips the node and ends its branch
+                (every node downstream of it is skipped too) in this episode.
+            reward: `reward(ctx)` returns this node's own reward, a finite number, once the
+                episode is complete; a function that raises fails the episode (counted
+                against `train.max_failed_fraction`), one that returns something else stops
+                the run with the node named.
+            static_when: `when` reads only the episode's input and trajectory, not outputs,
+                so it is decided when the episode starts and a node it skips, with everything
+                downstream, costs nothing (many conditional variants of a node, as the
+                simulator's graphs have, would otherwise run a task per variant).
+
+        Returns:
+            The graph itself, so calls chain.
+        """
         if not name or "_" in name:
             raise GraphError(f"node name {name!r} must be non-empty and contain no '_'")
         if name in self.nodes:

@@ -35,9 +35,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flexmarl.runtime.base import TrainPool, WorkerLost
+from flexmarl.api.runtime import TrainPool, WorkerLost
 from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training.allocator import Lease, SlotAllocator
+from flexmarl.training.state import publish_form, state_to_numpy
 
 if TYPE_CHECKING:
     import torch
@@ -67,8 +68,6 @@ def published(trainer: AgentTrainer, publisher: Any = None) -> Any:
     (runtime.publication), a `PublishedRef` to the copy the slot keeps and sends itself."""
     if publisher is not None:
         return publisher.keep(trainer.agent, trainer.version, trainer.weights())
-    from flexmarl.runtime.local.workers import publish_form
-
     return publish_form(trainer.weights(), trainer.agent, trainer.version)
 
 
@@ -189,8 +188,6 @@ class TrainHost:
         return str(self.trainers[agent].save(directory))
 
     def get_state(self, agent: str) -> tuple[dict, dict]:
-        from flexmarl.runtime.local.workers import state_to_numpy
-
         return state_to_numpy(self.trainers[agent].get_state())
 
     def set_state(self, agent: str, arrays: dict, meta: dict) -> int:

@@ -135,9 +135,11 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "flexmarl", "train", str(ROOT / "examples" / "referential_game.yaml"),
+        [sys.executable, "-m", "flexmarl", "train",
+         str(ROOT / "examples" / "referential_game.yaml"),
          "--set", "train.iterations=2", "--set", "train.inputs_per_iteration=4",
-         "--set", "logging.backends=[jsonl, tensorboard, wandb, mlflow]", "--out", str(run)],
+         "--set", "logging.backends=[jsonl, tensorboard, wandb, mlflow]", "--out", str(run),
+         "--show-samples", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**__import__("os").environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr
@@ -153,6 +155,16 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert (run / "report" / "index.html").exists()
+    # --show-samples 1: one sample per agent and iteration printed live, the same in the file
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert sorted(line.split("]")[0] for line in printed) == ["[listener"] * 2 + ["[speaker"] * 2
+    kept = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(kept) == 2 * 2 * 2  # default 2 per agent and iteration
+    first = kept[0]
+    assert printed[0].startswith(f"[{first['agent']}] it 0 {first['node']}")
+    assert f"answer ({first['answer_tokens']} tokens): " in proc.stderr
+    page = (run / "report" / "index.html").read_text()
+    assert "What the agents said" in page and "<td>speak</td>" in page
 
 
 def test_doctor_store_throughput_and_skipped_steps_rules(tmp_path):
