@@ -82,6 +82,21 @@ class _AlgorithmBase(Strict):
     # Linear decay of the entropy bonus to 0 over this many optimizer steps (None: constant):
     # explore early while a convention forms, then let the policies sharpen.
     entropy_decay_steps: int | None = Field(None, gt=0)
+    # Asymmetric clipping ("clip-higher", DAPO): the ratio is clipped to
+    # [1 - clip_eps, 1 + clip_eps_high]; a wider upper bound lets unlikely tokens with a
+    # positive advantage grow, which keeps entropy from collapsing. None: clip_eps.
+    clip_eps_high: float | None = Field(None, gt=0)
+    # Importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025: the
+    # geometric mean of the row's token ratios, clipped once per row; GSPO uses clip_eps of
+    # about 3e-4 / 4e-4).
+    ratio_level: Literal["token", "sequence"] = "token"
+    # How a row's token losses become the row's loss: "sequence" averages over the row's
+    # tokens (GRPO); "token_sum_norm" sums them and divides by the constant
+    # `loss_norm_tokens` (Dr. GRPO, verl's seq-mean-token-sum-norm), so long rows are not
+    # down-weighted and the loss has no length bias. Both are per-row quantities, so any
+    # micro-batch split still equals one big batch.
+    loss_agg: Literal["sequence", "token_sum_norm"] = "sequence"
+    loss_norm_tokens: int = Field(512, gt=0)
 
 
 class GRPOConfig(_AlgorithmBase):

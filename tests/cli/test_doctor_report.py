@@ -186,3 +186,31 @@ def test_doctor_store_throughput_and_skipped_steps_rules(tmp_path):
     assert drop.metric == "agent/a/tokens_per_s" and drop.iterations[-1] == 11
     skipped = found["optimizer steps skipped (non-finite loss or gradient)"]
     assert skipped.iterations == [3] and "non-finite loss" in skipped.evidence
+
+
+def _collapsed_run(tmp_path: Path, algorithm: dict) -> Path:
+    """A run whose judge's entropy fell to nothing while it answered one thing to every input."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(json.dumps({
+        "agents": {"judge": {"algorithm": algorithm}}, "train": {"group_size": 2}}))
+    rows = [{"iteration": i, "agent/judge/entropy": 1.0 if i < 2 else 0.01,
+             "agent/judge/top_response_frac": 0.3 if i < 2 else 1.0,
+             "agent/judge/reward_mean": 0.5} for i in range(8)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_doctor_collapse_advice_names_the_option_that_fixes_it(tmp_path):
+    run = load_run(_collapsed_run(tmp_path, {"name": "grpo"}))
+    found = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")]
+    assert found and found[0].agent == "judge"
+    remedy = found[0].remedy
+    assert remedy.startswith("agents.judge.algorithm.normalize: agent (with group_size 2")
+    assert "agents.judge.algorithm.clip_eps_high: 0.28" in remedy
+    # already normalised per agent with clip-higher: the general advice only
+    shutil.rmtree(tmp_path / "run")
+    run = load_run(_collapsed_run(tmp_path, {"name": "grpo", "normalize": "agent",
+                                             "clip_eps_high": 0.28}))
+    remedy = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")][0].remedy
+    assert "normalize" not in remedy and remedy.startswith("agents.judge.algorithm.entropy_coef")
