@@ -14,7 +14,6 @@ ranks of one training slot do, driven by one host).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -312,7 +311,3 @@ class ShardedAgentTrainer(AgentTrainer):
         self._sums = {}
         self._nonfinite = None
 
-
-def per_rank_share(total: int, world: int) -> float:
-    """The fraction of `total` elements one rank holds when dim 0 is split in K chunks."""
-    return math.ceil(total / world) / total if total else 0.0
