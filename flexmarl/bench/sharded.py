@@ -84,9 +84,9 @@ def _rank(rank: int, world: int, store: str, out: str, hidden: int, layers: int,
 
 def measure(ks: list[int], hidden: int, layers: int, steps: int, rows: int, rounds: int,
             budget_gb: float) -> list[dict[str, Any]]:
-    """One row per K (rank 0's figures; step/swap/publish: median over rounds)."""
+    """One row per K (the rank holding the most bytes; step/swap/publish: median over rounds)."""
     per_k: dict[int, list[dict[str, Any]]] = {k: [] for k in ks}
-    for r in range(rounds):
+    for _round in range(rounds):
         for k in ks:
             with tempfile.TemporaryDirectory() as d:
                 mp.spawn(_rank, args=(k, f"{d}/store", d, hidden, layers, steps, rows),
