@@ -222,4 +222,5 @@ def test_killed_rank_fails_its_peer_within_the_timeout(tmp_path):
     assert procs[1].exitcode == -signal.SIGKILL
     elapsed, outcome = (tmp_path / "kill.txt").read_text().splitlines()[:2]
     assert not outcome.startswith("finished"), outcome
+    print(f"peer failed after {elapsed} s: {outcome}")
     assert float(elapsed) < 25.0, (elapsed, outcome)  # the group's timeout is 20 s
