@@ -120,7 +120,14 @@ def bench_chaos(
         "kills": [f"{k['pool']}#{k['worker']}" for k in killer.kills],
     }
     print_report(report)
+    if not killer.kills:  # a clean table without a fault would claim a survival never tested
+        raise ChaosError(f"chaos: no fault was injected ({kills} kills asked for, none made: "
+                         "no live worker was found at the kill times); the run proves nothing")
     return report
+
+
+class ChaosError(RuntimeError):
+    """A chaos run that injected no fault."""
 
 
 def chaos_telemetry(out: Path) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from flexmarl.cli.doctor import Run, diagnose, load_run
 from flexmarl.config.schema import ConfigError
 from flexmarl.sim.simulate import write_gantt
+from flexmarl.telemetry.samples import clip_text
 
 
 def _plt():
@@ -128,6 +129,26 @@ def _plans_table(run: Run) -> str:
             + "".join(rows) + "</table>")
 
 
+def _samples_table(run: Run) -> str:
+    """The first and the last iteration's samples of each agent: prompt, answer, reward."""
+    if not run.samples:
+        return "<p>no samples kept (logging.samples_per_agent: 0, or a run from before it)</p>"
+    first, last = run.samples[0]["iteration"], run.samples[-1]["iteration"]
+    rows = []
+    for sample in run.samples:
+        if sample["iteration"] not in (first, last):
+            continue
+        adv = sample.get("advantage")
+        cells = [str(sample["iteration"]), sample["agent"], sample["node"],
+                 clip_text(sample["prompt"], 300), clip_text(sample["answer"], 300),
+                 f"{sample.get('reward')}", f"{adv:+.3f}" if isinstance(adv, (int, float))
+                 else "-"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("iteration", "agent", "node", "prompt (end)",
+                                              "answer", "reward", "advantage"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
 def _summary_table(run: Run) -> str:
     last = run.records[-1] if run.records else {}
     items = [
@@ -219,6 +240,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 <h2 id="busy">Where the time went</h2>{_img(busy, "rollout/training busy fractions over time")}
 {_img(gantt, "Gantt chart of the run (trace.json): rollout solid, training hatched")}
 <h2 id="throughput">Throughput</h2>{_img(throughput, "rollout and trainer throughput")}
+<h2 id="samples">What the agents said (first and last iteration)</h2>{_samples_table(run)}
 <h2 id="plans">Plan of each iteration</h2>{_plans_table(run)}
 <h2 id="config">Config</h2><pre>{html.escape(config_text)}</pre>
 </body></html>

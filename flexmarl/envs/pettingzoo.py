@@ -96,14 +96,21 @@ class StepResult:
     done: bool  # no agent left
 
 
-class ParallelAdapter:
-    """One Parallel environment as rounds of parallel nodes (see the module docstring)."""
+class _Adapter:
+    """A PettingZoo environment with its agents' observation and action specs."""
 
-    def __init__(self, env, env_id: str) -> None:
+    def __init__(self, env: Any, env_id: str) -> None:
         self.env = env
         self.env_id = env_id
         self.agents = list(env.possible_agents)
         self.obs_specs, self.action_specs = _specs(env, env_id)
+
+
+class ParallelAdapter(_Adapter):
+    """One Parallel environment as rounds of parallel nodes (see the module docstring)."""
+
+    def __init__(self, env: Any, env_id: str) -> None:
+        super().__init__(env, env_id)
         self.rounds: list[list[str]] = []  # node names per environment step of this episode
         self.live: list[str] = []
 
@@ -157,14 +164,8 @@ class AECEpisode:
     truncated: bool = False
 
 
-class AECAdapter:
+class AECAdapter(_Adapter):
     """One AEC environment as a chain of turns (see the module docstring)."""
-
-    def __init__(self, env, env_id: str) -> None:
-        self.env = env
-        self.env_id = env_id
-        self.agents = list(env.possible_agents)
-        self.obs_specs, self.action_specs = _specs(env, env_id)
 
     def run_episode(self, policy: Policy, seed: int | None = None,
                     max_turns: int = 10_000) -> AECEpisode:

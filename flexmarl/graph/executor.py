@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from flexmarl.errors import UserError
 from flexmarl.graph import contracts
@@ -33,6 +34,19 @@ class TaskCodeError(RuntimeError):
         self.node = node
         self.what = what
         self.error = error
+
+
+def _task_code(node: str | None, what: str, fn: Callable[[EpisodeContext], Any],
+               ctx: EpisodeContext, *, user_errors_stop: bool = True) -> Any:
+    """`fn(ctx)`, with what it raises named. A `UserError` from a condition or a prompt builder
+    (a bad prompt, an output read before it exists) stops the run; a reward's is an episode
+    failure like any other exception (`user_errors_stop=False`)."""
+    try:
+        return fn(ctx)
+    except Exception as exc:  # noqa: BLE001 - the task's code
+        if user_errors_stop and isinstance(exc, UserError):
+            raise
+        raise TaskCodeError(node, what, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -82,21 +96,10 @@ class GraphExecutor:
     def prepare(self, ctx: EpisodeContext, name: str) -> NodeCall | None:
         """The node's rendered prompt, or None when its condition skips it."""
         node = self.graph.nodes[name]
-        if node.when is not None:
-            try:
-                cond = node.when(ctx)
-            except UserError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the task's code
-                raise TaskCodeError(name, "condition (when=)", exc) from exc
-            if not contracts.check_condition(name, cond):
-                return None
-        try:
-            value = node.prompt(ctx)
-        except UserError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the task's code
-            raise TaskCodeError(name, "prompt builder", exc) from exc
+        if node.when is not None and not contracts.check_condition(
+                name, _task_code(name, "condition (when=)", node.when, ctx)):
+            return None
+        value = _task_code(name, "prompt builder", node.prompt, ctx)
         prompt, is_text = self.renderer.render(name, node.agent, value)
         return NodeCall(name, node.agent, prompt, is_text)
 
@@ -146,10 +149,8 @@ class GraphExecutor:
         """The episode's team reward (0 without one), checked to be a finite number."""
         if self.graph.episode_reward is None:
             return 0.0
-        try:
-            value = self.graph.episode_reward(ctx)
-        except Exception as exc:  # noqa: BLE001 - the task's code
-            raise TaskCodeError(None, "episode reward", exc) from exc
+        value = _task_code(None, "episode reward", self.graph.episode_reward, ctx,
+                           user_errors_stop=False)
         return contracts.check_reward("episode reward", value)
 
     def node_rewards(self, ctx: EpisodeContext, ran: Iterable[str]) -> dict[str, float]:
@@ -158,13 +159,9 @@ class GraphExecutor:
         for name in ran:
             fn = self.graph.nodes[name].reward
             out[name] = 0.0
-            if fn is None:
-                continue
-            try:
-                value = fn(ctx)
-            except Exception as exc:  # noqa: BLE001 - the task's code
-                raise TaskCodeError(name, "reward", exc) from exc
-            out[name] = contracts.check_reward(f"node {name!r}: reward", value)
+            if fn is not None:
+                value = _task_code(name, "reward", fn, ctx, user_errors_stop=False)
+                out[name] = contracts.check_reward(f"node {name!r}: reward", value)
         return out
 
     def success(self, ctx: EpisodeContext) -> bool | None:

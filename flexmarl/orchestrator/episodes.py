@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import RolloutPool
 from flexmarl.config.schema import CreditConfig, RunConfig
 from flexmarl.errors import UserError
 from flexmarl.graph import contracts
@@ -27,7 +28,6 @@ from flexmarl.graph.task import Task
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.tokenizer import model_vocab
-from flexmarl.runtime.base import RolloutPool
 from flexmarl.store.experience import (
     ExperienceStore,
     Row,
@@ -78,6 +78,8 @@ class IterationState:
     # level that opens when every lower level is resolved in every episode
     stage_left: list[int] = field(default_factory=list)
     stage_open: list[asyncio.Event] = field(default_factory=list)
+    # what the agents said: a few rows per agent (logging.samples_per_agent), for samples.jsonl
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def assign_credit(
@@ -246,6 +248,8 @@ class EpisodeRunner:
             for name, row in rows.items():
                 self.store.set_rewarded(row.agent, row.sample_id, rewards[name])
                 it.rewards[row.agent].append(rewards[name])
+                if row.agent not in self.trainable:  # no advantage will come: show it now
+                    self._keep_sample(it, row, None)
             it.successes += int(bool(self.executor.success(ctx)))
         it.groups[input_id].append({n: r.sample_id for n, r in rows.items()} if error is None
                                    else {})
@@ -353,9 +357,30 @@ class EpisodeRunner:
             algo_cfg = self.cfg.agents[agent].algorithm
             advs = algorithms.get(algo_cfg.name).sequence_advantages(rewards, algo_cfg)
             for sid, adv in zip(ids, advs, strict=True):
-                self.store.set_ready(agent, sid, adv)
+                self._set_ready(it, agent, sid, adv)
         if len(it.groups_done) == self.cfg.train.inputs_per_iteration:
             self._normalize_wide(it)
+
+    def _set_ready(self, it: IterationState, agent: str, sample_id: str, adv: float) -> None:
+        self._keep_sample(it, self.store.set_ready(agent, sample_id, adv), adv)
+
+    def _keep_sample(self, it: IterationState, row: Row, advantage: float | None) -> None:
+        """Rows of the first trajectory of the iteration's first `logging.samples_per_agent`
+        inputs, as the agent saw and said them (decoded for text-level nodes): chosen by
+        position, so two runs of one seed show the same samples."""
+        index = int(row.input_id.split("-")[1])
+        if row.trajectory_id != 0 or index >= self.cfg.logging.samples_per_agent:
+            return
+        prompt: Any = list(row.data["prompt"])
+        answer: Any = list(row.data["response"])
+        if "stop" in row.data:  # a text-level node: its agent has a tokenizer
+            tok = self.renderer.tokenizer(row.agent)
+            prompt, answer = tok.decode(prompt), tok.decode(answer)
+        it.samples.append({
+            "iteration": it.index, "agent": row.agent, "node": row.node,
+            "input_id": row.input_id, "prompt": prompt, "answer": answer,
+            "answer_tokens": len(row.data["response"]), "reward": row.data.get("reward"),
+            "advantage": advantage})
 
     def normalize(self, agent: str) -> str:
         """`algorithm.normalize` of a GRPO agent (group, agent or batch); others: group."""
@@ -387,7 +412,7 @@ class EpisodeRunner:
                 rewards[agent], pooled if self.normalize(agent) == "batch" else rewards[agent],
                 algo_cfg)
             for sid, adv in zip(ids[agent], advs, strict=True):
-                self.store.set_ready(agent, sid, adv)
+                self._set_ready(it, agent, sid, adv)
         it.wide_ready = True
         self.on_group_ready()  # the trainers of those agents were waiting for this
 

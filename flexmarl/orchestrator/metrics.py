@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import RolloutPool, TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.episodes import IterationState
-from flexmarl.runtime.base import RolloutPool, TrainPool
 from flexmarl.telemetry.recorder import Telemetry
 
 

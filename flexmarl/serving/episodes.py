@@ -11,6 +11,7 @@ The walk is training's own (`graph.executor.GraphExecutor`); only the call to an
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -51,7 +52,8 @@ def _checked_body(service: Any, body: dict) -> tuple[dict, int | None, float | N
     return data, seed, temps
 
 
-async def run_episode(service: Any, body: dict) -> dict[str, Any]:
+async def run_episode(service: Any, body: dict, tenant: str | None = None
+                      ) -> dict[str, Any]:
     run = service.run
     task = run.task
     data, seed, temps = _checked_body(service, body)
@@ -63,6 +65,9 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
     order = executor.order
     nodes: dict[str, dict[str, Any]] = {
         n: {"agent": graph.nodes[n].agent, "skipped": True} for n in order}
+
+    team = service.team_canary
+    arm = team.route() if team is not None else None
 
     async def call(node: NodeCall) -> list[int]:
         name, prompt = node.name, node.prompt
@@ -76,7 +81,8 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
                      seed=(seed * 1000 + order.index(name)) if seed is not None else None,
                      stop=list(prompt.stop), stop_token_ids=list(prompt.stop_tokens),
                      allowed_token_ids=prompt.allowed_tokens,
-                     token_ids_out=not (node.is_text and spec.tokenizer is not None))
+                     token_ids_out=not (node.is_text and spec.tokenizer is not None),
+                     tenant=tenant, pin=arm)
         if service.capture is not None:  # each node captured; feedback on the episode id
             s.response_id, s.endpoint, s.episode = f"ep-{episode_id}/{name}", "episodes", \
                 f"ep-{episode_id}"
@@ -107,7 +113,17 @@ async def run_episode(service: Any, body: dict) -> dict[str, Any]:
         raise ApiError(500, str(exc), kind="server_error") from exc
     result: dict[str, Any] = {"id": f"ep-{episode_id}", "object": "episode", "input": data,
                               "nodes": {n: nodes[n] for n in order}}
-    return {**result, **_scores(executor, ctx, [n for n in order if ran[n]])}
+    scores = _scores(executor, ctx, [n for n in order if ran[n]])
+    if team is not None and arm is not None:
+        result["team_canary"] = arm
+        if team.cfg.score == "feedback":
+            team.arm_of[result["id"]] = arm
+        else:
+            value = scores.get("success", scores.get("reward"))
+            if value is not None:
+                team.observe(arm, float(value))
+                await asyncio.to_thread(service.decide_team)
+    return {**result, **scores}
 
 
 def _scores(executor: GraphExecutor, ctx: EpisodeContext, ran: list[str]) -> dict[str, Any]:

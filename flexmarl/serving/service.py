@@ -17,7 +17,8 @@ from flexmarl.serving.agents import (
     resolve_source,
 )
 from flexmarl.serving.capture import Capture
-from flexmarl.serving.deploy import DeployConfig, Deployment
+from flexmarl.serving.deploy import Canary, DeployConfig, Deployment
+from flexmarl.serving.drift import DriftConfig, DriftMonitor
 from flexmarl.serving.protocol import (
     ApiError,
     Limits,
@@ -26,6 +27,8 @@ from flexmarl.serving.protocol import (
     bad,
     token_text,
 )
+from flexmarl.serving.team import TeamCanary, TeamCanaryConfig
+from flexmarl.serving.tenants import Tenants
 from flexmarl.serving.worker import AgentWorker, Job, ServeRequest
 
 GREEDY_TEMPERATURE = 1e-4  # temperature 0 is served as (numerically) greedy decoding
@@ -53,12 +56,16 @@ class Service:
 
     def __init__(self, run: ServedRun, limits: Limits | None = None,
                  api_key: str | None = None, max_batch_seqs: int | None = None,
-                 capture: Capture | None = None, deploy: DeployConfig | None = None) -> None:
+                 capture: Capture | None = None, deploy: DeployConfig | None = None,
+                 tenants: Tenants | None = None, drift: DriftConfig | None = None) -> None:
         from flexmarl.policy.device import kv_token_budget
 
         self.run = run
         self.limits = limits or Limits()
+        if api_key and tenants is not None:
+            raise ValueError("an API key and tenants together: the tenants' keys replace it")
         self.api_key = api_key
+        self.tenants = tenants
         self.capture = capture
         self.workers: dict[str, AgentWorker] = {}
         rcfg = run.cfg.rollout
@@ -70,6 +77,10 @@ class Service:
         self.started = time.time()
         self._reload_lock = asyncio.Lock()
         self.deployment = Deployment(self, deploy) if deploy is not None else None
+        self.team_canary: TeamCanary | None = None
+        # on by default with captured feedback (flexmarl serve); off for a bare Service
+        self.drift = DriftMonitor(self, drift) if drift is not None and drift.window > 0 \
+            and capture is not None else None
 
     def close(self) -> None:
         if self.deployment is not None:
@@ -78,6 +89,11 @@ class Service:
             w.stop()
         if self.capture is not None:
             self.capture.close()
+
+    @property
+    def learning_tenants(self) -> list[str] | None:
+        """The tenants whose traffic online learning may train on (None: no tenants, all)."""
+        return self.tenants.trainers if self.tenants is not None else None
 
     @property
     def pending(self) -> int:
@@ -117,7 +133,7 @@ class Service:
         if not worker.alive and not worker._stopped:
             worker = self.failover(spec.name)
         worker.submit(Job(request, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
-                          deltas=deltas))
+                          deltas=deltas, pin=s.pin))
         finished = False
         try:
             while True:
@@ -198,7 +214,7 @@ class Service:
             await asyncio.to_thread(self.capture.record, s.response_id, spec.name,
                                     version.describe(), s.endpoint, s.prompt, tokens, logprobs,
                                     full, reason, max(s.temperature, GREEDY_TEMPERATURE),
-                                    s.top_p, s.allowed_token_ids, s.episode)
+                                    s.top_p, s.allowed_token_ids, s.episode, s.tenant)
         yield Outcome(full, tokens, logprobs, reason, version)
 
     def failover(self, name: str) -> AgentWorker:
@@ -223,6 +239,75 @@ class Service:
             print(f"failover: agent {name!r}: engine thread lost ({old.error}); replaced",
                   flush=True)
         return new
+
+    # --- team canary ---------------------------------------------------------------------------
+    def start_team_canary(self, paths: dict[str, str], cfg: TeamCanaryConfig) -> dict[str, Any]:
+        """Load new weights for the agents in `paths` as one team canary (`team.py`)."""
+        if self.team_canary is not None:
+            raise ApiError(409, "a team canary is in flight: decide it first "
+                                "(POST /v1/admin/team-canary/decide)", code="team_canary_busy")
+        if cfg.score == "feedback" and self.capture is None:
+            raise bad("score", "\"feedback\" needs captured episodes: start the server with "
+                               "--capture DB (or score \"task\")")
+        for name in paths:
+            if name not in self.workers:
+                raise ApiError(404, f"agents.{name}: not served here (agents: "
+                                    f"{', '.join(self.workers)})", "agents")
+        busy = [n for n, w in self.workers.items() if w.canary_version is not None]
+        if busy:
+            raise ApiError(409, f"agent canary in flight for {', '.join(busy)}: decide it "
+                                "before a team canary", code="canary_busy")
+        versions, models = {}, {}
+        for name, path in paths.items():
+            spec = self.run.agents[name]
+            source = explicit_source(path)
+            models[name] = spec.next_model(source)
+            versions[name] = Version(spec.next_number(), f"team-{source.label}",
+                                     source.policy_version, time.time())
+        for name in paths:  # share 0: only pinned episodes reach these engines
+            self.workers[name].set_canary(models[name], versions[name], 0.0)
+        self.team_canary = TeamCanary(versions, models, cfg)
+        return self._team_event("team_canary_start", versions={
+            n: v.number for n, v in versions.items()}, shadows={
+            n: self.run.agents[n].version.number for n in versions}, share=cfg.share,
+            min_episodes=cfg.min_episodes, confidence=cfg.confidence, margin=cfg.margin,
+            score=cfg.score)
+
+    def decide_team(self, force: bool = False) -> dict[str, Any] | None:
+        """Apply the team canary's verdict when it has one (promote or roll back every agent
+        of the vector together); None while it waits for evidence."""
+        tc = self.team_canary
+        if tc is None:
+            return None
+        verdict, stats = tc.verdict(force)
+        if verdict is None:
+            return None
+        self.team_canary = None
+        previous = {n: self.run.agents[n].version.number for n in tc.versions}
+        for name, version in tc.versions.items():
+            worker, spec = self.workers[name], self.run.agents[name]
+            if verdict == "promote":
+                worker.promote()
+                with spec.lock:
+                    spec.model, spec.version = tc.models[name], version
+                dep = self.deployment.agents.get(name) if self.deployment is not None else None
+                if dep is not None:  # a restart serves the promoted vector (SHADOW files)
+                    dep.heldout_cache = {}
+                    dep._write_shadow(Canary(version, tc.models[name], tc.started, None))
+                    if dep.learner is not None:  # training goes on from what now serves
+                        dep.learner.reset(tc.models[name], version.number)
+                        dep.since_candidate = 0
+            else:
+                worker.rollback()
+        return self._team_event(f"team_{verdict}", versions={
+            n: v.number for n, v in tc.versions.items()}, previous=previous, **stats)
+
+    def _team_event(self, event: str, **fields: Any) -> dict[str, Any]:
+        if self.deployment is not None:
+            return self.deployment.events.log(event, "team", **fields)
+        entry = {"time": time.time(), "event": event, "agent": "team", **fields}
+        print(f"{event}: {fields}", flush=True)
+        return entry
 
     # --- reload ----------------------------------------------------------------------------------
     async def reload(self, agent: str | None = None, path: str | None = None,

@@ -407,20 +407,6 @@ class CostModel:
             finish_s=np.asarray(finish, dtype=float),
         )
 
-    def batch_generation_time(
-        self,
-        model: ModelSpec,
-        tp: int,
-        prompt_lens: int | Sequence[int] | np.ndarray,
-        output_lens: Sequence[int] | np.ndarray,
-        *,
-        max_num_seqs: int | None = None,
-    ) -> float:
-        """Seconds until the last of the sequences finishes (see :meth:`generation_timing`)."""
-        return self.generation_timing(
-            model, tp, prompt_lens, output_lens, max_num_seqs=max_num_seqs
-        ).total_s
-
     # --- training ----------------------------------------------------------------------------
 
     def forward_time(self, model: ModelSpec, n_accel: int, tokens: float) -> float:

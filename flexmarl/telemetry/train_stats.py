@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flexmarl.runtime.base import TrainPool
+    from flexmarl.api.runtime import TrainPool
 
 KEYS = ("slot_wait_s",)
 

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flexmarl.runtime.base import TrainPool, WorkerLost
+from flexmarl.api.runtime import TrainPool, WorkerLost
 from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training.allocator import Lease, SlotAllocator
 from flexmarl.training.state import publish_form, state_to_numpy

@@ -69,3 +69,12 @@ def test_task_errors_are_named_and_wrong_values_are_contract_errors():
     ex = GraphExecutor(g, PromptRenderer({}, 16), ["x", "y"])
     with pytest.raises(TaskCodeError, match="node 'c': reward raised ZeroDivisionError"):
         ex.node_rewards(EpisodeContext("0", 0, {}), ["c"])
+
+
+def test_a_reward_reading_a_skipped_node_fails_the_episode_not_the_run():
+    ran, ctx, _ = _run(_graph(), {"go": False})
+    g = _graph()
+    g.episode_reward = lambda ctx: float(len(ctx.output("d")))  # d was skipped: a GraphError
+    ex = GraphExecutor(g, PromptRenderer({}, 16), ["x", "y"])
+    with pytest.raises(TaskCodeError, match="episode reward raised GraphError"):
+        ex.team_reward(ctx)

@@ -12,6 +12,7 @@ from flexmarl.serving.agents import explicit_source
 from flexmarl.serving.protocol import ApiError, bad
 from flexmarl.serving.routes.common import body_of, service_of
 from flexmarl.serving.service import Service
+from flexmarl.serving.team import TeamCanaryConfig
 
 router = APIRouter()
 
@@ -52,6 +53,9 @@ async def canary(request: Request) -> dict:
     service = service_of(request)
     body = await body_of(request)
     dep = deployment(service, body.get("agent"))
+    if service.team_canary is not None:
+        raise ApiError(409, "a team canary is in flight: decide it first "
+                            "(POST /v1/admin/team-canary/decide)", code="team_canary_busy")
     path, share = body.get("path"), body.get("share")
     if path is not None and not isinstance(path, str):
         raise bad("path", "must be a path string")
@@ -96,3 +100,44 @@ async def versions(request: Request) -> dict:
                            "running": service.workers[n].versions_running()}
                        for n, s in service.run.agents.items()}}
 
+
+@router.get("/v1/admin/drift")
+async def drift(request: Request) -> dict:
+    service = service_of(request)
+    if service.drift is None:
+        return {"enabled": False}
+    return {"enabled": True, **service.drift.describe()}
+
+
+@router.post("/v1/admin/team-canary")
+async def team_canary(request: Request) -> dict:
+    """Start a team canary: {"agents": {agent: weights path}, "share", "min_episodes",
+    "max_episodes", "confidence", "margin", "score": "task" | "feedback"}."""
+    service = service_of(request)
+    body = await body_of(request)
+    agents = body.get("agents")
+    if not isinstance(agents, dict) or not agents or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in agents.items()):
+        raise bad("agents", "required: {agent: weights path} for one or more agents")
+    fields = {k: body[k] for k in ("share", "min_episodes", "max_episodes", "confidence",
+                                   "margin", "score") if k in body}
+    try:
+        cfg = TeamCanaryConfig(**fields).check()
+    except (TypeError, ValueError) as exc:
+        raise bad(str(exc).split(":")[0], str(exc)) from None
+    return {"event": await asyncio.to_thread(service.start_team_canary, agents, cfg)}
+
+@router.get("/v1/admin/team-canary")
+async def team_canary_state(request: Request) -> dict:
+    tc = service_of(request).team_canary
+    if tc is None:
+        return {"active": False}
+    return {"active": True, "versions": {n: v.number for n, v in tc.versions.items()},
+            "share": tc.cfg.share, "score": tc.cfg.score, **tc.statistics()}
+
+@router.post("/v1/admin/team-canary/decide")
+async def team_canary_decide(request: Request) -> dict:
+    service = service_of(request)
+    if service.team_canary is None:
+        raise ApiError(409, "no team canary in flight", code="no_team_canary")
+    return {"event": await asyncio.to_thread(service.decide_team, True)}

@@ -15,6 +15,11 @@ def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
+def tenant_of(request: Request) -> str | None:
+    """The tenant the request's key named (None without --tenants)."""
+    return getattr(request.state, "tenant", None)
+
+
 def too_large(service: Service) -> ApiError:
     return ApiError(413, f"request body is over this server's limit of "
                          f"{service.limits.max_body_bytes} bytes (--max-body-bytes)",

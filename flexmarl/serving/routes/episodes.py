@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from flexmarl.serving.capture import FeedbackError
 from flexmarl.serving.episodes import run_episode
 from flexmarl.serving.protocol import ApiError, bad
-from flexmarl.serving.routes.common import body_of, service_of
+from flexmarl.serving.routes.common import body_of, service_of, tenant_of
 
 router = APIRouter()
 
@@ -20,7 +20,7 @@ router = APIRouter()
 async def episodes(request: Request) -> JSONResponse:
     service = service_of(request)
     body = await body_of(request)
-    return JSONResponse(await run_episode(service, body))
+    return JSONResponse(await run_episode(service, body, tenant_of(request)))
 
 @router.post("/v1/feedback")
 async def feedback(request: Request) -> dict:
@@ -38,8 +38,19 @@ async def feedback(request: Request) -> dict:
     if comment is not None and not isinstance(comment, str):
         raise bad("comment", "must be a string")
     try:
-        await asyncio.to_thread(service.capture.feedback, rid, float(reward), comment)
+        await asyncio.to_thread(service.capture.feedback, rid, float(reward), comment,
+                                tenant_of(request))
     except FeedbackError as exc:
         raise ApiError(exc.status, str(exc), "id") from None
+    team = service.team_canary
+    if team is not None and rid in team.arm_of:  # a team canary scored on feedback
+        team.observe(team.arm_of.pop(rid), float(reward))
+        await asyncio.to_thread(service.decide_team)
+    tenant = tenant_of(request)
+    if service.drift is not None and (service.tenants is None
+                                      or tenant in service.tenants.trainers):
+        served = await asyncio.to_thread(service.capture.served, rid)
+        await asyncio.to_thread(service.drift.observe, [(a, v) for a, v, _ in served],
+                                float(reward), any(e == rid for _, _, e in served))
     return {"id": rid, "object": "feedback", "reward": float(reward)}
 

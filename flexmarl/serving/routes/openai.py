@@ -20,7 +20,7 @@ from flexmarl.serving.protocol import (
     common,
     completion_prompt,
 )
-from flexmarl.serving.routes.common import body_of, service_of
+from flexmarl.serving.routes.common import body_of, service_of, tenant_of
 from flexmarl.serving.service import Outcome, Piece, Service
 
 router = APIRouter()
@@ -159,6 +159,7 @@ async def completions(request: Request):
     s.logprobs = top is not None
     cid, created = f"cmpl-{s.request_id}", int(time.time())
     s.response_id, s.endpoint = cid, "completions"
+    s.tenant = tenant_of(request)
     gen = service.generate(s)
     first = await _first(gen)
 
@@ -218,6 +219,7 @@ async def chat(request: Request):
     s.logprobs = bool(want)
     cid, created = f"chatcmpl-{s.request_id}", int(time.time())
     s.response_id, s.endpoint = cid, "chat.completions"
+    s.tenant = tenant_of(request)
     gen = service.generate(s)
     first = await _first(gen)
     if not s.stream:

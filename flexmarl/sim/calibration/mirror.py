@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
 from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
-from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load

@@ -51,11 +51,11 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import NullSink
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.model import build_model, weights_of
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import HFEngine
-from flexmarl.runtime.base import NullSink
 from flexmarl.runtime.local.runtime import (
     LocalRolloutPool,
     LocalRuntime,

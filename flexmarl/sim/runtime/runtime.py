@@ -36,9 +36,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexmarl.api.runtime import RolloutPool, Runtime, TrainPool
 from flexmarl.planning.planner import Planner, Resources
 from flexmarl.rollout.scheduler import ReplicaScheduler, Reply
-from flexmarl.runtime.base import RolloutPool, Runtime, TrainPool
 from flexmarl.sim.cost import CostModel
 from flexmarl.sim.demand import CostModelDemand
 from flexmarl.sim.lengths import keyed_uniform
