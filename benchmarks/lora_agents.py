@@ -40,8 +40,8 @@ if __name__ == "__main__":
 
         ensure_cache()  # a clear error when the smollm extra is missing
     print(f"{args.model}, LoRA r=8 on q_proj/v_proj; rollout: {args.batch} sequences x "
-          f"{args.prompt} prompt + {args.new} new tokens, {args.threads} thread(s), tokens per CPU second, median of "
-          f"{args.rounds}", flush=True)
+          f"{args.prompt} prompt + {args.new} new tokens, {args.threads} thread(s), tokens per "
+          f"CPU second, median of {args.rounds}", flush=True)
     head = (f"{'N':>2} | {'replica MB':>10} {'separate':>9} | {'trainer MB':>10} "
             f"{'separate':>9} | {'mixed tok/s':>11} {'per-agent':>9} {'single':>7} "
             f"{'mixed/single':>12}")
@@ -59,7 +59,8 @@ if __name__ == "__main__":
               f"{spd['single_tps']:>7.1f} {spd['ratio']:>12.2f}", flush=True)
     print(f"memory per added adapter agent: replica {rows[ns[-1]][0]['adapter_mb']:.2f} MB")
     sw = swap_time(model, vocab, args.rounds)
-    print(f"swap out+in (capture, wire, restore; CPU s): adapter agent {sw['adapter_s'] * 1e3:.1f} ms "
+    print(f"swap out+in (capture, wire, restore; CPU s): adapter agent "
+          f"{sw['adapter_s'] * 1e3:.1f} ms "
           f"({sw['adapter_mb']:.1f} MB), full-model agent {sw['full_s'] * 1e3:.1f} ms "
           f"({sw['full_mb']:.1f} MB): {sw['full_s'] / sw['adapter_s']:.0f}x", flush=True)
 

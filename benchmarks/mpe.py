@@ -29,7 +29,8 @@ With `--eval-every N` the training runs of part ppo evaluate greedily every N it
 and table 1 shows the greedy figures beside the stochastic ones.
 Writes `OUT/results.json` (part ppo), `OUT/results_{vdn,qmix}.json` (part vdn),
 `OUT/results_scripted.json` (part scripted), one
-learning-curve PNG per scenario (`OUT/<scenario>.png`, `OUT/spread_{vdn,qmix}.png`); `--part print` only prints
+learning-curve PNG per scenario (`OUT/<scenario>.png`, `OUT/spread_{vdn,qmix}.png`); `--part print`
+only prints
 the tables from those files. The parts can run as two processes.
 """
 

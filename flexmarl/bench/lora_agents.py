@@ -124,8 +124,9 @@ def _timed(fn) -> float:
 
 def rollout_speed(model: dict[str, Any], vocab: int, n: int, batch: int, prompt: int, new: int,
                   rounds: int) -> dict[str, float]:
-    """tokens per CPU second of B sequences: one mixed batch over n adapters; n per-agent batches of B/n on
-    plain models (engines taking turns); one single-agent batch of B on a plain model."""
+    """tokens per CPU second of B sequences: one mixed batch over n adapters; n per-agent
+    batches of B/n on plain models (engines taking turns); one single-agent batch of B on a
+    plain model."""
     cfg = run_config(model, n)
     agents = list(cfg.agents)
     shared, names, _ = adapters.build_replica_model(cfg, agents, vocab, MAX_SEQ_LEN, "cpu",

@@ -106,7 +106,8 @@ def approx_params(cfg: ModelConfig, vocab_size: int) -> int:
     per-token cost the rollout balancer weighs demand by (about 2 FLOPs per parameter)."""
     if cfg.kind == "smollm2":  # SmolLM2-135M, without converting the GGUF just to count
         return 30 * (4 * 576 * 576 + 3 * 576 * 1536) + 49152 * 576
-    hidden, inter, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, vocab_size
+    hidden, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    vocab = vocab_size
     if cfg.kind == "path" and cfg.path:
         config_file = Path(cfg.path) / "config.json"
         if config_file.exists():

@@ -13,7 +13,8 @@ shape a transformers attention layer expects from its cache. Block 0 is a null b
 writes there and unused table entries point there, always masked out.
 
 The pool grows in chunks (doubling) up to its limit, so a small run on a CPU never reserves
-gigabytes; `preallocate` reserves it all at once (on a GPU, sized from `rollout.kv_memory_fraction`).
+gigabytes; `preallocate` reserves it all at once (on a GPU, sized from
+`rollout.kv_memory_fraction`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class KVStats:
     def bytes_per_held_token(self) -> float:
         """KV bytes the blocks in use take per token they hold (>= bytes_per_token: the last
         block of each sequence is partly empty)."""
-        return self.blocks_in_use * self.block_size * self.bytes_per_token / max(1, self.held_tokens)
+        held = self.blocks_in_use * self.block_size * self.bytes_per_token
+        return held / max(1, self.held_tokens)
 
 
 class PagedKVCache:

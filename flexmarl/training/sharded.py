@@ -238,7 +238,7 @@ class ShardedAgentTrainer(AgentTrainer):
         self._nonfinite = meta["nonfinite"]
         self.optimizer.zero_grad(set_to_none=True)
 
-    # --- publication -------------------------------------------------------------------------------
+    # --- publication -----------------------------------------------------------------------
     def weight_buckets(self, dtype: torch.dtype | None = None,
                        bucket_bytes: int = PUBLISH_BUCKET_BYTES
                        ) -> Iterator[dict[str, torch.Tensor]]:
@@ -288,7 +288,7 @@ class ShardedAgentTrainer(AgentTrainer):
         dist.barrier(group=self.group)
         return directory
 
-    # --- checkpoints (torch.distributed.checkpoint) ------------------------------------------------
+    # --- checkpoints (torch.distributed.checkpoint) ----------------------------------------
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard of weights and optimizer state; any K can load it."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

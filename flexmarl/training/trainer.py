@@ -41,7 +41,8 @@ def lr_factor(cfg: OptimConfig, step: int, total: int, n_actor: int, n_critic: i
         return warm
     if cfg.schedule == "cosine":
         t = min(1.0, step / max(1, total))
-        return warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+        cosine = 0.5 * (1 + math.cos(math.pi * t))
+        return warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
     # critic_scaled (enterprise MARL seed document):
     # lr_t = lr_0 * min(1, sqrt(N_critic / N_actor)) * exp(-lambda * t)
     return warm * min(1.0, math.sqrt(n_critic / max(n_actor, 1))) * math.exp(-cfg.decay * step)

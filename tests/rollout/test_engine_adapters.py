@@ -76,7 +76,8 @@ def test_adapter_loads_while_other_agents_decode(shared):
     engine = HFEngine(model, 8, adapters=names)
     engine.admit([GenerationRequest("c_0_0", "critic", 0, [1, 5], 30, None, [], 1.0, 0)])
     assert engine.active_for("critic") == 1 and engine.active_for("solver") == 0
-    new = {k: torch.zeros_like(v) for k, v in adapters.adapter_tensors(model, "agent_solver").items()}
+    tensors = adapters.adapter_tensors(model, "agent_solver")
+    new = {k: torch.zeros_like(v) for k, v in tensors.items()}
     engine.load_weights(new, "solver")  # critic's sequence keeps running
     assert all(torch.equal(v, adapters.adapter_tensors(model, "agent_solver")[k])
                for k, v in new.items())

@@ -50,7 +50,8 @@ def served(tmp_path_factory):
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "flexmarl", "serve-model", str(folder), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:

@@ -283,9 +283,9 @@ class WorkerProxy:
 def publication_mode(asked: str, pipeline_mode: str = "async") -> str:
     """`runtime.publication` resolved: `auto` is collective wherever torch.distributed is
     built in, except under `pipeline.mode: one_step_off`, whose held publications have a
-    failure window the pipes do not (docs/gpu.md, "Weight publication"). Measured on 2 CPU cores (docs/gpu.md), gloo from the slot straight to the
-    replicas publishes 3.5-8x faster than the pipes through the driver; between GPUs NCCL
-    also skips host memory. On a GPU shared by both pools the pair uses gloo (through host
+    failure window the pipes do not (docs/gpu.md, "Weight publication"). Measured on 2 CPU
+    cores (docs/gpu.md), gloo from the slot straight to the replicas publishes 3.5-8x faster
+    than the pipes through the driver; between GPUs NCCL also skips host memory. On a GPU shared by both pools the pair uses gloo (through host
     memory, as the pipes do, with no driver in the path)."""
     import torch.distributed as dist
 

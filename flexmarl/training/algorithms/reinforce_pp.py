@@ -31,7 +31,8 @@ def sequence_advantages(rewards: list[float], cfg: ReinforcePPConfig) -> list[fl
     return list(rewards)
 
 
-def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor,
+                       gamma: float) -> torch.Tensor:
     out = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
     for t in range(token_rewards.shape[1] - 1, -1, -1):

@@ -171,7 +171,8 @@ def test_unreachable_address_fails_fast_with_the_setting_named(tmp_path):
         port = s.getsockname()[1]
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
         "runtime.kind=ray", f"runtime.address=127.0.0.1:{port}"])
-    with pytest.raises(RayRuntimeError, match=rf"runtime\.address=127\.0\.0\.1:{port}: no Ray head"):
+    with pytest.raises(RayRuntimeError,
+                       match=rf"runtime\.address=127\.0\.0\.1:{port}: no Ray head"):
         train(cfg, tmp_path / "run")
     assert not ray.is_initialized()
 

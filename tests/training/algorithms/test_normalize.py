@@ -73,7 +73,8 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
             for node in ("speak", "listen"):
                 sid = make_sample_id(f"0-{i}", orch.episodes.turns[node], traj)
                 agent = agent_of[node]
-                orch.store.add(Row(sid, agent, node, f"0-{i}", orch.episodes.turns[node], traj, 0, 0,
+                turn = orch.episodes.turns[node]
+                orch.store.add(Row(sid, agent, node, f"0-{i}", turn, traj, 0, 0,
                                    orch.version_book.vector(0)))
                 orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
                                          {"logprobs": np.zeros(1, np.float32)})
