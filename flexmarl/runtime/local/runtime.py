@@ -285,8 +285,9 @@ def publication_mode(asked: str, pipeline_mode: str = "async") -> str:
     built in, except under `pipeline.mode: one_step_off`, whose held publications have a
     failure window the pipes do not (docs/gpu.md, "Weight publication"). Measured on 2 CPU
     cores (docs/gpu.md), gloo from the slot straight to the replicas publishes 3.5-8x faster
-    than the pipes through the driver; between GPUs NCCL also skips host memory. On a GPU shared by both pools the pair uses gloo (through host
-    memory, as the pipes do, with no driver in the path)."""
+    than the pipes through the driver; between GPUs NCCL also skips host memory. On a GPU
+    shared by both pools the pair uses gloo (through host memory, as the pipes do, with no
+    driver in the path)."""
     import torch.distributed as dist
 
     if asked != "auto":
