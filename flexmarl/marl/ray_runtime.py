@@ -1,8 +1,8 @@
 """Classic MARL on Ray: the local MARL runtime's workers as Ray actors, nothing else changed.
 
-The rollout workers (`marl.workers.RolloutHost`) and the training slots (`marl.learner.
-MarlSlot`) are the same command hosts a local worker process serves over its pipe; here each
-lives in a `runtime.ray.proxy.HostActor` in its own placement-group bundle
+The rollout workers (`marl.workers.RolloutHost`) and the training slots (a
+`training.host.TrainHost` of `marl.learner`'s learners) are the same command hosts a local
+worker process serves over its pipe; here each lives in a `runtime.ray.proxy.HostActor` in its own placement-group bundle
 (`runtime.ray.rollout_bundle` / `train_bundle`, one group per pool, so the pools never contend).
 The pools (`MarlRolloutPool`, `LocalTrainPool`'s slot binding and swaps), the driver's
 schedule, checkpoints, resume and the local `Supervisor` (heartbeats, restarts, a slot
