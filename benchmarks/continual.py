@@ -13,8 +13,11 @@ default 5% canary share); clients run episodes of the graph (`POST /v1/episodes`
 2. the version timeline from the events log (canaries, promotions, rollbacks, rejected
    candidates, online updates and KL stops);
 3. a SIGKILL of the server under that load, a restart from the same folder and store, more
-   load, and the audit: acknowledged episodes and feedback all stored, no row trained twice,
-   the restarted server's shadow.
+   load, and the audit: acknowledged episodes and feedback all stored, no row trained twice
+   into the restored weights' lineage, the restarted server's shadow;
+4. the recovery's phases: process start to serving again, restoring the training snapshot
+   (from `--snapshot-url`, fsspec), handing back the rows claimed after it, the first episode
+   answered and the first online update after the restart.
 """
 
 from __future__ import annotations
@@ -127,6 +130,10 @@ def main() -> None:
     ap.add_argument("--online-batch", default="32")
     ap.add_argument("--online-lr", default="0.0005")
     ap.add_argument("--canary-every", default="3")
+    ap.add_argument("--snapshot-every", default="15")
+    ap.add_argument("--online-algorithm", default="auto", choices=["auto", "grpo", "ppo"])
+    ap.add_argument("--snapshot-url", default=None,
+                    help="fsspec URL of the training snapshots (default: a file:// folder)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="continual-"))
@@ -143,17 +150,21 @@ def main() -> None:
     node = {"listener": "listen", "speaker": "speak"}[args.weak]
     extra = ["--canary-share", args.canary_share, "--online-batch", args.online_batch,
              "--online-lr", args.online_lr, "--canary-every", args.canary_every,
-             "--heldout", "128", "--snapshot-every", "15"]
+             "--online-algorithm", args.online_algorithm,
+             "--heldout", "128", "--snapshot-every", args.snapshot_every, "--snapshot-url",
+             args.snapshot_url or f"file://{tmp / 'snapshots'}"]
     url = f"http://127.0.0.1:{args.port}/v1"
     proc = start(run, db, args.port, args.weak, extra)
     t_start = time.time()
     load = Load(url, node, args.clients, 0)
     time.sleep(args.seconds)
     proc.send_signal(signal.SIGKILL)  # under load
+    t_kill = time.time()
     proc.wait(30)
     load.close()
     first_life = list(load.log)
     proc = start(run, db, args.port, args.weak, extra)
+    t_up = time.time()
     _, models = post(f"{url}/models")
     restarted = {m["id"]: (m["version"], m["source"]) for m in models["data"]}
     load2 = Load(url, node, args.clients, 10**9)
@@ -165,7 +176,8 @@ def main() -> None:
     events = [json.loads(x) for x in (run / "serving" / "events.jsonl").read_text().splitlines()]
     print(f"\ncontinual learning: referential game, weak {args.weak} (initial weights), "
           f"{args.clients} clients, episodes at temperature 1 with feedback; canary share "
-          f"{args.canary_share}, online batch {args.online_batch}, lr {args.online_lr}")
+          f"{args.canary_share}, online batch {args.online_batch}, lr {args.online_lr}, "
+          f"algorithm {args.online_algorithm}")
     print("\n| window (s) | episodes | served success | versions serving the "
           f"{args.weak} (episodes) |")
     print("|---|---|---|---|")
@@ -211,6 +223,12 @@ def main() -> None:
               f"{fb(e.get('shadow_feedback'))} |")
     kinds = Counter(e["event"] for e in events)
     steps = [e for e in events if e["event"] in ("train_step", "kl_stop")]
+    lineage: list[tuple[int, str]] = []  # rows in the training weights as they stand
+    for e in events:
+        if e["event"] == "training_resumed":
+            lineage = [(st, i) for st, i in lineage if st <= e["steps"]]
+        elif e["event"] == "train_step":
+            lineage += [(e["step"], i) for i in e["ids"]]
     trained = [i for e in steps for i in e["ids"]]
     off = [e["off_policy"] for e in steps]
     print(f"\nonline updates: {kinds['train_step']} applied, {kinds['kl_stop']} undone by the "
@@ -232,12 +250,34 @@ def main() -> None:
     print("|---|---|")
     print(f"| acknowledged episodes / lost | {len(acked)} / {len(acked - stored)} |")
     print(f"| acknowledged feedback / lost | {len(acked_fb)} / {len(acked_fb - fed)} |")
-    print(f"| rows trained / distinct / claimed (consumed) | {len(trained)} / "
-          f"{len(set(trained))} / {len(consumed)} |")
+    print(f"| rows in the trained lineage / distinct / consumed now | {len(lineage)} / "
+          f"{len(set(i for _, i in lineage))} / {len(consumed)} |")
     print(f"| restarted server's {args.weak} | v{restarted[args.weak][0]} from "
           f"{restarted[args.weak][1]} |")
     print(f"| request errors (excluding the killed server's) | "
           f"{len(load.errors) + len(load2.errors)} |")
+    resumed = [e for e in events if e["event"] == "training_resumed" and e["time"] >= t_kill]
+    after = [e for e in events if e["event"] == "train_step" and e["time"] >= t_kill]
+    first_ep = min((t for t, _, _ in load2.log), default=None)
+    print(f"\nrecovery after SIGKILL (snapshots at {extra[-1]}; t from the SIGKILL)")
+    print("| phase | time (s) | detail |")
+    print("|---|---|---|")
+    print(f"| process start, weights loaded, serving (/health answers) | {t_up - t_kill:.2f} | "
+          "- |")
+    if resumed:
+        r = resumed[-1]
+        print(f"| restore the training snapshot (parameters + optimizer) | {r['restore_s']:.3f} | "
+              f"step {r['steps']}, policy version {r['policy_version']} |")
+        print(f"| re-deliver rows claimed after the snapshot | {r['redeliver_s']:.3f} | "
+              f"{r['redelivered']} rows handed back |")
+    else:
+        print("| restore the training snapshot | - | no snapshot and nothing to re-deliver |")
+    if first_ep is not None:
+        print(f"| rejoin: first episode answered after restart | "
+              f"{load2.t0 + first_ep - t_kill:.2f} | - |")
+    if after:
+        print(f"| rejoin: first online update after restart | {after[0]['time'] - t_kill:.2f} | "
+              f"step {after[0]['step']} |")
     print(f"\nrun folder: {run}")
 
 

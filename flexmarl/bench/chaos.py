@@ -8,6 +8,7 @@ with every agent's weights or trainer state restored), rows lost and rows traine
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -119,12 +120,17 @@ def bench_chaos(
         "kills": [f"{k['pool']}#{k['worker']}" for k in killer.kills],
     }
     print_report(report)
+    if not killer.kills:  # a clean table without a fault would claim a survival never tested
+        raise ChaosError(f"chaos: no fault was injected ({kills} kills asked for, none made: "
+                         "no live worker was found at the kill times); the run proves nothing")
     return report
 
 
-def chaos_telemetry(out: Path) -> list[dict[str, Any]]:
-    import json
+class ChaosError(RuntimeError):
+    """A chaos run that injected no fault."""
 
+
+def chaos_telemetry(out: Path) -> list[dict[str, Any]]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 

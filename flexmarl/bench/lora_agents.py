@@ -26,11 +26,11 @@ import torch
 from flexmarl.config.schema import RunConfig, config_from_dict
 from flexmarl.policy import adapters
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.training import state as st
 from flexmarl.training.host import TrainHost
-from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import GenerationRequest, Sample
 
 MB = 1024 * 1024
 MODELS: dict[str, tuple[dict[str, Any], int]] = {

@@ -16,18 +16,22 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from flexmarl.runtime.local.publication import PairGroups, SlotPublisher, pair_key, receive
+from flexmarl.training.state import from_numpy, publish_form
+
 MB = 2**20
 
 
 def _weights(mb: float, device: str, dtype: str) -> dict[str, Any]:
     """About `mb` MB of tensors of 4 MB (the last one smaller)."""
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
     dt = getattr(torch, dtype)
     per = 4 * MB // torch.empty(0, dtype=dt).element_size()
@@ -42,11 +46,9 @@ def _weights(mb: float, device: str, dtype: str) -> dict[str, Any]:
 
 
 def _setup(device: str, visible: str | None) -> str:
-    import os
-
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
     torch.set_num_threads(1)
     if device.startswith("cuda"):
@@ -57,9 +59,6 @@ def _setup(device: str, visible: str | None) -> str:
 
 def _slot_main(conn: Connection, store: tuple[str, int, float], device: str,
                visible: str | None, dtype: str) -> None:
-    from flexmarl.runtime.local.publication import PairGroups, SlotPublisher
-    from flexmarl.runtime.local.workers import publish_form
-
     dev = _setup(device, visible)
     publisher = SlotPublisher(PairGroups(*store))
     weights: dict[str, Any] = {}
@@ -80,9 +79,6 @@ def _slot_main(conn: Connection, store: tuple[str, int, float], device: str,
 
 def _replica_main(conn: Connection, store: tuple[str, int, float], device: str,
                   visible: str | None) -> None:
-    from flexmarl.runtime.local.publication import PairGroups, receive
-    from flexmarl.runtime.local.workers import from_numpy
-
     _setup(device, visible)
     groups = PairGroups(*store)
     while True:
@@ -97,88 +93,64 @@ def _replica_main(conn: Connection, store: tuple[str, int, float], device: str,
         del tensors
 
 
-def measure(sizes_mb: list[float], replicas: list[int], rounds: int = 3, device: str = "cpu",
-            dtype: str = "float32", timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """Rows of (size, replicas, mode, MB/s median and range over `rounds`); every round runs
-    every (size, replicas, mode), the mode order alternating from round to round. On CUDA
-    the slot gets GPU 0 and the replicas GPUs 1.. (NCCL) when there are enough GPUs, else all
-    share GPU 0 (gloo through host memory: NCCL refuses two ranks on one GPU)."""
-    import torch
-    import torch.distributed as dist
+class _Rig:
+    """A slot process and `n_rep` replica processes joined by the driver's TCPStore: the
+    moving parts one measurement round drives."""
 
-    from flexmarl.runtime.local.publication import pair_key
+    def __init__(self, device: str, dtype: str, n_rep: int, timeout_s: float) -> None:
+        import torch  # start-up cost: torch only where it runs
+        import torch.distributed as dist  # start-up cost: torch only where it runs
 
-    n_rep = max(replicas)
-    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
-    apart = gpus > n_rep
-    backend = "nccl" if apart else "gloo"
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    info = ("127.0.0.1", store.port, timeout_s)
-    ctx = mp.get_context("spawn")
+        gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+        self.apart = gpus > n_rep
+        self.gpus = gpus
+        self.backend = "nccl" if self.apart else "gloo"
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.info = ("127.0.0.1", self.store.port, timeout_s)
+        self.ctx = mp.get_context("spawn")
+        self.slot, self.slot_proc = self._start(_slot_main, device, self._vis(0), dtype)
+        self.reps = [self._start(_replica_main, device, self._vis(i + 1)) for i in range(n_rep)]
 
-    def start(target: Any, *args: Any) -> tuple[Connection, Any]:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(child, info, *args), daemon=True)
+    def _start(self, target: Any, *args: Any) -> tuple[Connection, Any]:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=target, args=(child, self.info, *args), daemon=True)
         proc.start()
         return parent, proc
 
-    def vis(i: int) -> str | None:  # CUDA_VISIBLE_DEVICES of process i (0: the slot)
-        return str(i) if apart else ("0" if gpus else None)
+    def _vis(self, i: int) -> str | None:  # CUDA_VISIBLE_DEVICES of process i (0: the slot)
+        return str(i) if self.apart else ("0" if self.gpus else None)
 
-    slot, slot_proc = start(_slot_main, device, vis(0), dtype)
-    reps = [start(_replica_main, device, vis(i + 1)) for i in range(n_rep)]
-
-    def to_replicas(n: int, msgs: list[Any]) -> None:
-        threads = [threading.Thread(target=reps[i][0].send, args=(msgs[i],)) for i in range(n)]
+    def to_replicas(self, n: int, msgs: list[Any]) -> None:
+        threads = [threading.Thread(target=self.reps[i][0].send, args=(msgs[i],))
+                   for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         for i in range(n):
-            reps[i][0].recv()
+            self.reps[i][0].recv()
 
-    def once(mode: str, n: int, version: int) -> float:
+    def once(self, mode: str, n: int, version: int) -> float:
+        """Seconds from the slot's flatten to the last of `n` replicas holding the tensors."""
         t0 = time.perf_counter()
         if mode == "pipe":
-            slot.send(("pipe", version))
-            wire = slot.recv()
-            to_replicas(n, [("wire", wire)] * n)
+            self.slot.send(("pipe", version))
+            wire = self.slot.recv()
+            self.to_replicas(n, [("wire", wire)] * n)
         else:
-            slot.send(("keep", version))
-            ref = slot.recv()
-            dests = [(pair_key(0, 0, i, 0), backend) for i in range(n)]
-            slot.send(("send", (version, dests)))
-            to_replicas(n, [("recv", (ref, key, b)) for key, b in dests])
-            errors = slot.recv()
+            self.slot.send(("keep", version))
+            ref = self.slot.recv()
+            dests = [(pair_key(0, 0, i, 0), self.backend) for i in range(n)]
+            self.slot.send(("send", (version, dests)))
+            self.to_replicas(n, [("recv", (ref, key, b)) for key, b in dests])
+            errors = self.slot.recv()
             if any(errors):
                 raise RuntimeError(f"collective publication failed: {errors}")
         return time.perf_counter() - t0
 
-    rows: list[dict[str, Any]] = []
-    version = 0
-    try:
-        for mb in sizes_mb:
-            slot.send(("make", mb))
-            nbytes = slot.recv()
-            times: dict[tuple[int, str], list[float]] = {}
-            for n in replicas:  # warm-up: pair groups, allocator
-                for mode in ("pipe", "collective"):
-                    version += 1
-                    once(mode, n, version)
-            for r in range(rounds):
-                for n in replicas:
-                    order = ("pipe", "collective") if r % 2 == 0 else ("collective", "pipe")
-                    for mode in order:
-                        version += 1
-                        times.setdefault((n, mode), []).append(once(mode, n, version))
-            for (n, mode), ts in sorted(times.items()):
-                mbs = [nbytes / MB / t for t in ts]
-                rows.append({"mb": round(nbytes / MB), "replicas": n, "mode": mode,
-                             "backend": "pipe" if mode == "pipe" else backend,
-                             "mbs": statistics.median(mbs), "min": min(mbs), "max": max(mbs)})
-    finally:
-        for conn, proc in [(slot, slot_proc), *reps]:
+    def close(self) -> None:
+        for conn, proc in [(self.slot, self.slot_proc), *self.reps]:
             try:
                 conn.send(("stop", None))
             except OSError:
@@ -186,6 +158,39 @@ def measure(sizes_mb: list[float], replicas: list[int], rounds: int = 3, device:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+def measure(sizes_mb: list[float], replicas: list[int], rounds: int = 3, device: str = "cpu",
+            dtype: str = "float32", timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Rows of (size, replicas, mode, MB/s median and range over `rounds`); every round runs
+    every (size, replicas, mode), the mode order alternating from round to round. On CUDA
+    the slot gets GPU 0 and the replicas GPUs 1.. (NCCL) when there are enough GPUs, else all
+    share GPU 0 (gloo through host memory: NCCL refuses two ranks on one GPU)."""
+    rig = _Rig(device, dtype, max(replicas), timeout_s)
+    rows: list[dict[str, Any]] = []
+    version = 0
+    try:
+        for mb in sizes_mb:
+            rig.slot.send(("make", mb))
+            nbytes = rig.slot.recv()
+            times: dict[tuple[int, str], list[float]] = {}
+            for n in replicas:  # warm-up: pair groups, allocator
+                for mode in ("pipe", "collective"):
+                    version += 1
+                    rig.once(mode, n, version)
+            for r in range(rounds):
+                for n in replicas:
+                    order = ("pipe", "collective") if r % 2 == 0 else ("collective", "pipe")
+                    for mode in order:
+                        version += 1
+                        times.setdefault((n, mode), []).append(rig.once(mode, n, version))
+            for (n, mode), ts in sorted(times.items()):
+                mbs = [nbytes / MB / t for t in ts]
+                rows.append({"mb": round(nbytes / MB), "replicas": n, "mode": mode,
+                             "backend": "pipe" if mode == "pipe" else rig.backend,
+                             "mbs": statistics.median(mbs), "min": min(mbs), "max": max(mbs)})
+    finally:
+        rig.close()
     return rows
 
 

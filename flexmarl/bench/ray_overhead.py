@@ -3,10 +3,8 @@
 Two figures per runtime, medians over repeated rounds after a warm-up:
 - per micro-batch handed from store to trainer: the driver's wall time for taking a
   micro-batch from the experience store and having the trainer accumulate it, minus the
-  trainer's own compute span (so what is left is hand-off: store, serialisation, transport);
-  on Ray for the store a run uses (`RayRuntime.make_store`: the trainer pulls the micro-batch
-  from the agent's table actor and fetches payloads from the object store itself), and for
-  comparison for an in-driver store whose samples travel by value;
+  trainer's own compute span (so what is left is hand-off: store, serialisation, transport:
+  a pipe locally, the actor's pipe through Ray on Ray, `runtime.ray.transport`);
 - per weight publication of a ~4M-parameter model: trainer -> every rollout replica loaded.
 """
 
@@ -20,8 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import NullSink
 from flexmarl.config.schema import RunConfig, load_config
-from flexmarl.runtime.base import NullSink
+from flexmarl.policy.model import build_model
+from flexmarl.runtime.local.runtime import LocalRuntime
+from flexmarl.runtime.ray.runtime import RayRuntime
 from flexmarl.store.experience import ExperienceStore, Row
 from flexmarl.tasks.referential import build_referential_game
 
@@ -47,17 +48,8 @@ class SpanLog(NullSink):
 
 
 def _fill(store: ExperienceStore, agent: str, tag: str, rows: int) -> list[str]:
-    """`rows` ready rows; on the Ray store their log-probs are one block adopted by the table
-    actor, as a rollout replica hands over a generation batch."""
+    """`rows` ready rows, as a rollout replica's generation batch leaves them."""
     payloads: list[Any] = [np.array([-2.0], dtype=np.float32)] * rows
-    actors = getattr(store, "actors", None)
-    if actors is not None:
-        import ray
-
-        from flexmarl.store.experience import TensorRef
-
-        (block,) = ray.get(actors[agent].adopt.remote(payloads))
-        payloads = [TensorRef((block, j), (1,), "float32") for j in range(rows)]
     ids = []
     for j in range(rows):
         sid = f"{tag}-{j}_0_0"
@@ -91,8 +83,6 @@ async def _handoff(runtime: Any, store: ExperienceStore, log: SpanLog, agent: st
 
 
 def n_params(cfg: RunConfig, agent: str, vocab: int, seq: int) -> int:
-    from flexmarl.policy.model import build_model
-
     model = build_model(agent, cfg.agents[agent].model, vocab, seq, cfg.seed)
     return sum(p.numel() for p in model.parameters())
 
@@ -102,11 +92,9 @@ async def _measure(cfg: RunConfig, runtime: Any, log: SpanLog, rounds: int,
     await runtime.start()
     try:
         agent = "speaker"
-        out = {"handoff_ms": await _handoff(runtime, ExperienceStore(list(cfg.agents)), log,
-                                            agent, "d", rounds, mb)}
-        if hasattr(runtime, "make_store"):
-            out["table_handoff_ms"] = await _handoff(runtime, runtime.make_store(), log, agent,
-                                                     "t", rounds, mb)
+        store = ExperienceStore(list(cfg.agents))  # the driver's, on both runtimes
+        out = {"handoff_ms": await _handoff(runtime, store, log, agent, "d",
+                                            rounds, mb)}
         publish = []
         for k in range(rounds + 1):
             t0 = time.perf_counter()
@@ -122,9 +110,6 @@ async def _measure(cfg: RunConfig, runtime: Any, log: SpanLog, rounds: int,
 
 def bench_ray_overhead(rounds: int = 20, micro_batch: int = 64,
                        address: str | None = None) -> dict[str, dict[str, float]]:
-    from flexmarl.runtime.local.runtime import LocalRuntime
-    from flexmarl.runtime.ray.runtime import RayRuntime
-
     overrides = [*BIG, "runtime.kind=ray"]
     if address:
         overrides.append(f"runtime.address={address}")
@@ -140,11 +125,8 @@ def bench_ray_overhead(rounds: int = 20, micro_batch: int = 64,
           f"weights {params / 1e6:.2f}M params ({params * 4 / 2**20:.1f} MiB fp32), 1 replica")
     print(f"{'figure (median ms)':<46}{'local':>9}{'ray':>9}{'ray/local':>11}{'target':>9}")
     lo, ra = results["local"], results["ray"]
-    print(f"{'micro-batch store -> trainer (run store)':<46}{lo['handoff_ms']:>9.2f}"
-          f"{ra['table_handoff_ms']:>9.2f}{ra['table_handoff_ms'] / lo['handoff_ms']:>11.2f}"
-          f"{'<= 10':>9}")
-    print(f"{'  ray: in-driver store, samples by value':<46}{'-':>9}"
-          f"{ra['handoff_ms']:>9.2f}{'-':>11}{'-':>9}")
+    print(f"{'micro-batch store -> trainer':<46}{lo['handoff_ms']:>9.2f}"
+          f"{ra['handoff_ms']:>9.2f}{ra['handoff_ms'] / lo['handoff_ms']:>11.2f}{'<= 10':>9}")
     print(f"{'weight publication trainer -> replicas':<46}{lo['publish_ms']:>9.2f}"
           f"{ra['publish_ms']:>9.2f}{ra['publish_ms'] / lo['publish_ms']:>11.2f}{'<= 100':>9}")
     return results

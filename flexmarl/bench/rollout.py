@@ -15,6 +15,9 @@ from typing import Any
 
 from flexmarl.config.schema import ModelConfig, load_config
 from flexmarl.orchestrator.run import train
+from flexmarl.policy.model import build_model
+from flexmarl.policy.sampling import generate
+from flexmarl.types import GenerationRequest
 
 
 def run_balance(config: str, overrides: list[str], balance: str, out: Path) -> list[dict]:
@@ -30,10 +33,8 @@ def _queue_waits(record: dict[str, Any]) -> tuple[float, float]:
 
 def batching_speedup(n: int = 32, new_tokens: int = 48, prompt: int = 8) -> dict[str, float]:
     """Tokens/s of one 32-request continuous batch vs the same requests one at a time."""
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
-    from flexmarl.policy.model import build_model
-    from flexmarl.policy.sampling import GenerationRequest, generate
 
     torch.set_num_threads(1)
     model = build_model("bench", ModelConfig(), vocab_size=64, max_seq_len=prompt + new_tokens + 8,

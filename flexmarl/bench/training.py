@@ -21,10 +21,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from flexmarl.config.schema import AgentConfig, load_config
+from flexmarl.orchestrator.run import train
+from flexmarl.policy.model import build_model
+from flexmarl.training import lora
 from flexmarl.training import state as st
-from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import Sample
 
 MB = 1024 * 1024
 
@@ -52,8 +57,6 @@ def _batches(vocab: int, n: int, rows: int, prompt: int, response: int, seed: in
 
 # --- (a) swap ---------------------------------------------------------------------------------
 def _peer(port: int) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
     got = st.move(st.incoming(st.Process(0)), st.Host())
@@ -87,7 +90,6 @@ def bench_swap(cfg: AgentConfig, vocab: int, batch: list[Sample]) -> dict[str, f
     out["disk_in_mbs"] = nbytes / MB / (t3 - t2)
     out["disk_pair_mbs"] = nbytes / MB / ((t1 - t0) + (t3 - t2))
     gc.collect()
-    import torch.distributed as dist
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -118,9 +120,6 @@ def bench_swap(cfg: AgentConfig, vocab: int, batch: list[Sample]) -> dict[str, f
 # --- (b) overhead -----------------------------------------------------------------------------
 def _plain_setup(cfg: AgentConfig, vocab: int):
     """The same model, adapters and optimizer as the trainer builds, without the trainer."""
-    from flexmarl.policy.model import build_model
-    from flexmarl.training import lora
-
     model: Any = build_model("bench", cfg.model, vocab, 256, 0)
     if cfg.lora is not None:
         model = lora.apply("bench", model, cfg.lora, seed=0)
@@ -209,8 +208,6 @@ def bench_overhead(cfg: AgentConfig, vocab: int, batches: list[list[Sample]],
 
 # --- (c) slots --------------------------------------------------------------------------------
 def bench_slots(config: str, overrides: list[str], slots: list[int]) -> list[dict[str, float]]:
-    from flexmarl.orchestrator.run import train
-
     rows = []
     base = Path(tempfile.mkdtemp(prefix="flexmarl-slots-"))
     for n in slots:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from flexmarl.config.schema import ConfigError
+from flexmarl.telemetry.samples import read_samples
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Run:
     events: list[dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    # OUT/samples.jsonl: what the agents said (telemetry.samples)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def agents(self) -> list[str]:
@@ -111,7 +114,12 @@ def load_run(run_dir: str | Path) -> Run:
         summary = json.loads((path / "summary.json").read_text())
     except (OSError, ValueError):
         pass
-    return Run(path, records, events, config if isinstance(config, dict) else {}, summary)
+    try:
+        samples = read_samples(path / "samples.jsonl")
+    except ValueError:  # a truncated or foreign file: the report goes on without it
+        samples = []
+    return Run(path, records, events, config if isinstance(config, dict) else {}, summary,
+               samples)
 
 
 # --- rules ---------------------------------------------------------------------------------
@@ -221,6 +229,31 @@ def check_oscillation(run: Run) -> list[Finding]:
     return out
 
 
+def collapse_remedy(run: Run, agent: str) -> str:
+    """The option that moves a collapsed agent again, from the run's own config: a GRPO agent
+    normalised per group has zero advantage on every group whose samples agree (all of them,
+    once it answers one thing), so nothing in the loss can bring it back; an agent-wide
+    baseline (`normalize: agent`) still pays the inputs where the one answer is right over
+    those where it is wrong, and clip-higher lets the rare other answers grow."""
+    algo = ((run.config.get("agents") or {}).get(agent) or {}).get("algorithm") or {}
+    if not isinstance(algo, dict):
+        algo = {}
+    general = (f"agents.{agent}.algorithm.entropy_coef (e.g. 0.01-0.3, with "
+               "entropy_decay_steps), a lower optim.lr, or a higher sampling.temperature; "
+               "check the reward has no shortcut")
+    steps = []
+    if algo.get("name", "grpo") == "grpo" and algo.get("normalize", "group") == "group":
+        group_size = (run.config.get("train") or {}).get("group_size")
+        size = f" {group_size}" if group_size else ""
+        steps.append(f"agents.{agent}.algorithm.normalize: agent (with group_size{size} every "
+                     "group of one agreed answer has advantage 0, so nothing moves it back; "
+                     "an agent-wide baseline still rewards the inputs it gets right)")
+    if algo.get("clip_eps_high") is None:
+        steps.append(f"agents.{agent}.algorithm.clip_eps_high: 0.28 (clip-higher: rare "
+                     "answers with a positive advantage may grow)")
+    return "; ".join([*steps, general])
+
+
 def check_entropy(run: Run) -> list[Finding]:
     """The lazy agent: one agent sticks to one answer (whatever the input) that pays it, its own
     reward up, while the team does not improve; entropy collapse: the policy stopped exploring
@@ -265,9 +298,7 @@ def check_entropy(run: Run) -> list[Finding]:
             out.append(Finding(
                 "entropy collapse: the policy gives one answer to most inputs", "warning",
                 f"agent/{agent}/entropy", stuck or collapsed, evidence,
-                f"agents.{agent}.algorithm.entropy_coef (e.g. 0.01-0.3, with "
-                "entropy_decay_steps), a lower optim.lr, or a higher sampling.temperature; "
-                "check the reward has no shortcut", agent))
+                collapse_remedy(run, agent), agent))
     return out
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flexmarl.config.schema import ConfigError, load_config
 from flexmarl.errors import UserError
+from flexmarl.telemetry.samples import SampleTail, format_sample
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -31,6 +32,9 @@ def _train(args: argparse.Namespace) -> int:
         return train_command(args)
     console = Console(stderr=True)
     cfg = load_config(args.config, args.set)  # config errors surface before torch loads
+    if args.show_samples > cfg.logging.samples_per_agent:  # keep as many as are shown
+        cfg = load_config(args.config,
+                          [*args.set, f"logging.samples_per_agent={args.show_samples}"])
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
     from flexmarl.orchestrator.run import prepare, train
 
@@ -68,9 +72,17 @@ def _train(args: argparse.Namespace) -> int:
             name = find_checkpoints(resume).latest_name() or "gen-0"
             progress.update(bar, completed=int(name.rsplit("-", 1)[-1] or 0))
 
+        tail = SampleTail(out / "samples.jsonl")
+
         def on_iteration(record: dict) -> None:
             progress.update(bar, advance=1, success=record["task/success_rate"],
                             speed=f"{record['wall_s']:.2f}s/it")
+            shown: dict[str, int] = {}
+            for sample in tail.new():  # --show-samples: what each agent said, N per agent
+                if shown.get(sample["agent"], 0) < args.show_samples:
+                    shown[sample["agent"]] = shown.get(sample["agent"], 0) + 1
+                    progress.console.print(format_sample(sample), markup=False,
+                                           highlight=False)
 
         from flexmarl.orchestrator.joint import FailureBudgetExceeded, RunInterrupted
 
@@ -187,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default runs/<name>, or the resumed run's)")
     p.add_argument("--resume", metavar="DIR",
                    help="continue the run in DIR (a run folder or its checkpoints/) from LATEST")
+    p.add_argument("--show-samples", type=int, default=0, metavar="N",
+                   help="print N sampled episodes per agent each iteration (prompt, answer, "
+                        "reward, advantage; at most logging.samples_per_agent)")
     p.set_defaults(fn=_train)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     b.add_argument("what", choices=["pipeline"])
@@ -253,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
-        base = sys.modules.get("flexmarl.runtime.base")  # not imported for config errors
+        base = sys.modules.get("flexmarl.api.runtime")  # not imported for config errors
         if base is not None and isinstance(exc, base.WorkerError):
             # workers lost beyond runtime.max_worker_restarts (e.g. out-of-memory kills): the
             # reason is in the message

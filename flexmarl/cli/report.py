@@ -11,18 +11,21 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 from flexmarl.cli.doctor import Run, diagnose, load_run
 from flexmarl.config.schema import ConfigError
+from flexmarl.sim.simulate import write_gantt
+from flexmarl.telemetry.samples import clip_text
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # optional dependency: the optional `plots` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: the optional `plots` extra
 
     return plt
 
@@ -85,7 +88,6 @@ def _gantt(run: Run, path: Path) -> Path | None:
     t0 = min(s.start for s in spans)  # the trace's clock starts before the workers do
     for s in spans:
         s.start, s.end = s.start - t0, s.end - t0
-    from flexmarl.sim.simulate import write_gantt
 
     horizon = max(s.end for s in spans)
     n = max(len(run.records), 1)
@@ -125,6 +127,26 @@ def _plans_table(run: Run) -> str:
         return '<p class="none">(no rollout plans recorded)</p>'
     return ("<table><tr><th>iteration</th><th>mode</th><th>agents on replicas</th></tr>"
             + "".join(rows) + "</table>")
+
+
+def _samples_table(run: Run) -> str:
+    """The first and the last iteration's samples of each agent: prompt, answer, reward."""
+    if not run.samples:
+        return "<p>no samples kept (logging.samples_per_agent: 0, or a run from before it)</p>"
+    first, last = run.samples[0]["iteration"], run.samples[-1]["iteration"]
+    rows = []
+    for sample in run.samples:
+        if sample["iteration"] not in (first, last):
+            continue
+        adv = sample.get("advantage")
+        cells = [str(sample["iteration"]), sample["agent"], sample["node"],
+                 clip_text(sample["prompt"], 300), clip_text(sample["answer"], 300),
+                 f"{sample.get('reward')}", f"{adv:+.3f}" if isinstance(adv, (int, float))
+                 else "-"]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("iteration", "agent", "node", "prompt (end)",
+                                              "answer", "reward", "advantage"))
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def _summary_table(run: Run) -> str:
@@ -213,10 +235,12 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 {_summary_table(run)}
 <h2 id="doctor">Doctor</h2>{finding_html}
 <h2 id="learning">Learning curves</h2>{_img(learning, "learning curves per agent")}
-<h2 id="training">Training diagnostics</h2>{_img(diagnostics, "entropy, gradient norm, clip fraction, KL")}
+<h2 id="training">Training diagnostics</h2>
+{_img(diagnostics, "entropy, gradient norm, clip fraction, KL")}
 <h2 id="busy">Where the time went</h2>{_img(busy, "rollout/training busy fractions over time")}
 {_img(gantt, "Gantt chart of the run (trace.json): rollout solid, training hatched")}
 <h2 id="throughput">Throughput</h2>{_img(throughput, "rollout and trainer throughput")}
+<h2 id="samples">What the agents said (first and last iteration)</h2>{_samples_table(run)}
 <h2 id="plans">Plan of each iteration</h2>{_plans_table(run)}
 <h2 id="config">Config</h2><pre>{html.escape(config_text)}</pre>
 </body></html>
@@ -228,6 +252,4 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def report_images(html_text: str) -> list[str]:
     """The data URIs of a report's images (tests)."""
-    import re
-
     return re.findall(r'src="(data:image/png;base64,[^"]+)"', html_text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import (
@@ -81,6 +82,21 @@ class _AlgorithmBase(Strict):
     # Linear decay of the entropy bonus to 0 over this many optimizer steps (None: constant):
     # explore early while a convention forms, then let the policies sharpen.
     entropy_decay_steps: int | None = Field(None, gt=0)
+    # Asymmetric clipping ("clip-higher", DAPO): the ratio is clipped to
+    # [1 - clip_eps, 1 + clip_eps_high]; a wider upper bound lets unlikely tokens with a
+    # positive advantage grow, which keeps entropy from collapsing. None: clip_eps.
+    clip_eps_high: float | None = Field(None, gt=0)
+    # Importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025: the
+    # geometric mean of the row's token ratios, clipped once per row; GSPO uses clip_eps of
+    # about 3e-4 / 4e-4).
+    ratio_level: Literal["token", "sequence"] = "token"
+    # How a row's token losses become the row's loss: "sequence" averages over the row's
+    # tokens (GRPO); "token_sum_norm" sums them and divides by the constant
+    # `loss_norm_tokens` (Dr. GRPO, verl's seq-mean-token-sum-norm), so long rows are not
+    # down-weighted and the loss has no length bias. Both are per-row quantities, so any
+    # micro-batch split still equals one big batch.
+    loss_agg: Literal["sequence", "token_sum_norm"] = "sequence"
+    loss_norm_tokens: int = Field(512, gt=0)
 
 
 class GRPOConfig(_AlgorithmBase):
@@ -222,7 +238,6 @@ class BackendConfig(Strict):
     def _url(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        from urllib.parse import urlparse
 
         parsed = urlparse(value)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -384,7 +399,7 @@ class RuntimeConfig(Strict):
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
     swap_to: Literal["host", "disk"] = "host"
-    # How published weights reach the rollout replicas (local runtime): `pipe` through the
+    # How published weights reach the rollout replicas (local and Ray): `pipe` through the
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
     # training slot to each replica over torch.distributed (gloo; NCCL where both ends are on
     # different GPUs); `auto`: collective where torch.distributed is available (docs/gpu.md:
@@ -480,6 +495,9 @@ class LoggingConfig(Strict):
     is always written; list more backends to add them."""
 
     backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    # what the agents say: per iteration and agent, the first trajectory of this many inputs
+    # (prompt, answer, reward, advantage) in OUT/samples.jsonl; 0 writes none
+    samples_per_agent: int = Field(2, ge=0)
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
 
@@ -566,10 +584,6 @@ class RunConfig(Strict):
                     f"agents.{name}.lora: an agent on a shared base (model.base {base!r}) "
                     f"trains a LoRA adapter; give agents.{name}.lora (e.g. {{r: 8}}), or set "
                     f"agents.{name}.trainable: false to use the base as it is")
-            if self.runtime.kind == "ray":
-                raise ValueError(f"agents.{name}.model.base: shared base models are not "
-                                 "supported on runtime.kind=ray yet (use runtime.kind=local, "
-                                 "or give each agent its own model)")
             agent.model = entry.model_copy(update={"base": base})
             used.add(base)
         for key in self.models:
@@ -658,6 +672,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
+    runtime = raw.get("runtime")
+    if isinstance(runtime, dict) and runtime.get("kind") == "sim":
+        # the simulated runtime runs workloads (sim/workload.py), not a user's task and models
+        raise ConfigError(f"{path}: runtime.kind: 'sim' is the simulator's own runtime, not one "
+                          "a run config can choose; simulate a workload with `flexmarl simulate "
+                          "WORKLOAD.yaml` (examples/sim/), or use runtime.kind local or ray")
     return config_from_dict(raw, str(path))
 
 

@@ -25,13 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.envs.spaces import ActionSpec, ObsSpec, action_spec, obs_spec
-from flexmarl.errors import UserError
-
-
-class EnvError(UserError, ValueError):
-    """An environment that cannot be built or driven: names the field, env id or agent."""
-
+from flexmarl.envs.spaces import ActionSpec, EnvError, ObsSpec, action_spec, obs_spec
+from flexmarl.envs.turns import TurnParallelEnv
 
 FAMILIES = ("mpe2", "pettingzoo.classic", "pettingzoo.butterfly", "pettingzoo.sisl")
 
@@ -66,8 +61,6 @@ def make_parallel(env_id: str, options: dict[str, Any] | None = None,
     Parallel API (`turns.TurnParallelEnv`), with `opponents` played inside it."""
     module = env_module(env_id, field_name)
     if not hasattr(module, "parallel_env"):
-        from flexmarl.envs.turns import TurnParallelEnv
-
         return TurnParallelEnv(make_aec(env_id, options, field_name), env_id, opponents)
     if opponents:
         raise EnvError(f"env.opponents: {env_id} has a Parallel API, every agent acts at "
@@ -103,14 +96,21 @@ class StepResult:
     done: bool  # no agent left
 
 
-class ParallelAdapter:
-    """One Parallel environment as rounds of parallel nodes (see the module docstring)."""
+class _Adapter:
+    """A PettingZoo environment with its agents' observation and action specs."""
 
-    def __init__(self, env, env_id: str) -> None:
+    def __init__(self, env: Any, env_id: str) -> None:
         self.env = env
         self.env_id = env_id
         self.agents = list(env.possible_agents)
         self.obs_specs, self.action_specs = _specs(env, env_id)
+
+
+class ParallelAdapter(_Adapter):
+    """One Parallel environment as rounds of parallel nodes (see the module docstring)."""
+
+    def __init__(self, env: Any, env_id: str) -> None:
+        super().__init__(env, env_id)
         self.rounds: list[list[str]] = []  # node names per environment step of this episode
         self.live: list[str] = []
 
@@ -164,14 +164,8 @@ class AECEpisode:
     truncated: bool = False
 
 
-class AECAdapter:
+class AECAdapter(_Adapter):
     """One AEC environment as a chain of turns (see the module docstring)."""
-
-    def __init__(self, env, env_id: str) -> None:
-        self.env = env
-        self.env_id = env_id
-        self.agents = list(env.possible_agents)
-        self.obs_specs, self.action_specs = _specs(env, env_id)
 
     def run_episode(self, policy: Policy, seed: int | None = None,
                     max_turns: int = 10_000) -> AECEpisode:

@@ -16,6 +16,10 @@ import numpy as np
 from flexmarl.errors import UserError
 
 
+class EnvError(UserError, ValueError):
+    """An environment that cannot be built or driven: names the field, env id or agent."""
+
+
 class SpaceError(UserError, ValueError):
     """A space the adapters cannot encode: names the env, agent and space."""
 
@@ -84,7 +88,7 @@ class ActionSpec:
 
 
 def obs_spec(space, env_id: str, agent: str) -> ObsSpec:
-    from gymnasium import spaces
+    from gymnasium import spaces  # optional dependency: the optional `marl` extra
 
     where = f"env {env_id!r}, agent {agent!r}"
     if isinstance(space, spaces.Box):
@@ -108,7 +112,7 @@ def obs_spec(space, env_id: str, agent: str) -> ObsSpec:
 
 
 def action_spec(space, env_id: str, agent: str) -> ActionSpec:
-    from gymnasium import spaces
+    from gymnasium import spaces  # optional dependency: the optional `marl` extra
 
     where = f"env {env_id!r}, agent {agent!r}"
     if isinstance(space, spaces.Discrete):

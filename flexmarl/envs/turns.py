@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.envs.spaces import EnvError
+
 OPPONENT_KINDS = ("random",)
 
 
@@ -28,8 +30,6 @@ class TurnParallelEnv:
     """A PettingZoo AEC environment as a Parallel one (see the module docstring)."""
 
     def __init__(self, aec: Any, env_id: str, opponents: dict[str, str] | None = None) -> None:
-        from flexmarl.envs.pettingzoo import EnvError
-
         opponents = dict(opponents or {})
         every = list(aec.possible_agents)
         for agent, kind in opponents.items():

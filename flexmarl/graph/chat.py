@@ -17,6 +17,7 @@ from typing import Any
 from flexmarl.config.schema import AgentConfig
 from flexmarl.errors import UserError
 from flexmarl.graph.meg import NodePrompt, TextPrompt
+from flexmarl.policy.tokenizer import agent_tokenizer
 
 
 class PromptError(UserError, ValueError):
@@ -70,8 +71,6 @@ class PromptRenderer:
         self.task_vocab = task_vocab
 
     def tokenizer(self, agent: str) -> Any:
-        from flexmarl.policy.tokenizer import agent_tokenizer
-
         return agent_tokenizer(agent, self.agents[agent].model, self.task_vocab)
 
     def render(self, node: str, agent: str, value: Any) -> tuple[NodePrompt, bool]:

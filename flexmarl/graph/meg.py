@@ -20,10 +20,20 @@ class GraphError(UserError, ValueError):
 
 @dataclass
 class NodePrompt:
-    """What a node asks its agent: prompt tokens, how many tokens it may emit, which ones.
+    """A token-level prompt: the ids a node gives its agent, how many it may emit, which ones.
 
-    `allowed_tokens` constrains decoding (an action mask); the trainer re-applies the same mask
-    so that training log-probs are those of the distribution that sampled.
+    For tasks with their own small vocabulary and random models (the referential game), where
+    full control of the ids matters. `allowed_tokens` constrains decoding (an action mask);
+    the trainer re-applies the same mask so that training log-probs are those of the
+    distribution that sampled. `stop_tokens` end the response; `stop` strings need the agent's
+    tokenizer.
+
+    Example:
+        ```python
+        # the listener picks one of the candidates shown (token ids of the task's vocabulary)
+        NodePrompt(tokens=[BOS, *candidates, SEP, *ctx.output("speak")], max_new_tokens=1,
+                   allowed_tokens=candidates)
+        ```
     """
 
     tokens: list[int]
@@ -44,6 +54,13 @@ class TextPrompt:
     A prompt builder may also return the plain string or the message list itself; then the
     agent's `sampling` settings (`max_tokens`, `stop`, `stop_token_ids`) apply unchanged.
     `max_new_tokens` overrides `sampling.max_tokens`; `stop` adds to `sampling.stop`.
+
+    Example:
+        ```python
+        def judge(ctx: EpisodeContext) -> TextPrompt:
+            return TextPrompt([{"role": "user", "content": f"Is {ctx.text('ask')} right?"}],
+                              max_new_tokens=2, stop=["\n"])
+        ```
     """
 
     prompt: str | list[dict[str, str]]
@@ -53,7 +70,20 @@ class TextPrompt:
 
 @dataclass
 class EpisodeContext:
-    """What a prompt builder or a reward function sees: the episode's input and node outputs."""
+    """`ctx`: what a prompt builder, a condition (`when=`) or a reward function sees.
+
+    `data` is the episode's input, one of the dicts `Task.sample_inputs` returned; `input_id`
+    and `trajectory_id` say which input and which of its `train.group_size` samples this
+    episode is. `output(node)` gives the token ids a node sampled (what is trained on),
+    `text(node)` a text-level node's decoded answer; both exist once the node ran, so a
+    node reads only the nodes in its `inputs`.
+
+    Example:
+        ```python
+        def reward(ctx: EpisodeContext) -> float:
+            return float(ctx.text("ask").strip() == str(ctx.data["a"] + ctx.data["b"]))
+        ```
+    """
 
     input_id: str
     trajectory_id: int
@@ -100,7 +130,22 @@ class Node:
 
 @dataclass
 class MEG:
-    """A per-episode DAG of agent invocations plus the rewards that score an episode."""
+    """The Multi-agent Execution Graph of one episode: its nodes (agent calls), what feeds
+    what, and the rewards that score it.
+
+    Build it with chained `node` calls; `set_episode_reward` adds a team reward credited to
+    every node (`train.credit` says how), `set_success` the task's success (metrics only).
+    The graph is a DAG: `validate` names a cycle, an unknown agent or a missing input.
+
+    Example:
+        ```python
+        graph = (MEG()
+                 .node("ask", agent="answerer", prompt=ask, reward=answer_right)
+                 .node("judge", agent="judge", inputs=["ask"], prompt=judge,
+                       reward=verdict_right)
+                 .set_success(answer_right))
+        ```
+    """
 
     nodes: dict[str, Node] = field(default_factory=dict)
     episode_reward: RewardFn | None = None
@@ -117,12 +162,29 @@ class MEG:
         reward: RewardFn | None = None,
         static_when: bool = False,
     ) -> MEG:
-        """Add a node; `when` may skip it (and so end its branch) for a given episode.
+        """Add a node: one call of `agent` in every episode (unless `when` skips it).
 
-        `static_when`: `when` reads only the episode's input and trajectory, not its outputs,
-        so it is decided when the episode starts and a node it skips, with everything
-        downstream, costs nothing (a graph with many conditional variants of a node, as the
-        simulator's, would otherwise run a task per variant per episode)."""
+        Args:
+            name: the node's name (no `_`), unique in the graph.
+            agent: the agent that answers, a key of the run config's `agents`.
+            prompt: `prompt(ctx)` returns what the agent is asked: a string or a list of chat
+                messages (`[{"role": ..., "content": ...}]`; the agent's chat template
+                applies), a `TextPrompt`, or a token-level `NodePrompt`.
+            inputs: the nodes whose outputs this one reads; it runs once they all ran.
+            when: `when(ctx)` returns a bool; False skips the node and ends its branch
+                (every node downstream of it is skipped too) in this episode.
+            reward: `reward(ctx)` returns this node's own reward, a finite number, once the
+                episode is complete; a function that raises fails the episode (counted
+                against `train.max_failed_fraction`), one that returns something else stops
+                the run with the node named.
+            static_when: `when` reads only the episode's input and trajectory, not outputs,
+                so it is decided when the episode starts and a node it skips, with everything
+                downstream, costs nothing (many conditional variants of a node, as the
+                simulator's graphs have, would otherwise run a task per variant).
+
+        Returns:
+            The graph itself, so calls chain.
+        """
         if not name or "_" in name:
             raise GraphError(f"node name {name!r} must be non-empty and contain no '_'")
         if name in self.nodes:

@@ -18,12 +18,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from flexmarl.marl.config import MarlRunConfig
-from flexmarl.marl.policies import PolicyLayout
-from flexmarl.marl.rollout import RolloutResult
-from flexmarl.marl.workers import MarlWorkerSpec, marl_rollout_worker_main
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.runtime.base import (
+from flexmarl.api.runtime import (
     NullSink,
     RolloutPool,
     Runtime,
@@ -32,6 +27,11 @@ from flexmarl.runtime.base import (
     WorkerError,
     WorkerLost,
 )
+from flexmarl.marl.config import MarlRunConfig
+from flexmarl.marl.policies import PolicyLayout
+from flexmarl.marl.rollout import RolloutResult
+from flexmarl.marl.workers import MarlWorkerSpec, marl_rollout_worker_main
+from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.runtime.local.runtime import LocalTrainPool, Supervisor, WorkerProxy
 
 

@@ -29,7 +29,7 @@ class RolloutHost:
     epsilon-greedy `QRollout`): `load_weights`
     (policy, version, wire), `rollout` (k), and `get_state` / `set_state` (its environments'
     state). The same host is served by a local worker process (`marl_rollout_worker_main`)
-    and by a Ray actor (`runtime.ray.proxy.HostActor`)."""
+    and, on Ray, by the same main in an actor (`runtime.ray.transport.PipeActor`)."""
 
     def __init__(self, spec: MarlWorkerSpec) -> None:
         from flexmarl.marl.config import MarlRunConfig

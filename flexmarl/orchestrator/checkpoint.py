@@ -88,15 +88,6 @@ def _slow_down() -> None:
         time.sleep(delay)
 
 
-def encode_array(a: np.ndarray) -> dict[str, Any]:
-    a = np.ascontiguousarray(a)
-    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.tobytes()}
-
-
-def decode_array(d: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(d["data"], dtype=d["dtype"]).reshape(d["shape"]).copy()
-
-
 class CheckpointManager:
     def __init__(self, root: str | Path, keep: int = 3) -> None:
         self.root = Path(root)
@@ -111,7 +102,8 @@ class CheckpointManager:
         rows: list[dict[str, Any]],
         extra: dict[str, bytes] | None = None,
     ) -> Path:
-        """Write generation `completed` (and the `extra` files) and publish it; on any OSError (full disk, permissions)
+        """Write generation `completed` (and the `extra` files) and publish it; on any OSError
+        (full disk, permissions)
         the partial folder is removed, LATEST is untouched and a CheckpointError says so."""
         name = f"gen-{completed:06d}"
         final = self.root / name
@@ -223,7 +215,8 @@ class CheckpointManager:
         states: dict[str, TrainerState] = {}
         agents_dir = path / "agents"
         for adir in sorted(agents_dir.iterdir()) if agents_dir.is_dir() else []:
-            arrays = {f"model.{k}": v for k, v in load_file(str(adir / "model.safetensors")).items()}
+            model = load_file(str(adir / "model.safetensors"))
+            arrays = {f"model.{k}": v for k, v in model.items()}
             arrays.update(load_file(str(adir / "state.safetensors")))
             meta = json.loads((adir / "trainer.json").read_text())
             states[adir.name] = (arrays, meta)

@@ -14,12 +14,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from flexmarl.api.runtime import TrainPool
 from flexmarl.config.schema import ConfigError, RunConfig
 from flexmarl.graph.meg import GraphError
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
-from flexmarl.runtime.base import TrainPool
 from flexmarl.store.experience import ExperienceStore, Status
 from flexmarl.telemetry.recorder import Telemetry
 

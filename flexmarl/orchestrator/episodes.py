@@ -17,16 +17,17 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import RolloutPool
 from flexmarl.config.schema import CreditConfig, RunConfig
 from flexmarl.errors import UserError
+from flexmarl.graph import contracts
 from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.executor import GraphExecutor, NodeCall, TaskCodeError
 from flexmarl.graph.meg import MEG, EpisodeContext, GraphError
 from flexmarl.graph.task import Task
-from flexmarl.orchestrator import contracts
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.policy.model import stable_seed
-from flexmarl.policy.sampling import GenerationRequest
-from flexmarl.runtime.base import RolloutPool
+from flexmarl.policy.tokenizer import model_vocab
 from flexmarl.store.experience import (
     ExperienceStore,
     Row,
@@ -37,10 +38,12 @@ from flexmarl.store.experience import (
 )
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import algorithms
+from flexmarl.types import GenerationRequest
 
 
 class EpisodeFailure(RuntimeError):
-    """A user function (prompt builder, condition, reward) raised inside an episode."""
+    """An episode's credited reward is not a finite number (the task's own functions raising
+    are `graph.executor.TaskCodeError`)."""
 
 
 @dataclass
@@ -75,6 +78,8 @@ class IterationState:
     # level that opens when every lower level is resolved in every episode
     stage_left: list[int] = field(default_factory=list)
     stage_open: list[asyncio.Event] = field(default_factory=list)
+    # what the agents said: a few rows per agent (logging.samples_per_agent), for samples.jsonl
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def assign_credit(
@@ -139,7 +144,10 @@ class EpisodeRunner:
         self.cfg = cfg
         self.task = task
         self.graph = task.graph
-        self.order = self.graph.validate(cfg.agents.keys())
+        # text- and chat-level nodes: each agent's tokenizer and sampling defaults
+        self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
+        self.executor = GraphExecutor(self.graph, self.renderer, cfg.agents.keys())
+        self.order = self.executor.order
         self.turns = self.graph.turn_of()
         self.level = graph_levels(self.graph, self.order)
         self.downstream = downstream_hops(self.graph)
@@ -156,11 +164,6 @@ class EpisodeRunner:
         self.first_error: str | None = None
         # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
         self._check_prompts = cfg.runtime.kind != "sim"
-        # nodes whose condition is decided at the episode's start (`MEG.node(static_when=)`)
-        self._static = frozenset(n for n, nd in self.graph.nodes.items()
-                                 if nd.when is not None and nd.static_when)
-        # text- and chat-level nodes: each agent's tokenizer and sampling defaults
-        self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
         # between iterations: the planner's plan for the next one (set by the orchestrator),
         # merged into the iteration's recorded plan
         self.plan_next: Callable[[IterationState], dict[str, Any] | None] | None = None
@@ -177,48 +180,27 @@ class EpisodeRunner:
             return
         vector = self.versions.vector(k)
         rows: dict[str, Row] = {}
-        skipped = self._skipped_at_start(ctx)
-        names = [n for n in self.order if n not in skipped] if skipped else self.order
-        done: dict[str, asyncio.Future] = {
-            n: asyncio.get_running_loop().create_future() for n in names
-        }
+        skipped = self.executor.skipped_at_start(ctx)
         priority = (k, index, traj)
         episode_start = self.telemetry.now()
 
-        async def run_node(name: str) -> None:
-            node = self.graph.nodes[name]
-            deps_ok = [await done[d] for d in node.inputs]
-            if not all(deps_ok):
-                done[name].set_result(False)  # an upstream branch ended: so does this one
-                return
-            try:
-                if node.when is not None and not contracts.check_condition(name, node.when(ctx)):
-                    done[name].set_result(False)
-                    return
-                prompt = node.prompt(ctx)
-            except UserError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - user code
-                raise EpisodeFailure(f"node {name!r}: prompt builder raised {exc!r}") from exc
-            # text or chat messages -> token ids with the agent's tokenizer and chat template
-            prompt, is_text = self.renderer.render(name, node.agent, prompt)
+        async def call(node: NodeCall) -> list[int]:
+            name, agent, prompt = node.name, node.agent, node.prompt
             # wrong types, token ids outside the vocabulary, empty or over-long prompts, a zero
             # budget: a bug in the task, not a flaky episode: stop the run with the node named
             if self._check_prompts:
-                contracts.check_prompt(name, node.agent, prompt, self._vocab(node.agent, is_text),
+                contracts.check_prompt(name, agent, prompt, self._vocab(agent, node.is_text),
                                        self.task.max_seq_len)
             if it.stage_open:  # rollout.schedule=stage: the level barrier
                 await it.stage_open[self.level[name]].wait()
-            agent = node.agent
             version = vector[agent]
             await self.versions.gate(agent, version).wait()
             sample_id = make_sample_id(input_id, self.turns[name], traj)
-            row = self.store.add(Row(
+            rows[name] = self.store.add(Row(
                 sample_id=sample_id, agent=agent, node=name, input_id=input_id,
                 turn=self.turns[name], trajectory_id=traj, iteration=k,
                 policy_version=version, version_vector=vector,
             ))
-            rows[name] = row
             acfg = self.cfg.agents[agent]
             request = GenerationRequest(
                 sample_id=sample_id, agent=agent, version=version, prompt=prompt.tokens,
@@ -236,56 +218,39 @@ class EpisodeRunner:
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
                  "allowed": prompt.allowed_tokens, "temperature": request.temperature,
-                 **({"stop": list(prompt.stop)} if is_text else {})},
+                 **({"stop": list(prompt.stop)} if node.is_text else {})},
                 {"logprobs": result.logprobs if isinstance(result.logprobs, TensorRef)
                  else np.asarray(result.logprobs, dtype=np.float32)},
             )
-            ctx.outputs[name] = result.tokens
-            if is_text:  # the sampled ids stay as they are; downstream reads them decoded
-                ctx.texts[name] = self.renderer.decode(agent, result.tokens, prompt.stop)
-            done[name].set_result(True)
+            return result.tokens
 
-        tasks = [asyncio.ensure_future(run_node(n)) for n in names]
+        def count_level(name: str, task: asyncio.Task) -> None:
+            # ran, skipped, failed or cancelled with its episode: the stage barrier counts it
+            task.add_done_callback(functools.partial(self._node_resolved, it, self.level[name]))
+
         if it.stage_open:
             for n in skipped:
                 self._resolved(it, self.level[n])
-            for n, t in zip(names, tasks, strict=True):
-                # ran, skipped, failed or cancelled with its episode: the level counts it
-                t.add_done_callback(functools.partial(self._node_resolved, it, self.level[n]))
         error: str | None = None
         try:
-            await asyncio.gather(*tasks)
+            await self.executor.run(ctx, call, skip=skipped,
+                                    on_task=count_level if it.stage_open else None)
             rewards = self._score(ctx, rows)
-        except EpisodeFailure as exc:
+        except (TaskCodeError, EpisodeFailure) as exc:
             error = str(exc)
-        except UserError:  # a contract violation (contracts.py): the run stops, exit code 2
+        except UserError:  # a contract violation (graph/contracts.py): the run stops, exit 2
             raise
         except Exception as exc:  # noqa: BLE001 - worker or user failure: fail this episode only
             error = f"{type(exc).__name__}: {exc}"
-        finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
         if error is not None:
-            for row in rows.values():
-                if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
-                    self.store.set_failed(row.agent, row.sample_id, error)
-            it.episodes_failed += 1
-            if self.first_error is None:
-                self.first_error = f"iteration {k}, episode {input_id}/{traj}: {error}"
-            if len(it.errors) < 5:
-                it.errors.append(error)
-            self.telemetry.event("episode_failed", iteration=k, input_id=input_id,
-                                 trajectory=traj, error=error)
+            self._failed(it, ctx, rows, error)
         else:
             for name, row in rows.items():
                 self.store.set_rewarded(row.agent, row.sample_id, rewards[name])
                 it.rewards[row.agent].append(rewards[name])
-            if self.graph.success is not None:
-                try:
-                    it.successes += int(bool(self.graph.success(ctx)))
-                except Exception:  # noqa: BLE001 - a metric must not kill the run
-                    pass
+                if row.agent not in self.trainable:  # no advantage will come: show it now
+                    self._keep_sample(it, row, None)
+            it.successes += int(bool(self.executor.success(ctx)))
         it.groups[input_id].append({n: r.sample_id for n, r in rows.items()} if error is None
                                    else {})
         it.episode_latency.append(self.telemetry.now() - episode_start)
@@ -294,24 +259,20 @@ class EpisodeRunner:
         if it.episodes_done == it.episodes_total:
             self._rollout_finished(it)
 
-    def _skipped_at_start(self, ctx: EpisodeContext) -> set[str]:
-        """Nodes whose `static_when` condition skips them in this episode, with everything
-        downstream of them: they get no task (what run_node would decide after their inputs,
-        decided up front). A condition that raises is left to run_node, which reports it."""
-        if not self._static:
-            return set()
-        out: set[str] = set()
-        for name in self.order:
-            node = self.graph.nodes[name]
-            if any(i in out for i in node.inputs):
-                out.add(name)
-            elif name in self._static:
-                try:
-                    if not contracts.check_condition(name, node.when(ctx)):  # type: ignore[misc]
-                        out.add(name)
-                except Exception:  # noqa: BLE001, S110 - run_node raises it as it would
-                    pass
-        return out
+    def _failed(self, it: IterationState, ctx: EpisodeContext, rows: dict[str, Row],
+                error: str) -> None:
+        """A failed episode: its rows failed (none trained), counted and reported."""
+        for row in rows.values():
+            if row.status in (Status.PENDING, Status.GENERATED, Status.REWARDED):
+                self.store.set_failed(row.agent, row.sample_id, error)
+        it.episodes_failed += 1
+        where = f"episode {ctx.input_id}/{ctx.trajectory_id}"
+        if self.first_error is None:
+            self.first_error = f"iteration {it.index}, {where}: {error}"
+        if len(it.errors) < 5:
+            it.errors.append(error)
+        self.telemetry.event("episode_failed", iteration=it.index, input_id=ctx.input_id,
+                             trajectory=ctx.trajectory_id, error=error)
 
     def _node_resolved(self, it: IterationState, level: int, _task: asyncio.Future) -> None:
         self._resolved(it, level)
@@ -350,11 +311,7 @@ class EpisodeRunner:
                 ctx.texts[row.node] = self.renderer.decode(
                     row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
             it.rewards[row.agent].append(float(d["data"]["reward"]))
-        if self.graph.success is not None:
-            try:
-                it.successes += int(bool(self.graph.success(ctx)))
-            except Exception:  # noqa: BLE001 - a metric must not kill the run
-                pass
+        it.successes += int(bool(self.executor.success(ctx)))
         it.groups[ctx.input_id].append({n: r.sample_id for n, r in rows.items()})
         if it.stage_open:
             for name in self.order:
@@ -369,25 +326,9 @@ class EpisodeRunner:
         """Credit assignment across the graph (`train.credit`): each node that ran gets
         team * team reward + node * its own reward + a discounted share of the own rewards of
         the nodes downstream of it (upstream_discount ** hops)."""
-        credit = self.cfg.train.credit
-        team = 0.0
-        if self.graph.episode_reward is not None:
-            try:
-                team = self.graph.episode_reward(ctx)
-            except Exception as exc:  # noqa: BLE001
-                raise EpisodeFailure(f"episode reward raised {exc!r}") from exc
-            team = contracts.check_reward("episode reward", team)
-        own: dict[str, float] = {}
-        for name in rows:
-            node = self.graph.nodes[name]
-            own[name] = 0.0
-            if node.reward is not None:
-                try:
-                    value = node.reward(ctx)
-                except Exception as exc:  # noqa: BLE001
-                    raise EpisodeFailure(f"node {name!r}: reward raised {exc!r}") from exc
-                own[name] = contracts.check_reward(f"node {name!r}: reward", value)
-        out = assign_credit(team, own, self.downstream, credit)
+        team = self.executor.team_reward(ctx)
+        own = self.executor.node_rewards(ctx, rows)
+        out = assign_credit(team, own, self.downstream, self.cfg.train.credit)
         for name, value in out.items():
             if not np.isfinite(value):
                 raise EpisodeFailure(f"node {name!r}: reward is not finite ({value})")
@@ -416,9 +357,30 @@ class EpisodeRunner:
             algo_cfg = self.cfg.agents[agent].algorithm
             advs = algorithms.get(algo_cfg.name).sequence_advantages(rewards, algo_cfg)
             for sid, adv in zip(ids, advs, strict=True):
-                self.store.set_ready(agent, sid, adv)
+                self._set_ready(it, agent, sid, adv)
         if len(it.groups_done) == self.cfg.train.inputs_per_iteration:
             self._normalize_wide(it)
+
+    def _set_ready(self, it: IterationState, agent: str, sample_id: str, adv: float) -> None:
+        self._keep_sample(it, self.store.set_ready(agent, sample_id, adv), adv)
+
+    def _keep_sample(self, it: IterationState, row: Row, advantage: float | None) -> None:
+        """Rows of the first trajectory of the iteration's first `logging.samples_per_agent`
+        inputs, as the agent saw and said them (decoded for text-level nodes): chosen by
+        position, so two runs of one seed show the same samples."""
+        index = int(row.input_id.split("-")[1])
+        if row.trajectory_id != 0 or index >= self.cfg.logging.samples_per_agent:
+            return
+        prompt: Any = list(row.data["prompt"])
+        answer: Any = list(row.data["response"])
+        if "stop" in row.data:  # a text-level node: its agent has a tokenizer
+            tok = self.renderer.tokenizer(row.agent)
+            prompt, answer = tok.decode(prompt), tok.decode(answer)
+        it.samples.append({
+            "iteration": it.index, "agent": row.agent, "node": row.node,
+            "input_id": row.input_id, "prompt": prompt, "answer": answer,
+            "answer_tokens": len(row.data["response"]), "reward": row.data.get("reward"),
+            "advantage": advantage})
 
     def normalize(self, agent: str) -> str:
         """`algorithm.normalize` of a GRPO agent (group, agent or batch); others: group."""
@@ -450,7 +412,7 @@ class EpisodeRunner:
                 rewards[agent], pooled if self.normalize(agent) == "batch" else rewards[agent],
                 algo_cfg)
             for sid, adv in zip(ids[agent], advs, strict=True):
-                self.store.set_ready(agent, sid, adv)
+                self._set_ready(it, agent, sid, adv)
         it.wide_ready = True
         self.on_group_ready()  # the trainers of those agents were waiting for this
 
@@ -459,7 +421,6 @@ class EpisodeRunner:
         the agent's model (its tokenizer was checked to fit it when loaded)."""
         if not is_text:
             return self.task.vocab_size
-        from flexmarl.policy.tokenizer import model_vocab
 
         return model_vocab(self.cfg.agents[agent].model, self.task.vocab_size)
 

@@ -1,6 +1,6 @@
 """The joint orchestrator: episodes along the graph, micro-batch pipeline, version gates.
 
-Written once against `RolloutPool` / `TrainPool` (runtime/base.py) and the running asyncio
+Written once against `RolloutPool` / `TrainPool` (api/runtime.py) and the running asyncio
 loop's clock, so it runs unchanged on the local, Ray and simulated runtimes and on the
 in-memory fakes of `flexmarl.testing`. It composes parts that each do one thing:
 - `episodes.EpisodeRunner`: each iteration's episodes along the graph, credit, advantages;
@@ -32,10 +32,10 @@ one step off), in episodes whose version vector is iteration k's.
 from __future__ import annotations
 
 import asyncio
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+from flexmarl.api.runtime import RolloutPool, TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.graph.task import Task
 from flexmarl.orchestrator.checkpointing import (
@@ -55,13 +55,12 @@ from flexmarl.orchestrator.training import MicroBatchTrainer, TrainingDiverged
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.planning.demand import MeasuredDemand
 from flexmarl.planning.planner import Planner, Policy, Resources
-from flexmarl.runtime.base import RolloutPool, TrainPool
 from flexmarl.store.experience import ExperienceStore
 from flexmarl.telemetry.recorder import Telemetry
 
 __all__ = [
     "EpisodeFailure", "FailureBudgetExceeded", "IterationState", "JointOrchestrator",
-    "RunInterrupted", "SaveCheckpoint", "TrainingDiverged", "assign_credit", "format_exception",
+    "RunInterrupted", "SaveCheckpoint", "TrainingDiverged", "assign_credit",
 ]
 
 
@@ -80,11 +79,9 @@ class JointOrchestrator:
         on_iteration: Callable[[dict[str, Any]], None] | None = None,
         save_checkpoint: SaveCheckpoint | None = None,
         resume: Any = None,
-        store: ExperienceStore | None = None,
     ) -> None:
         """`save_checkpoint` writes a generation every `train.checkpoint_every` iterations and
-        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left;
-        `store` is the runtime's experience store (default: an in-process one)."""
+        on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left."""
         self.cfg = cfg
         self.task = task
         self.rollout = rollout
@@ -93,9 +90,8 @@ class JointOrchestrator:
         self.on_iteration = on_iteration
         self.agents = list(cfg.agents)
         self.trainable = [a for a in self.agents if cfg.agents[a].trainable]
-        # The runtime may bring its own store (Ray: one table actor per agent) with the same
-        # interface; the orchestrator is the same code either way.
-        self.store = store if store is not None else ExperienceStore(self.agents)
+        # the driver's store, on every runtime: workers get rows through the pools' calls
+        self.store = ExperienceStore(self.agents)
         # one_step_off: how many versions the rollout lags training
         self.staleness = cfg.pipeline.max_staleness
         self.version_book = Versions(self.agents, self.trainable, self.staleness, rollout)
@@ -120,7 +116,7 @@ class JointOrchestrator:
         # Between iterations the planner (planning/planner.py) plans from what was measured
         # (node latencies, training seconds): the training order along the critical path and,
         # with more replicas than agents, the replicas per agent; the pools follow it. The
-        # simulator's runtime hosts the same planner with its cost-model demand (runtime/sim).
+        # simulator's runtime hosts the same planner with its cost-model demand (sim/runtime).
         self.planner: Planner | None = None
         if cfg.runtime.kind != "sim":
             graph = self.episodes.graph
@@ -223,12 +219,10 @@ class JointOrchestrator:
         record = self.metrics.record(it, t0, now, self._start)
         self.records.append(record)
         self.telemetry.log(record)
+        self.telemetry.samples(it.samples)
         if self.on_iteration is not None:
             self.on_iteration(record)
         self.budget.check(it, self.episodes.first_error)
         if self.checkpoints.due(k):
             self.checkpoints.capture(k, self.trainable)
 
-
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -13,15 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import RolloutPool, TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.episodes import IterationState
-from flexmarl.runtime.base import RolloutPool, TrainPool
 from flexmarl.telemetry.recorder import Telemetry
 
 
 class FailureBudgetExceeded(RuntimeError):
     """Episodes failed beyond `train.max_failed_fraction` in more consecutive iterations than
-    `train.max_consecutive_failed_iterations` allows: the run stops (exit code 1), with the first error."""
+    `train.max_consecutive_failed_iterations` allows: the run stops (exit code 1), with
+    the first error."""
 
     def __init__(self, message: str, first_error: str | None) -> None:
         super().__init__(message)
@@ -91,7 +92,8 @@ class IterationMetrics:
             "episodes/failed": it.episodes_failed,
             "pool/rollout/busy_frac": self.telemetry.busy_frac(
                 "rollout", self.rollout.n_workers, t0, now),
-            "pool/train/busy_frac": self.telemetry.busy_frac("train", self.train.n_workers, t0, now),
+            "pool/train/busy_frac": self.telemetry.busy_frac("train", self.train.n_workers,
+                                                             t0, now),
             "rollout/makespan_s": it.rollout_finished_at - it.started_at,
         }
         record.update(self.rollout_metrics(it))
@@ -149,6 +151,7 @@ class FailureBudget:
         raise FailureBudgetExceeded(
             f"iteration {it.index}: {it.episodes_failed} of {it.episodes_total} episodes failed "
             f"({fraction:.0%} > train.max_failed_fraction={limit:g}) in "
-            f"{self.failed_iterations} consecutive iteration(s) (train.max_consecutive_failed_iterations="
+            f"{self.failed_iterations} consecutive iteration(s) "
+            f"(train.max_consecutive_failed_iterations="
             f"{self.cfg.train.max_consecutive_failed_iterations}); first error: {first_error}",
             first_error)

@@ -13,15 +13,15 @@ from typing import Any
 
 import yaml
 
+from flexmarl.api.runtime import Runtime
 from flexmarl.config.schema import RunConfig
+from flexmarl.graph import contracts
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
-from flexmarl.orchestrator import contracts
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
-from flexmarl.orchestrator.preflight import check_memory
+from flexmarl.policy.memory import check_memory
 from flexmarl.runtime import heap
-from flexmarl.runtime.base import Runtime
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.loggers import check_installed
 from flexmarl.telemetry.recorder import Telemetry
@@ -47,7 +47,7 @@ class RunResult:
 
 def prepare(cfg: RunConfig) -> Task:
     """Build and validate everything that can be checked before any worker starts."""
-    task = load_task(cfg.task.builder, cfg.task.options)
+    task = load_task(cfg.task.builder, cfg.task.options, cfg.agents)
     task.graph.validate(cfg.agents.keys())
     for name, agent_cfg in cfg.agents.items():
         if agent_cfg.backend.kind == "vllm":
@@ -173,8 +173,7 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         telemetry.event("placement", **runtime.placement())
         manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
         orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
-                                 save_checkpoint=manager.save, resume=ckpt,
-                                 store=runtime.make_store())  # Ray: per-agent table actors
+                                 save_checkpoint=manager.save, resume=ckpt)
         for sig in (signal.SIGTERM, signal.SIGINT):  # checkpoint at the next boundary, stop
             try:
                 loop.add_signal_handler(sig, orch.request_stop)

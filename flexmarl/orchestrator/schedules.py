@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from flexmarl.api.runtime import TrainPool
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
-from flexmarl.runtime.base import TrainPool
 
 
 class IterationRollout(Protocol):
@@ -43,14 +44,13 @@ class Schedule(Protocol):
         ...
 
 
+@dataclass
 class SyncSchedule(Schedule):
-    def __init__(self, episodes: IterationRollout, trainer: IterationTrainer, train: TrainPool,
-                 trainable: list[str], finish: Callable[[int], None]) -> None:
-        self.episodes = episodes
-        self.trainer = trainer
-        self.train = train
-        self.trainable = trainable
-        self.finish = finish
+    episodes: IterationRollout
+    trainer: IterationTrainer
+    train: TrainPool
+    trainable: list[str]
+    finish: Callable[[int], None]
 
     async def drive(self, first: int, iterations: int) -> None:
         # Time-shared training slots (fewer than agents): train agent after agent, so each
@@ -68,16 +68,15 @@ class SyncSchedule(Schedule):
             self.finish(k)
 
 
+@dataclass
 class AsyncSchedule(Schedule):
     """`maybe_finish(k)` records iteration k if it is complete and not yet recorded."""
 
-    def __init__(self, episodes: EpisodeRunner, trainer: MicroBatchTrainer, versions: Versions,
-                 trainable: list[str], maybe_finish: Callable[[int], None]) -> None:
-        self.episodes = episodes
-        self.trainer = trainer
-        self.versions = versions
-        self.trainable = trainable
-        self.maybe_finish = maybe_finish
+    episodes: EpisodeRunner
+    trainer: MicroBatchTrainer
+    versions: Versions
+    trainable: list[str]
+    maybe_finish: Callable[[int], None]
 
     async def drive(self, first: int, iterations: int) -> None:
         await asyncio.gather(self._rollouts(first, iterations),

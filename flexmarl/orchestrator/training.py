@@ -11,11 +11,11 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
+from flexmarl.api.runtime import TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.errors import UserError
 from flexmarl.orchestrator.episodes import EpisodeRunner, IterationState
 from flexmarl.orchestrator.versions import Versions
-from flexmarl.runtime.base import TrainPool
 from flexmarl.store.experience import ExperienceStore, Row, Status
 from flexmarl.telemetry.recorder import Telemetry
 

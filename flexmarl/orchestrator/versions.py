@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flexmarl.runtime.base import RolloutPool
+from flexmarl.api.runtime import RolloutPool
 
 
 class Versions:

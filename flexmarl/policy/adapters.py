@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmarl.config.schema import LoraConfig, RunConfig
+from flexmarl.policy.quiet import quiet_peft_wrap
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch (a frozen base agent)
 _PEFT_DEFAULT = "default"
@@ -52,7 +53,7 @@ def add_adapter(model: torch.nn.Module, name: str, cfg: LoraConfig, seed: int) -
     start each agent with the same adapter whatever the order agents were built in."""
     from peft import PeftModel, get_peft_model
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), quiet_peft_wrap():
         torch.manual_seed(seed)
         if isinstance(model, PeftModel):
             model.add_adapter(name, peft_config(cfg))

@@ -19,6 +19,7 @@ from transformers import (
 
 from flexmarl.config.schema import ModelConfig
 from flexmarl.errors import UserError
+from flexmarl.policy.quiet import quiet_loading
 
 
 class ModelLoadError(UserError, ValueError):
@@ -63,7 +64,8 @@ def _from_path(agent: str, cfg: ModelConfig, loader: Any) -> Any:
         raise ModelLoadError(f"agent {agent!r}: model.path {str(path)!r} does not exist")
     kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
     try:
-        return loader(str(path), **kwargs)
+        with quiet_loading():
+            return loader(str(path), **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"agent {agent!r}: cannot load model.path {path}: {exc}") from exc
 

@@ -10,35 +10,16 @@ those of the (masked, tempered) distribution sampled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from flexmarl.policy.model import stable_seed
+from flexmarl.types import GenerationRequest, GenerationResult
 
 PAD = 0
-
-
-@dataclass
-class GenerationRequest:
-    sample_id: str
-    agent: str
-    version: int
-    prompt: list[int]
-    max_new_tokens: int
-    allowed_tokens: list[int] | None = None
-    stop_tokens: list[int] = field(default_factory=list)
-    temperature: float = 1.0
-    seed: int = 0
-    # stop strings (matched on the decoded response; the engine needs the agent's tokenizer)
-    stop: list[str] = field(default_factory=list)
-    # nucleus sampling; log-probs stay those of the tempered distribution before the cut
-    top_p: float = 1.0
-    # An explicit sampling seed (requests served over HTTP carry one); when None the noise
-    # stream is keyed by (seed, sample_id, version), see `noise_seed_of`.
-    noise_seed: int | None = None
 
 
 def noise_seed_of(request: GenerationRequest) -> int:
@@ -46,17 +27,6 @@ def noise_seed_of(request: GenerationRequest) -> int:
     if request.noise_seed is not None:
         return request.noise_seed
     return stable_seed(request.seed, request.sample_id, request.version)
-
-
-@dataclass
-class GenerationResult:
-    sample_id: str
-    tokens: list[int]
-    logprobs: list[float]
-    version: int
-    admitted_at: float = 0.0  # when a batch slot took the request (the clock of its replica)
-    finished_at: float = 0.0
-    queue_s: float = 0.0  # time from submission to admission, filled in by the rollout pool
 
 
 def mask_row(vocab: int, allowed: list[int] | None,

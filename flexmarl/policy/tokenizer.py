@@ -52,6 +52,37 @@ def byte_tokenizer() -> Any:
     return fast
 
 
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def base_model_name(agent: str, cfg: ModelConfig) -> str:
+    """What a checkpoint names as its base: SmolLM2's hub id, a model folder's path, or for a
+    random model the agent (or shared base) whose seed drew it."""
+    if cfg.kind == "smollm2":
+        return SMOLLM2_NAME
+    if cfg.kind == "path":
+        return str(cfg.path)
+    return f"flexmarl-random:{cfg.base or agent}"
+
+
+SMOLLM2_CONTEXT = 8192
+
+
+def pretrained_sizes(cfg: ModelConfig) -> tuple[int, int] | None:
+    """(vocabulary size, context length) of a pretrained model (`smollm2`, or a `path` folder
+    with a config.json), read without loading weights; None for a random model."""
+    if cfg.kind == "smollm2":
+        return SMOLLM2_VOCAB, SMOLLM2_CONTEXT
+    if cfg.kind == "path" and cfg.path:
+        config_file = Path(cfg.path) / "config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+            if "vocab_size" in config:
+                return (int(config["vocab_size"]),
+                        int(config.get("max_position_embeddings", SMOLLM2_CONTEXT)))
+    return None
+
+
 def model_vocab(cfg: ModelConfig, task_vocab: int) -> int:
     """The vocabulary size of the agent's model, without loading its weights."""
     if cfg.kind == "smollm2":

@@ -231,7 +231,7 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
                          "`flexmarl train --out` wrote, e.g. runs/demo")
     cfg = load_config(cfg_file)
     try:
-        task: Task | None = load_task(cfg.task.builder, cfg.task.options)
+        task: Task | None = load_task(cfg.task.builder, cfg.task.options, cfg.agents)
         task_error = None
     except (UserError, ImportError) as exc:  # agents still serve; episodes will not
         task, task_error = None, str(exc)

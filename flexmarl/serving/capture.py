@@ -8,7 +8,8 @@ interactions: id (the response id; `ep-X/node` for a node of episode `ep-X`), ag
               (served), source, policy_version, endpoint, prompt (JSON token ids), response
               (JSON token ids), logprobs (JSON), text, finish_reason, created, and what the
               trainer needs to recompute the sampled distribution: temperature (as served),
-              top_p, allowed (JSON token ids or null), episode (the episode id or null)
+              top_p, allowed (JSON token ids or null), episode (the episode id or null),
+              tenant (who was answered, with --tenants; null without)
 feedback:     response_id (primary key: one reward per response), reward, comment, created
 consumed:     response_id (primary key), agent, step, outcome, created: a row the online
               learner claimed; written in the same transaction that picks the rows, before it
@@ -30,7 +31,7 @@ CREATE TABLE IF NOT EXISTS interactions (
   id TEXT PRIMARY KEY, agent TEXT NOT NULL, version INTEGER NOT NULL, source TEXT,
   policy_version INTEGER, endpoint TEXT NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
   logprobs TEXT NOT NULL, text TEXT, finish_reason TEXT, created REAL NOT NULL,
-  temperature REAL, top_p REAL, allowed TEXT, episode TEXT);
+  temperature REAL, top_p REAL, allowed TEXT, episode TEXT, tenant TEXT);
 CREATE TABLE IF NOT EXISTS feedback (
   response_id TEXT PRIMARY KEY REFERENCES interactions(id), reward REAL NOT NULL,
   comment TEXT, created REAL NOT NULL);
@@ -39,9 +40,20 @@ CREATE TABLE IF NOT EXISTS consumed (
   step INTEGER NOT NULL, outcome TEXT NOT NULL, created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS interactions_episode ON interactions(episode);
 CREATE INDEX IF NOT EXISTS interactions_agent ON interactions(agent, created);
+CREATE INDEX IF NOT EXISTS interactions_tenant ON interactions(tenant);
 """
 # columns added after the first release: a file written by an older server gets them
-_ADDED = {"temperature": "REAL", "top_p": "REAL", "allowed": "TEXT", "episode": "TEXT"}
+_ADDED = {"temperature": "REAL", "top_p": "REAL", "allowed": "TEXT", "episode": "TEXT",
+          "tenant": "TEXT"}
+COLUMNS = ("id, agent, version, source, policy_version, endpoint, prompt, response, logprobs, "
+           "text, finish_reason, created, temperature, top_p, allowed, episode, tenant")
+
+
+def _tenant_filter(tenants: list[str] | None) -> tuple[str, list[str]]:
+    """SQL (and its parameters) keeping rows of `tenants` only; None: every row."""
+    if tenants is None:
+        return "", []
+    return f" AND i.tenant IN ({','.join('?' * len(tenants))})", list(tenants)
 
 
 class FeedbackError(ValueError):
@@ -84,21 +96,26 @@ class Capture:
     def record(self, rid: str, agent: str, version: dict[str, Any], endpoint: str,
                prompt: list[int], tokens: list[int], logprobs: list[float], text: str,
                finish_reason: str, temperature: float | None = None, top_p: float | None = None,
-               allowed: list[int] | None = None, episode: str | None = None) -> None:
+               allowed: list[int] | None = None, episode: str | None = None,
+               tenant: str | None = None) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO interactions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO interactions ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (rid, agent, version["version"], version.get("source"),
                  version.get("policy_version"), endpoint, json.dumps(prompt), json.dumps(tokens),
                  json.dumps(logprobs), text, finish_reason, time.time(), temperature, top_p,
-                 json.dumps(allowed) if allowed is not None else None, episode))
+                 json.dumps(allowed) if allowed is not None else None, episode, tenant))
 
-    def feedback(self, rid: str, reward: float, comment: str | None = None) -> int:
+    def feedback(self, rid: str, reward: float, comment: str | None = None,
+                 tenant: str | None = None) -> int:
         """Attach `reward` to response `rid`, or to every node of episode `rid`; returns how
-        many responses got it."""
+        many responses got it. With `tenant`, only that tenant's responses can be rewarded
+        (another tenant's id reads as unknown)."""
         with self._lock:
             ids = [r[0] for r in self._db.execute(
-                "SELECT id FROM interactions WHERE id=? OR episode=?", (rid, rid))]
+                "SELECT id FROM interactions WHERE (id=? OR episode=?)"
+                + (" AND tenant=?" if tenant is not None else ""),
+                (rid, rid) + ((tenant,) if tenant is not None else ()))]
             if not ids:
                 raise FeedbackError(404, f"id: no captured response or episode {rid!r}")
             now = time.time()
@@ -116,11 +133,21 @@ class Capture:
                 raise
             return len(ids)
 
-    def claim(self, agent: str, n: int, step: int, min_temperature: float = 0.05
-              ) -> list[CapturedRow]:
+    def served(self, rid: str) -> list[tuple[str, int, str | None]]:
+        """(agent, served version, episode) of response `rid`, or of every node of episode
+        `rid`."""
+        with self._lock:
+            return [(r[0], int(r[1]), r[2]) for r in self._db.execute(
+                "SELECT agent, version, episode FROM interactions WHERE id=? OR episode=? "
+                "ORDER BY id", (rid, rid))]
+
+    def claim(self, agent: str, n: int, step: int, min_temperature: float = 0.05,
+              tenants: list[str] | None = None) -> list[CapturedRow]:
         """The oldest `n` rewarded rows of `agent` not yet consumed, marked consumed (outcome
         "claimed") in the same transaction: durable before any training on them. Rows decoded
-        (nearly) greedily are not trainable (their log-probs say nothing about the policy)."""
+        (nearly) greedily are not trainable (their log-probs say nothing about the policy).
+        `tenants`: only rows served to these tenants (None: every row)."""
+        where, params = _tenant_filter(tenants)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -130,8 +157,8 @@ class Capture:
                     "JOIN feedback f ON f.response_id = i.id "
                     "LEFT JOIN consumed c ON c.response_id = i.id "
                     "WHERE i.agent = ? AND c.response_id IS NULL AND i.temperature >= ? "
-                    "AND i.response != '[]' ORDER BY f.created, i.id LIMIT ?",
-                    (agent, min_temperature, n)).fetchall()
+                    "AND i.response != '[]'" + where + " ORDER BY f.created, i.id LIMIT ?",
+                    (agent, min_temperature, *params, n)).fetchall()
                 now = time.time()
                 self._db.executemany("INSERT INTO consumed VALUES (?,?,?,?,?)",
                                      [(r[0], agent, step, "claimed", now) for r in rows])
@@ -144,14 +171,34 @@ class Capture:
                             json.loads(r[7]) if r[7] is not None else None, float(r[8]))
                 for r in rows]
 
-    def available(self, agent: str, min_temperature: float = 0.05) -> int:
-        """Rewarded, trainable rows of `agent` not consumed yet."""
+    def available(self, agent: str, min_temperature: float = 0.05,
+                  tenants: list[str] | None = None) -> int:
+        """Rewarded, trainable rows of `agent` (served to `tenants`) not consumed yet."""
+        where, params = _tenant_filter(tenants)
         with self._lock:
             return self._db.execute(
                 "SELECT COUNT(*) FROM interactions i JOIN feedback f ON f.response_id = i.id "
                 "LEFT JOIN consumed c ON c.response_id = i.id WHERE i.agent = ? AND "
-                "c.response_id IS NULL AND i.temperature >= ? AND i.response != '[]'",
-                (agent, min_temperature)).fetchone()[0]
+                "c.response_id IS NULL AND i.temperature >= ? AND i.response != '[]'" + where,
+                (agent, min_temperature, *params)).fetchone()[0]
+
+    def release(self, agent: str, after_step: int) -> list[str]:
+        """Hand back `agent`'s rows claimed at a step after `after_step` (the steps a restored
+        training snapshot does not contain: claimed before a crash, or trained into weights the
+        crash lost), so the next claims deliver them again; returns their ids."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                ids = [r[0] for r in self._db.execute(
+                    "SELECT response_id FROM consumed WHERE agent = ? AND step > ? "
+                    "ORDER BY step, response_id", (agent, after_step))]
+                self._db.execute("DELETE FROM consumed WHERE agent = ? AND step > ?",
+                                 (agent, after_step))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return ids
 
     def settle(self, ids: list[str], outcome: str) -> None:
         """What became of claimed rows: "trained", or "kl_stop" (the update was undone)."""
@@ -159,14 +206,16 @@ class Capture:
             self._db.executemany("UPDATE consumed SET outcome=? WHERE response_id=?",
                                  [(outcome, i) for i in ids])
 
-    def feedback_by_version(self, agent: str, since: float = 0.0
-                            ) -> dict[int, tuple[float, int]]:
-        """{served version: (mean reward, count)} of `agent`'s responses created since `since`."""
+    def feedback_by_version(self, agent: str, since: float = 0.0,
+                            tenants: list[str] | None = None) -> dict[int, tuple[float, int]]:
+        """{served version: (mean reward, count)} of `agent`'s responses created since `since`
+        (served to `tenants`; None: to anyone)."""
+        where, params = _tenant_filter(tenants)
         with self._lock:
             rows = self._db.execute(
                 "SELECT i.version, AVG(f.reward), COUNT(*) FROM interactions i JOIN feedback f "
-                "ON f.response_id = i.id WHERE i.agent = ? AND i.created >= ? GROUP BY i.version",
-                (agent, since)).fetchall()
+                "ON f.response_id = i.id WHERE i.agent = ? AND i.created >= ?" + where
+                + " GROUP BY i.version", (agent, since, *params)).fetchall()
         return {int(v): (float(m), int(n)) for v, m, n in rows}
 
     def count(self) -> int:

@@ -22,7 +22,9 @@ reports. Every transition is versioned (a fresh version number) and appended to
 `events.jsonl` (fsync'ed). Promoted weights are written to `<deploy_dir>/<agent>/v<N>/` with
 `SHADOW` naming them, so a restarted server serves the last promoted shadow; the training
 policy's full state (weights, optimizer) is snapshotted every `snapshot_every_s` (the
-document's 5 minutes) and resumed on restart. Heartbeats: each agent's engine thread and its
+document's 5 minutes) and at each promotion, to `snapshot_url` (fsspec, `snapshots.py`), and
+resumed on restart: rows claimed after the snapshot's step are handed back and trained again
+into the restored weights, those it holds never are. Heartbeats: each agent's engine thread and its
 learner beat every 2 s; a component silent for 3 beats is reported lost in /health and logged;
 an engine thread that died is replaced by a fresh one over the same shadow and canary
 (`failover` event), its requests answered with an error rather than left hanging.
@@ -45,6 +47,7 @@ import torch
 from flexmarl.config.schema import ConfigError
 from flexmarl.graph.meg import EpisodeContext
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
+from flexmarl.serving.snapshots import SnapshotStore
 
 HEARTBEAT_S = 2.0  # the enterprise document: a heartbeat every 2 s,
 HEARTBEAT_MISSES = 3  # 3 missed ones mean the component is lost (reported; a dead engine
@@ -75,6 +78,8 @@ class DeployConfig:
     tick_s: float = 0.2
     snapshot_every_s: float = 300.0
     deploy_dir: Path | None = None  # default RUN_DIR/serving
+    snapshot_url: str | None = None  # fsspec URL of training snapshots (default deploy_dir)
+    online_algorithm: str = "auto"  # grpo / ppo / auto (the agent's) [--online-algorithm]
 
     def validate(self) -> DeployConfig:
         checks = [
@@ -131,7 +136,8 @@ def heldout_score(task: Any, models: dict[str, torch.nn.Module], inputs: list[di
     """Mean episode reward of the task's graph on `inputs` with `models`, every node decoded
     with noise keyed by (seed, input, node): two versions see the same noise."""
     from flexmarl.policy.model import stable_seed
-    from flexmarl.policy.sampling import GenerationRequest, generate
+    from flexmarl.policy.sampling import generate
+    from flexmarl.types import GenerationRequest
 
     graph = task.graph
     ctxs = [EpisodeContext(f"heldout-{i}", 0, dict(d)) for i, d in enumerate(inputs)]
@@ -176,7 +182,7 @@ class AgentDeployment:
     """Shadow, training and canary of one agent."""
 
     def __init__(self, service: Any, name: str, cfg: DeployConfig, events: EventLog,
-                 root: Path) -> None:
+                 root: Path, store: SnapshotStore) -> None:
         from flexmarl.serving.online import OnlineLearner
 
         self.service = service
@@ -184,6 +190,7 @@ class AgentDeployment:
         self.cfg = cfg
         self.events = events
         self.root = root / name
+        self.store = store
         self.spec: AgentSpec = service.run.agents[name]
         self.worker = service.workers[name]
         self.canary: Canary | None = None
@@ -203,7 +210,8 @@ class AgentDeployment:
                 raise ServeError(f"--learn {name}: the run's task did not load: "
                                  f"{run.task_error}")
             self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,
-                                         run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr)
+                                         run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr,
+                                         cfg.online_algorithm)
             self._resume()
 
     # --- scoring ---------------------------------------------------------------------------
@@ -260,7 +268,8 @@ class AgentDeployment:
             return True
         if self.cfg.feedback_weight == 0:
             return True
-        fb = self.service.capture.feedback_by_version(self.name, c.started) \
+        fb = self.service.capture.feedback_by_version(
+            self.name, c.started, self.service.learning_tenants) \
             if self.service.capture is not None else {}
         return fb.get(c.version.number, (0.0, 0))[1] >= self.cfg.canary_min_feedback
 
@@ -270,7 +279,8 @@ class AgentDeployment:
         if c is None or not (force or self.ready()):
             return None
         shadow_v = self.spec.version
-        fb = self.service.capture.feedback_by_version(self.name, c.started) \
+        fb = self.service.capture.feedback_by_version(
+            self.name, c.started, self.service.learning_tenants) \
             if self.service.capture is not None else {}
         cf, sf = fb.get(c.version.number), fb.get(shadow_v.number)
         use_fb = self.cfg.feedback_weight > 0 and cf is not None and sf is not None and \
@@ -307,8 +317,11 @@ class AgentDeployment:
         if c.heldout is not None:
             self.heldout_cache = {c.version.number: c.heldout}
         path = self._write_shadow(c)
-        return self.events.log("promote", self.name, version=c.version.number, previous=old,
-                               source=c.version.source, snapshot=str(path), **detail)
+        event = self.events.log("promote", self.name, version=c.version.number, previous=old,
+                                source=c.version.source, snapshot=str(path), **detail)
+        if self.learner is not None:  # the snapshot's steps cover what the new shadow holds,
+            self.snapshot_training()  # so a restart re-delivers no row the shadow has learned
+        return event
 
     def _rollback(self, c: Canary, why: str, score: float | None,
                   detail: dict[str, Any] | None) -> dict[str, Any]:
@@ -339,34 +352,43 @@ class AgentDeployment:
         return folder
 
     def snapshot_training(self) -> None:
-        """The training policy's full state, written aside then renamed (atomic)."""
+        """The training policy's full state, to the snapshot store (atomic for readers)."""
         if self.learner is None:
             return
         arrays, meta = self.learner.state()
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / "training.npz.tmp", "wb") as f:
-            np.savez(f, **arrays)
-        (self.root / "training.json.tmp").write_text(json.dumps(meta))
-        os.replace(self.root / "training.npz.tmp", self.root / "training.npz")
-        os.replace(self.root / "training.json.tmp", self.root / "training.json")
+        t0 = time.perf_counter()
+        path = self.store.write(self.name, arrays, meta)
         self.last_snapshot = time.monotonic()
         self.events.log("training_snapshot", self.name, steps=self.learner.steps,
-                        policy_version=meta["version"])
+                        policy_version=meta["version"], url=path,
+                        write_s=round(time.perf_counter() - t0, 4))
 
     def _resume(self) -> None:
-        assert self.learner is not None
-        npz, meta_file = self.root / "training.npz", self.root / "training.json"
-        if not (npz.is_file() and meta_file.is_file()):
-            return
-        meta = json.loads(meta_file.read_text())
-        with np.load(npz) as data:
-            arrays = {k: data[k] for k in data.files}
-        self.learner.trainer.set_state(arrays, meta)
-        self.learner.steps = int(meta.get("steps", 0))
-        self.learner.applied = int(meta.get("applied", 0))
-        self.learner.same_version = None
-        self.events.log("training_resumed", self.name, steps=self.learner.steps,
-                        policy_version=meta["version"])
+        """Recovery after a crash: restore the last snapshot's parameters and optimizer, then
+        hand back every row claimed after the snapshot's step (claimed but not trained, or
+        trained into weights the crash lost), so each is trained into the restored lineage
+        exactly once; rows the snapshot holds stay consumed. Logs each phase's time."""
+        assert self.learner is not None and self.service.capture is not None
+        t0 = time.perf_counter()
+        snap = self.store.read(self.name)
+        steps = 0
+        if snap is not None:
+            arrays, meta = snap
+            self.learner.trainer.set_state(arrays, meta)
+            steps = int(meta.get("steps", 0))
+            self.learner.steps = steps
+            self.learner.applied = int(meta.get("applied", 0))
+            self.learner.same_version = None
+        t1 = time.perf_counter()
+        ids = self.service.capture.release(self.name, steps)
+        t2 = time.perf_counter()
+        if snap is None and not ids:
+            return  # a first start: nothing to recover
+        self.events.log("training_resumed", self.name, steps=steps,
+                        policy_version=snap[1]["version"] if snap is not None else None,
+                        snapshot=snap is not None, url=self.store.url,
+                        restore_s=round(t1 - t0, 4), redeliver_s=round(t2 - t1, 4),
+                        redelivered=len(ids), redelivered_ids=ids)
 
     # --- the loop --------------------------------------------------------------------------
     def tick(self) -> None:
@@ -375,12 +397,13 @@ class AgentDeployment:
         with self.lock:
             self.beat = time.monotonic()
             lr, capture = self.learner, self.service.capture
+            tenants = self.service.learning_tenants  # None: no tenants, every row
             due = time.monotonic() - self.last_update >= self.cfg.update_every_s
             if lr is not None and capture is not None and due and capture.available(
-                    self.name, self.cfg.min_temperature) >= self.cfg.batch:
+                    self.name, self.cfg.min_temperature, tenants) >= self.cfg.batch:
                 self.last_update = time.monotonic()
                 rows = capture.claim(self.name, self.cfg.batch, lr.steps + 1,
-                                     self.cfg.min_temperature)
+                                     self.cfg.min_temperature, tenants)
                 if rows:
                     rep = lr.train(rows, self.spec.model, capture,
                                    self.service.run.cfg.train.micro_batch_size)
@@ -393,6 +416,7 @@ class AgentDeployment:
                         policy_version=lr.trainer.version, shadow_version=self.spec.version.number)
                     self.since_candidate += rep.applied
             if lr is not None and self.canary is None and \
+                    self.service.team_canary is None and \
                     self.since_candidate >= self.cfg.canary_every:
                 self.start_canary(lr.snapshot_model(self.spec.model),
                                   f"online-step-{lr.steps}", lr.trainer.version, gate=True)
@@ -433,7 +457,8 @@ class Deployment:
             spec = service.run.agents.get(e.get("agent"))
             if spec is not None and isinstance(e.get("version"), int):
                 spec.issued = max(spec.issued, e["version"])
-        self.agents = {n: AgentDeployment(service, n, cfg, self.events, self.root)
+        self.store = SnapshotStore(cfg.snapshot_url or str(self.root))
+        self.agents = {n: AgentDeployment(service, n, cfg, self.events, self.root, self.store)
                        for n in service.run.agents}
         self.lost: set[str] = set()
         self.service = service

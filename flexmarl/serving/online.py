@@ -14,6 +14,10 @@ so the update is off-policy and is corrected explicitly and boundedly:
   with the batch as the group, the advantage times w, and the PPO ratio taken against the
   training policy before the update (the proximal policy of decoupled PPO), so the clip bounds
   how far one update moves the training policy whatever the serving version was.
+- or PPO (the agent's algorithm, or `--online-algorithm ppo`): a critic (the trainer's value
+  head) is the baseline, GAE runs over the response tokens from the row's reward, and the
+  served log-probs are the behaviour policy's, so the clipped ratio pi_train / pi_serve is
+  the importance weight (the truncation above is reported, not applied).
 
 After each optimizer step the KL divergence from the training policy to the shadow (mean per
 response token, on this batch's prompts, over each row's allowed tokens at its temperature) is
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flexmarl.config.schema import GRPOConfig
+from flexmarl.config.schema import GRPOConfig, PPOConfig
 from flexmarl.policy.sampling import TokenBatch, make_token_batch, response_forward
 from flexmarl.serving.agents import AgentSpec, ServeError
 from flexmarl.serving.capture import Capture, CapturedRow
@@ -101,21 +105,30 @@ class OnlineLearner:
     """The training buffer of one agent: an `AgentTrainer` fed by captured rows."""
 
     def __init__(self, spec: AgentSpec, vocab: int, max_seq_len: int, run_seed: int,
-                 device: str, kl_max: float, is_max: float, lr: float | None = None) -> None:
+                 device: str, kl_max: float, is_max: float, lr: float | None = None,
+                 algorithm: str = "auto") -> None:
         from flexmarl.training.trainer import AgentTrainer
 
-        if not isinstance(spec.cfg.algorithm, GRPOConfig):
-            raise ServeError(f"--learn {spec.name}: online learning uses the GRPO loss (the "
-                             f"agent's algorithm is {spec.cfg.algorithm.name}); set "
-                             "algorithm.name: grpo for it")
-        if spec.cfg.lora is not None:
+        cfg = spec.cfg
+        if algorithm == "auto":
+            if not isinstance(cfg.algorithm, (GRPOConfig, PPOConfig)):
+                raise ServeError(f"--learn {spec.name}: online learning uses GRPO or PPO (the "
+                                 f"agent's algorithm is {cfg.algorithm.name}); set "
+                                 "algorithm.name: grpo or ppo for it, or --online-algorithm")
+        elif algorithm in ("grpo", "ppo"):
+            if cfg.algorithm.name != algorithm:  # the online loss, overriding the run's
+                cfg = cfg.model_copy(update={"algorithm": GRPOConfig() if algorithm == "grpo"
+                                             else PPOConfig()})
+        else:
+            raise ServeError(f"--online-algorithm {algorithm}: expected auto, grpo or ppo")
+        if cfg.lora is not None:
             raise ServeError(f"--learn {spec.name}: LoRA agents are not trained online yet")
         self.spec = spec
-        self.algorithm: GRPOConfig = spec.cfg.algorithm
+        self.algorithm: GRPOConfig | PPOConfig = cfg.algorithm  # type: ignore[assignment]
         self.vocab = spec.vocab  # the model's (a path model may have more than the task)
         self.kl_max = kl_max
         self.is_max = is_max
-        self.trainer = AgentTrainer(spec.name, spec.cfg, vocab, max_seq_len, run_seed,
+        self.trainer = AgentTrainer(spec.name, cfg, vocab, max_seq_len, run_seed,
                                     device=device)
         if lr is not None:  # online updates often want a smaller step than offline training
             for group in self.trainer.optimizer.param_groups[:1]:
@@ -152,7 +165,7 @@ class OnlineLearner:
               micro_batch: int) -> StepReport:
         """One update on claimed `rows`, kept only if the KL to `shadow` stays within bound."""
         from flexmarl.training.algorithms import grpo
-        from flexmarl.training.trainer import Sample
+        from flexmarl.types import Sample
 
         self.steps += 1
         batch = self._batch(rows)
@@ -165,10 +178,18 @@ class OnlineLearner:
         weights = [1.0 if s else w for s, w in zip(same, weights, strict=True)]
         self.last_weights = weights
         rewards = [r.reward for r in rows]
-        adv = grpo.group_advantages(rewards, self.algorithm)
-        samples = [Sample(r.id, r.prompt, r.response, train_lps[i], adv[i] * weights[i],
-                          r.allowed, r.temperature, self.trainer.version, r.reward)
-                   for i, r in enumerate(rows)]
+        if isinstance(self.algorithm, PPOConfig):
+            # PPO: the served log-probs are the behaviour policy's, so the clipped ratio
+            # pi_train / pi_served is the (clipped) importance weight; the critic is the
+            # baseline and GAE runs over the response tokens from the row's reward
+            samples = [Sample(r.id, r.prompt, r.response, list(r.logprobs), float(r.reward),
+                              r.allowed, r.temperature, self.trainer.version, r.reward)
+                       for r in rows]
+        else:
+            adv = grpo.group_advantages(rewards, self.algorithm)
+            samples = [Sample(r.id, r.prompt, r.response, train_lps[i], adv[i] * weights[i],
+                              r.allowed, r.temperature, self.trainer.version, r.reward)
+                       for i, r in enumerate(rows)]
         before = self.trainer.get_state()
         for i in range(0, len(samples), micro_batch):
             self.trainer.accumulate(samples[i:i + micro_batch])

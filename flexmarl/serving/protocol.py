@@ -115,6 +115,8 @@ class Sampling:
     response_id: str | None = None  # set: the interaction is captured under this id
     endpoint: str = ""
     episode: str | None = None  # the episode a captured node belongs to
+    tenant: str | None = None  # who asked (with --tenants), recorded with the capture
+    pin: str | None = None  # "shadow" / "canary": the version a team canary's episode uses
 
 
 def common(body: dict, spec: AgentSpec, prompt: list[int], limits: Limits,

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.serving.agents import Version
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 @dataclass
@@ -79,6 +79,7 @@ class Job:
     version: Version | None = None
     cancelled: bool = False
     slot: Any = None  # the engine it was routed to (shadow or canary), at first admission try
+    pin: str | None = None  # "shadow" / "canary": a team canary's episode (no share counted)
 
 
 @dataclass
@@ -255,7 +256,9 @@ class AgentWorker:
             while waiting:
                 job = waiting[0]
                 if job.slot is None:  # routed once, at its first admission attempt
-                    job.slot = self._target()
+                    job.slot = self._target() if job.pin is None else (
+                        self._canary if job.pin == "canary" and self._canary is not None
+                        else self._current)
                 slot = job.slot
                 if slot is not self._current and slot is not self._canary:
                     slot = job.slot = self._current  # its canary was rolled back meanwhile

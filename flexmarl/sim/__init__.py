@@ -1,14 +1,9 @@
 """Cluster simulator foundations: accelerator profiles, cost model, workload schema."""
 
-from flexmarl.sim.cost import (
-    MODEL_PRESETS,
-    CostModel,
-    GenerationTiming,
-    LengthDistribution,
-    ModelSpec,
-    get_model,
-)
+from flexmarl.sim.cost import CostModel, GenerationTiming
 from flexmarl.sim.hardware import ACCELERATORS, AcceleratorSpec, get_accelerator
+from flexmarl.sim.lengths import LengthDistribution
+from flexmarl.sim.models import MODEL_PRESETS, ModelSpec, get_model
 from flexmarl.sim.workload import EpisodeNode, Workload, WorkloadError, load_workload
 
 __all__ = [

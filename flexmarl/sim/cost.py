@@ -21,33 +21,17 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    PositiveFloat,
-    PositiveInt,
-    model_validator,
-)
 
 from flexmarl.sim.hardware import AcceleratorSpec, get_accelerator
+from flexmarl.sim.models import ModelSpec
 
-__all__ = [
-    "MODEL_PRESETS",
-    "CostModel",
-    "GenerationTiming",
-    "LengthDistribution",
-    "ModelSpec",
-    "UnknownModelError",
-    "get_model",
-    "known_models",
-]
+__all__ = ["CostModel", "GenerationTiming"]
 
 # --- Efficiency factors (fractions of the datasheet peak that real software reaches) -----------
 
@@ -114,208 +98,6 @@ KV_MEMORY_FRACTION = 0.9
 TRAIN_MEMORY_FRACTION = 0.8
 # Maximum sequences an engine decodes at once (vLLM's max_num_seqs default).
 MAX_NUM_SEQS = 256
-
-
-# --- Models -------------------------------------------------------------------------------------
-
-
-class UnknownModelError(ValueError, LookupError):
-    """A model preset name that does not exist (the message lists the known ones)."""
-
-
-class ModelSpec(BaseModel):
-    """The shape of a decoder-only transformer, as much as its cost needs.
-
-    ``params`` is the total parameter count (embeddings included: decoding reads them too).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = "custom"
-    params: PositiveFloat
-    layers: PositiveInt
-    hidden: PositiveInt
-    kv_heads: PositiveInt
-    head_dim: PositiveInt
-    bytes_per_param: PositiveFloat = 2.0  # BF16 weights
-    kv_bytes_per_elem: PositiveFloat = 2.0  # BF16 KV cache
-
-    @property
-    def weight_bytes(self) -> float:
-        """Bytes of the weights: what a decode step reads and a weight sync moves."""
-        return self.params * self.bytes_per_param
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        """KV-cache bytes one token occupies across all layers (K and V)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_elem
-
-
-def _qwen25(size: str, params: float, layers: int, hidden: int, kv_heads: int, head_dim: int):
-    return ModelSpec(
-        name=f"qwen2.5-{size.lower()}",
-        params=params,
-        layers=layers,
-        hidden=hidden,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-    )
-
-
-# Qwen2.5 shapes: layers, hidden size and KV heads from the Qwen2.5 technical report
-# (arXiv:2412.15115, Table 1) and each model's config.json on Hugging Face; head_dim =
-# hidden / attention heads; parameter counts from the model cards.
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        _qwen25("0.5B", 0.49e9, 24, 896, 2, 64),  # 14 query heads
-        _qwen25("1.5B", 1.54e9, 28, 1536, 2, 128),  # 12 query heads
-        _qwen25("3B", 3.09e9, 36, 2048, 2, 128),  # 16 query heads
-        _qwen25("7B", 7.61e9, 28, 3584, 4, 128),  # 28 query heads
-        _qwen25("14B", 14.7e9, 48, 5120, 8, 128),  # 40 query heads
-        _qwen25("32B", 32.5e9, 64, 5120, 8, 128),  # 40 query heads
-        _qwen25("72B", 72.7e9, 80, 8192, 8, 128),  # 64 query heads
-    )
-}
-
-
-def known_models() -> list[str]:
-    """Preset names :func:`get_model` accepts (``"7B"`` works as well as ``"qwen2.5-7b"``)."""
-    return list(MODEL_PRESETS)
-
-
-def get_model(name: str) -> ModelSpec:
-    """Look a model preset up by name, e.g. ``"7B"``, ``"7b"`` or ``"qwen2.5-7b"``."""
-    key = name.strip().lower()
-    spec = MODEL_PRESETS.get(key) or MODEL_PRESETS.get(f"qwen2.5-{key}")
-    if spec is None:
-        raise UnknownModelError(
-            f"unknown model preset {name!r}; known: {', '.join(known_models())} "
-            "(or give a custom spec with params, layers, hidden, kv_heads, head_dim)"
-        )
-    return spec
-
-
-# --- Output / prompt length distributions ------------------------------------------------------
-
-
-_STD_NORMAL = statistics.NormalDist()
-
-
-def keyed_uniform(*parts: object) -> float:
-    """A uniform number in (0, 1) that depends only on ``parts`` (stable across processes)."""
-    # imported here: `flexmarl.policy.model` pulls in transformers, which a process that only
-    # imports `flexmarl.sim` (the profiler's contention probes) should not pay for
-    from flexmarl.policy.model import stable_seed
-
-    return (stable_seed(*parts) >> 10 | 1) / float(1 << 53)
-
-
-class LengthDistribution(BaseModel):
-    """A distribution of token counts, sampled deterministically from a numpy Generator.
-
-    ``mean`` is the mean *before* clipping to ``[min, max]``. Kinds:
-
-    * ``fixed``: always ``mean``;
-    * ``uniform``: uniform on ``mean * (1 - spread) .. mean * (1 + spread)``;
-    * ``lognormal``: log-normal with log-space std ``sigma`` (p99/median = exp(2.33 sigma));
-    * ``pareto``: Pareto with shape ``alpha`` > 1 (smaller alpha, heavier tail).
-
-    A bare number stands for ``fixed`` (``prompt_length: 512``).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["fixed", "uniform", "lognormal", "pareto"] = "fixed"
-    mean: PositiveFloat
-    sigma: PositiveFloat | None = None
-    alpha: float | None = None
-    spread: float | None = None
-    min: PositiveInt = 1
-    max: PositiveInt | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _number_is_fixed(cls, data: object) -> object:
-        if isinstance(data, int | float) and not isinstance(data, bool):
-            return {"kind": "fixed", "mean": data}
-        return data
-
-    @model_validator(mode="after")
-    def _check_params(self) -> LengthDistribution:
-        own = {"lognormal": "sigma", "pareto": "alpha", "uniform": "spread"}
-        for kind, param in own.items():
-            if getattr(self, param) is not None and self.kind != kind:
-                raise ValueError(f"{param} only applies to kind {kind!r}, not {self.kind!r}")
-        if self.alpha is not None and self.alpha <= 1.0:
-            raise ValueError(f"pareto alpha must be > 1 (finite mean), got {self.alpha}")
-        if self.spread is not None and not 0.0 <= self.spread <= 1.0:
-            raise ValueError(f"uniform spread must be in [0, 1], got {self.spread}")
-        if self.max is not None and self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min})")
-        return self
-
-    @property
-    def upper(self) -> float:
-        """Largest value a sample can take (``inf`` when unclipped and unbounded)."""
-        if self.max is not None:
-            return float(self.max)
-        if self.kind == "fixed":
-            return float(max(self.min, round(self.mean)))
-        if self.kind == "uniform":
-            return float(max(self.min, math.ceil(self.mean * (1 + self._spread))))
-        return math.inf
-
-    @property
-    def _spread(self) -> float:
-        return 0.5 if self.spread is None else self.spread
-
-    def sample(self, rng: np.random.Generator, size: int | None = None) -> np.ndarray:
-        """Draw ``size`` integer lengths in ``[min, max]`` (a 0-d array when ``size`` is None)."""
-        shape = () if size is None else (size,)
-        if self.kind == "fixed":
-            raw = np.full(shape, self.mean, dtype=float)
-        elif self.kind == "uniform":
-            half = self.mean * self._spread
-            raw = rng.uniform(self.mean - half, self.mean + half, shape)
-        elif self.kind == "lognormal":
-            sigma = 1.0 if self.sigma is None else self.sigma
-            raw = rng.lognormal(math.log(self.mean) - sigma**2 / 2, sigma, shape)
-        else:
-            alpha = 1.5 if self.alpha is None else self.alpha
-            scale = self.mean * (alpha - 1) / alpha  # classic Pareto x_m for this mean
-            raw = scale * (1.0 + rng.pareto(alpha, shape))
-        upper = np.inf if self.max is None else self.max
-        return np.clip(np.rint(raw), self.min, upper).astype(np.int64)
-
-    def draw(self, u: float) -> int:
-        """The length at quantile ``u`` in (0, 1) (inverse CDF), clipped to ``[min, max]``.
-
-        One keyed uniform per request (see `keyed_uniform`) instead of a seeded Generator:
-        the same request gets the same length in every simulated system, at ~1 us a draw.
-        """
-        if not 0.0 < u < 1.0:
-            raise ValueError(f"quantile must be in (0, 1), got {u}")
-        if self.kind == "fixed":
-            raw = self.mean
-        elif self.kind == "uniform":
-            half = self.mean * self._spread
-            raw = self.mean - half + 2 * half * u
-        elif self.kind == "lognormal":
-            sigma = 1.0 if self.sigma is None else self.sigma
-            raw = math.exp(math.log(self.mean) - sigma**2 / 2 + sigma * _STD_NORMAL.inv_cdf(u))
-        else:
-            alpha = 1.5 if self.alpha is None else self.alpha
-            raw = self.mean * (alpha - 1) / alpha * (1.0 - u) ** (-1.0 / alpha)
-        upper = math.inf if self.max is None else self.max
-        return int(min(max(round(raw), self.min), upper))
-
-    def scaled(self, factor: float) -> LengthDistribution:
-        """The same shape with ``factor`` times the mean (e.g. to express output-length skew)."""
-        update: dict[str, float | int | None] = {"mean": self.mean * factor}
-        if self.max is not None:
-            update["max"] = max(self.min, round(self.max * factor))
-        return self.model_copy(update=update)
 
 
 # --- The cost model ----------------------------------------------------------------------------
@@ -625,20 +407,6 @@ class CostModel:
             finish_s=np.asarray(finish, dtype=float),
         )
 
-    def batch_generation_time(
-        self,
-        model: ModelSpec,
-        tp: int,
-        prompt_lens: int | Sequence[int] | np.ndarray,
-        output_lens: Sequence[int] | np.ndarray,
-        *,
-        max_num_seqs: int | None = None,
-    ) -> float:
-        """Seconds until the last of the sequences finishes (see :meth:`generation_timing`)."""
-        return self.generation_timing(
-            model, tp, prompt_lens, output_lens, max_num_seqs=max_num_seqs
-        ).total_s
-
     # --- training ----------------------------------------------------------------------------
 
     def forward_time(self, model: ModelSpec, n_accel: int, tokens: float) -> float:
@@ -696,13 +464,6 @@ class CostModel:
         return max(1, math.ceil(model.params * TRAIN_STATE_BYTES_PER_PARAM / usable))
 
     # --- transfers and state changes ---------------------------------------------------------
-
-    def transfer_time(self, nbytes: float, *, inter_node: bool) -> float:
-        """Move ``nbytes`` over one GPU's link: NVLink inside a node, its NIC across nodes."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        latency = P2P_LATENCY_INTER_S if inter_node else P2P_LATENCY_INTRA_S
-        return latency + nbytes / self._link_bw(inter_node)
 
     def weight_transfer_time(self, model: ModelSpec, *, inter_node: bool, links: int = 1) -> float:
         """Publish a model's weights to another device group.

@@ -77,72 +77,41 @@ class AcceleratorSpec(BaseModel):
         return self.intra_node_bandwidth / 2
 
 
+def _spec(name: str, tflops: float, hbm_tbs: float, memory_gb: float, nvlink_gbs: float,
+          inter_node: float, host_link: float) -> AcceleratorSpec:
+    """A profile from datasheet units: dense BF16 TFLOPS, HBM TB/s, memory GB, NVLink GB/s
+    (both directions summed), and the inter-node and host links in bytes/s."""
+    return AcceleratorSpec(name=name, peak_bf16_flops=tflops * TERA, hbm_bandwidth=hbm_tbs * TERA,
+                           memory_bytes=memory_gb * GB, intra_node_bandwidth=nvlink_gbs * GB,
+                           inter_node_bandwidth=inter_node, host_link_bandwidth=host_link)
+
+
 # --- Profiles -----------------------------------------------------------------------------------
 
 # NVIDIA H100 SXM5 80GB (H100 Tensor Core GPU datasheet): BF16 1,979 TFLOPS with sparsity ->
 # 989.5 dense; 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5. Inter-node: NDR 400 Gb/s
 # per GPU as in DGX H100.
-H100 = AcceleratorSpec(
-    name="H100",
-    peak_bf16_flops=989.5 * TERA,
-    hbm_bandwidth=3.35 * TERA,
-    memory_bytes=80 * GB,
-    intra_node_bandwidth=900 * GB,
-    inter_node_bandwidth=IB_NDR_400G,
-    host_link_bandwidth=PCIE_GEN5_X16,
-)
+H100 = _spec("H100", 989.5, 3.35, 80, 900, IB_NDR_400G, PCIE_GEN5_X16)
 
 # NVIDIA H800 SXM5 80GB (H800 datasheet, the export variant of H100): same compute and memory as
 # H100 SXM5 (989.5 TFLOPS dense BF16, 80 GB HBM3, 3.35 TB/s) with NVLink cut to 400 GB/s.
 # Inter-node: 400 Gb/s IB per GPU (DeepSeek-V3 report's H800 cluster).
-H800 = AcceleratorSpec(
-    name="H800",
-    peak_bf16_flops=989.5 * TERA,
-    hbm_bandwidth=3.35 * TERA,
-    memory_bytes=80 * GB,
-    intra_node_bandwidth=400 * GB,
-    inter_node_bandwidth=IB_NDR_400G,
-    host_link_bandwidth=PCIE_GEN5_X16,
-)
+H800 = _spec("H800", 989.5, 3.35, 80, 400, IB_NDR_400G, PCIE_GEN5_X16)
 
 # NVIDIA H20 96GB (NVIDIA H20 product brief as widely reproduced; not on nvidia.com's public
 # pages): BF16 148 TFLOPS dense (296 with sparsity), 96 GB HBM3 at 4.0 TB/s, NVLink 900 GB/s,
 # PCIe Gen5. Inter-node: ASSUMPTION, 400 Gb/s-class IB per GPU like other Hopper SXM systems.
-H20 = AcceleratorSpec(
-    name="H20",
-    peak_bf16_flops=148 * TERA,
-    hbm_bandwidth=4.0 * TERA,
-    memory_bytes=96 * GB,
-    intra_node_bandwidth=900 * GB,
-    inter_node_bandwidth=IB_NDR_400G,
-    host_link_bandwidth=PCIE_GEN5_X16,
-)
+H20 = _spec("H20", 148, 4.0, 96, 900, IB_NDR_400G, PCIE_GEN5_X16)
 
 # NVIDIA A100 SXM4 80GB (A100 Tensor Core GPU datasheet): BF16 312 TFLOPS dense (624 sparse),
 # 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4. Inter-node: HDR 200 Gb/s per GPU as in
 # DGX A100 (its generation's fabric, rather than the 400 Gb/s default used for Hopper parts).
-A100_80G = AcceleratorSpec(
-    name="A100-80G",
-    peak_bf16_flops=312 * TERA,
-    hbm_bandwidth=2.039 * TERA,
-    memory_bytes=80 * GB,
-    intra_node_bandwidth=600 * GB,
-    inter_node_bandwidth=IB_HDR_200G,
-    host_link_bandwidth=PCIE_GEN4_X16,
-)
+A100_80G = _spec("A100-80G", 312, 2.039, 80, 600, IB_HDR_200G, PCIE_GEN4_X16)
 
 # NVIDIA H200 SXM 141GB (H200 Tensor Core GPU datasheet): BF16 1,979 TFLOPS sparse -> 989.5
 # dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5. Inter-node: NDR 400 Gb/s per GPU
 # as in DGX H200.
-H200 = AcceleratorSpec(
-    name="H200",
-    peak_bf16_flops=989.5 * TERA,
-    hbm_bandwidth=4.8 * TERA,
-    memory_bytes=141 * GB,
-    intra_node_bandwidth=900 * GB,
-    inter_node_bandwidth=IB_NDR_400G,
-    host_link_bandwidth=PCIE_GEN5_X16,
-)
+H200 = _spec("H200", 989.5, 4.8, 141, 900, IB_NDR_400G, PCIE_GEN5_X16)
 
 # A 64 GB NPU-class device, the kind the FlexMARL paper's cluster has (48 nodes x 16
 # accelerators of 64 GB): one die of a Huawei Ascend 910C, which a node presents as a device of
@@ -153,15 +122,7 @@ H200 = AcceleratorSpec(
 # die (device) half of each. Host link: ASSUMPTION, PCIe Gen5 x16 per device. The paper does
 # not name its accelerator; this profile is an ASSUMPTION that its 64 GB devices are of this
 # class.
-NPU_64G = AcceleratorSpec(
-    name="NPU-64G",
-    peak_bf16_flops=376 * TERA,
-    hbm_bandwidth=1.6 * TERA,
-    memory_bytes=64 * GB,
-    intra_node_bandwidth=2 * 196 * GB,  # both directions summed, as for NVLink above
-    inter_node_bandwidth=200 * GBIT,
-    host_link_bandwidth=PCIE_GEN5_X16,
-)
+NPU_64G = _spec("NPU-64G", 376, 1.6, 64, 2 * 196, 200 * GBIT, PCIE_GEN5_X16)
 
 ACCELERATORS: dict[str, AcceleratorSpec] = {
     spec.name: spec for spec in (H800, H20, A100_80G, H200, H100, NPU_64G)

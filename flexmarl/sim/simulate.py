@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.orchestrator.joint import JointOrchestrator
-from flexmarl.runtime.sim.clock import run_virtual
-from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
 from flexmarl.sim.cost import CostModel
+from flexmarl.sim.runtime.clock import run_virtual
+from flexmarl.sim.runtime.runtime import SimFeatures, SimRuntime
 from flexmarl.sim.task import workload_config, workload_task
 from flexmarl.sim.workload import Workload, load_workload
 from flexmarl.store.experience import parse_sample_id
@@ -216,11 +216,11 @@ def write_gantt(results: list[SimResult], path: Path, max_lanes: int = 60,
                 xlabel: str = "simulated time (s)") -> Path:
     """One panel per system, one lane per worker, colour per agent; rollout solid, training
     hatched. Lanes beyond `max_lanes` (large clusters) are left out of the picture."""
-    import matplotlib
+    import matplotlib  # optional dependency: the optional `plots` extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # optional dependency: the optional `plots` extra
+    from matplotlib.patches import Patch  # optional dependency: the optional `plots` extra
 
     agents = [a.name for a in results[0].runtime.wl.agents]
     cmap = plt.get_cmap("tab20" if len(agents) > 10 else "tab10")
@@ -293,7 +293,8 @@ def simulate(path: str | Path, systems: list[str] | None = None, iterations: int
         summary = [{"system": r.system, "per_iteration_s": r.per_iteration_s,
                     "makespan_s": r.makespan_s, "utilisation": r.utilisation,
                     "lower_bound_s": r.lower_bound_s, "efficiency": r.efficiency,
-                    "real_s": r.real_s, "cpu_s": r.cpu_s, "plan": r.runtime.plans[-1]} for r in results]
+                    "real_s": r.real_s, "cpu_s": r.cpu_s, "plan": r.runtime.plans[-1]}
+                   for r in results]
         (out / "report.json").write_text(json.dumps(summary, indent=2))
         print(f"trace: {out / 'trace.json'}")
         if pictures:

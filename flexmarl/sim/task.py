@@ -14,9 +14,9 @@ import numpy as np
 
 from flexmarl.config.schema import RunConfig, config_from_dict
 from flexmarl.graph.meg import MEG, EpisodeContext, NodePrompt
-from flexmarl.graph.task import Task
+from flexmarl.graph.task import RANDOM_MODEL_SEQ_LEN, Task
 from flexmarl.policy.model import stable_seed
-from flexmarl.sim.cost import keyed_uniform
+from flexmarl.sim.lengths import keyed_uniform
 from flexmarl.sim.workload import EpisodeNode, Workload
 
 
@@ -171,7 +171,7 @@ def workload_task(wl: Workload) -> Task:
         return [{} for _ in range(n)]
 
     return Task(graph=graph, vocab_size=1, sample_inputs=sample_inputs,
-                info={"workload": wl.name})
+                max_seq_len=RANDOM_MODEL_SEQ_LEN, info={"workload": wl.name})
 
 
 def workload_config(wl: Workload, *, mode: str, schedule: str = "dependency",

@@ -37,14 +37,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from flexmarl.sim.cost import (
-    KV_MEMORY_FRACTION,
-    CostModel,
-    LengthDistribution,
-    ModelSpec,
-    get_model,
-)
+from flexmarl.sim.cost import KV_MEMORY_FRACTION, CostModel
 from flexmarl.sim.hardware import AcceleratorSpec, get_accelerator
+from flexmarl.sim.lengths import LengthDistribution
+from flexmarl.sim.models import ModelSpec, get_model
 
 __all__ = [
     "AgentSpec",

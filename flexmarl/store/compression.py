@@ -39,7 +39,7 @@ class Codec:
 
     def encode(self, array: np.ndarray, what: str = "observation") -> tuple[np.ndarray, dict]:
         """-> (uint8 payload, header with the original shape and dtype)."""
-        import zstandard
+        import zstandard  # optional dependency: the optional `marl`/`serve` extra
 
         a = np.asarray(array)
         if not np.issubdtype(a.dtype, np.floating):
@@ -53,7 +53,7 @@ class Codec:
 
     @staticmethod
     def decode(payload: np.ndarray, header: dict) -> np.ndarray:
-        import zstandard
+        import zstandard  # optional dependency: the optional `marl`/`serve` extra
 
         raw = zstandard.ZstdDecompressor().decompress(np.asarray(payload, np.uint8).tobytes())
         out = np.frombuffer(raw, dtype=np.float16).reshape(header["shape"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.errors import UserError
+from flexmarl.types import Sample, decode_array, encode_array
 
 
 class StoreError(UserError, RuntimeError):
@@ -140,7 +141,8 @@ class AgentTable:
 
     def insert(self, row: Row) -> None:
         if row.agent != self.agent:
-            raise StoreError(f"row {row.sample_id} of agent {row.agent!r} put in table {self.agent!r}")
+            raise StoreError(f"row {row.sample_id} of agent {row.agent!r} put in table "
+                             f"{self.agent!r}")
         if row.sample_id in self.rows:
             raise StoreError(f"agent {self.agent!r}: row {row.sample_id} already exists")
         if row.status is not Status.PENDING:
@@ -199,7 +201,6 @@ class ExperienceStore:
         self.tables = {a: AgentTable(a) for a in agents}
         self.objects = objects if objects is not None else LocalObjectStore()
         self.evicted: dict[str, dict[str, int]] = {a: defaultdict(int) for a in self.tables}
-        self._listeners: list[Callable[[str], None]] = []
         self._generation: dict[tuple[str, int], GenerationStats] = {}
 
     def table(self, agent: str) -> AgentTable:
@@ -208,18 +209,9 @@ class ExperienceStore:
         except KeyError as exc:
             raise StoreError(f"unknown agent {agent!r} (tables: {', '.join(self.tables)})") from exc
 
-    def subscribe(self, fn: Callable[[str], None]) -> None:
-        """`fn(agent)` is called whenever a row of that agent changes status."""
-        self._listeners.append(fn)
-
-    def _notify(self, agent: str) -> None:
-        for fn in self._listeners:
-            fn(agent)
-
     # --- writes ---------------------------------------------------------------------------
     def add(self, row: Row) -> Row:
         self.table(row.agent).insert(row)
-        self._notify(row.agent)
         return row
 
     def set_generated(
@@ -235,7 +227,6 @@ class ExperienceStore:
         stat.rows += 1
         stat.prompt_tokens += len(data.get("prompt", ()))
         stat.response_tokens += len(data.get("response", ()))
-        self._notify(agent)
         return row
 
     def _put(self, agent: str, array: np.ndarray) -> TensorRef:
@@ -249,20 +240,17 @@ class ExperienceStore:
     def set_rewarded(self, agent: str, sample_id: str, reward: float) -> Row:
         row = self.table(agent).transition(sample_id, Status.REWARDED)
         row.data["reward"] = float(reward)
-        self._notify(agent)
         return row
 
     def set_ready(self, agent: str, sample_id: str, advantage: float) -> Row:
         row = self.table(agent).transition(sample_id, Status.READY)
         row.data["advantage"] = float(advantage)
-        self._notify(agent)
         return row
 
     def set_failed(self, agent: str, sample_id: str, error: str) -> Row:
         row = self.table(agent).transition(sample_id, Status.FAILED)
         row.error = error
         self._free(row)
-        self._notify(agent)
         return row
 
     def _free(self, row: Row) -> None:
@@ -299,8 +287,6 @@ class ExperienceStore:
         for row in rows:
             table.transition(row.sample_id, Status.CONSUMED)
             row.consumed_by_step = step
-        if rows:
-            self._notify(agent)
         return rows
 
     def fetch(self, row: Row, name: str) -> np.ndarray:
@@ -309,8 +295,6 @@ class ExperienceStore:
     def micro_batch(self, agent: str, rows: list[Row]) -> Any:
         """What the train pool's `accumulate` gets for rows just taken: here plain `Sample`s
         with their payloads fetched; a distributed store hands over a reference instead."""
-        from flexmarl.training.trainer import Sample  # torch: only once training starts
-
         return [
             Sample(
                 sample_id=r.sample_id, prompt=r.data["prompt"], response=r.data["response"],
@@ -345,7 +329,6 @@ class ExperienceStore:
     def snapshot(self, min_iteration: int) -> list[dict[str, Any]]:
         """Rows of iterations >= `min_iteration` (those no committed step has trained on), as
         plain values with their status and whatever payload is still held, for a checkpoint."""
-        from flexmarl.orchestrator.checkpoint import encode_array
 
         out = []
         for table in self.tables.values():
@@ -369,7 +352,6 @@ class ExperienceStore:
     def restore_row(self, d: dict[str, Any]) -> Row:
         """Re-insert a snapshotted row of a finished episode as `rewarded` (its group's
         advantages are computed again when the group is complete, exactly as the first time)."""
-        from flexmarl.orchestrator.checkpoint import decode_array
 
         if d["status"] not in (Status.REWARDED.value, Status.READY.value):
             raise StoreError(f"agent {d['agent']!r}: row {d['sample_id']} is {d['status']}; "

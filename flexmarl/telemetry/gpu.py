@@ -19,7 +19,7 @@ Sample = dict[int, tuple[float, float]]  # device -> (utilisation 0..1, memory u
 def nvml_sampler() -> Callable[[], Sample] | None:
     """A function reading every GPU's (utilisation, memory) now, or None without NVML/GPUs."""
     try:
-        import pynvml
+        import pynvml  # optional dependency: the optional `gpu` extra
     except ImportError:
         return None
     try:

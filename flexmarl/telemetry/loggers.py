@@ -16,8 +16,11 @@ report` and `--resume` read it. The others are optional:
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import math
+import os
 import struct
 import time
 from collections.abc import Sequence
@@ -62,8 +65,6 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 def check_installed(backends: Sequence[str]) -> None:
     """Before a run starts: every configured backend can be imported."""
-    import importlib.util
-
     for name in backends:
         module = _MODULES.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
@@ -76,6 +77,7 @@ class TensorBoardLogger:
     name = "tensorboard"
 
     def __init__(self, out_dir: Path) -> None:
+        # optional dependency: the optional `loggers` extra
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = out_dir / "tb"
@@ -94,7 +96,7 @@ class WandbLogger:
     name = "wandb"
 
     def __init__(self, out_dir: Path, run_name: str, options: Any, config: dict) -> None:
-        import wandb
+        import wandb  # optional dependency: the optional `loggers` extra
 
         self.dir = out_dir / "wandb"
         self.run = wandb.init(
@@ -116,6 +118,7 @@ class MlflowLogger:
     name = "mlflow"
 
     def __init__(self, out_dir: Path, run_name: str, options: Any, config_file: Path | None):
+        # optional dependency: the optional `loggers` extra
         from mlflow.tracking import MlflowClient
 
         self.uri = options.tracking_uri or (out_dir / "mlruns").resolve().as_uri()
@@ -129,7 +132,7 @@ class MlflowLogger:
             self.client.log_artifact(self.run_id, str(config_file))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional dependency: the optional `loggers` extra
 
         now = int(time.time() * 1000)
         items = [Metric(k, v, now, step) for k, v in metrics.items()]
@@ -144,8 +147,6 @@ def _allow_file_store(uri: str) -> None:
     """MLflow 3.18 refuses its file store unless opted in (it is in maintenance mode, still
     supported); a local folder of plain files is what a run folder wants."""
     if uri.startswith("file:") or "://" not in uri:
-        import os
-
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
@@ -187,6 +188,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_tensorboard(tb_dir: Path) -> dict[str, dict[int, float]]:
+    # optional dependency: the optional `loggers` extra
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
@@ -197,8 +199,6 @@ def read_tensorboard(tb_dir: Path) -> dict[str, dict[int, float]]:
 def _wandb_records(run_dir: Path) -> list[Any]:
     """The protobuf records of an offline W&B run's .wandb file: a LevelDB-style log in 32 KiB
     blocks after a 7-byte header."""
-    import importlib
-
     # generated protobuf code: its stub does not declare the message classes
     pb: Any = importlib.import_module("wandb.proto.wandb_internal_pb2")
 
@@ -264,7 +264,7 @@ def read_wandb_offline(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def read_mlflow(uri: str, experiment: str = "flexmarl") -> dict[str, dict[int, float]]:
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # optional dependency: the optional `loggers` extra
 
     _allow_file_store(uri)
     client = MlflowClient(tracking_uri=uri)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flexmarl.telemetry.loggers import scalars
+
 
 @dataclass(slots=True)
 class Span:
@@ -37,6 +39,7 @@ class Telemetry:
         self.spans: list[Span] = []
         self.events: list[dict[str, Any]] = []
         self._metrics_file = None
+        self._samples_file: Any = None
         self.loggers = list(loggers or [])
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,11 +102,21 @@ class Telemetry:
             self._metrics_file.write(json.dumps(clean) + "\n")
             self._metrics_file.flush()
         if self.loggers:
-            from flexmarl.telemetry.loggers import scalars
-
             step, values = int(record.get("iteration", 0)), scalars(clean)
             for logger in self.loggers:
                 logger.log(step, values)
+
+    def samples(self, samples: list[dict[str, Any]]) -> None:
+        """Sampled rows as the agents saw and said them, one JSON line each in
+        OUT/samples.jsonl (appended: a resumed run keeps the lines before it)."""
+        if self.out_dir is None or not samples:
+            return
+        if self._samples_file is None:
+            self._samples_file = (self.out_dir / "samples.jsonl").open("a")
+        for sample in samples:
+            self._samples_file.write(json.dumps({k: _json_safe(v) for k, v in sample.items()})
+                                     + "\n")
+        self._samples_file.flush()
 
     def write_trace(self, path: Path) -> Path:
         """Chrome trace format (chrome://tracing, Perfetto): one process per pool, one thread
@@ -136,6 +149,9 @@ class Telemetry:
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None
+        if self._samples_file is not None:
+            self._samples_file.close()
+            self._samples_file = None
         loggers, self.loggers = self.loggers, []
         for logger in loggers:
             logger.close(status)

@@ -1,7 +1,8 @@
 """Training-slot metrics per iteration record: time waiting for a slot.
 
 The runtime's train pool keeps cumulative per-agent counters (`TrainPool.slot_counters`); this
-source turns them into the amount since the previous record, under fixed names: `agent/<a>/slot_wait_s` and
+source turns them into the amount since the previous record, under fixed names:
+`agent/<a>/slot_wait_s` and
 the pool total `pool/train/slot_wait_s`. (With the async pipeline iterations overlap, so "since
 the previous record" is the honest unit.) Swaps and swap seconds come from the trace's swap
 spans in the iteration's window (`pool/train/swaps`, `pool/train/swap_s`, `agent/<a>/swaps`,
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flexmarl.runtime.base import TrainPool
+    from flexmarl.api.runtime import TrainPool
 
 KEYS = ("slot_wait_s",)
 

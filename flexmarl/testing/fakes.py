@@ -1,6 +1,6 @@
 """In-memory fakes of the rollout and training pools, for orchestrator tests in one process.
 
-They implement the declared interfaces of `flexmarl.runtime.base` without models or worker
+They implement the declared interfaces of `flexmarl.api.runtime` without models or worker
 processes, deterministically, and record what the orchestrator asked of them so that tests
 can check the pipeline's logic (versions, micro-batches, failures) in milliseconds:
 - `FakeRolloutPool` answers each request with tokens keyed by (seed, sample_id, the version
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import RolloutPool, TrainPool, WorkerError, WorkerLost
 from flexmarl.planning.planner import Plan
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.runtime.base import RolloutPool, TrainPool, WorkerError, WorkerLost
 from flexmarl.training.digest_host import DigestSlotHost, digest, digest_of, weights_of
 from flexmarl.training.host import SlotPool
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 async def _yields(n: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.runtime.base import WorkerError
+from flexmarl.api.runtime import WorkerError
 
 
 def digest(*parts: Any) -> str:

@@ -35,13 +35,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from flexmarl.runtime.base import TrainPool, WorkerLost
+from flexmarl.api.runtime import TrainPool, WorkerLost
 from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training import state as st
 from flexmarl.training.allocator import Lease, SlotAllocator
 from flexmarl.training.learner import Learner, published_form
+from flexmarl.training.state import state_to_numpy
 
 if TYPE_CHECKING:
     import torch
@@ -194,8 +193,7 @@ class TrainHost:
         return str(self.trainers[agent].save(directory))
 
     def get_state(self, agent: str) -> tuple[dict, dict]:
-        arrays, meta = self.trainers[agent].get_state()
-        return {k: np.asarray(v) for k, v in arrays.items()}, meta
+        return state_to_numpy(self.trainers[agent].get_state())
 
     def set_state(self, agent: str, arrays: dict, meta: dict) -> int:
         self.trainers[agent].set_state(arrays, meta)

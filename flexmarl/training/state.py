@@ -323,3 +323,25 @@ def restore(trainer: AgentTrainer, state: TrainingState) -> None:
     trainer._seen = set(state.meta["seen"])
     trainer._sums = dict(state.meta["sums"])
     trainer._nonfinite = state.meta.get("nonfinite")  # a poisoned step stays poisoned
+
+
+# --- the wire forms of weights between processes -----------------------------------------------
+def state_to_numpy(state: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict, dict]:
+    """A trainer's `get_state()` with its arrays as numpy (what a pipe or an actor carries)."""
+    arrays, meta = state
+    return {k: np.asarray(v) for k, v in arrays.items()}, meta
+
+
+def from_numpy(weights: Any) -> dict[str, Any]:
+    """Tensors from a numpy dict, from the wire form (`publish_form`), or of a `TrainingState`
+    received by a collective publication."""
+    if isinstance(weights, TrainingState):
+        return weights.tensors
+    if isinstance(weights, tuple):
+        return from_wire(weights).tensors
+    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
+
+
+def publish_form(weights: dict[str, Any], agent: str, version: int) -> Any:
+    """Published weights travel as a `TrainingState` in wire form: one flat buffer, any dtype."""
+    return to_wire(TrainingState(weights, {"agent": agent, "version": version}))

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +24,16 @@ from flexmarl.policy import adapters
 from flexmarl.policy.device import compute_dtype, memory_stats, process_device
 from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
+from flexmarl.policy.tokenizer import TokenizerError, agent_tokenizer, base_model_name
 from flexmarl.training import algorithms, lora
 from flexmarl.training import state as st
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef
 from flexmarl.training.learner import Audit
+from flexmarl.types import Sample
 
 
 class TrainingError(RuntimeError):
     pass
-
-
-@dataclass
-class Sample:
-    """One row as the trainer needs it (the store's data contract, by named keys)."""
-
-    sample_id: str
-    prompt: list[int]
-    response: list[int]
-    old_logprobs: list[float]
-    advantage: float
-    allowed: list[int] | None
-    temperature: float
-    policy_version: int
-    reward: float = 0.0
 
 
 def lr_factor(cfg: OptimConfig, step: int, total: int, n_actor: int, n_critic: int) -> float:
@@ -336,17 +322,38 @@ class AgentTrainer:
         return weights_of(self.model)
 
     def save(self, directory: str | Path) -> Path:
-        """Weights as safetensors plus the HF config, so `from_pretrained(dir)` reloads them."""
+        """A folder that loads as it is: the full weights (LoRA: merged) as safetensors with the
+        HF config (`AutoModelForCausalLM.from_pretrained(dir)`), the agent's tokenizer and chat
+        template when it has one (`AutoTokenizer.from_pretrained(dir)`), and for a LoRA agent
+        its adapter alone in PEFT's format under `adapter/` (`PeftModel.from_pretrained(base,
+        dir / "adapter")`), the base named in it and in flexmarl.json."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in self.full_weights().items()}
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         config = self.model.get_base_model().config if self.cfg.lora else self.model.config
         config.save_pretrained(str(directory))
-        (directory / "flexmarl.json").write_text(
-            json.dumps({"agent": self.agent, "policy_version": self.version}) + "\n"
-        )
+        tokenizer = self._tokenizer()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
+        base = base_model_name(self.agent, self.cfg.model)
+        if self.cfg.lora:
+            for peft_cfg in self.model.peft_config.values():
+                peft_cfg.base_model_name_or_path = base
+            # the embeddings are the base's (not trained): no look-up of the base's config
+            self.model.save_pretrained(str(directory / "adapter"), save_embedding_layers=False)
+        (directory / "flexmarl.json").write_text(json.dumps(
+            {"agent": self.agent, "policy_version": self.version, "base_model": base,
+             "lora": self.cfg.lora is not None, "tokenizer": tokenizer is not None}) + "\n")
         return directory
+
+    def _tokenizer(self) -> Any:
+        """The agent's tokenizer, or None for a token-level agent whose vocabulary cannot hold
+        one (a random model smaller than the byte-level tokenizer)."""
+        try:
+            return agent_tokenizer(self.agent, self.cfg.model, self.vocab)
+        except TokenizerError:
+            return None
 
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "rows_pending": self._rows}

@@ -144,7 +144,8 @@ def test_worker_killed_by_sigkill_reads_as_out_of_memory(tmp_path):
 
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flexmarl", "train", str(ROOT / "examples" / "referential_game.yaml"),
+        [sys.executable, "-m", "flexmarl", "train",
+         str(ROOT / "examples" / "referential_game.yaml"),
          "--set", "train.iterations=500", "--set", "train.inputs_per_iteration=4",
          "--set", "runtime.max_worker_restarts=0", "--out", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -135,9 +135,11 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "flexmarl", "train", str(ROOT / "examples" / "referential_game.yaml"),
+        [sys.executable, "-m", "flexmarl", "train",
+         str(ROOT / "examples" / "referential_game.yaml"),
          "--set", "train.iterations=2", "--set", "train.inputs_per_iteration=4",
-         "--set", "logging.backends=[jsonl, tensorboard, wandb, mlflow]", "--out", str(run)],
+         "--set", "logging.backends=[jsonl, tensorboard, wandb, mlflow]", "--out", str(run),
+         "--show-samples", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**__import__("os").environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr
@@ -153,6 +155,16 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert (run / "report" / "index.html").exists()
+    # --show-samples 1: one sample per agent and iteration printed live, the same in the file
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert sorted(line.split("]")[0] for line in printed) == ["[listener"] * 2 + ["[speaker"] * 2
+    kept = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(kept) == 2 * 2 * 2  # default 2 per agent and iteration
+    first = kept[0]
+    assert printed[0].startswith(f"[{first['agent']}] it 0 {first['node']}")
+    assert f"answer ({first['answer_tokens']} tokens): " in proc.stderr
+    page = (run / "report" / "index.html").read_text()
+    assert "What the agents said" in page and "<td>speak</td>" in page
 
 
 def test_doctor_store_throughput_and_skipped_steps_rules(tmp_path):
@@ -174,3 +186,31 @@ def test_doctor_store_throughput_and_skipped_steps_rules(tmp_path):
     assert drop.metric == "agent/a/tokens_per_s" and drop.iterations[-1] == 11
     skipped = found["optimizer steps skipped (non-finite loss or gradient)"]
     assert skipped.iterations == [3] and "non-finite loss" in skipped.evidence
+
+
+def _collapsed_run(tmp_path: Path, algorithm: dict) -> Path:
+    """A run whose judge's entropy fell to nothing while it answered one thing to every input."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(json.dumps({
+        "agents": {"judge": {"algorithm": algorithm}}, "train": {"group_size": 2}}))
+    rows = [{"iteration": i, "agent/judge/entropy": 1.0 if i < 2 else 0.01,
+             "agent/judge/top_response_frac": 0.3 if i < 2 else 1.0,
+             "agent/judge/reward_mean": 0.5} for i in range(8)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_doctor_collapse_advice_names_the_option_that_fixes_it(tmp_path):
+    run = load_run(_collapsed_run(tmp_path, {"name": "grpo"}))
+    found = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")]
+    assert found and found[0].agent == "judge"
+    remedy = found[0].remedy
+    assert remedy.startswith("agents.judge.algorithm.normalize: agent (with group_size 2")
+    assert "agents.judge.algorithm.clip_eps_high: 0.28" in remedy
+    # already normalised per agent with clip-higher: the general advice only
+    shutil.rmtree(tmp_path / "run")
+    run = load_run(_collapsed_run(tmp_path, {"name": "grpo", "normalize": "agent",
+                                             "clip_eps_high": 0.28}))
+    remedy = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")][0].remedy
+    assert "normalize" not in remedy and remedy.startswith("agents.judge.algorithm.entropy_coef")

@@ -56,3 +56,12 @@ def test_missing_file_and_missing_section(tmp_path):
     p = _write(tmp_path, "agents: {x: {}}\n")
     with pytest.raises(ConfigError, match="task: Field required"):
         load_config(p)
+
+
+def test_sim_runtime_is_refused_in_a_run_config(tmp_path):
+    p = _write(tmp_path, "task: {builder: a:b}\nagents: {x: {}}\nruntime: {kind: sim}\n")
+    with pytest.raises(ConfigError, match=r"runtime\.kind: 'sim'.*flexmarl simulate"):
+        load_config(p)
+    q = _write(tmp_path, "task: {builder: a:b}\nagents: {x: {}}\n")
+    with pytest.raises(ConfigError, match=str(q)):
+        load_config(q, ["runtime.kind=sim"])

@@ -13,7 +13,8 @@ import torch
 from flexmarl.config.schema import AgentConfig
 from flexmarl.orchestrator import checkpoint as ck
 from flexmarl.orchestrator.checkpoint import CheckpointError, CheckpointManager
-from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import Sample, decode_array, encode_array
 
 VOCAB, SEQ = 30, 16
 
@@ -24,7 +25,8 @@ def _trainer(agent="a"):
 
 def _samples(n=4, version=0, advantage=1.0, prefix="0"):
     rng = np.random.default_rng(0)
-    return [Sample(sample_id=f"{prefix}-{i}_0_0", prompt=[1, 2, 3], response=[int(rng.integers(4, VOCAB))],
+    return [Sample(sample_id=f"{prefix}-{i}_0_0", prompt=[1, 2, 3],
+                   response=[int(rng.integers(4, VOCAB))],
                    old_logprobs=[-1.0], advantage=advantage * (-1) ** i, allowed=None,
                    temperature=1.0, policy_version=version) for i in range(n)]
 
@@ -52,14 +54,14 @@ def test_generations_published_atomically_and_pruned(tmp_path):
     manager = CheckpointManager(tmp_path / "ck", keep=2)
     trainer = _trainer()
     rows = [{"sample_id": "3-0_0_1", "status": "ready", "arrays": {
-        "logprobs": ck.encode_array(np.arange(3, dtype=np.float32))}}]
+        "logprobs": encode_array(np.arange(3, dtype=np.float32))}}]
     for completed in (1, 2, 3):
         _save(manager, completed, trainer, rows)
     assert [p.name for p in manager.generations()] == ["gen-000002", "gen-000003"]
     assert (tmp_path / "ck" / "LATEST").read_text().strip() == "gen-000003"
     loaded = manager.load()
     assert loaded.completed == 3 and loaded.rows[0]["sample_id"] == "3-0_0_1"
-    assert ck.decode_array(loaded.rows[0]["arrays"]["logprobs"]).tolist() == [0.0, 1.0, 2.0]
+    assert decode_array(loaded.rows[0]["arrays"]["logprobs"]).tolist() == [0.0, 1.0, 2.0]
     arrays, meta = loaded.trainer_states["a"]
     fresh = _trainer()
     fresh.set_state(arrays, meta)
@@ -105,7 +107,8 @@ def test_full_disk_during_save_keeps_previous_generation(tmp_path, monkeypatch):
         _save(manager, 2, trainer)
     assert "gen-000001 is intact" in str(info.value)
     assert (tmp_path / "ck" / "LATEST").read_text().strip() == "gen-000001"
-    assert not list((tmp_path / "ck").glob(".tmp-*")) and not (tmp_path / "ck" / "gen-000002").exists()
+    assert not list((tmp_path / "ck").glob(".tmp-*"))
+    assert not (tmp_path / "ck" / "gen-000002").exists()
     after = {p.name: p.read_bytes() for p in (tmp_path / "ck" / "gen-000001").rglob("*")
              if p.is_file()}
     assert after == before
@@ -129,7 +132,8 @@ def test_nan_or_inf_step_is_skipped_with_a_reason(poison):
         trainer.accumulate(bad)
     metrics = trainer.step()
     assert metrics["skipped"] == 1.0
-    assert ("non-finite loss" if poison == "loss" else "non-finite gradient") in metrics["skip_reason"]
+    reason = "non-finite loss" if poison == "loss" else "non-finite gradient"
+    assert reason in metrics["skip_reason"]
     after = trainer.weights()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert trainer.version == 1
@@ -150,7 +154,8 @@ def test_cli_refuses_a_corrupt_snapshot_naming_the_file(tmp_path):
     store = tmp_path / "run" / "checkpoints" / "gen-000001" / "store.msgpack"
     store.write_bytes(store.read_bytes()[:-3])
     proc = subprocess.run(
-        [sys.executable, "-m", "flexmarl", "train", str(root / "examples" / "referential_game.yaml"),
+        [sys.executable, "-m", "flexmarl", "train",
+         str(root / "examples" / "referential_game.yaml"),
          "--resume", str(tmp_path / "run")], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

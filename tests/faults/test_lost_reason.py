@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from flexmarl.runtime.base import NullSink, WorkerLost
+from flexmarl.api.runtime import NullSink, WorkerLost
 from flexmarl.runtime.local.runtime import WorkerProxy
 
 

@@ -285,7 +285,7 @@ def test_training_slot_killed_mid_step_is_restored_exactly(tmp_path, reference):
 
 
 def test_without_restarts_a_killed_worker_fails_the_run(tmp_path):
-    from flexmarl.runtime.base import WorkerLost
+    from flexmarl.api.runtime import WorkerLost
 
     with pytest.raises(WorkerLost, match="rollout worker 0 lost"):
         train_marl(cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None}),

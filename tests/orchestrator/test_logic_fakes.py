@@ -230,7 +230,8 @@ def test_a_failed_step_fails_the_run():
 @pytest.mark.parametrize("schedule", ["dependency", "stage"])
 def test_stage_schedule_holds_each_graph_level_until_the_one_below_is_done(schedule):
     orch, rollout, _ = run(config("pipeline.mode=sync", f"rollout.schedule={schedule}"))
-    level = {orch.episodes.graph.nodes[n].agent: orch.episodes.level[n] for n in orch.episodes.order}
+    eps = orch.episodes
+    level = {eps.graph.nodes[n].agent: eps.level[n] for n in eps.order}
     for k in range(3):
         served = [level[g.agent] for g in rollout.generated if g.sample_id.startswith(f"{k}-")]
         barrier_kept = served == sorted(served)
@@ -283,5 +284,5 @@ def test_a_static_condition_skips_its_branch_as_a_dynamic_one_does(mode):
     def broken(ctx: Any) -> bool:
         raise KeyError("no such field")
 
-    with pytest.raises(FailureBudgetExceeded, match="prompt builder raised KeyError"):
+    with pytest.raises(FailureBudgetExceeded, match=r"condition \(when=\) raised KeyError"):
         once(True, broken)

@@ -112,3 +112,26 @@ def test_async_run_fails_clearly_when_the_task_returns_too_few_inputs(tmp_path):
     ])
     with pytest.raises(GraphError, match="task returned 7 inputs, expected 8"):
         train(cfg, tmp_path / "run")
+
+
+@pytest.mark.slow  # about 55 s on 2 loaded cores; the fast split test is in test_losses
+def test_policy_gradient_variants_keep_sync_and_async_equal(tmp_path):
+    """clip-higher, Dr. GRPO aggregation and GSPO ratios are per-row losses, so the async
+    pipeline's micro-batch accumulation still equals the sync step."""
+    variants = ["agents.speaker.algorithm.clip_eps_high=0.28",
+                "agents.speaker.algorithm.loss_agg=token_sum_norm",
+                "agents.speaker.algorithm.loss_norm_tokens=4",
+                "agents.listener.algorithm.ratio_level=sequence",
+                "agents.listener.algorithm.clip_eps=0.001"]
+    results = {}
+    for mode in ("sync", "async"):
+        cfg = load_config(EXAMPLES / "referential_game.yaml",
+                          [f"pipeline.mode={mode}", "runtime.deterministic=true",
+                           "train.iterations=2", *variants])
+        assert cfg.agents["speaker"].algorithm.loss_agg == "token_sum_norm"
+        assert cfg.agents["listener"].algorithm.ratio_level == "sequence"
+        results[mode] = train(cfg, tmp_path / mode)
+        _assert_exactly_once(results[mode], cfg)
+    for agent, path in results["sync"].checkpoints.items():
+        assert _max_diff(path, results["async"].checkpoints[agent]) <= 1e-5
+    assert all(r["agent/speaker/grad_norm"] > 0 for r in results["async"].records)

@@ -3,6 +3,8 @@ tokenizer): prompts rendered per agent, each agent's own sampling settings, stop
 decoded text handed downstream, and the trainer's recomputed log-probs equal to the sampled
 ones (the ids are never re-tokenised)."""
 
+import json
+
 from flexmarl.config.schema import config_from_dict
 from flexmarl.orchestrator.run import train
 from flexmarl.policy.tokenizer import byte_tokenizer
@@ -45,6 +47,15 @@ def test_text_nodes_train_on_the_sampled_ids_with_per_agent_sampling(tmp_path):
             writer_stopped += 1
         assert r_text == tok.decode(r_ids, skip_special_tokens=True)  # no stop strings
     assert writer_stopped > 0
+    # samples.jsonl: the first trajectory of inputs 0 and 1 per agent, decoded as text
+    kept = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert sorted((k["agent"], k["input_id"]) for k in kept) == [
+        ("reader", "0-0"), ("reader", "0-1"), ("writer", "0-0"), ("writer", "0-1")]
+    for k in kept:
+        assert isinstance(k["answer"], str) and isinstance(k["advantage"], float)
+        assert len(tok.encode(k["answer"], add_special_tokens=False)) >= 1
+    writer = next(k for k in kept if k["agent"] == "writer")
+    assert "topic" in writer["prompt"] and writer["reward"] is not None
     for record in result.records:
         for agent in ("writer", "reader"):
             # the trainer recomputes the log-probs of the very ids that were sampled

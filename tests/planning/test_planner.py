@@ -1,7 +1,7 @@
 """The one planner (planning/planner.py) on a real runtime's demand (planning/demand.py's
 `MeasuredDemand`): the training order along the critical path, the replica allotment from
 measured node latencies, the training slots it was given. The simulator's demand is covered
-by tests/runtime/sim and tests/sim (its figures are unchanged)."""
+by tests/sim/runtime and tests/sim (its figures are unchanged)."""
 
 from __future__ import annotations
 

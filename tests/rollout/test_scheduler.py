@@ -12,8 +12,9 @@ from flexmarl.policy.model import build_model
 from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
-from flexmarl.runtime.sim.engine import CostModelEngine
-from flexmarl.sim.cost import CostModel, ModelSpec
+from flexmarl.sim.cost import CostModel
+from flexmarl.sim.models import ModelSpec
+from flexmarl.sim.runtime.engine import CostModelEngine
 
 
 class FakeEngine:

@@ -111,8 +111,8 @@ def test_without_restarts_a_lost_slot_is_reported_with_its_reason():
     lost-worker error does; it once said only "training slot 0 lost"."""
     import asyncio
 
+    from flexmarl.api.runtime import WorkerLost
     from flexmarl.config.schema import load_config
-    from flexmarl.runtime.base import WorkerLost
     from flexmarl.runtime.local.runtime import LocalRuntime
 
     cfg = load_config("examples/referential_game.yaml",

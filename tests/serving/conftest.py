@@ -63,7 +63,8 @@ class Running:
 
 def start(run_dir, watch_s: float | None = None, **service_kw) -> Running:
     from flexmarl.serving.agents import load_run
-    from flexmarl.serving.app import Service, create_app
+    from flexmarl.serving.app import create_app
+    from flexmarl.serving.service import Service
 
     service = Service(load_run(run_dir, "cpu"), **service_kw)
     return Running(service, create_app(service, watch_s))

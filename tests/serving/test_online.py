@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl.policy.sampling import GenerationRequest, generate, make_token_batch, response_forward
+from flexmarl.policy.sampling import generate, make_token_batch, response_forward
 from flexmarl.serving.agents import load_run
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.compress import pack, unpack
 from flexmarl.serving.online import OnlineLearner, importance_weights
+from flexmarl.types import GenerationRequest
 
 LN = math.log
 
@@ -177,3 +178,30 @@ def test_fp16_packing_refuses_weights_beyond_fp16_range():
     with pytest.raises(CompressionError, match="'scale'.*FP16"):
         pack(tensors, fp16=True)
     assert torch.equal(unpack(pack(tensors, fp16=False))["scale"], tensors["scale"])
+
+
+def test_ppo_online_learns_with_a_critic_under_the_kl_bound(learner_parts):
+    """`--online-algorithm ppo`: the trainer gets a value head, the served log-probs are the
+    behaviour policy's (PPO's old log-probs), and the KL bound undoes a step as for GRPO."""
+    run, spec, capture = learner_parts
+    _rows(capture, spec.model, 32, version=1)
+    before = {k: v.clone() for k, v in spec.model.state_dict().items()}
+    ppo = OnlineLearner(spec, run.task.vocab_size, run.task.max_seq_len, run.cfg.seed, "cpu",
+                        kl_max=100.0, is_max=2.0, lr=0.01, algorithm="ppo")
+    assert ppo.algorithm.name == "ppo" and ppo.trainer.value_head is not None
+    head = ppo.trainer.value_head.weight.detach().clone()
+    rep = ppo.train(capture.claim("listener", 16, step=1), spec.model, capture, 16)
+    assert rep.applied and 0 < rep.kl <= 100.0
+    assert any("value" in k for k in rep.metrics), rep.metrics
+    assert not torch.equal(ppo.trainer.value_head.weight.detach(), head)  # the critic learnt
+    changed = ppo.trainer.model.state_dict()
+    assert any(not torch.equal(changed[k].float(), before[k].float()) for k in before)
+    tight = OnlineLearner(spec, run.task.vocab_size, run.task.max_seq_len, run.cfg.seed, "cpu",
+                          kl_max=1e-9, is_max=2.0, lr=0.01, algorithm="ppo")
+    rep2 = tight.train(capture.claim("listener", 16, step=1), spec.model, capture, 16)
+    assert not rep2.applied and tight.trainer.version == 0
+    after = tight.trainer.model.state_dict()
+    assert all(torch.equal(after[k].float(), before[k].float()) for k in before)
+    with pytest.raises(Exception, match="expected auto, grpo or ppo"):
+        OnlineLearner(spec, run.task.vocab_size, run.task.max_seq_len, run.cfg.seed, "cpu",
+                      kl_max=1.0, is_max=2.0, algorithm="a2c")

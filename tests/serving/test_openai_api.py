@@ -6,7 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from flexmarl.policy.sampling import GenerationRequest, generate
+from flexmarl.policy.sampling import generate
+from flexmarl.types import GenerationRequest
 from tests.serving.conftest import post
 
 HELLO = [{"role": "user", "content": "Hello! How are you today?"}]

@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from flexmarl.cli.main import main
-from flexmarl.policy.sampling import GenerationRequest, generate
+from flexmarl.policy.sampling import generate
 from flexmarl.serving.toy import save_llama, write_final
+from flexmarl.types import GenerationRequest
 from tests.serving.conftest import free_port, post, start
 
 PROMPT = [5, 9, 40, 41, 42]

@@ -5,15 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexmarl.sim.cost import (
-    MODEL_PRESETS,
-    CostModel,
-    LengthDistribution,
-    ModelSpec,
-    UnknownModelError,
-    get_model,
-)
+from flexmarl.sim.cost import CostModel
 from flexmarl.sim.hardware import get_accelerator
+from flexmarl.sim.lengths import LengthDistribution
+from flexmarl.sim.models import MODEL_PRESETS, ModelSpec, UnknownModelError, get_model
 
 H800 = get_accelerator("H800")
 M7 = get_model("7B")
@@ -82,7 +77,8 @@ def test_prefill_hand_computed() -> None:
 
 
 def test_train_time_hand_computed() -> None:
-    # 7B over 1M tokens on 8 H800s: 6 * 7.61e9 * 1e6 / (8 * 989.5e12 * 0.4) = 4.566e16 / 3.1664e15 = 14.4202 s.
+    # 7B over 1M tokens on 8 H800s: 6 * 7.61e9 * 1e6 / (8 * 989.5e12 * 0.4)
+    #   = 4.566e16 / 3.1664e15 = 14.4202 s.
     # Optimizer step: Adam 7.61e9 * 30 B / (8 * 3.35e12 * 0.7) = 0.012170 s, plus the ring
     # all-reduce of BF16 grads 2 * 7/8 * 15.22e9 B / (200e9 * 0.8 B/s) = 0.166469 s, plus
     # 28 layers * 10 us latency = 0.00028 s.
@@ -151,18 +147,18 @@ def test_prefill_and_training_monotone_in_tokens_and_size() -> None:
 
 def test_generation_monotone_in_tokens_batch_and_size() -> None:
     cm = CostModel(H800)
-    outs = [cm.batch_generation_time(M7, 1, 512, [n] * 32) for n in (16, 128, 1024)]
+    outs = [cm.generation_timing(M7, 1, 512, [n] * 32).total_s for n in (16, 128, 1024)]
     assert outs == sorted(outs) and outs[0] < outs[-1]
-    batches = [cm.batch_generation_time(M7, 1, 512, [256] * b) for b in (1, 16, 256, 1024)]
+    batches = [cm.generation_timing(M7, 1, 512, [256] * b).total_s for b in (1, 16, 256, 1024)]
     assert batches == sorted(batches) and batches[0] < batches[-1]
-    sizes = [cm.batch_generation_time(m, 8, 512, [256] * 64) for m in MODEL_PRESETS.values()]
+    sizes = [cm.generation_timing(m, 8, 512, [256] * 64).total_s for m in MODEL_PRESETS.values()]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
 
 
 def test_tensor_parallelism_speeds_up_a_big_model() -> None:
     cm = CostModel(H800)
     m72 = get_model("72B")
-    by_tp = [cm.batch_generation_time(m72, tp, 512, [512] * 64) for tp in (4, 8)]
+    by_tp = [cm.generation_timing(m72, tp, 512, [512] * 64).total_s for tp in (4, 8)]
     assert by_tp == sorted(by_tp, reverse=True)
     # 145 GB of weights do not fit one 80 GB GPU, nor two at 90% memory (72.7 GB > 72 GB).
     assert cm.kv_capacity_tokens(m72, 1) == cm.kv_capacity_tokens(m72, 2) == 0
@@ -237,8 +233,8 @@ def test_batch_shrinks_as_sequences_finish() -> None:
     alone = sum(cm.decode_step_time(M7, 1, 1, 256 + k) for k in range(64, 4096))
     assert mixed.total_s - short_done == pytest.approx(alone, rel=1e-9)
     # Decode is memory-bound on the weights: the straggler, not the batch, sets the time.
-    all_long = cm.batch_generation_time(M7, 1, 256, [4096] * 64)
-    single = cm.batch_generation_time(M7, 1, 256, [4096])
+    all_long = cm.generation_timing(M7, 1, 256, [4096] * 64).total_s
+    single = cm.generation_timing(M7, 1, 256, [4096]).total_s
     assert single < mixed.total_s < all_long < 2 * single
 
 
@@ -322,4 +318,4 @@ def test_reference_oracle_by_hand() -> None:
         + cm.decode_step_time(M7, 1, 1, 12)
     )
     assert total == pytest.approx(hand) and finish == [total]
-    assert PINNED.batch_generation_time(M7, 1, 10, [3]) == pytest.approx(hand)
+    assert PINNED.generation_timing(M7, 1, 10, [3]).total_s == pytest.approx(hand)

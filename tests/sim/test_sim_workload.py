@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from flexmarl.sim.cost import CostModel, get_model
+from flexmarl.sim.cost import CostModel
+from flexmarl.sim.models import get_model
 from flexmarl.sim.workload import (
     EpisodeNode,
     Workload,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import load_config
-from flexmarl.runtime.base import WorkerLost
 from flexmarl.testing.fakes import FakeSlotPool
 from flexmarl.training import state as st
 from flexmarl.training.host import SlotError, TrainHost

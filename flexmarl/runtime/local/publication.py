@@ -189,8 +189,12 @@ class Publisher:
     fetches the agent's current weights in wire form through the slot pool."""
 
     def __init__(self, train_workers: list[WorkerProxy], placements: dict[str, list[Placement]],
-                 wait_slot: Any = None, pipe_weights: Any = None) -> None:
+                 wait_slot: Any = None, pipe_weights: Any = None,
+                 on_refetch: Any = None) -> None:
+        """`on_refetch(agent, version)`: told when a lost slot's version is published again
+        from its restored successor (an event in metrics.jsonl)."""
         self.train_workers = train_workers
+        self.on_refetch = on_refetch
         self.placements = placements
         self.wait_slot = wait_slot
         self.pipe_weights = pipe_weights
@@ -210,7 +214,7 @@ class Publisher:
         """Deliver `ref` to the live `replicas`. Returns what the driver should keep as the
         latest: the ref, or the pipe form when the slot was lost and the weights were
         fetched from its restored successor (then delivered through the pipes)."""
-        from flexmarl.runtime.base import WorkerError, WorkerLost
+        from flexmarl.api.runtime import WorkerError, WorkerLost
 
         async with self.lock:
             if restart and ref.version < self.published.get(ref.agent, -1):
@@ -258,6 +262,8 @@ class Publisher:
                 f"{ref.slot} before its publication (the restored trainer is at version "
                 f"{have}); runtime.publication: pipe keeps published weights in the driver")
         self.fallbacks += 1
+        if self.on_refetch is not None:
+            self.on_refetch(ref.agent, ref.version)
         results = await asyncio.gather(
             *(w.call("load_weights", (ref.agent, ref.version, wire))
               for w in replicas if w.alive), return_exceptions=True)

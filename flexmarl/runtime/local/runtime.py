@@ -17,14 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from flexmarl.config.schema import RunConfig
-from flexmarl.planning.planner import Plan
-from flexmarl.policy.device import Placement, plan_placements
-from flexmarl.policy.model import approx_params
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
-from flexmarl.rollout.backends.openai import OpenAIBackend
-from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import (
+from flexmarl.api.runtime import (
     NullSink,
     RolloutPool,
     Runtime,
@@ -35,6 +28,13 @@ from flexmarl.runtime.base import (
     WorkerLost,
     load_latest,
 )
+from flexmarl.config.schema import RunConfig
+from flexmarl.planning.planner import Plan
+from flexmarl.policy.device import Placement, plan_placements
+from flexmarl.policy.memory import memory_hints
+from flexmarl.policy.model import approx_params
+from flexmarl.rollout.backends.openai import OpenAIBackend
+from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.local.publication import PublishedRef, Publisher
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
@@ -43,26 +43,45 @@ from flexmarl.runtime.local.workers import (
     train_worker_main,
 )
 from flexmarl.training.host import SlotPool
+from flexmarl.types import GenerationRequest, GenerationResult
 
 _GENERATIONS = itertools.count()
 
 
+class Launcher(Protocol):
+    """Where a worker main runs: `launch` gives the parent's end of its pipe (`send`, `recv`)
+    and a process-like handle (`start`, `is_alive`, `kill`, `join`, `pid`, `exitcode`), not
+    started yet. Local: a spawned process; Ray: an actor (`runtime.ray.transport`)."""
+
+    def launch(self, pool: str, index: int, target: Any, spec: Any) -> tuple[Any, Any]: ...
+
+
+class ProcessLauncher(Launcher):
+    """A spawned process on this machine with a duplex pipe."""
+
+    def launch(self, pool: str, index: int, target: Any, spec: Any) -> tuple[Any, Any]:
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=target, args=(child, spec),
+                              name=f"flexmarl-{pool}-{index}", daemon=True)
+        return conn, process
+
+
 class WorkerProxy:
-    """Parent side of one worker process: futures by message id, a reader thread per pipe."""
+    """Parent side of one worker: futures by message id, a reader thread per pipe."""
 
     # named in the loss reason of an out-of-memory kill (set by the runtime)
     memory_hint: str = ""
 
-    def __init__(self, pool: str, index: int, target: Any, spec: Any, sink: SpanSink):
+    def __init__(self, pool: str, index: int, target: Any, spec: Any, sink: SpanSink,
+                 launcher: Launcher | None = None):
         """`target(conn, spec)` is the worker's main (`spec`: a `WorkerSpec` for the pools'
-        workers, the calibration's echo workers take their own payload)."""
+        workers, the calibration's echo workers take their own payload); `launcher`: where it
+        runs (default: a local process)."""
         self.pool, self.index, self.sink = pool, index, sink
         self.target, self.spec = target, spec
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=target, args=(child, spec), name=f"flexmarl-{pool}-{index}", daemon=True
-        )
+        self.launcher = launcher or ProcessLauncher()
+        self.conn, self.process = self.launcher.launch(pool, index, target, spec)
         self._ids = itertools.count()
         # distinct for every process, a restarted one included (collective publication keys
         # its pair groups by both ends' generations)
@@ -90,7 +109,8 @@ class WorkerProxy:
 
     def fresh(self) -> WorkerProxy:
         """A new worker in this one's place (the supervisor's restart), not started yet."""
-        new = WorkerProxy(self.pool, self.index, self.target, self.spec, self.sink)
+        new = WorkerProxy(self.pool, self.index, self.target, self.spec, self.sink,
+                          self.launcher)
         new.memory_hint = self.memory_hint
         return new
 
@@ -138,7 +158,8 @@ class WorkerProxy:
             return
         self.alive = False
         self.process.join(timeout=1)
-        reason = self.lost_reason or f"process exited (code {self.process.exitcode})"
+        reason = (self.lost_reason or getattr(self.process, "exit_reason", None)
+                  or f"process exited (code {self.process.exitcode})")
         if self.lost_reason is None and self.process.exitcode == -9:  # nobody here killed it
             reason = ("killed by SIGKILL (exit code -9), most likely by the kernel's "
                       "out-of-memory killer" + self.memory_hint)
@@ -428,7 +449,7 @@ class LocalRuntime(Runtime):
         local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
         n_train = max(1, min(rt.train_workers, len(trainable)))
         # each worker process sees only its pool's devices (CUDA_VISIBLE_DEVICES)
-        rollout_at, train_at = plan_placements(rt, rt.rollout_workers, n_train)
+        rollout_at, train_at = self._placements(rt.rollout_workers, n_train)
         self.publication = publication_mode(rt.publication, cfg.pipeline.mode)
         self._store: Any = None
         publication: tuple[str, int, float] | None = None
@@ -438,10 +459,11 @@ class LocalRuntime(Runtime):
             import torch.distributed as dist
 
             # the rendezvous of every pair group (workers connect as clients)
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            host = self._rendezvous_host()
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(
                                             seconds=rt.publication_timeout_s))
-            publication = ("127.0.0.1", self._store.port, rt.publication_timeout_s)
+            publication = (host, self._store.port, rt.publication_timeout_s)
 
         def spec(names: list[str], placement: Placement) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
@@ -450,16 +472,17 @@ class LocalRuntime(Runtime):
                               placement=placement, publication=publication)
 
         self.placements = {"rollout": rollout_at, "train": train_at}
+        launcher = self._launcher()
         self.rollout_workers = [
-            WorkerProxy("rollout", i, rollout_worker_main, spec(local_agents, rollout_at[i]), sink)
+            WorkerProxy("rollout", i, rollout_worker_main, spec(local_agents, rollout_at[i]), sink,
+                        launcher)
             for i in range(rt.rollout_workers)
         ]
         self.train_workers = [
-            WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink)
+            WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink,
+                        launcher)
             for i in range(n_train)
         ]
-        from flexmarl.orchestrator.preflight import memory_hints
-
         for w, hint in zip(self.rollout_workers + self.train_workers,
                            memory_hints(cfg, vocab_size, len(self.rollout_workers),
                                         len(self.train_workers), local_agents, trainable),
@@ -485,8 +508,25 @@ class LocalRuntime(Runtime):
             async def pipe_weights(agent: str) -> Any:
                 return await self.train._call(agent, "weights_pipe", agent)
 
+            def refetched(agent: str, version: int) -> None:
+                sink.fault("weights_refetched", agent=agent, version=version)
+
             self.rollout.publisher = Publisher(self.train_workers, self.placements,
-                                               wait_slot, pipe_weights)
+                                               wait_slot, pipe_weights, refetched)
+
+    # --- what a runtime that hosts the same workers elsewhere (Ray) changes ------------------
+    def _launcher(self) -> Launcher:
+        """Where the workers run: local processes."""
+        return ProcessLauncher()
+
+    def _placements(self, n_rollout: int, n_train: int) -> tuple[list[Placement],
+                                                                   list[Placement]]:
+        """The device(s) of each worker: each sees only its pool's GPUs."""
+        return plan_placements(self.cfg.runtime, n_rollout, n_train)
+
+    def _rendezvous_host(self) -> str:
+        """The address the workers reach the driver's publication rendezvous at."""
+        return "127.0.0.1"
 
     async def start(self) -> None:
         try:

@@ -22,6 +22,7 @@ import numpy as np
 
 from flexmarl.policy.device import Placement
 from flexmarl.runtime.heap import settle as settle_heap
+from flexmarl.training.state import from_numpy, publish_form, state_to_numpy  # noqa: F401 - the workers' wire forms
 
 
 @dataclass
@@ -80,11 +81,6 @@ def start_heartbeat(conn: Connection, spec: WorkerSpec) -> LockedConnection:
     return locked
 
 
-def state_to_numpy(state: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict, dict]:
-    arrays, meta = state
-    return {k: np.asarray(v) for k, v in arrays.items()}, meta
-
-
 def _setup_torch(spec: WorkerSpec) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from flexmarl.policy.device import set_process_device
@@ -103,29 +99,6 @@ def _setup_torch(spec: WorkerSpec) -> None:
 
 def to_numpy(weights: dict[str, Any]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in weights.items()}
-
-
-def from_numpy(weights: Any) -> dict[str, Any]:
-    """Tensors from a numpy dict, from the state interface's wire form (`publish_form`), or
-    of a `TrainingState` received by a collective publication."""
-    import torch
-
-    from flexmarl.training.state import TrainingState
-
-    if isinstance(weights, TrainingState):
-        return weights.tensors
-    if isinstance(weights, tuple):
-        from flexmarl.training.state import from_wire
-
-        return from_wire(weights).tensors
-    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in weights.items()}
-
-
-def publish_form(weights: dict[str, Any], agent: str, version: int) -> Any:
-    """Published weights travel as a `TrainingState` in wire form: one flat buffer, any dtype."""
-    from flexmarl.training.state import TrainingState, to_wire
-
-    return to_wire(TrainingState(weights, {"agent": agent, "version": version}))
 
 
 def _error(exc: BaseException) -> str:
@@ -329,9 +302,9 @@ def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]],
                side: dict[str, Callable[[Any], tuple[Any, str]]] | None = None,
                pool: str = "train") -> None:
     """The command loop of a worker process that answers one command at a time (every
-    training slot kind: LLM `TrainHost`, classic MARL `MarlSlot`; the classic MARL rollout
-    worker): say ready, then run each command through `handle` -> (result, span label) and
-    answer it, until `stop`. A failing command is answered with its error.
+    training slot kind: LLM `TrainHost`, classic MARL a `TrainHost` of network learners; the
+    classic MARL rollout worker): say ready, then run each command through `handle` -> (result,
+    span label) and answer it, until `stop`. A failing command is answered with its error.
 
     `side` commands run on a thread of their own, in order, answered as soon as they are
     done: a publication's send must not wait behind a long accumulate of the slot."""

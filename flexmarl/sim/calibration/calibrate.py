@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.config.schema import RunConfig, load_config
+from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
     OtherLoad,
@@ -81,8 +82,6 @@ class CalibrationRow:
 
 def _local(config: str | Path, overrides: list[str] | None = None) -> tuple[RunConfig, Any]:
     """The config on the local runtime (whatever its `runtime.kind`), and its task."""
-    from flexmarl.orchestrator.run import prepare
-
     cfg = load_config(config, overrides)
     if cfg.runtime.kind != "local":
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
@@ -93,8 +92,6 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
               out: str | Path | None = None, profile: str | Path | None = None,
               modes: tuple[str, ...] = ("sync", "async"),
               log: Any = print, reps: int = 5) -> list[CalibrationRow]:
-    from flexmarl.orchestrator.run import train
-
     cfg, task = _local(config, overrides)
     out = Path(out or Path("runs") / "calibrate" / cfg.name)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +134,8 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
     print_table(cfg.name, rows, iterations, loads, prof_load)
     (out / "calibration.json").write_text(json.dumps({
         "config": str(config), "iterations": iterations, "tolerance": TOLERANCE,
-        "machine": machine_info(), "loadavg": loads, "profile": str(profile or out / "profile.json"),
+        "machine": machine_info(), "loadavg": loads,
+        "profile": str(profile or out / "profile.json"),
         "profiled_load": prof_load, "rows": [r.to_dict() for r in rows],
         "simulated_records": {m: s.records for m, s in sims.items()},
     }, indent=2, default=str))

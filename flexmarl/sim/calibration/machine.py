@@ -3,9 +3,13 @@ and the contention curve (`measure_contention`: how fast each of k busy processe
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from collections import defaultdict
 from typing import Any
@@ -116,8 +120,6 @@ class OtherLoad:
         self.stop()
 
     def start(self) -> OtherLoad:
-        import threading
-
         self.cpus = self.niced = 0.0
         self.measured = False  # /proc/stat was read at both ends
         self.series = []
@@ -174,9 +176,6 @@ def measure_external_load(seconds: float = 1.0, cpus: int | None = None) -> floa
     processes (plain interpreters, started together) get `capacity` CPU-seconds per second
     between them; under processor sharing with E other runnable tasks,
     capacity = cpus * cpus / (cpus + E)."""
-    import subprocess
-    import sys
-
     cpus = cpus or os.cpu_count() or 1
     start = time.time() + 0.3
     procs = [subprocess.Popen([sys.executable, "-S", "-c", _SPIN, str(seconds), str(start)],
@@ -194,7 +193,7 @@ def _contention_worker(conn: Any, dims: dict[str, int], threads: int, rows: int,
     h -> vocab) on `rows` x `width` tokens. On ("go", start, seconds) it waits for the
     wall-clock `start`, then repeats one unit (a no-grad forward, as a rollout step, and a
     forward + backward, as a micro-batch) for `seconds` and answers (units, elapsed)."""
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
     torch.set_num_threads(threads)
     try:
@@ -248,8 +247,6 @@ def measure_contention(cfg: Any, vocab: int, max_len: int, *, max_procs: int | N
     busy processes may each run well below full speed, which processor sharing (`cores / n`)
     does not see. Other users' load at the time is in the curve, as it is in the profiled
     costs. Takes a few seconds (mostly the processes' start-up: torch, not transformers)."""
-    import multiprocessing as mp
-
     cpus = os.cpu_count() or 1
     k_max = max(2, max_procs or min(8, cpus + 1))
     model = next(iter(cfg.agents.values())).model

@@ -28,17 +28,20 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import RunConfig
+from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
 from flexmarl.policy.model import approx_params, stable_seed
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
-from flexmarl.runtime.base import WorkerLost
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
+from flexmarl.sim.runtime.clock import run_virtual
+from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.digest_host import DigestSlotHost
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 class CpuShare:
@@ -539,10 +542,6 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     `profiled_external` the profile was measured under (default `machine.profiled_load`: other
     users' work during the profiling, or an older profile's probe); with `external` None the run
     sees the profile's load, and the profiled costs and curve are used as measured."""
-    from flexmarl.orchestrator.joint import JointOrchestrator
-    from flexmarl.runtime.sim.clock import run_virtual
-    from flexmarl.telemetry.recorder import Telemetry
-
     cfg = mirror_config(cfg, iterations, mode)
     rt = cfg.runtime
     agents = list(cfg.agents)

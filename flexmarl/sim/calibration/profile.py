@@ -51,7 +51,22 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.runtime.base import NullSink
+from flexmarl.api.runtime import NullSink
+from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.policy.model import build_model, weights_of
+from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.engine import HFEngine
+from flexmarl.runtime.local.runtime import (
+    LocalRolloutPool,
+    LocalRuntime,
+    LocalTrainPool,
+    WorkerProxy,
+)
+from flexmarl.runtime.local.workers import (
+    WorkerSpec,
+    rollout_worker_main,
+    train_worker_main,
+)
 from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
 from flexmarl.sim.calibration.machine import (
     OtherLoad,
@@ -60,6 +75,11 @@ from flexmarl.sim.calibration.machine import (
     measure_external_load,
 )
 from flexmarl.sim.calibration.mirror import mirror_config
+from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.training import state as st
+from flexmarl.training.host import TrainHost
+from flexmarl.training.state import from_numpy, publish_form, state_to_numpy
+from flexmarl.types import GenerationRequest, GenerationResult, Sample
 
 # --- measurement helpers ----------------------------------------------------------------------
 # How repeated timings of one point are summarised: the median is the typical cost at the
@@ -88,9 +108,6 @@ def _grid(upper: int, points: Sequence[int]) -> list[int]:
 def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
                    reps: int = 5) -> dict[str, Fit]:
     """Prefill and decode of one model through the real continuous batcher."""
-    from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.rollout.engine import HFEngine
-
     engine = HFEngine(model, max_seqs)
     rng = np.random.default_rng(0)
     ids = iter(range(1 << 30))
@@ -133,7 +150,6 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
 
 def _samples(n: int, prompt: int, response: int, vocab: int, version: int, tag: str,
              allowed: list[int] | None) -> list[Any]:
-    from flexmarl.training.trainer import Sample
 
     rng = np.random.default_rng(n * 1000 + prompt)
     pool = allowed or list(range(3, vocab))
@@ -147,10 +163,6 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                     prompt_len: int, response_len: int, allowed: list[int] | None,
                     reps: int = 5) -> dict[str, Fit]:
     """accumulate / step / weights / swap / get_state of one agent's real trainer."""
-    from flexmarl.runtime.local.workers import publish_form, state_to_numpy
-    from flexmarl.training import state as st
-    from flexmarl.training.host import TrainHost
-
     slot = TrainHost(cfg, vocab, max_seq_len)
     t0 = time.perf_counter()
     slot.bind(agent, None)
@@ -207,10 +219,6 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
 
 
 def profile_load_weights(model: Any, agent: str, reps: int = 5) -> Fit:
-    from flexmarl.policy.model import weights_of
-    from flexmarl.rollout.engine import HFEngine
-    from flexmarl.runtime.local.workers import from_numpy, publish_form
-
     engine = HFEngine(model, 4)
     wire = publish_form(weights_of(model), agent, 1)
     return constant([_timed(lambda: engine.load_weights(from_numpy(wire)), reps)])
@@ -221,7 +229,6 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
     """Speaks the local workers' protocol and answers every command at once: generate requests
     with `max_new_tokens` tokens (the first allowed token), published weights as a blob of
     `spec` bytes (the real wire form's size), the rest with what a real worker returns."""
-    from flexmarl.policy.sampling import GenerationResult
 
     blob = bytes(int(spec or 0))
     conn.send((-1, True, "ready", []))
@@ -255,9 +262,6 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
 
 async def _ipc_measure(samples_of: Callable[[int], Any], wire: Any,
                        reps: int) -> dict[str, Fit]:
-    from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.runtime.local.runtime import WorkerProxy
-
     proxy = WorkerProxy("profile", 0, echo_worker_main, None, NullSink())
     await proxy.start()
     try:
@@ -306,13 +310,6 @@ async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
                         pool: str = "rollout") -> tuple[Any, _Spans]:
     """A real worker process of the local runtime (`rollout_worker_main`, or
     `train_worker_main` for pool "train") hosting `names`, and the sink its spans go to."""
-    from flexmarl.runtime.local.runtime import WorkerProxy
-    from flexmarl.runtime.local.workers import (
-        WorkerSpec,
-        rollout_worker_main,
-        train_worker_main,
-    )
-
     rt = cfg.runtime
     spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
                       rt.deterministic, cfg.rollout.max_batch_seqs,
@@ -347,7 +344,6 @@ async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
     predict for the same work (`worker_scale["rollout"]`); the fits were measured one model at
     a time, in hot loops, and a replica whose models alternate runs slower than that. In both
     the first round warms the replica up and is left out."""
-    from flexmarl.policy.sampling import GenerationRequest
 
     proxy, sink = await _start_worker(cfg, vocab, max_len, list(agents))
     ids = itertools.count()
@@ -461,10 +457,6 @@ def measure_lengths(cfg: Any, task: Any
     """One sync iteration of the config on the real local runtime (its worker processes, its
     weight publication): per agent, (prompt length, output length, has stop tokens) of each
     request its replicas served, and the request's allowed tokens."""
-    from flexmarl.orchestrator.joint import JointOrchestrator
-    from flexmarl.runtime.local.runtime import LocalRuntime
-    from flexmarl.telemetry.recorder import Telemetry
-
     one = mirror_config(cfg, 1, "sync")
     lengths: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
     allowed: dict[str, list[int] | None] = {}
@@ -496,10 +488,8 @@ def measure_lengths(cfg: Any, task: Any
 def profile_local(cfg: Any, task: Any, *, reps: int = 5,
                   log: Callable[[str], None] | None = None) -> LocalProfile:
     """Measure `cfg`'s agents on this machine (see the module docstring)."""
-    import torch
+    import torch  # start-up cost: torch only where it runs
 
-    from flexmarl.policy.model import build_model, weights_of
-    from flexmarl.runtime.local.workers import publish_form
 
     log = log or (lambda s: None)
     started = time.perf_counter()
@@ -577,11 +567,6 @@ async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentPr
     once (`echo_worker_main`). Returns this process's CPU seconds per generate request (the
     rollout phase) and per training command (the rest); message latency is not in it (the
     `ipc_*` fits), nor the echo workers' own time."""
-    from flexmarl.orchestrator.joint import JointOrchestrator
-    from flexmarl.rollout.balancer import Balancer
-    from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, WorkerProxy
-    from flexmarl.telemetry.recorder import Telemetry
-
     rt = cfg.runtime
     trainable = [a for a in cfg.agents if cfg.agents[a].trainable]
     nbytes = max((p.weights_bytes for p in agents.values()), default=0)

@@ -69,6 +69,35 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
+def clip_bounds(cfg) -> tuple[float, float]:
+    """(low, high): the ratio is clipped to [1 - low, 1 + high] (clip-higher when they differ)."""
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+    return cfg.clip_eps, high
+
+
+def importance_ratio(inp: LossInputs, cfg) -> torch.Tensor:
+    """pi_theta / pi_behaviour per token [B, R].
+
+    `ratio_level: sequence` (GSPO): every token of a row carries the row's ratio
+    s = exp(mean_t(logp - old_logp)), written as sg[s] * pi / sg[pi] so its gradient is GSPO's
+    (the row's ratio times the token's score) while its value is s.
+    """
+    log_ratio = inp.logp - inp.old_logp
+    if cfg.ratio_level == "token":
+        return torch.exp(log_ratio)
+    seq_log_ratio = row_mean(log_ratio, inp.mask).unsqueeze(1)
+    token_log_ratio = seq_log_ratio.detach() + inp.logp - inp.logp.detach()
+    return torch.exp(token_log_ratio) * inp.mask
+
+
+def aggregate_rows(token_loss: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """Per-row loss [B] from per-token losses: mean over the row's tokens (`sequence`) or
+    their sum over the constant `loss_norm_tokens` (`token_sum_norm`, Dr. GRPO)."""
+    if cfg.loss_agg == "token_sum_norm":
+        return (token_loss * mask).sum(-1) / float(cfg.loss_norm_tokens)
+    return row_mean(token_loss, mask)
+
+
 def policy_loss(
     inp: LossInputs, token_adv: torch.Tensor, cfg, step: int
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -82,15 +111,16 @@ def policy_loss(
     this function).
     """
     mask = inp.mask
-    ratio = torch.exp(inp.logp - inp.old_logp)
+    ratio = importance_ratio(inp, cfg)
+    low, high = clip_bounds(cfg)
     surr1 = ratio * token_adv
-    surr2 = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * token_adv
-    pg_row = row_mean(-torch.minimum(surr1, surr2), mask)
+    surr2 = ratio.clamp(1.0 - low, 1.0 + high) * token_adv
+    pg_row = aggregate_rows(-torch.minimum(surr1, surr2), mask, cfg)
     total = pg_row.sum()
     metrics = {
         "loss/policy": float(pg_row.detach().sum()),
         "loss/value": 0.0,
-        "clip_frac": float((((ratio - 1.0).abs() > cfg.clip_eps).float() * mask).sum()),
+        "clip_frac": float((((ratio < 1.0 - low) | (ratio > 1.0 + high)).float() * mask).sum()),
         "tokens": float(mask.sum()),
     }
     if inp.ref_logp is not None and cfg.kl_coef > 0:

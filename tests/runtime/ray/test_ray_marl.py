@@ -30,7 +30,8 @@ def test_mappo_on_ray_equals_the_local_run(tmp_path, ray_head, reference):  # no
     assert res.placement["ray"]["requested_address"] == ray_head
     for pool in ("rollout", "train"):
         for worker in res.placement[pool]:
-            assert worker["actor_id"] and worker["node_id"] and worker["bundle"] == {"CPU": 1.0}
+            assert worker["actor_id"] and worker["node_id"]
+            assert worker["resources"] == {"CPU": 1.0}
     assert_same_run(out, res.records, res.audit, reference)
 
 

@@ -15,12 +15,12 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from flexmarl.api.runtime import WorkerError
 from flexmarl.config.schema import BackendConfig, config_from_dict
 from flexmarl.orchestrator.run import train
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
-from flexmarl.runtime.base import WorkerError
-from flexmarl.runtime.ray.runtime import RayRolloutPool
+from flexmarl.runtime.local.runtime import LocalRolloutPool
 from tests.faults.conftest import (
     events,
     max_diff,
@@ -98,7 +98,7 @@ def test_openai_agent_and_bf16_agent_on_ray_match_the_local_runtime(
 
 def test_publishing_to_an_endpoint_agent_is_refused():
     endpoint = OpenAIBackend("judge", BackendConfig(kind="openai", url="http://127.0.0.1:9"))
-    pool = RayRolloutPool([], Balancer(["speaker"], 1, "hierarchical", {"speaker": 1.0}),
+    pool = LocalRolloutPool([], Balancer(["speaker"], 1, "hierarchical", {"speaker": 1.0}),
                           {"judge": endpoint})
     with pytest.raises(WorkerError, match="agent 'judge' is served by an external endpoint"):
         asyncio.run(pool.publish("judge", 1, {}))
@@ -132,7 +132,7 @@ def _freeze(pid: int) -> None:
 
 
 async def freeze_first_actor(pool, *_) -> int:
-    pid = pool.actors[0].where["pid"]
+    pid = pool.workers[0].process.pid
     _freeze(pid)
     return pid
 
@@ -178,7 +178,7 @@ def test_trainer_actor_with_a_stuck_compute_thread_is_killed_and_restored(
 
     async def stall_next_accumulate(pool, *_) -> int:
         stall.write_text("train:accumulate")
-        return pool.actors[0].where["pid"]
+        return pool.workers[0].process.pid
 
     # iteration 1, after its first micro-batch was summed: the next one blocks
     hook, state = fault_at_call("train", "accumulate", 4 + 1, stall_next_accumulate)

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from flexmarl.graph.task import load_task
-from flexmarl.runtime.sim.clock import run_virtual
 from flexmarl.sim.calibration.calibrate import series_in_virtual_time
 from flexmarl.sim.calibration.machine import OtherLoad, _tree_cpu_s, profiled_load
 from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
+from flexmarl.sim.runtime.clock import run_virtual
 from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
 
 LOADED = [1.0, 0.67, 0.42]  # a curve measured next to one CPU's worth of other work, 2 CPUs

@@ -1,4 +1,5 @@
-"""The local profiler's fits and JSON, the mirrored local runtime, and --profile-local end to end."""
+"""The local profiler's fits and JSON, the mirrored local runtime, and --profile-local end to
+end."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 
 from flexmarl.config.schema import config_from_dict
 from flexmarl.graph.task import load_task
-from flexmarl.runtime.sim.clock import run_virtual
 from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
 from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
+from flexmarl.sim.runtime.clock import run_virtual
 
 MODEL = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2}
 

@@ -96,3 +96,53 @@ def test_lr_schedules():
     assert lr_factor(cs, 10, 100, 400, 100) == pytest.approx(0.5 * math.exp(-0.1))
     assert lr_factor(cs, 0, 100, 100, 400) == pytest.approx(1.0)  # min(1, .) caps it
     assert lr_factor(OptimConfig(warmup_steps=4), 1, 10, 1, 1) == pytest.approx(0.5)
+
+
+def test_clip_higher_uses_the_wider_upper_bound():
+    # ratio 1.5 with A=1: clip_eps 0.2 alone caps it at 1.2; clip_eps_high 0.28 at 1.28.
+    # ratio 0.5 with A=-1: the lower bound stays 1 - 0.2 = 0.8 -> loss -(-0.8) = 0.8 (the
+    # pessimistic min picks the clipped 0.8*-1 = -0.8 over 0.5*-1 = -0.5)
+    inp = _inputs([[math.log(1.5)], [math.log(0.5)]], [[0.0], [0.0]], [[1], [1]],
+                  adv=[1.0, -1.0])
+    loss, m = grpo.loss(inp, GRPOConfig(clip_eps=0.2))
+    assert float(loss) == pytest.approx(-1.2 + 0.8, rel=1e-5)
+    loss, m = grpo.loss(inp, GRPOConfig(clip_eps=0.2, clip_eps_high=0.28))
+    assert float(loss) == pytest.approx(-1.28 + 0.8, rel=1e-5)
+    assert m["clip_frac"] == 2.0
+    # a ratio of 1.25 is clipped with the symmetric bound, not with clip-higher
+    inp = _inputs([[math.log(1.25)]], [[0.0]], [[1]], adv=[1.0])
+    assert grpo.loss(inp, GRPOConfig(clip_eps=0.2, clip_eps_high=0.28))[1]["clip_frac"] == 0.0
+    assert grpo.loss(inp, GRPOConfig(clip_eps=0.2))[1]["clip_frac"] == 1.0
+
+
+def test_token_sum_norm_aggregation_has_no_length_bias():
+    # on-policy (ratio 1): token loss = -A. Row 0 has 3 tokens, row 1 has 1.
+    inp = _inputs([[0.0] * 3, [0.0] * 3], [[0.0] * 3, [0.0] * 3], [[1, 1, 1], [1, 0, 0]],
+                  adv=[1.0, 1.0])
+    # sequence: each row's mean, -1 + -1
+    assert float(grpo.loss(inp, GRPOConfig())[0]) == pytest.approx(-2.0)
+    # Dr. GRPO: each row's token sum over the constant 4: -3/4 + -1/4
+    loss, _ = grpo.loss(inp, GRPOConfig(loss_agg="token_sum_norm", loss_norm_tokens=4))
+    assert float(loss) == pytest.approx(-1.0)
+    # per-row, so splitting the batch into two micro-batches gives the same sum
+    halves = [_inputs([[0.0] * 3], [[0.0] * 3], [m], adv=[1.0]) for m in ([1, 1, 1], [1, 0, 0])]
+    cfg = GRPOConfig(loss_agg="token_sum_norm", loss_norm_tokens=4)
+    assert sum(float(grpo.loss(h, cfg)[0]) for h in halves) == pytest.approx(-1.0)
+
+
+def test_gspo_sequence_ratio_value_and_gradient():
+    # row log-ratios 0.1 and 0.3 on two tokens: s = exp(0.2); both tokens carry s
+    logp = torch.tensor([[0.1, 0.3]], requires_grad=True)
+    inp = common.LossInputs(logp=logp, old_logp=torch.zeros(1, 2), mask=torch.ones(1, 2),
+                            advantages=torch.tensor([1.0]), rewards=torch.tensor([0.0]))
+    cfg = GRPOConfig(ratio_level="sequence", clip_eps=0.5)
+    s = math.exp(0.2)
+    assert common.importance_ratio(inp, cfg).tolist()[0] == pytest.approx([s, s], rel=1e-6)
+    loss, _ = grpo.loss(inp, cfg)
+    assert float(loss.detach()) == pytest.approx(-s, rel=1e-6)
+    loss.backward()
+    # d(-s)/d logp_t = -s * d(mean log ratio)/d logp_t = -s / 2 (GSPO's gradient)
+    assert logp.grad.tolist()[0] == pytest.approx([-s / 2, -s / 2], rel=1e-6)
+    # outside the clip range the row's ratio is clipped once: A=1, s=exp(0.2) > 1 + 1e-3
+    loss, m = grpo.loss(inp, GRPOConfig(ratio_level="sequence", clip_eps=1e-3))
+    assert float(loss) == pytest.approx(-(1 + 1e-3), rel=1e-6) and m["clip_frac"] == 2.0

@@ -10,12 +10,18 @@ user function *raises* stay episode failures (a judge may fail transiently); the
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from flexmarl.errors import UserError
-from flexmarl.graph.meg import NodePrompt
+from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.meg import EpisodeContext, NodePrompt
+from flexmarl.policy.tokenizer import model_vocab
 
 
 class ContractError(UserError, ValueError):
@@ -73,8 +79,6 @@ def check_prompt(node: str, agent: str, prompt: Any, vocab: int, max_seq_len: in
 
 def check_condition(node: str, value: Any) -> bool:
     try:
-        import numpy as np
-
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
     except ImportError:  # pragma: no cover - numpy is a dependency
@@ -117,13 +121,7 @@ def dry_run(task: Any, builder: str, agents: Any) -> None:
 
     `agents`: the agents' names, or their configs (`{name: AgentConfig}`): then text and chat
     prompts are rendered with each agent's tokenizer too (a missing tokenizer, a bad message)."""
-    import copy
-    from collections.abc import Mapping
 
-    import numpy as np
-
-    from flexmarl.graph.chat import PromptRenderer
-    from flexmarl.graph.meg import EpisodeContext
 
     renderer = PromptRenderer(agents, task.vocab_size) if isinstance(agents, Mapping) else None
 
@@ -154,8 +152,6 @@ def dry_run(task: Any, builder: str, agents: Any) -> None:
         if renderer is not None:
             prompt, is_text = renderer.render(name, node.agent, prompt)
             if is_text:
-                from flexmarl.policy.tokenizer import model_vocab
-
                 vocab = model_vocab(agents[node.agent].model, task.vocab_size)
                 ctx.texts[name] = ""  # placeholder text
         check_prompt(name, node.agent, prompt, vocab, task.max_seq_len)

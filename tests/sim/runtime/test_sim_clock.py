@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from flexmarl.runtime.sim import SimDeadlockError, VirtualTimeEventLoop, run_virtual
+from flexmarl.sim.runtime import SimDeadlockError, VirtualTimeEventLoop, run_virtual
 
 
 def test_hour_long_sleep_takes_no_real_time() -> None:

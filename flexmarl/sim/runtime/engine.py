@@ -15,8 +15,8 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.sim.cost import CostModel
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 class CostModelEngine:

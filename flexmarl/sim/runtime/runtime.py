@@ -36,17 +36,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexmarl.planning.demand import CostModelDemand
+from flexmarl.api.runtime import RolloutPool, Runtime, TrainPool
 from flexmarl.planning.planner import Planner, Resources
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.scheduler import ReplicaScheduler, Reply
-from flexmarl.runtime.base import RolloutPool, Runtime, TrainPool
-from flexmarl.runtime.sim.engine import CostModelEngine
-from flexmarl.sim.cost import CostModel, keyed_uniform
+from flexmarl.sim.cost import CostModel
+from flexmarl.sim.demand import CostModelDemand
+from flexmarl.sim.lengths import keyed_uniform
+from flexmarl.sim.runtime.engine import CostModelEngine
 from flexmarl.sim.task import SyntheticTokens
 from flexmarl.sim.workload import Workload
 from flexmarl.training.allocator import SlotAllocator
-from flexmarl.training.trainer import Sample
+from flexmarl.types import GenerationRequest, GenerationResult, Sample
 
 
 @dataclass

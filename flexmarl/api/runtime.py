@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from flexmarl.planning.planner import Plan
-    from flexmarl.store.experience import ExperienceStore
 
 Weights = dict[str, np.ndarray]
 
@@ -157,11 +156,6 @@ class Runtime(Protocol):
     async def stop(self) -> None: ...
 
     def placement(self) -> dict[str, Any]: ...
-
-    def make_store(self) -> ExperienceStore | None:
-        """The experience store the orchestrator should use (Ray: one table actor per
-        agent), or None for the default in-process store."""
-        return None
 
     def pool_devices(self) -> dict[str, list[int]]:
         """The GPU indices each pool computes on (empty on the CPU): GPU metrics."""

@@ -188,9 +188,9 @@ def test_simulated_replicas_admit_waiting_requests_in_priority_order(wl):
     import asyncio
     import dataclasses
 
-    from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.runtime.sim.clock import run_virtual
-    from flexmarl.runtime.sim.runtime import SimFeatures, SimRuntime
+    from flexmarl.sim.runtime.clock import run_virtual
+    from flexmarl.sim.runtime.runtime import SimFeatures, SimRuntime
+    from flexmarl.types import GenerationRequest
 
     async def main():
         rt = SimRuntime(wl, SimFeatures(balance="static"),
@@ -247,7 +247,7 @@ def test_small_trainers_time_share_slots_through_the_production_allocator():
 def test_planner_prices_fewer_slots_by_the_pools_work_and_its_swaps():
     rt = simulate_system(load_workload(WORKLOAD.parent / "star_hub.yaml"), "flexmarl",
                          iterations=1).runtime
-    from flexmarl.planning.demand import CostModelDemand
+    from flexmarl.sim.demand import CostModelDemand
 
     planner = rt.planner
     demand = CostModelDemand(rt.wl, rt.cost, False, {}, {}, {}, dict)  # from the workload
@@ -275,7 +275,7 @@ def test_fixed_replicas_pin_the_rollout_and_give_training_the_rest(wl):
     refused by name."""
     import dataclasses
 
-    from flexmarl.runtime.sim.runtime import SimRuntime
+    from flexmarl.sim.runtime.runtime import SimRuntime
 
     base = SYSTEMS["flexmarl"][2]
     planned = SimRuntime(wl, base).plans[0]
@@ -318,7 +318,8 @@ def test_conditional_edges_skip_nodes_at_their_probability_and_every_system_sees
     for system in ("flexmarl", "marti"):
         res = simulate_system(wl, system, iterations=1)
         node_of = {turn: name for name, turn in res.orchestrator.episodes.turns.items()}
-        agent_of = {name: node.agent for name, node in res.orchestrator.episodes.graph.nodes.items()}
+        nodes = res.orchestrator.episodes.graph.nodes
+        agent_of = {name: node.agent for name, node in nodes.items()}
         calls: dict[str, set] = {}
         for sid in res.runtime.requests:
             from flexmarl.store.experience import parse_sample_id
@@ -373,7 +374,7 @@ def test_static_conditions_decided_at_the_episode_start_change_nothing(monkeypat
     wl = type(wl).model_validate({**data, "cluster": {**data["cluster"], "nodes": 8},
                                   "rollout": {"prompts_per_iteration": 12, "group_size": 4}})
     fast = simulate_system(wl, "flexmarl", iterations=2)
-    assert fast.orchestrator.episodes._static  # the variants are static
+    assert fast.orchestrator.episodes.executor._static  # the variants are static
 
     def dynamic(w):
         task = workload_task(w)
@@ -383,7 +384,7 @@ def test_static_conditions_decided_at_the_episode_start_change_nothing(monkeypat
 
     monkeypatch.setattr(sim_module, "workload_task", dynamic)
     slow = simulate_system(wl, "flexmarl", iterations=2)
-    assert not slow.orchestrator.episodes._static
+    assert not slow.orchestrator.episodes.executor._static
     assert fast.runtime.requests == slow.runtime.requests
     assert fast.makespan_s == slow.makespan_s
     for system in ("flexmarl-stage", "sync-disaggregated"):  # the stage barrier counts skips too

@@ -1,0 +1,36 @@
+"""The task API reference's example team (docs/api/index.md): an answerer adds two numbers,
+a judge says whether the answer is right. Rule-based rewards per node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexmarl.graph import MEG, EpisodeContext, Task, TextPrompt
+
+
+def build_answer_judge(max_operand: int = 9, vocab_size: int = 0) -> Task:
+    """`vocab_size`: only for random-model agents (pretrained models give their own)."""
+
+    def ask(ctx: EpisodeContext) -> list[dict[str, str]]:
+        a, b = ctx.data["a"], ctx.data["b"]
+        return [{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}]
+
+    def judge(ctx: EpisodeContext) -> TextPrompt:
+        return TextPrompt(f"Is {ctx.data['a']} + {ctx.data['b']} = {ctx.text('ask')}? "
+                          "Answer Yes or No.", max_new_tokens=2)
+
+    def right(ctx: EpisodeContext) -> bool:
+        return ctx.text("ask").strip() == str(ctx.data["a"] + ctx.data["b"])
+
+    def verdict(ctx: EpisodeContext) -> float:
+        return float(ctx.text("judge").strip().startswith("Yes" if right(ctx) else "No"))
+
+    def inputs(rng: Any, n: int) -> list[dict[str, int]]:
+        return [{"a": int(rng.integers(max_operand + 1)), "b": int(rng.integers(max_operand + 1))}
+                for _ in range(n)]
+
+    graph = (MEG()
+             .node("ask", agent="answerer", prompt=ask, reward=lambda ctx: float(right(ctx)))
+             .node("judge", agent="judge", inputs=["ask"], prompt=judge, reward=verdict)
+             .set_success(right))
+    return Task(graph=graph, sample_inputs=inputs, vocab_size=vocab_size)

@@ -1,0 +1,313 @@
+"""An agent's trainer sharded over the K ranks of one torch.distributed group (FSDP2).
+
+Every rank of the group builds the same `AgentTrainer` (same seed, same weights), then each
+transformer block and the root model are wrapped with PyTorch's `fully_shard` on a 1-D
+`DeviceMesh`: parameters, gradients and AdamW moments become `DTensor`s sharded on dim 0, so a
+rank holds about 1/K of them. The loss path is `AgentTrainer.accumulate` unchanged: each rank
+runs its share of every micro-batch (rows `rank::K`), FSDP reduce-scatters the gradients, and
+`step` normalises by the rows seen on *all* ranks, which makes one step of K ranks equal to
+one step of one device up to summation order.
+
+All methods are collective: every rank of the group must call them in the same order (as the
+ranks of one training slot do, driven by one host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from flexmarl.config.schema import AgentConfig
+from flexmarl.policy.device import memory_stats
+from flexmarl.training.state import TrainingState
+from flexmarl.training.trainer import AgentTrainer, TrainingError
+from flexmarl.types import Sample
+
+# bytes per all-gather when the full weights are published (one bucket in flight at a time)
+PUBLISH_BUCKET_BYTES = 64 << 20
+
+
+def _blocks(model: Any) -> list[torch.nn.Module]:
+    """The transformer blocks of a transformers causal LM (through peft's wrapper too)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(inner, "model", inner)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise TrainingError(f"{type(inner).__name__}: no transformer blocks (model.layers) "
+                            "to shard")
+    return list(layers)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedAgentTrainer(AgentTrainer):
+    """`AgentTrainer` whose state is sharded over `mesh` (default: the whole default group)."""
+
+    def __init__(self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int,
+                 run_seed: int, total_steps: int | None = None, max_staleness: int = 0,
+                 device: str | None = None, mesh: DeviceMesh | None = None,
+                 mixed_precision: MixedPrecisionPolicy | None = None) -> None:
+        """`mixed_precision`: FSDP2's policy (e.g. bf16 params, fp32 reduce); the master
+        weights and optimizer state stay float32 either way."""
+        if not dist.is_initialized():
+            raise TrainingError(f"agent {agent!r}: a sharded trainer needs an initialised "
+                                "torch.distributed process group")
+        if cfg.algorithm.name == "ppo" or cfg.algorithm.kl_coef > 0:
+            # the value head / critic / reference copy would need their own sharding
+            raise TrainingError(f"agent {agent!r}: sharded training supports critic-free "
+                                "algorithms without a KL reference so far (got "
+                                f"{cfg.algorithm.name}, kl_coef={cfg.algorithm.kl_coef})")
+        super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
+                         max_staleness, device)
+        self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
+        self.group = self.mesh.get_group()
+        self.rank = self.mesh.get_local_rank()
+        self.world = self.mesh.size()
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        if mixed_precision is not None:
+            kwargs["mp_policy"] = mixed_precision
+        for block in _blocks(self.model):
+            fully_shard(block, **kwargs)
+        fully_shard(self.model, **kwargs)
+        # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet)
+        self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = list(self.actor_params)
+        opt = self.optimizer
+        self.optimizer = torch.optim.AdamW(
+            [{"params": self.actor_params, "lr": cfg.optim.lr, "base_lr": cfg.optim.lr}],
+            lr=cfg.optim.lr, betas=opt.defaults["betas"],
+            weight_decay=opt.defaults["weight_decay"])
+
+    # --- training ------------------------------------------------------------------------------
+    def accumulate(self, samples: list[Sample]) -> dict[str, float]:
+        """This rank's share (rows rank::K) of the micro-batch; every rank must call it with the
+        same samples. A rank left without rows runs one row with zero weight, because FSDP's
+        collectives need every rank in every forward and backward."""
+        if not samples:
+            return {}
+        share = samples[self.rank::self.world]
+        if share:
+            super().accumulate(share)
+            return {"rows": float(len(share))}
+        saved = (self._rows, set(self._seen), dict(self._sums), self._nonfinite,
+                 self.loss_scale)
+        self.loss_scale = 0.0
+        try:
+            super().accumulate(samples[:1])
+        finally:
+            self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale = saved
+        return {"rows": 0.0}
+
+    def _reduce_counts(self) -> None:
+        """Rows, metric sums and the skip flag of all ranks, on every rank."""
+        keys = sorted(set(self._sums) - {"logprob_diff_max"})
+        # every rank must reduce the same keys: the key set follows from the algorithm
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (keys, self._nonfinite), group=self.group)
+        all_keys = sorted({k for ks, _ in gathered for k in ks})
+        vals = torch.tensor([float(self._rows)] + [self._sums.get(k, 0.0) for k in all_keys],
+                            dtype=torch.float64)
+        dist.all_reduce(vals, group=self.group)
+        mx = torch.tensor([self._sums.get("logprob_diff_max", -1.0)], dtype=torch.float64)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.group)
+        self._rows = int(vals[0])
+        self._sums = {k: float(v) for k, v in zip(all_keys, vals[1:].tolist(), strict=True)}
+        if mx.item() >= 0:
+            self._sums["logprob_diff_max"] = float(mx.item())
+        self._nonfinite = next((why for _, why in gathered if why is not None), None)
+
+    def step(self) -> dict[str, float]:
+        """As `AgentTrainer.step`, over the rows of all ranks: FSDP averaged the gradients over
+        K ranks, so they are scaled by K / rows."""
+        self._reduce_counts()
+        if self._rows == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            return {"skipped": 1.0, "rows": 0.0}
+        scale = self.world / (self._rows * self.loss_scale)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        max_norm = self.cfg.optim.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.params, max_norm if max_norm is not None else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self._nonfinite is None and not torch.isfinite(norm):
+            self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
+        if self._nonfinite is not None:
+            return self._skip_step(self._nonfinite)
+        lr = self._set_lr()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = max(self._sums.pop("tokens", 0.0), 1.0)
+        lpd_sum = self._sums.pop("logprob_diff_sum", None)
+        lpd_tokens = self._sums.pop("logprob_diff_tokens", 0.0)
+        lpd_max = self._sums.pop("logprob_diff_max", None)
+        metrics = {k: v / self._rows for k, v in self._sums.items()}
+        if lpd_sum is not None and lpd_tokens > 0:
+            metrics["logprob_diff_mean"] = lpd_sum / lpd_tokens
+            metrics["logprob_diff_max"] = float(lpd_max or 0.0)
+        metrics.update(memory_stats(self.device))
+        metrics["clip_frac"] = self._sums.get("clip_frac", 0.0) / tokens
+        metrics["grad_norm"] = float(norm)
+        metrics["lr"] = lr
+        metrics["rows"] = float(self._rows)
+        metrics["train_world_size"] = float(self.world)
+        self._rows = 0
+        self._seen.clear()
+        self._sums = {}
+        self.version += 1
+        return metrics
+
+    # --- per-rank state: swapping ----------------------------------------------------------------
+    def local_nbytes(self) -> dict[str, int]:
+        """Bytes this rank holds of parameters, gradients and optimizer state."""
+        params = sum(_local(p).numel() * _local(p).element_size()
+                     for p in self.model.parameters())
+        grads = sum(_local(p.grad).numel() * _local(p.grad).element_size()
+                    for p in self.model.parameters() if p.grad is not None)
+        optim = sum(_local(v).numel() * _local(v).element_size()
+                    for s in self.optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+    def capture_shard(self) -> TrainingState:
+        """This rank's shard of weights and optimizer moments, copied to host memory (never
+        gathered): a `TrainingState`, so `state.swap_out` / `swap_in` move it to disk and back."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            tensors[f"param/{name}"] = _local(p).detach().to("cpu", copy=True)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for p, slots in self.optimizer.state.items():
+            for key, v in slots.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"optim/{index[id(p)]}/{key}"] = _local(v).detach().to(
+                        "cpu", copy=True)
+        tensors["rng/torch"] = torch.get_rng_state()
+        meta = {"agent": self.agent, "version": self.version, "rank": self.rank,
+                "world": self.world, "rows": self._rows, "seen": sorted(self._seen),
+                "sums": dict(self._sums), "nonfinite": self._nonfinite}
+        return TrainingState(tensors, meta)
+
+    def restore_shard(self, state: TrainingState) -> None:
+        """Put `capture_shard`'s output back in place (same rank, same K), bit for bit."""
+        meta = state.meta
+        if (meta["agent"], meta["rank"], meta["world"]) != (self.agent, self.rank, self.world):
+            raise TrainingError(
+                f"agent {self.agent!r} rank {self.rank}/{self.world}: shard of agent "
+                f"{meta['agent']!r} rank {meta['rank']}/{meta['world']}")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                _local(p).copy_(state.tensors[f"param/{name}"])
+            by_index = dict(enumerate(self.params))
+            for key, v in state.tensors.items():
+                if not key.startswith("optim/"):
+                    continue
+                _, idx, slot = key.split("/", 2)
+                p = by_index[int(idx)]
+                cur = self.optimizer.state[p].get(slot)
+                if isinstance(cur, torch.Tensor):
+                    _local(cur).copy_(v)
+                else:  # the optimizer has not stepped since it was built: rebuild its slots
+                    self.optimizer.state[p][slot] = (
+                        DTensor.from_local(v.clone(), p.device_mesh, p.placements,
+                                           shape=p.shape, stride=p.stride())
+                        if isinstance(p, DTensor) and v.dim() > 0 else v.clone())
+        torch.set_rng_state(state.tensors["rng/torch"])
+        self.version = int(meta["version"])
+        self._rows = int(meta["rows"])
+        self._seen = set(meta["seen"])
+        self._sums = dict(meta["sums"])
+        self._nonfinite = meta["nonfinite"]
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- publication -------------------------------------------------------------------------------
+    def weight_buckets(self, dtype: torch.dtype | None = None,
+                       bucket_bytes: int = PUBLISH_BUCKET_BYTES
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+        """The full weights, one bucket at a time: each bucket is all-gathered, handed out on
+        every rank, and dropped before the next (the consumer keeps what it needs). Buffers
+        (not sharded) come as they are."""
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, v in self.model.state_dict().items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            full = full.detach()
+            if dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            bucket[name] = full.to("cpu", copy=True).contiguous()
+            size += bucket[name].numel() * bucket[name].element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+        if bucket:
+            yield bucket
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout replicas need (the same tensors as `AgentTrainer.weights`), built
+        bucket by bucket; collective, every rank gets the result."""
+        if self.cfg.lora is not None:
+            raise TrainingError(f"agent {self.agent!r}: publication of sharded LoRA agents "
+                                "is not built yet")
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.weight_buckets(self.compute_dtype):
+            out.update(bucket)
+        return out
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.weight_buckets():
+            out.update(bucket)
+        return out
+
+    def save(self, directory: str | Path) -> Path:
+        """The Hugging Face safetensors export of the full model, written by rank 0."""
+        directory = Path(directory)
+        tensors = self.full_weights()
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            self.model.config.save_pretrained(str(directory))
+        dist.barrier(group=self.group)
+        return directory
+
+    # --- checkpoints (torch.distributed.checkpoint) ------------------------------------------------
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Every rank writes its own shard of weights and optimizer state; any K can load it."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd,
+                  "version": torch.tensor(self.version)},
+                 checkpoint_id=str(directory), process_group=self.group)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
+                                 "version": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=str(directory), process_group=self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+        self.version = int(state["version"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
+        self._seen.clear()
+        self._sums = {}
+        self._nonfinite = None
+
