@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ def trainer_memory(model: dict[str, Any], vocab: int, n: int) -> dict[str, float
     slot = TrainHost(cfg, vocab, MAX_SEQ_LEN)
     for i, agent in enumerate(cfg.agents):
         slot.bind(agent, None)
-        _one_step(slot.trainers[agent], vocab, i)
+        _one_step(cast(AgentTrainer, slot.trainers[agent]), vocab, i)
     shared = slot.resident_bytes()
     del slot
     own_cfg = own_model_config(model, True)
@@ -170,7 +170,7 @@ def swap_time(model: dict[str, Any], vocab: int, rounds: int) -> dict[str, float
     cfg = run_config(model, 1)
     slot = TrainHost(cfg, vocab, MAX_SEQ_LEN)
     slot.bind("a0", None)
-    trainers = {"adapter": slot.trainers["a0"],
+    trainers = {"adapter": cast(AgentTrainer, slot.trainers["a0"]),
                 "full": AgentTrainer("a0", own_model_config(model, False).agents["a0"], vocab,
                                      MAX_SEQ_LEN, 0)}
     for kind, trainer in trainers.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from flexmarl.config.schema import (
     ConfigError,
@@ -20,6 +20,8 @@ from flexmarl.config.schema import (
     _format_errors,
     apply_overrides,
 )
+from flexmarl.training.algorithms.mappo import MappoConfig
+from flexmarl.training.algorithms.vdn import VdnConfig
 
 
 class EnvConfig(Strict):
@@ -50,73 +52,6 @@ class PolicyConfig(Strict):
     share_parameters: bool = True
     network: NetworkConfig = NetworkConfig()
     obs_norm: bool = True  # running mean/std of observations and critic inputs
-
-
-class MappoConfig(Strict):
-    """MAPPO (centralised critic) or IPPO (decentralised critics): clipped PPO with GAE."""
-
-    name: Literal["mappo", "ippo"] = "mappo"
-    # MAPPO's critic input: the environment's global state() or the concatenated observations;
-    # IPPO's critic sees the agent's own observation (this field must stay unset)
-    critic_input: Literal["state", "concat_obs"] | None = None
-    lr: float = Field(7e-4, gt=0)
-    critic_lr: float = Field(7e-4, gt=0)
-    adam_eps: float = Field(1e-5, gt=0)
-    gamma: float = Field(0.99, ge=0, le=1)
-    gae_lambda: float = Field(0.95, ge=0, le=1)
-    clip_eps: float = Field(0.2, gt=0)
-    epochs: int = Field(10, gt=0)
-    minibatches: int = Field(1, gt=0)
-    entropy_coef: float = Field(0.01, ge=0)
-    value_coef: float = Field(1.0, ge=0)
-    value_norm: bool = True
-    clip_value: bool = True
-    huber_delta: float | None = Field(10.0, gt=0)  # None: squared error
-    normalize_advantages: bool = True
-    max_grad_norm: float | None = Field(10.0, gt=0)
-
-    @model_validator(mode="after")
-    def _critic(self) -> MappoConfig:
-        if self.name == "ippo" and self.critic_input is not None:
-            raise ValueError("critic_input: IPPO's critics see each agent's own observation; "
-                             "leave critic_input unset or use name: mappo")
-        if self.name == "mappo" and self.critic_input is None:
-            self.critic_input = "state"
-        return self
-
-
-class VdnConfig(Strict):
-    """VDN (sum of agent values) or QMIX (monotonic mixing network of the global state), with
-    a prioritized, age-weighted replay table (off-policy; docs/marl.md)."""
-
-    name: Literal["vdn", "qmix"] = "vdn"
-    # QMIX's mixer (training/algorithms/qmix.py): embedding width, hypernetwork depth (1 or 2)
-    # and hidden width
-    mixing_embed: int = Field(32, gt=0)
-    hypernet_layers: Literal[1, 2] = 2
-    hypernet_embed: int = Field(64, gt=0)
-    lr: float = Field(5e-4, gt=0)
-    gamma: float = Field(0.99, ge=0, le=1)
-    batch_size: int = Field(256, gt=0)
-    updates_per_step: int = Field(1, gt=0)  # gradient steps per vectorised env step
-    target_every: int = Field(200, gt=0)  # updates between target-network copies
-    eps_end: float = Field(0.05, ge=0, le=1)
-    eps_decay_steps: int = Field(100_000, gt=0)  # env steps
-    max_grad_norm: float | None = Field(10.0, gt=0)
-    # the replay table (the enterprise document's configuration)
-    capacity: int = Field(100_000, gt=0)
-    min_size: int = Field(5000, gt=0)
-    prioritized: bool = True
-    priority_fraction: float = Field(0.15, ge=0, le=1)  # of each batch, drawn by priority
-    priority_alpha: float = Field(0.6, ge=0)
-    age_weight: bool = True  # w = 1 / (1 + log(age)) on each sampled row's loss
-
-    @model_validator(mode="after")
-    def _sizes(self) -> VdnConfig:
-        if self.capacity < self.min_size:
-            raise ValueError(f"capacity ({self.capacity}) must be >= min_size "
-                             f"({self.min_size})")
-        return self
 
 
 class MarlTrainConfig(Strict):

@@ -15,7 +15,6 @@ states are swapped out and in through `training/state.py` (wire bytes or a safet
 
 from __future__ import annotations
 
-import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import MarlSample, PolicyLayout, build_net
 from flexmarl.store.compression import Codec
 from flexmarl.training import state as st
 from flexmarl.training.algorithms import mappo
+from flexmarl.training.algorithms.mappo import MappoConfig
+from flexmarl.training.host import TrainHost
+from flexmarl.training.learner import Audit, CapturedRestartPoint
 
-Audit = list[tuple[str, int, int, int]]  # (sample_id, version, step, epoch)
 if TYPE_CHECKING:
     from flexmarl.marl.offpolicy import QLearner
 
@@ -38,7 +39,9 @@ class LearnerError(RuntimeError):
     """A learner was handed rows it must not train on (another iteration or version)."""
 
 
-class PolicyLearner:
+class PolicyLearner(CapturedRestartPoint):
+    """MAPPO / IPPO's learner of one policy (the `Learner` role, training/learner.py)."""
+
     def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
         assert isinstance(cfg.algorithm, MappoConfig)
         self.cfg, self.algo, self.layout = cfg, cfg.algorithm, layout
@@ -52,6 +55,7 @@ class PolicyLearner:
         self.gen = torch.Generator().manual_seed(cfg.seed * 1009 + layout.index + 7)
         self.version = 0
         self.pending: list[MarlSample] = []
+        self.trained_on: Audit | None = None  # the last step's rows, by epoch
 
     # --- the pool's commands -----------------------------------------------------------------
     def accumulate(self, samples: list[MarlSample]) -> dict[str, float]:
@@ -64,9 +68,9 @@ class PolicyLearner:
         self.pending += samples
         return {"rows": float(len(samples))}
 
-    def step(self) -> tuple[dict[str, float], Audit]:
+    def step(self) -> dict[str, float]:
         """Step k = `version`: PPO on exactly the held rows of iteration k; then version k+1
-        (its observation statistics too)."""
+        (its observation statistics too). `trained_on`: which row each epoch used."""
         if not self.pending:
             raise LearnerError(f"policy {self.agent!r}: step {self.version} has no rows")
         k = self.version
@@ -83,7 +87,11 @@ class PolicyLearner:
         self.net.update_stats(batch.obs[live], batch.critic_x[live])
         self.pending = []
         self.version = k + 1
-        return metrics, audit
+        self.trained_on = audit
+        return metrics
+
+    def state_objects(self) -> list[Any]:
+        return [self.net, self.actor_opt, self.critic_opt]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """What a rollout worker needs: the network (with its normalisers) and `vnorm.*`."""
@@ -186,97 +194,28 @@ def make_learner(cfg: MarlRunConfig, layout: PolicyLayout) -> AnyLearner:
     return QLearner(cfg, layout)
 
 
-class MarlSlot:
-    """One training slot: the learner of whichever policy is bound to it (`TrainSlot`'s
-    contract for network policies). Learners are built once per policy and process and
-    kept; a swap moves only their state."""
+def learner_host(cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
+                 swap_dir: str | None = None) -> TrainHost:
+    """A training slot for network policies: the one `TrainHost`, building each policy's
+    learner (`make_learner`) the first time it is bound here; a swap moves only its state."""
 
-    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
-                 swap_dir: str | None = None) -> None:
-        self.cfg, self.layouts, self.swap_dir = cfg, layouts, swap_dir
-        self.resident: dict[str, AnyLearner] = {}
-        self.kept: dict[str, AnyLearner] = {}
+    def build(agent: str) -> AnyLearner:
+        if agent not in layouts:
+            raise LearnerError(f"no policy {agent!r} in this run "
+                               f"(policies: {', '.join(layouts)})")
+        return make_learner(cfg, layouts[agent])
 
-    def learner(self, agent: str) -> AnyLearner:
-        try:
-            return self.resident[agent]
-        except KeyError:
-            raise LearnerError(f"policy {agent!r} is not resident on this training slot"
-                               ) from None
-
-    def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
-        timings: dict[str, float] = {}
-        out_agent: str | None = None
-        out_state: tuple[str, Any] | None = None
-        for resident in [a for a in self.resident if a != agent]:
-            t0 = time.perf_counter()
-            captured = self.resident.pop(resident).capture()
-            out_state = st.swap_out(captured, self.swap_dir, resident)
-            out_agent = resident
-            timings["swap_out_s"] = time.perf_counter() - t0
-            timings["swap_bytes"] = float(captured.nbytes)
-        if agent not in self.resident:
-            t0 = time.perf_counter()
-            learner = self.kept.get(agent)
-            if learner is None or incoming is None:
-                if agent not in self.layouts:
-                    raise LearnerError(f"no policy {agent!r} in this run "
-                                       f"(policies: {', '.join(self.layouts)})")
-                learner = self.kept[agent] = make_learner(self.cfg, self.layouts[agent])
-            if incoming is not None:
-                learner.restore(st.swap_in(incoming))
-            self.resident[agent] = learner
-            timings["swap_in_s"] = time.perf_counter() - t0
-        return out_agent, out_state, timings
+    return TrainHost(None, swap_dir=swap_dir, build=build)
 
 
-    def handle(self, command: str, payload: Any) -> tuple[Any, str]:
-        """One slot-protocol command (`TrainHost.handle`'s) -> (result, span label)."""
-        label = f"{command}:{payload if isinstance(payload, str) else payload[0]}"
-        if command == "bind":
-            agent, incoming = payload
-            return self.bind(agent, incoming), label
-        if command == "accumulate":
-            agent, samples = payload
-            return self.learner(agent).accumulate(samples), label
-        if command == "step":
-            learner = self.learner(payload)
-            metrics, audit = learner.step()
-            return (metrics, weights_form(learner, audit)), label
-        if command == "weights":
-            return weights_form(self.learner(payload)), label
-        if command == "save":
-            agent, directory = payload
-            return self.learner(agent).save(directory), label
-        if command == "get_state":
-            state = self.learner(payload).capture()
-            return ({k: v.numpy() for k, v in state.tensors.items()}, state.meta), label
-        if command == "set_state":
-            agent, arrays, meta = payload
-            tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in arrays.items()}
-            self.learner(agent).restore(st.TrainingState(tensors, meta))
-            return int(meta["version"]), label
-        raise ValueError(f"unknown command {command!r}")
-
-def weights_form(learner: AnyLearner, audit: Audit | None = None) -> Any:
-    """Published weights in the state interface's wire form; the step's audit rides along in
-    the metadata (the rows each epoch used, as the learner saw them)."""
-    meta: dict[str, Any] = {"agent": learner.agent, "version": learner.version}
-    if audit is not None:
-        meta["trained_on"] = audit
-    return st.to_wire(st.TrainingState(learner.weights(), meta))
-
-
-def slot_host(spec: Any) -> MarlSlot:
+def slot_host(spec: Any) -> TrainHost:
     """A training slot's host from its `MarlWorkerSpec` (a process's or a Ray actor's)."""
-    from flexmarl.marl.config import MarlRunConfig
-
-    return MarlSlot(MarlRunConfig.model_validate(spec.config), spec.layouts, spec.swap_dir)
+    return learner_host(MarlRunConfig.model_validate(spec.config), spec.layouts, spec.swap_dir)
 
 
 def marl_train_worker_main(conn: Connection, spec: Any) -> None:
     """A training slot process for network policies (`MarlWorkerSpec`): the shared slot loop
-    (`serve_slot`) over a `MarlSlot`."""
+    (`serve_slot`) over a `TrainHost` of network learners."""
     from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]

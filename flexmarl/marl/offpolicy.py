@@ -32,13 +32,14 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from flexmarl.config.schema import ConfigError
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig, VdnConfig
+from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import MarlSample, PolicyLayout, group_spec
 from flexmarl.marl.rollout import (
     WORKER_SEED_STRIDE,
@@ -50,8 +51,8 @@ from flexmarl.policy.nets import RunningMeanStd
 from flexmarl.store.replay import ReplayTable
 from flexmarl.training import state as st
 from flexmarl.training.algorithms import qmix, vdn
-
-Audit = list[tuple[str, int, int, int]]  # (sample_id, version, step, epoch)
+from flexmarl.training.algorithms.vdn import VdnConfig
+from flexmarl.training.learner import Audit, CapturedRestartPoint
 
 POLICY = "shared"  # VDN / QMIX: one Q-network for every agent
 
@@ -224,11 +225,12 @@ class QRollout:
                               transitions=transitions, epsilon=eps)
 
 
-class QLearner:
-    """The VDN / QMIX learner of the shared Q-network, as a training slot hosts it: the
-    Q-network, its target copy, QMIX's mixer and its target, one Adam over both, the
-    observation statistics, the replay table and its sampling generator. It speaks the
-    training pool's commands as `PolicyLearner` does (`MarlSlot` builds either)."""
+class QLearner(CapturedRestartPoint):
+    """The VDN / QMIX learner of the shared Q-network, one joint learner for its group of
+    agents: the Q-network, its target copy, QMIX's mixer and its target, one Adam over both,
+    the observation statistics, the replay table and its sampling generator. The `Learner`
+    role as `PolicyLearner` plays it (the same `TrainHost` hosts either); only where the
+    rows come from differs (the replay table's sampler, not iteration k's rows)."""
 
     def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
         assert isinstance(cfg.algorithm, VdnConfig)
@@ -250,6 +252,7 @@ class QLearner:
         self.updates = 0
         self.version = 0
         self.pending: list[MarlSample] = []
+        self.trained_on: Audit | None = None  # the last step's transitions
 
     # --- the pool's commands -----------------------------------------------------------------
     def accumulate(self, samples: list[MarlSample]) -> dict[str, float]:
@@ -262,7 +265,7 @@ class QLearner:
         self.pending += samples
         return {"rows": float(len(samples))}
 
-    def step(self) -> tuple[dict[str, float], Audit]:
+    def step(self) -> dict[str, float]:
         """Step k: iteration k's transitions into the replay table, vectorised step by step
         in rollout order (every worker's environments of step t, in worker order), each
         followed by `updates_per_step` updates once the table is ready; then version k+1."""
@@ -292,7 +295,11 @@ class QLearner:
         audit: Audit = [(s.sample_id, k, k, 0) for s in parts]
         self.pending = []
         self.version = k + 1
-        return metrics, audit
+        self.trained_on = audit
+        return metrics
+
+    def state_objects(self) -> list[Any]:
+        return [*self._modules().values(), self.opt]
 
     def learn(self, env_steps: int) -> dict[str, float]:
         """One VDN / QMIX update on a replay batch; the TD errors become its priorities."""

@@ -17,9 +17,10 @@ import torch
 from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.envs.spaces import ActionSpec
 from flexmarl.errors import UserError
-from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.marl.config import MarlRunConfig
 from flexmarl.policy.nets import NetConfigView, NetPolicy
 from flexmarl.training.algorithms import ippo
+from flexmarl.training.algorithms.mappo import MappoConfig
 
 COMPRESSED = ("obs", "critic_x")  # the continuous payloads `store.compress_obs` compresses
 

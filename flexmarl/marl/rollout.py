@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from flexmarl.envs.pettingzoo import EnvError, VecParallelEnv
-from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import COMPRESSED, PolicyLayout, build_net, critic_x, pad
 from flexmarl.policy.nets import NetPolicy
 from flexmarl.store.compression import Codec
-from flexmarl.training.algorithms.mappo import ValueNorm
+from flexmarl.training.algorithms.mappo import MappoConfig, ValueNorm
 
 WORKER_SEED_STRIDE = 100_003  # worker i's environments are seeded at seed + i * stride
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MappoConfig, MarlRunConfig
+from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import (
     MarlSample,
     PolicyError,
@@ -48,6 +48,7 @@ from flexmarl.marl.rollout import RolloutResult
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointError, CheckpointManager
 from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
+from flexmarl.training.algorithms.mappo import MappoConfig
 
 __all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "make_run", "train_marl"]
 

@@ -32,9 +32,10 @@ class RolloutHost:
     and, on Ray, by the same main in an actor (`runtime.ray.transport.PipeActor`)."""
 
     def __init__(self, spec: MarlWorkerSpec) -> None:
-        from flexmarl.marl.config import MarlRunConfig, VdnConfig
+        from flexmarl.marl.config import MarlRunConfig
         from flexmarl.marl.offpolicy import QRollout
         from flexmarl.marl.rollout import EnvRollout
+        from flexmarl.training.algorithms.vdn import VdnConfig
 
         cfg = MarlRunConfig.model_validate(spec.config)
         # spaces were checked in the driver; VDN / QMIX act epsilon-greedily (marl/offpolicy.py)

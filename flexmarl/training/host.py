@@ -37,15 +37,16 @@ from typing import TYPE_CHECKING, Any
 
 from flexmarl.api.runtime import TrainPool, WorkerLost
 from flexmarl.store.experience import parse_sample_id, sample_iteration
+from flexmarl.training import state as st
 from flexmarl.training.allocator import Lease, SlotAllocator
-from flexmarl.training.state import publish_form, state_to_numpy
+from flexmarl.training.learner import Learner, published_form
+from flexmarl.training.state import state_to_numpy
 
 if TYPE_CHECKING:
     import torch
 
     from flexmarl.config.schema import RunConfig
     from flexmarl.planning.planner import Plan
-    from flexmarl.training.trainer import AgentTrainer
 
 Command = tuple[str, Any]
 
@@ -57,32 +58,38 @@ class SlotError(RuntimeError):
 class _Resident(dict):
     """`TrainHost.trainers`: the resident trainer by agent, with a clear error for the others."""
 
-    def __missing__(self, agent: str) -> AgentTrainer:
+    def __missing__(self, agent: str) -> Learner:
         raise SlotError(f"agent {agent!r} is not resident on this training slot "
                         f"(resident: {sorted(self) or 'none'})")
 
 
-def published(trainer: AgentTrainer, publisher: Any = None) -> Any:
-    """The trainer's weights as published: the state interface's wire form (one flat buffer,
-    any dtype; bf16/fp16 have no numpy equivalent); with a collective `publisher`
+def published(trainer: Learner, publisher: Any = None) -> Any:
+    """The learner's weights as published: the state interface's wire form
+    (`training.learner.published_form`); with a collective `publisher`
     (runtime.publication), a `PublishedRef` to the copy the slot keeps and sends itself."""
     if publisher is not None:
         return publisher.keep(trainer.agent, trainer.version, trainer.weights())
-    return publish_form(trainer.weights(), trainer.agent, trainer.version)
+    return published_form(trainer)
 
 
 class TrainHost:
-    """One training slot in one process (see the module docstring)."""
+    """One training slot in one process (see the module docstring), hosting any `Learner`:
+    LLM trainers built from the run's config (`cfg`), or the learners `build(agent)` makes
+    (classic MARL's network learners: `marl/learner.py`'s `learner_host`)."""
 
-    def __init__(self, cfg: RunConfig, vocab_size: int, max_seq_len: int,
-                 swap_dir: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig | None, vocab_size: int = 0, max_seq_len: int = 0,
+                 swap_dir: str | None = None,
+                 build: Callable[[str], Learner] | None = None) -> None:
+        if cfg is None and build is None:
+            raise ValueError("TrainHost: give the run's config or a learner builder")
         self.cfg = cfg
+        self.build_learner = build
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.swap_dir = swap_dir  # None: swapped states go to the caller's host memory
-        self.trainers: dict[str, AgentTrainer] = _Resident()  # resident (at most one)
+        self.trainers: dict[str, Learner] = _Resident()  # resident (at most one)
         # every trainer built in this process, resident or not: swap-ins load into these
-        self.kept: dict[str, AgentTrainer] = {}
+        self.kept: dict[str, Learner] = {}
         # shared bases (`models:`), built once per process: the trainers of the agents on one
         # wrap trees over its tensors, so the slot holds it once and a swap moves the adapter
         self.bases: dict[str, torch.nn.Module] = {}
@@ -90,11 +97,15 @@ class TrainHost:
         # runtime.publication collective (local runtime): keeps and sends published weights
         self.publisher: Any = None
 
-    def _build(self, agent: str) -> AgentTrainer:
+    def _build(self, agent: str) -> Learner:
+        if self.build_learner is not None:
+            self.builds += 1
+            return self.build_learner(agent)
         from flexmarl.policy.device import process_device
         from flexmarl.policy.model import build_model
         from flexmarl.training.trainer import AgentTrainer
 
+        assert self.cfg is not None
         if agent not in self.cfg.agents:
             raise SlotError(f"agent {agent!r} is not in the run's config "
                             f"(agents: {sorted(self.cfg.agents)})")
@@ -120,9 +131,7 @@ class TrainHost:
         objects: list = list(self.bases.values())
         for agent, trainer in self.kept.items():
             if agents is None or agent in agents:
-                objects += [*trainer._state_modules().values(), trainer.optimizer]
-                if trainer.ref_model is not None:
-                    objects.append(trainer.ref_model)
+                objects += trainer.state_objects()
         return adapters.resident_bytes(*objects)
 
     def agent_bytes(self, agent: str) -> int:
@@ -134,15 +143,13 @@ class TrainHost:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config, or a restart point `set_state` loads next)."""
-        from flexmarl.training import state as st
-
         timings: dict[str, float] = {}
         out_agent: str | None = None
         out_state: tuple[str, Any] | None = None
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
-            captured = st.capture(trainer, frozen=False)  # frozen base: kept in the object
+            captured = trainer.capture()  # a frozen base is kept in the object
             out_state = st.swap_out(captured, self.swap_dir, resident)
             out_agent = resident
             timings["swap_out_s"] = time.perf_counter() - t0
@@ -158,20 +165,18 @@ class TrainHost:
             if kept is not None and incoming is None:
                 # kept, but its state is gone (lost with another slot): a restart point
                 # follows; until then it is exactly the initial state, as a fresh build
-                st.restore(trainer, self._initial(agent))
+                trainer.restore(self._initial(agent))
             if incoming is not None:
-                st.restore(trainer, st.swap_in(incoming))
+                trainer.restore(st.swap_in(incoming))
             self.trainers[agent] = trainer
             timings["swap_in_s"] = time.perf_counter() - t0
             timings["resident_bytes"] = float(self.resident_bytes())
             timings["agent_bytes"] = float(self.agent_bytes(agent))
         return out_agent, out_state, timings
 
-    def _initial(self, agent: str) -> Any:
+    def _initial(self, agent: str) -> st.TrainingState:
         """The agent's initial state (a trainer built from its config, then dropped)."""
-        from flexmarl.training import state as st
-
-        return st.capture(self._build(agent), frozen=False)
+        return self._build(agent).capture()
 
     # --- commands on the resident agent ------------------------------------------------------
     def accumulate(self, agent: str, samples: Any) -> dict[str, float]:

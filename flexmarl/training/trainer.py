@@ -26,7 +26,9 @@ from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
 from flexmarl.policy.tokenizer import TokenizerError, agent_tokenizer, base_model_name
 from flexmarl.training import algorithms, lora
+from flexmarl.training import state as st
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef
+from flexmarl.training.learner import Audit
 from flexmarl.types import Sample
 
 
@@ -358,6 +360,24 @@ class AgentTrainer:
         return {"version": self.version, "rows_pending": self._rows}
 
     # --- full training state, for checkpoints and trainer restarts ---------------------------
+    # --- the Learner role's exact state and memory (training/learner.py) ----------------------
+    trained_on: Audit | None = None  # an LLM step's rows are audited by the store
+
+    def capture(self) -> st.TrainingState:
+        """The exact state a swap moves; a frozen base stays (a trainer built from the same
+        config has it bit for bit)."""
+        return st.capture(self, frozen=False)
+
+    def restore(self, state: st.TrainingState) -> None:
+        st.restore(self, state)
+
+    def state_objects(self) -> list[Any]:
+        """Modules and optimizer this trainer holds (a shared base is the slot's, not here)."""
+        objects: list[Any] = [*self._state_modules().values(), self.optimizer]
+        if self.ref_model is not None:
+            objects.append(self.ref_model)
+        return objects
+
     def _state_modules(self) -> dict[str, Any]:
         """Every module with trained weights: the policy (LoRA: with its adapters) and the
         critic, as a value head or a separate model."""

@@ -53,7 +53,7 @@ def _feed(learner: QLearner, worker: QRollout, k: int) -> dict:
     worker.load(POLICY, k, learner.weights())
     res = worker.run(k)
     learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
-    return learner.step()[0]
+    return learner.step()
 
 
 def test_the_replay_learners_state_round_trips_exactly() -> None:
@@ -70,7 +70,7 @@ def test_the_replay_learners_state_round_trips_exactly() -> None:
     assert a.replay.size == 300 and a.replay.cursor == 0  # full, wrapped once
     b = QLearner(c, lay[POLICY])
     b.restore(st.from_wire(st.to_wire(a.capture())))
-    ma, mb = a.step()[0], b.step()[0]
+    ma, mb = a.step(), b.step()
     assert ma == mb
     twin = QRollout(c, lay)
     twin.set_state(worker.get_state())

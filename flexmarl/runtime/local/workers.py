@@ -300,9 +300,9 @@ def serve_slot(conn: Connection, handle: Callable[[str, Any], tuple[Any, str]],
                side: dict[str, Callable[[Any], tuple[Any, str]]] | None = None,
                pool: str = "train") -> None:
     """The command loop of a worker process that answers one command at a time (every
-    training slot kind: LLM `TrainHost`, classic MARL `MarlSlot`; the classic MARL rollout
-    worker): say ready, then run each command through `handle` -> (result, span label) and
-    answer it, until `stop`. A failing command is answered with its error.
+    training slot kind: LLM `TrainHost`, classic MARL a `TrainHost` of network learners; the
+    classic MARL rollout worker): say ready, then run each command through `handle` -> (result,
+    span label) and answer it, until `stop`. A failing command is answered with its error.
 
     `side` commands run on a thread of their own, in order, answered as soon as they are
     done: a publication's send must not wait behind a long accumulate of the slot."""

@@ -201,7 +201,7 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
     spare = TrainHost(cfg, vocab, max_seq_len)
     for _ in range(reps):
         t0 = time.perf_counter()
-        state = st.swap_out(st.capture(slot.trainers.pop(agent), frozen=False), None, agent)
+        state = st.swap_out(slot.trainers.pop(agent).capture(), None, agent)
         outs.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         spare.bind(agent, state)

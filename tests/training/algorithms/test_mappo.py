@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flexmarl.marl.config import MappoConfig
 from flexmarl.training.algorithms import ippo, mappo
+from flexmarl.training.algorithms.mappo import MappoConfig
 
 
 def test_gae_hand_computed_with_an_episode_end() -> None:

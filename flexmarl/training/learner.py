@@ -1,0 +1,86 @@
+"""The Learner role: what a training slot (`training/host.py`'s `TrainHost`) needs of whatever
+it trains, so one host serves the LLM trainer (`training/trainer.py`'s `AgentTrainer`), the
+on-policy network learner (MAPPO/IPPO, `marl/learner.py`'s `PolicyLearner`) and the replay
+learner (VDN/QMIX, `marl/offpolicy.py`'s `QLearner`) alike.
+
+On- and off-policy learners differ in where their rows come from (iteration k's rows, or a
+replay table sampled by priority and age), not in how a slot hosts them: both take an
+iteration's rows with `accumulate`, train on `step`, and publish a new version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from flexmarl.training.state import TrainingState, to_wire
+
+# (sample_id, version, step, epoch): which row a step used, as the learner saw it
+Audit = list[tuple[str, int, int, int]]
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """One agent's (or one group of agents', for a joint learner such as VDN/QMIX) trainer.
+
+    - `accumulate(rows)` hands it rows of the version it trains; `step()` trains on them and
+      moves `version` on; `trained_on` is the last step's audit (None: not recorded);
+    - `weights()` is what a rollout worker loads; `save(directory)` writes them to disk;
+    - `capture()` / `restore(state)` move an exact state (a swap between slots);
+      `get_state()` / `set_state(arrays, meta)` are the same as numpy arrays and JSON-able
+      meta (a restart point a restarted slot is restored from);
+    - `state_objects()`: the modules and optimizers it holds (the slot's memory figures)."""
+
+    agent: str
+    version: int
+    trained_on: Audit | None
+
+    def accumulate(self, samples: Any) -> dict[str, float]: ...
+
+    def step(self) -> dict[str, float]: ...
+
+    def weights(self) -> dict[str, torch.Tensor]: ...
+
+    def save(self, directory: str) -> str | Path: ...
+
+    def capture(self) -> TrainingState: ...
+
+    def restore(self, state: TrainingState) -> None: ...
+
+    def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]: ...
+
+    def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None: ...
+
+    def state_objects(self) -> list[Any]: ...
+
+
+class CapturedRestartPoint:
+    """`get_state` / `set_state` for a learner whose exact state is `capture()`'s: the
+    restart point is the captured state as numpy arrays (a network learner's is small)."""
+
+    def capture(self) -> TrainingState:
+        raise NotImplementedError
+
+    def restore(self, state: TrainingState) -> None:
+        raise NotImplementedError
+
+    def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        state = self.capture()
+        return {k: v.numpy() for k, v in state.tensors.items()}, state.meta
+
+    def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in arrays.items()}
+        self.restore(TrainingState(tensors, meta))
+
+
+def published_form(learner: Learner) -> Any:
+    """The learner's weights as published: the state interface's wire form (one flat buffer,
+    any dtype; bf16/fp16 have no numpy equivalent); the last step's audit rides along in the
+    metadata (`trained_on`)."""
+    meta: dict[str, Any] = {"agent": learner.agent, "version": learner.version}
+    if learner.trained_on is not None:
+        meta["trained_on"] = learner.trained_on
+    return to_wire(TrainingState(learner.weights(), meta))
