@@ -1,8 +1,8 @@
 """MAPPO (Yu et al., 2022): PPO for cooperative agents with a centralised critic.
 
 Read top to bottom:
-1. rollout (flexmarl/marl/rollout.py, in a rollout worker) records, per agent and environment, T steps of observation,
-   critic input (the global state, or concatenated observations; `ippo.py`: the agent's own
+1. rollout (flexmarl/marl/rollout.py, in a rollout worker) records, per agent and environment,
+   T steps of observation, critic input (the global state, or concatenated observations; `ippo.py`: the agent's own
    observation), action, behaviour log-prob, the critic's output, reward, `done` (the agent's
    chain of nodes ends at this step) and `alive` (the agent acted at this step). A truncated
    chain gets gamma * V(final observation) added to its last reward, so a time limit is not
@@ -142,8 +142,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     with torch.no_grad():
         kl = masked_mean((ratio - 1) - (logp - old_logp), mask)  # k3 estimator
         clip = masked_mean(((ratio - 1).abs() > cfg.clip_eps).float(), mask)
-    return pg - cfg.entropy_coef * ent, {"loss/policy": float(pg.detach()), "entropy": float(ent.detach()),
-                                        "kl": float(kl), "clip_frac": float(clip)}
+    return pg - cfg.entropy_coef * ent, {"loss/policy": float(pg.detach()),
+                                         "entropy": float(ent.detach()),
+                                         "kl": float(kl), "clip_frac": float(clip)}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor,
