@@ -2,8 +2,8 @@
 
 Read top to bottom:
 1. rollout (flexmarl/marl/rollout.py, in a rollout worker) records, per agent and environment,
-   T steps of observation, critic input (the global state, or concatenated observations; `ippo.py`: the agent's own
-   observation), action, behaviour log-prob, the critic's output, reward, `done` (the agent's
+   T steps of observation, critic input (the global state, or concatenated observations;
+   `ippo.py`: the agent's own observation), action, behaviour log-prob, the critic's output, reward, `done` (the agent's
    chain of nodes ends at this step) and `alive` (the agent acted at this step). A truncated
    chain gets gamma * V(final observation) added to its last reward, so a time limit is not
    mistaken for a terminal state;
