@@ -1,12 +1,12 @@
 """MAPPO (Yu et al., 2022): PPO for cooperative agents with a centralised critic.
 
 Read top to bottom:
-1. rollout (flexmarl/marl/rollout.py, in a rollout worker) records, per agent and environment,
-   T steps of observation, critic input (the global state, or concatenated observations;
-   `ippo.py`: the agent's own observation), action, behaviour log-prob, the critic's output, reward, `done` (the agent's
-   chain of nodes ends at this step) and `alive` (the agent acted at this step). A truncated
-   chain gets gamma * V(final observation) added to its last reward, so a time limit is not
-   mistaken for a terminal state;
+1. rollout (flexmarl/marl/rollout.py, in a rollout worker) records, per agent and environment, T
+   steps of observation, critic input (the global state, or concatenated observations;
+   `ippo.py`: the agent's own observation), action, behaviour log-prob, the critic's output,
+   reward, `done` (the agent's chain of nodes ends at this step) and `alive` (the agent acted at
+   this step). A truncated chain gets gamma * V(final observation) added to its last reward, so
+   a time limit is not mistaken for a terminal state;
 2. value normalisation: the critic predicts returns in normalised units; `ValueNorm` keeps a
    debiased running mean and variance of the returns (the on-policy MAPPO code's scheme);
 3. GAE over each chain: delta_t = r_t + gamma V_{t+1} (1 - done_t) - V_t,
