@@ -95,7 +95,7 @@ def test_qmix_selected_by_config_trains_its_mixer_on_spread() -> None:
         worker.load(POLICY, k, learner.weights())
         res = worker.run(k)
         learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
-        metrics, _ = learner.step()
+        metrics = learner.step()
     assert np.isfinite(metrics["loss/value"])
     assert any(not torch.equal(before[k], v) for k, v in learner.mixer.state_dict().items())
     assert learner.replay.fields["state"].shape[1] == learner.mixer.state_dim

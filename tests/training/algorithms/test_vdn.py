@@ -55,7 +55,8 @@ def test_vdn_learner_steps_through_the_replay_table() -> None:
         res = worker.run(k)
         assert res.transitions["obs"].shape == (25, 4, 3, 18)
         learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
-        metrics, audit = learner.step()
+        metrics = learner.step()
+        audit = learner.trained_on
         assert audit == [(f"{k}-w0_0_0", k, k, 0)]
     assert len(learner.replay) == 400
     assert learner.updates == (400 - 200) // 4 + 1 and learner.updates >= 5
@@ -114,6 +115,6 @@ def test_vdn_transitions_where_agents_leave_mid_episode() -> None:
         partial += int((left.any(-1) & nxt[:-1].any(-1)).sum())
         assert set(np.unique(done)) <= {0.0, 1.0}
         learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, tr)])
-        metrics, _ = learner.step()
+        metrics = learner.step()
     assert partial > 0, "no agent left while others went on"
     assert np.isfinite(metrics["loss/value"])
