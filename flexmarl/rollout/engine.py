@@ -30,7 +30,14 @@ from flexmarl.policy.sampling import (
     noise_seed_of,
     top_p_mask,
 )
-from flexmarl.rollout.paged import NULL_BLOCK, BlockAllocator, KVStats, PagedKVCache
+from flexmarl.rollout.paged import (
+    NULL_BLOCK,
+    BlockAllocator,
+    KVStats,
+    PagedKVCache,
+    PrefixCache,
+    block_hashes,
+)
 
 
 @dataclass
@@ -53,6 +60,10 @@ class _Sequence:
         """KV columns this running sequence fills (its prompt and every token fed back so far:
         all sampled ones but the last), known on the host: no device read to trim padding."""
         return len(self.request.prompt) + len(self.tokens) - 1
+
+    def namespace(self) -> tuple[str, str | None, int]:
+        """What its keys and values depend on besides the tokens: agent, adapter, weights."""
+        return (self.request.agent, self.adapter, self.request.version)
 
 
 def cache_argument(model: Any) -> str:
@@ -96,9 +107,11 @@ class ContinuousBatcher:
 
     def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
                  tokenizer: Any = None, adapters: dict[str, str] | None = None,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, prefix_cache: bool = True):
         """`tokenizer`: the agent's tokenizer (on a shared base, the base's), or a function that
-        loads it on first use, for requests with stop strings (None: such requests are refused)."""
+        loads it on first use, for requests with stop strings (None: such requests are refused).
+        `prefix_cache`: keep finished sequences' full blocks for later requests that start
+        with the same tokens (`rollout.paged.PrefixCache`)."""
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
@@ -122,6 +135,7 @@ class ContinuousBatcher:
         self.kv = PagedKVCache(self.allocator, block_size, model.config.num_hidden_layers,
                                self.device)
         self.max_tokens = max_tokens
+        self.prefix = PrefixCache(self.allocator, block_size) if prefix_cache else None
         # [B, blocks] the block table of each row on the device: rows join and leave on the
         # device; copied up (one small pinned copy) only on a step where a row opens a block.
         # `_columns`: the flat slots it gathers (None: to recompute)
@@ -234,7 +248,12 @@ class ContinuousBatcher:
 
     def kv_stats(self) -> KVStats:
         """The paged cache now: blocks in use and held, KV bytes per held token."""
-        return self.kv.stats(sum(s.kv for s in self.seqs))
+        stats = self.kv.stats(sum(s.kv for s in self.seqs))
+        if self.prefix is not None:  # blocks only the prefix cache holds: kept, not in use
+            refs = self.allocator.refs
+            stats.cached_blocks = sum(1 for b in self.prefix.blocks.values() if refs[b] == 1)
+            stats.blocks_in_use -= stats.cached_blocks
+        return stats
 
     def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
         """Would `request` fit next to the running batch and `already` other newcomers?"""
@@ -255,7 +274,6 @@ class ContinuousBatcher:
         for r in requests:
             if not r.prompt:
                 raise ValueError(f"request {r.sample_id}: empty prompt")
-        width = max(len(r.prompt) for r in requests)
         bs = self.block_size
         # Prefix sharing: requests with the same prompt on the same adapter (a GRPO group)
         # prefill it once. The first of each prompt (its leader) comes first in the batch;
@@ -273,10 +291,21 @@ class ContinuousBatcher:
         n_lead = len(leaders)
         new = [_Sequence(r, None, now, self._adapter_of(r)) for r in requests]
         cow: dict[int, tuple[int, int]] = {}  # follower -> (leader's last block, its copy)
+        # A leader's prompt starts with blocks the prefix cache holds (an earlier turn of the
+        # conversation, an earlier sample of the group): it shares them and prefills the rest,
+        # always at least its last token (whose logits it samples from). `cached[i]`: tokens
+        # leader i takes from the cache; `hashes[i]`: its full prompt blocks' hashes.
+        cached: list[int] = []
+        hashes: list[list[bytes]] = []
         for i, s in enumerate(new):
             n = len(s.request.prompt)
             if i < n_lead:  # the prompt's blocks
-                s.blocks = [self.allocator.allocate() for _ in range(-(-n // bs))]
+                s.blocks = []
+                if self.prefix is not None:
+                    hashes.append(block_hashes(s.namespace(), s.request.prompt, bs, n // bs))
+                    s.blocks = self.prefix.match(hashes[-1][:(n - 1) // bs])
+                cached.append(len(s.blocks) * bs)
+                s.blocks += [self.allocator.allocate() for _ in range(-(-n // bs) - len(s.blocks))]
                 continue
             lead = new[lead_of[i]].blocks
             s.blocks = lead[:n // bs]
@@ -286,20 +315,25 @@ class ContinuousBatcher:
                 s.blocks.append(self.allocator.allocate())
                 cow[i] = (lead[-1], s.blocks[-1])
         n_blocks = max(len(s.blocks) for s in new)
-        # one host->device copy: left-padded ids, each input token's slot (padding: the null
-        # block), the block tables, then the state (noise seed, tokens sampled, next position),
-        # the temperature's float64 bits, the padding's width, the row of its leader, and the
-        # blocks to copy on write (null to null where none)
+        width = max(len(s.request.prompt) - c for s, c in zip(new, cached, strict=False))
+        # one host->device copy: left-padded ids not cached yet, each input token's slot
+        # (padding: the null block), the block tables, then the state (noise seed, tokens
+        # sampled, next position), the temperature's float64 bits, the offset of the logical
+        # positions (padding - cached tokens), the row of its leader, and the blocks to copy
+        # on write (null to null where none); followers feed nothing
         host = []
         for i, s in enumerate(new):
             r = s.request
-            pad = width - len(r.prompt)
-            slots = [s.blocks[j // bs] * bs + j % bs for j in range(len(r.prompt))]
+            c = cached[i] if i < n_lead else 0
+            pad = width - (len(r.prompt) - c) if i < n_lead else width
+            fed = list(r.prompt[c:]) if i < n_lead else []
+            slots = [s.blocks[j // bs] * bs + j % bs for j in range(c, c + len(fed))]
             temp = struct.unpack("<q", struct.pack("<d", r.temperature))[0]
             src, dst = cow.get(i, (NULL_BLOCK, NULL_BLOCK))
-            host.append([PAD] * pad + list(r.prompt) + [NULL_BLOCK] * pad + slots
+            host.append([PAD] * pad + fed + [NULL_BLOCK] * pad + slots
                         + s.blocks + [NULL_BLOCK] * (n_blocks - len(s.blocks))
-                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad, lead_of[i], src, dst])
+                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad - c, lead_of[i], src,
+                           dst])
         packed = _host_to(self.device, host)
         shared = n_lead < len(new)
         input_ids = packed[:n_lead, :width]
@@ -334,6 +368,9 @@ class ContinuousBatcher:
                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
                             **{self._cache_arg: self.kv})
         logits = out.logits[:, -1, :].float()
+        if self.prefix is not None:  # the leaders' full prompt blocks, now written
+            for s, h in zip(new, hashes, strict=False):
+                self.prefix.insert(s.request.agent, h, s.blocks)
         if shared:  # followers: their leader's logits; their own copy of its last block
             logits = logits[packed[:, at + 5]]
             self.kv.copy_blocks(packed[n_lead:, at + 6], packed[n_lead:, at + 7])
@@ -460,9 +497,22 @@ class ContinuousBatcher:
                 self.allocator.release(block)
             s.blocks = []
 
+    def _keep_prefix(self, s: _Sequence) -> None:
+        """Hand the full blocks of a finished sequence (its prompt and the tokens fed back) to
+        the prefix cache: the next turn of its conversation starts with them."""
+        if self.prefix is None:
+            return
+        fed = list(s.request.prompt) + s.tokens[:-1]
+        full = len(fed) // self.block_size
+        self.prefix.insert(s.request.agent, block_hashes(s.namespace(), fed, self.block_size,
+                                                         full), s.blocks[:full])
+
     def _retire(self, keep: list[int]) -> None:
         kept = set(keep)
-        self._release([s for i, s in enumerate(self.seqs) if i not in kept])
+        gone = [s for i, s in enumerate(self.seqs) if i not in kept]
+        for s in gone:
+            self._keep_prefix(s)
+        self._release(gone)
         self._columns = None
         if not keep:
             self._table = None
@@ -556,15 +606,22 @@ class HFEngine(ContinuousBatcher):
                                    "sequences are running")
             load_adapter(self.model, self.adapters[agent], weights)
             self._stack.refresh(self.adapters[agent])
+            if self.prefix is not None:  # its cached keys were computed by the old adapter
+                self.prefix.flush(agent)
             return
         if self.active:
             raise RuntimeError("cannot load weights while sequences are running")
+        if self.prefix is not None:  # keys computed by the old weights
+            self.prefix.flush()
         # a version may carry only the tensors that changed (LoRA: the adapted layers)
         self.model.load_state_dict(weights, strict=False)
 
     def reset(self) -> None:
-        """Drop the running batch (after a failure); the model stays loaded."""
+        """Drop the running batch (after a failure); the model stays loaded. The prefix cache
+        goes too: a failed pass may have left blocks half written."""
         self._release(self.seqs)
+        if self.prefix is not None:
+            self.prefix.flush()
         self.seqs, self.logits = [], None
         self._table, self._columns = None, None
         self._banned, self._rows, self._only = None, None, None
