@@ -172,6 +172,7 @@ class ContinuousBatcher:
         """Reserve the whole pool now rather than growing it (a GPU replica, whose budget was
         sized from `rollout.kv_memory_fraction`): no allocation while decoding."""
         self.kv.preallocate = True
+        self.allocator.grow(self.allocator.max_blocks)  # the prefix cache may use all of it
 
     def tokenizer(self) -> Any:
         if callable(self._tokenizer) and not hasattr(self._tokenizer, "decode"):

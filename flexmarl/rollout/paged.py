@@ -60,8 +60,9 @@ class BlockAllocator:
         self.capacity = new
 
     def allocate(self) -> int:
-        if not self.free and (self.capacity < self.max_blocks or self.reclaim is None
-                              or not self.reclaim(1)):
+        # blocks only a prefix cache holds are reused before the pool grows: the cache fills
+        # the room running sequences left, never makes the pool larger
+        if not self.free and (self.reclaim is None or not self.reclaim(1)):
             self.grow(self.capacity + 1)
         block = self.free.pop()
         self.refs[block] = 1
@@ -199,8 +200,9 @@ class PrefixCache:
     A later request whose prompt starts with a cached prefix (the next turn of a multi-turn
     agent, whose prompt is the conversation so far; another sample of a group admitted later)
     shares those blocks and prefills only the rest. The cache holds one reference on each block
-    it keeps; a block only the cache holds is evicted least recently used first when the pool
-    is short (`BlockAllocator.reclaim`), the chain's last blocks before its first ones. Keys
+    it keeps; a block only the cache holds is evicted least recently used first whenever the
+    pool has no free block (`BlockAllocator.reclaim`, before the pool grows: the cache only
+    fills room running sequences left), the chain's last blocks before its first ones. Keys
     carry the agent, adapter and weight version, and `flush` drops an agent's blocks when new
     weights load: keys computed under old weights are never read by the new ones.
     """

@@ -216,12 +216,12 @@ def test_prefix_cache_is_flushed_when_weights_load():
 
 
 def test_prefix_cache_evicts_least_recently_used_under_pressure_without_leaks(model):
-    # a budget of 64 KV tokens (+ a block per sequence): far less than 12 requests cache
+    # a budget of 64 KV tokens (+ a block per sequence): far less than 8 rounds cache
     engine = ContinuousBatcher(model, max_seqs=2, max_tokens=64, block_size=4)
     assert engine.prefix is not None
     rng = np.random.default_rng(9)
     hot = [1] + rng.integers(5, 48, size=12).tolist()
-    for i in range(12):
+    for i in range(8):
         cold = [2] + rng.integers(5, 48, size=15).tolist()
         engine.run_to_completion([_request(f"cold{i}_0_0", cold, 8),
                                   _request(f"hot{i}_0_0", hot + [5 + i], 4)])
@@ -229,8 +229,8 @@ def test_prefix_cache_evicts_least_recently_used_under_pressure_without_leaks(mo
         assert engine.allocator.used == len(engine.prefix)  # no block outside the cache
         assert all(engine.allocator.refs[b] == 1 for b in engine.prefix.blocks.values())
     # the hot prefix, used every round, stayed; cold ones were evicted
-    assert engine.prefix.hits >= 3 * 11
-    assert len(engine.prefix) < 12 * 5
+    assert engine.prefix.hits >= 3 * 7
+    assert len(engine.prefix) < 8 * 5  # 5 blocks each cold request cached
     engine.prefix.flush()
     assert engine.allocator.used == 0 and len(engine.allocator.free) == \
         engine.allocator.capacity - 1
