@@ -17,7 +17,7 @@ import inspect
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +91,94 @@ def _host_to(device: torch.device, rows: list[list[int]] | list[int]) -> torch.T
 
 BLOCK_SIZE = 16  # tokens per KV block
 
+DecodeMode = Literal["auto", "eager", "static", "compile", "cuda_graph"]
+
+
+def _bucket(n: int) -> int:
+    """The static size `n` rows (or blocks) are padded to: the next power of two, so a batch
+    that shrinks and grows meets a handful of shapes (one capture or compilation each)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeRunner:
+    """Runs `ContinuousBatcher.decode_tensors` on static shapes, one (rows, blocks) bucket at a
+    time: `static` eagerly (the padding alone: to test that bucketing never changes a token),
+    `compile` through `torch.compile(dynamic=False)` (one compilation per bucket; optional on
+    a CPU, where it costs seconds per bucket), `cuda_graph` replayed from a CUDA graph captured
+    once per bucket (inputs copied into the graph's own buffers: a replay launches the whole
+    step at once, and no host synchronisation happens inside it)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.graphs: dict[tuple[int, int], tuple[Any, list[torch.Tensor], tuple]] = {}
+        self.compiled: Any = None
+        self.pool = 0  # address of the KV pool the graphs were captured on
+        self.captures = 0  # CUDA graphs captured (one per bucket met)
+
+    def run(self, engine: ContinuousBatcher, rows: int, width: int, choice: torch.Tensor,
+            state: torch.Tensor, temps: torch.Tensor,
+            table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = choice.shape[0]
+        if self.mode == "cuda_graph":
+            return self._replay(engine, rows, width, (choice, state, temps, table), n)
+        padded = (F.pad(choice, (0, rows - n)), F.pad(state, (0, 0, 0, rows - n)),
+                  F.pad(temps, (0, 0, 0, rows - n), value=1.0),
+                  F.pad(table, (0, width - table.shape[1], 0, rows - n)))
+        fn = engine.decode_tensors
+        if self.mode == "compile":
+            if self.compiled is None:
+                self.compiled = torch.compile(fn, dynamic=False)
+            fn = self.compiled
+        nxt, chosen, new = fn(*padded)
+        return nxt[:n], chosen[:n], new[:n]
+
+    def _replay(self, engine: ContinuousBatcher, rows: int, width: int,
+                inputs: tuple[torch.Tensor, ...],
+                n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # a graph bakes in the pool's addresses: a pool that grew (not reserved) since its
+        # captures invalidates them (a reserved pool, as on a GPU replica, never grows)
+        pool = engine.kv.ensure_capacity()
+        if pool != self.pool:
+            self.graphs.clear()
+            self.pool = pool
+        key = (rows, width)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(engine, rows, width, inputs[3].dtype)
+        graph, static, out = self.graphs[key]
+        choice, state, temps, table = static
+        # this step's rows; the padding rows reset (a row left by a larger batch would still
+        # point at blocks that now belong to others)
+        choice[:n].copy_(inputs[0])
+        state[:n].copy_(inputs[1])
+        state[n:].zero_()
+        temps[:n].copy_(inputs[2])
+        table[:n, :inputs[3].shape[1]].copy_(inputs[3])
+        table[:n, inputs[3].shape[1]:].zero_()
+        table[n:].zero_()
+        graph.replay()
+        return out[0][:n], out[1][:n], out[2][:n]
+
+    def _capture(self, engine: ContinuousBatcher, rows: int, width: int,
+                 dtype: torch.dtype) -> tuple[Any, list[torch.Tensor], tuple]:
+        dev = engine.device
+        static = [torch.zeros(rows, dtype=torch.long, device=dev),
+                  torch.zeros((rows, 3), dtype=torch.long, device=dev),
+                  torch.ones((rows, 1), dtype=torch.float32, device=dev),
+                  torch.zeros((rows, width), dtype=dtype, device=dev)]
+        # warm up on a side stream (lazy initialisations stay out of the graph); every row is
+        # padding: writes go to the null block
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                engine.decode_tensors(*static)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = engine.decode_tensors(*static)
+        self.captures += 1
+        return graph, static, out
+
 
 class ContinuousBatcher:
     """The running batch of one model on one replica.
@@ -107,11 +195,14 @@ class ContinuousBatcher:
 
     def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
                  tokenizer: Any = None, adapters: dict[str, str] | None = None,
-                 block_size: int = BLOCK_SIZE, prefix_cache: bool = True):
+                 block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
+                 decode: DecodeMode = "auto"):
         """`tokenizer`: the agent's tokenizer (on a shared base, the base's), or a function that
         loads it on first use, for requests with stop strings (None: such requests are refused).
         `prefix_cache`: keep finished sequences' full blocks for later requests that start
-        with the same tokens (`rollout.paged.PrefixCache`)."""
+        with the same tokens (`rollout.paged.PrefixCache`). `decode`: how a decode step runs
+        (`DecodeRunner`); `auto` is `cuda_graph` on a GPU, `eager` on a CPU (a compilation
+        costs more than a CPU run of tests saves; `compile` is the option)."""
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
@@ -155,6 +246,13 @@ class ContinuousBatcher:
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
         self._tokenizer = tokenizer
+        if decode == "auto":
+            decode = "cuda_graph" if self.device.type == "cuda" else "eager"
+        if decode == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError(f"decode mode 'cuda_graph' needs a CUDA model, this one is on "
+                             f"{self.device}")
+        self.decode_mode: str = decode
+        self._runner = DecodeRunner(decode)
 
     @property
     def max_tokens(self) -> int:
@@ -469,18 +567,23 @@ class ContinuousBatcher:
         self.logits = None
         # one device-to-host copy per step (token ids < 2**24 are exact in float32)
         picked = torch.stack([choice.to(chosen.dtype), chosen]).cpu().tolist()
-        tokens_host, logps_host = picked
+        return self._finish(list(range(start, len(self.seqs))), picked[0], picked[1])
+
+    def _finish(self, index: list[int], tokens_host: list[float],
+                logps_host: list[float]) -> list[GenerationResult]:
+        """Append the sampled tokens (host copies) of sequences `index`; retire finished ones."""
         finished = []
-        for j, s in enumerate(seqs):
+        for j, i in enumerate(index):
+            s = self.seqs[i]
             if s.request.max_new_tokens <= 0:
-                finished.append(start + j)
+                finished.append(i)
                 continue
             tok = int(tokens_host[j])
             s.tokens.append(tok)
             s.logprobs.append(logps_host[j])
             if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens or (
                     s.request.stop and self._stopped_by_string(s)):
-                finished.append(start + j)
+                finished.append(i)
         results = [self._result(self.seqs[i]) for i in finished]
         if finished:
             gone = set(finished)
@@ -555,6 +658,8 @@ class ContinuousBatcher:
             width = max(len(s.blocks) for s in self.seqs)
             self._table = self._table[:, :width]
             self._columns = self._columns_of(self._table)
+        if self._static_ok():
+            return self._step_static()
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
         self.kv.slots = self._table.gather(1, pos // bs) * bs + pos % bs
@@ -566,6 +671,51 @@ class ContinuousBatcher:
                             use_cache=True, **{self._cache_arg: self.kv})
         self.logits = out.logits[:, -1, :].float()
         return self._sample()
+
+    # --- static-shape decode steps (captured on CUDA, optionally compiled on a CPU) ----------
+    def _static_ok(self) -> bool:
+        """Can this step run on static shapes? Not in `eager` mode, nor for rows with a token
+        mask or nucleus sampling (they keep the eager step: masks and the nucleus cut change
+        which ops run), nor on a shared base (the stacked adapters pick a path per batch on
+        the host)."""
+        if self.decode_mode == "eager" or self._stack is not None or self._banned is not None:
+            return False
+        return all(s.request.top_p >= 1.0 for s in self.seqs)
+
+    def decode_tensors(self, choice: torch.Tensor, state: torch.Tensor, temps: torch.Tensor,
+                       table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step as a pure function of device tensors of fixed shapes (what a CUDA
+        graph captures and `torch.compile` compiles): feed `choice` [B] at each row's position,
+        sample the next tokens. Returns (next tokens [B], their log-probs [B], the new state
+        [B, 3]). A padding row (null block table, position 0) writes into the null block and
+        reads only it."""
+        bs = self.block_size
+        pos = state[:, 2:3]
+        self.kv.slots = table.gather(1, pos // bs) * bs + pos % bs
+        self.kv.columns = self._columns_of(table)
+        cols = torch.arange(self.kv.columns.shape[1], device=table.device)
+        allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
+        out = self._net(input_ids=choice.unsqueeze(1), attention_mask=self._mask(allowed),
+                        position_ids=pos, use_cache=True, **{self._cache_arg: self.kv})
+        logp = F.log_softmax(out.logits[:, -1, :].float() / temps, dim=-1)
+        scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
+        nxt = torch.argmax(scores, dim=-1)
+        chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
+        step = torch.tensor([0, 1, 1], dtype=state.dtype, device=state.device)
+        return nxt, chosen, state + step
+
+    def _step_static(self) -> list[GenerationResult]:
+        """The decode step on a bucketed batch (rows padded to a power of two, the block table
+        to a power of two of blocks): `DecodeRunner` runs it eagerly, compiled or replayed
+        from the bucket's CUDA graph."""
+        assert self._table is not None
+        n = len(self.seqs)
+        rows, width = _bucket(n), _bucket(self._table.shape[1])
+        nxt, chosen, state = self._runner.run(self, rows, width, self._choice, self._state,
+                                              self._temps, self._table)
+        self._choice, self._state = nxt, state
+        picked = torch.stack([nxt.to(chosen.dtype), chosen]).cpu().tolist()
+        return self._finish(list(range(n)), picked[0], picked[1])
 
     def run_to_completion(self, requests: list[GenerationRequest],
                           min_admit: int | None = None) -> list[GenerationResult]:

@@ -143,6 +143,15 @@ class PagedKVCache:
         self.keys[layer], self.values[layer] = keys, values
         return keys, values
 
+    def ensure_capacity(self) -> int:
+        """Grow every layer's pool to the allocator's capacity now (a captured decode step
+        runs no Python to grow it); returns the first pool's address (0: none yet)."""
+        for layer, keys in enumerate(self.keys):
+            if keys is not None:
+                self._pool(layer, keys.unsqueeze(2))
+        first = self.keys[0]
+        return 0 if first is None else int(first.data_ptr())
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' keys/values ([B, H, T, D]) into their slots; return each row's

@@ -234,3 +234,30 @@ def test_prefix_cache_evicts_least_recently_used_under_pressure_without_leaks(mo
     engine.prefix.flush()
     assert engine.allocator.used == 0 and len(engine.allocator.free) == \
         engine.allocator.capacity - 1
+
+
+def _decode_modes_agree(model, mode):
+    reqs = _long_tailed(8, seed=3)
+    eager = ContinuousBatcher(model, max_seqs=5, block_size=4).run_to_completion(reqs)
+    engine = ContinuousBatcher(model, max_seqs=5, block_size=4, decode=mode)
+    # the batch shrinks and grows through buckets of 1-8 rows and 1-32 blocks
+    for a, b in zip(eager, engine.run_to_completion(reqs), strict=True):
+        assert a.tokens == b.tokens, a.sample_id
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert engine.prefix is not None
+    engine.prefix.flush()
+    assert engine.allocator.used == 0
+
+
+def test_bucketed_static_decode_steps_sample_the_same_tokens(model):
+    _decode_modes_agree(model, "static")
+
+
+@pytest.mark.slow  # one compilation per bucket: minutes on a CPU
+def test_compiled_decode_steps_sample_the_same_tokens(model):
+    _decode_modes_agree(model, "compile")
+
+
+def test_cuda_graph_decode_needs_a_cuda_model(model):
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        ContinuousBatcher(model, decode="cuda_graph")
