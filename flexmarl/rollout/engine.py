@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from flexmarl.policy.sampling import (
     PAD,
@@ -246,6 +248,13 @@ class ContinuousBatcher:
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
         self._tokenizer = tokenizer
+        # Llama-shaped models (random ones, SmolLM2) decode through `_llama_decode`
+        cfg = model.config
+        self._lean = type(self._net) is LlamaForCausalLM and self._bool_mask
+        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // \
+            cfg.num_attention_heads
+        self._kv_groups = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None)
+                                                      or cfg.num_attention_heads)
         if decode == "auto":
             decode = "cuda_graph" if self.device.type == "cuda" else "eager"
         if decode == "cuda_graph" and self.device.type != "cuda":
@@ -666,11 +675,51 @@ class ContinuousBatcher:
         self.kv.columns = self._columns
         cols = torch.arange(self._columns.shape[1], device=self.device)
         allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
-        out = self._forward(self._rows, self._only, input_ids=self._choice.unsqueeze(1),
-                            attention_mask=self._mask(allowed), position_ids=pos,
-                            use_cache=True, **{self._cache_arg: self.kv})
-        self.logits = out.logits[:, -1, :].float()
+        self.logits = self._decode_logits(self._rows, self._only, self._choice, pos,
+                                          self._mask(allowed)).float()
         return self._sample()
+
+    def _decode_logits(self, rows: torch.Tensor | None, only: int | None, choice: torch.Tensor,
+                       pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits of one decode step (one token per row, its KV written in place)."""
+        if not self._lean:
+            out = self._forward(rows, only, input_ids=choice.unsqueeze(1), attention_mask=mask,
+                                position_ids=pos, use_cache=True, **{self._cache_arg: self.kv})
+            return out.logits[:, -1, :]
+        if self._stack is None:
+            return self._llama_decode(choice, pos, mask)
+        self._stack.use_rows(rows, only)
+        try:
+            return self._llama_decode(choice, pos, mask)
+        finally:
+            self._stack.clear()
+
+    def _llama_decode(self, choice: torch.Tensor, pos: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """A Llama decode step through the model's own modules (so LoRA layers and their
+        stacked adapters still apply) and PyTorch's `scaled_dot_product_attention`, without
+        the transformers wrappers around them: argument processing, mask building and output
+        records cost more host time per step than a tiny model's whole compute. The same ops
+        as `LlamaForCausalLM.forward` with an SDPA mask (tests compare the two)."""
+        net = self._net.model
+        h = net.embed_tokens(choice.unsqueeze(1))  # [B, 1, hidden]
+        cos, sin = net.rotary_emb(h, pos)
+        shape = (h.shape[0], 1, -1, self._head_dim)
+        for layer in net.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = self.kv.update(k, v, attn.layer_idx)
+            if self._kv_groups > 1:
+                k = k.repeat_interleave(self._kv_groups, dim=1)
+                v = v.repeat_interleave(self._kv_groups, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(h.shape[0], 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._net.lm_head(net.norm(h))[:, -1, :]
 
     # --- static-shape decode steps (captured on CUDA, optionally compiled on a CPU) ----------
     def _static_ok(self) -> bool:
@@ -695,9 +744,8 @@ class ContinuousBatcher:
         self.kv.columns = self._columns_of(table)
         cols = torch.arange(self.kv.columns.shape[1], device=table.device)
         allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
-        out = self._net(input_ids=choice.unsqueeze(1), attention_mask=self._mask(allowed),
-                        position_ids=pos, use_cache=True, **{self._cache_arg: self.kv})
-        logp = F.log_softmax(out.logits[:, -1, :].float() / temps, dim=-1)
+        logits = self._decode_logits(None, None, choice, pos, self._mask(allowed))
+        logp = F.log_softmax(logits.float() / temps, dim=-1)
         scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
         nxt = torch.argmax(scores, dim=-1)
         chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)

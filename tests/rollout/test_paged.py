@@ -261,3 +261,22 @@ def test_compiled_decode_steps_sample_the_same_tokens(model):
 def test_cuda_graph_decode_needs_a_cuda_model(model):
     with pytest.raises(ValueError, match="needs a CUDA model"):
         ContinuousBatcher(model, decode="cuda_graph")
+
+
+@pytest.mark.slow  # loads the 135M model: about a minute on a loaded 2-core machine
+def test_lean_llama_step_equals_the_transformers_forward_on_smollm2():
+    """SmolLM2-135M (grouped-query attention, tied embeddings, its RoPE base): the engine's
+    own Llama decode step samples what transformers' forward samples."""
+    from flexmarl.policy.smollm import SmolLMUnavailable
+
+    try:
+        net = build_model("a", ModelConfig(kind="smollm2"), 49152, 256, 0)
+    except SmolLMUnavailable as exc:
+        pytest.skip(str(exc))
+    reqs = [_request(f"s{i}_0_0", [1, 9690, 30, 2683 + i, 28, 253], 6) for i in range(3)]
+    lean = ContinuousBatcher(net, 3)
+    assert lean._lean and lean._kv_groups == 3
+    slow = ContinuousBatcher(net, 3)
+    slow._lean = False
+    for a, b in zip(lean.run_to_completion(reqs), slow.run_to_completion(reqs), strict=True):
+        _same(a, b)
