@@ -749,8 +749,9 @@ class ContinuousBatcher:
         scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
         nxt = torch.argmax(scores, dim=-1)
         chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
-        step = torch.tensor([0, 1, 1], dtype=state.dtype, device=state.device)
-        return nxt, chosen, state + step
+        new = state.clone()  # one more token sampled, the next position (no host constant:
+        new[:, 1:] += 1  # a host-to-device copy cannot be captured)
+        return nxt, chosen, new
 
     def _step_static(self) -> list[GenerationResult]:
         """The decode step on a bucketed batch (rows padded to a power of two, the block table
