@@ -14,6 +14,7 @@ one device-to-host copy per step brings back the chosen tokens and their log-pro
 from __future__ import annotations
 
 import inspect
+import logging
 import struct
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ def _host_to(device: torch.device, rows: list[list[int]] | list[int]) -> torch.T
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
+
+log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16  # tokens per KV block
 
@@ -668,7 +671,16 @@ class ContinuousBatcher:
             self._table = self._table[:, :width]
             self._columns = self._columns_of(self._table)
         if self._static_ok():
-            return self._step_static()
+            try:
+                return self._step_static()
+            except RuntimeError as exc:
+                # a model whose forward cannot be captured (a host sync, a host copy inside):
+                # it decodes eagerly, said once, rather than failing the replica
+                if self.decode_mode != "cuda_graph" or self._runner.captures:
+                    raise
+                log.warning("decode steps cannot be captured as CUDA graphs (%s); decoding "
+                            "eagerly", exc)
+                self.decode_mode = "eager"
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
         self.kv.slots = self._table.gather(1, pos // bs) * bs + pos % bs

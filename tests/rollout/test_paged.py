@@ -280,3 +280,28 @@ def test_lean_llama_step_equals_the_transformers_forward_on_smollm2():
     slow._lean = False
     for a, b in zip(lean.run_to_completion(reqs), slow.run_to_completion(reqs), strict=True):
         _same(a, b)
+
+
+def test_prefix_cache_hashes_by_namespace_and_flushes_one_agent():
+    from flexmarl.rollout.paged import PrefixCache, block_hashes
+
+    alloc = BlockAllocator(max_blocks=16)
+    cache = PrefixCache(alloc, 4)
+    tokens = list(range(12))
+    ha = block_hashes(("a", "lora_a", 0), tokens, 4, 3)
+    assert block_hashes(("a", "lora_a", 1), tokens, 4, 3)[0] != ha[0]  # another version
+    assert block_hashes(("b", "lora_a", 0), tokens, 4, 3)[0] != ha[0]  # another agent
+    assert block_hashes(("a", "lora_a", 0), [0, 1, 2, 3, 9, 9, 9, 9], 4, 2)[0] == ha[0]
+    hb = block_hashes(("b", "lora_b", 0), tokens, 4, 3)
+    blocks_a = [alloc.allocate() for _ in range(3)]
+    blocks_b = [alloc.allocate() for _ in range(3)]
+    cache.insert("a", ha, blocks_a)
+    cache.insert("b", hb, blocks_b)
+    for b in blocks_a + blocks_b:  # the sequences leave; the cache keeps the blocks
+        alloc.release(b)
+    assert alloc.used == 6 and cache.match(ha[:2]) == blocks_a[:2]
+    for b in blocks_a[:2]:
+        alloc.release(b)
+    cache.flush("a")  # agent a's adapter loaded: its blocks go, b's stay
+    assert len(cache) == 3 and alloc.used == 3 and cache.match(ha) == []
+    assert cache.evict(10) == 3 and alloc.used == 0
