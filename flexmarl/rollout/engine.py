@@ -3,12 +3,15 @@
 A replica keeps one running batch per model over a paged KV cache (`rollout.paged`): newcomers
 are prefilled together into blocks of their own, a sequence that finishes leaves the batch at
 once and its blocks go back to the free list; neither copies the cache, so the batch stays full
-while long-tail generations run. Per-sequence state (position, Gumbel stream keyed by (seed,
+while long-tail generations run. Its full blocks stay in a prefix cache, so a later request that
+starts with the same tokens (the conversation's next turn) prefills only the rest. Per-sequence state (position, Gumbel stream keyed by (seed,
 sample_id, version), token mask, temperature) lives with the sequence, so a sequence decodes to
 the same tokens and log-probs whether alone or inside any batch (up to float rounding).
 
 Everything per step stays on the model's device (KV cache, masks, noise, sampling, log-probs);
-one device-to-host copy per step brings back the chosen tokens and their log-probs.
+one device-to-host copy per step brings back the chosen tokens and their log-probs. A decode
+step can run on static shapes (`DecodeRunner`): captured once per bucket as a CUDA graph on a
+GPU, optionally compiled on a CPU.
 """
 
 from __future__ import annotations
