@@ -97,6 +97,18 @@ class _AlgorithmBase(Strict):
     # micro-batch split still equals one big batch.
     loss_agg: Literal["sequence", "token_sum_norm"] = "sequence"
     loss_norm_tokens: int = Field(512, gt=0)
+    # Optimisation passes over each iteration's rows (GRPO's mu, PPO's epochs). The first pass
+    # runs in the micro-batch pipeline as rows arrive and ends in one optimizer step; passes
+    # 2..epochs run at step time over the same rows in sample_id order, one optimizer step
+    # each, their ratio taken against the recorded behaviour log-probs (clipped as usual). The
+    # rows and their order never depend on timing, so sync and async runs stay bit-identical;
+    # the version advances once per iteration, after the last pass.
+    epochs: int = Field(1, ge=1)
+    # Leave completions the token budget cut off (no stop token or stop string reached, on a
+    # node that has one) out of the loss, DAPO's overlong filtering: a truncated answer's
+    # reward says little about its tokens. Masked rows count neither in the loss nor in the
+    # rows it is normalised by (`rows_masked_truncated` in the metrics).
+    mask_truncated: bool = False
 
 
 class GRPOConfig(_AlgorithmBase):

@@ -98,6 +98,15 @@ def assign_credit(
     return out
 
 
+def truncated(request: GenerationRequest, tokens: list[int]) -> bool:
+    """The budget, not the model, ended this completion: it used every token of a node that
+    has a stop condition and did not end on a stop token. (A stop string ends a text node's
+    completion early, so a full-length one ended by a string is rare: it counts as cut.)"""
+    has_stop = bool(request.stop_tokens or request.stop)
+    return (has_stop and len(tokens) >= request.max_new_tokens
+            and not (tokens and tokens[-1] in request.stop_tokens))
+
+
 def graph_levels(graph: MEG, order: list[str]) -> dict[str, int]:
     """Graph level of each node: 0 without inputs, else one more than its deepest input."""
     level: dict[str, int] = {}
@@ -218,6 +227,7 @@ class EpisodeRunner:
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
                  "allowed": prompt.allowed_tokens, "temperature": request.temperature,
+                 "truncated": truncated(request, result.tokens),
                  **({"stop": list(prompt.stop)} if node.is_text else {})},
                 {"logprobs": result.logprobs if isinstance(result.logprobs, TensorRef)
                  else np.asarray(result.logprobs, dtype=np.float32)},
