@@ -122,6 +122,18 @@ class GRPOConfig(_AlgorithmBase):
     # Dr. MAS) or batch (every trainable agent's rows: one global baseline). agent and batch
     # wait for the iteration's last episode before this agent's first micro-batch.
     normalize: Literal["group", "agent", "batch"] = "group"
+    # DAPO's dynamic sampling: this agent's rows of a group whose rewards all agree (every
+    # advantage zero: no signal, only dilution) are dropped, and the group's input is replaced
+    # by a fresh one, at most `train.resample_rounds` times per input. Replacements are chosen
+    # by position, not by timing, so sync and async runs stay identical. Group normalisation.
+    dynamic_sampling: bool = False
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_groups(self) -> GRPOConfig:
+        if self.dynamic_sampling and self.normalize != "group":
+            raise ValueError("algorithm.dynamic_sampling drops groups whose rewards agree, "
+                             f"which needs normalize: group (got {self.normalize!r})")
+        return self
 
 
 class PPOConfig(_AlgorithmBase):
@@ -310,6 +322,10 @@ class TrainConfig(Strict):
     # the first error, without "final" checkpoints. 1.0 turns the budget off.
     max_failed_fraction: float = Field(0.5, ge=0, le=1)
     max_consecutive_failed_iterations: int = Field(0, ge=0)
+    # Dynamic sampling (an agent's `algorithm.dynamic_sampling`): how many times one input's
+    # group may be replaced by a fresh input when a dynamic-sampling agent's rewards in it
+    # all agree. Each round costs up to group_size more episodes for that input.
+    resample_rounds: int = Field(2, ge=0)
 
 
 class PipelineConfig(Strict):
@@ -541,6 +557,11 @@ class RunConfig(Strict):
                 if agent.trainable:
                     raise ValueError(f"agents.{name}.backend: the openai backend serves frozen "
                                      f"agents only; set agents.{name}.trainable: false")
+        for name, agent in self.agents.items():
+            if getattr(agent.algorithm, "dynamic_sampling", False) and self.train.group_size < 2:
+                raise ValueError(f"agents.{name}.algorithm.dynamic_sampling: needs "
+                                 f"train.group_size >= 2 (got {self.train.group_size}): a group "
+                                 "of one always agrees with itself")
         if self.pipeline.mode == "one_step_off" and self.train.checkpoint_every is not None:
             # a boundary of one_step_off has iteration k+1 in flight on version k weights, which
             # no trainer holds any more: a resume could not regenerate it

@@ -90,6 +90,7 @@ class IterationMetrics:
             "task/success_rate": it.successes / max(n_ok, 1),
             "episodes/total": it.episodes_total,
             "episodes/failed": it.episodes_failed,
+            "episodes/groups_resampled": sum(it.rounds.values()),
             "pool/rollout/busy_frac": self.telemetry.busy_frac(
                 "rollout", self.rollout.n_workers, t0, now),
             "pool/train/busy_frac": self.telemetry.busy_frac("train", self.train.n_workers,
@@ -118,6 +119,8 @@ class IterationMetrics:
                 math.fsum(rewards) / len(rewards) if rewards else 0.0)
             record[f"agent/{agent}/policy_version"] = self.versions[agent]
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
+            if agent in it.rows_filtered:  # dynamic sampling dropped these
+                record[f"agent/{agent}/rows_filtered"] = it.rows_filtered[agent]
             if agent in self.trainable:
                 record[f"agent/{agent}/swaps"] = swaps.get(agent, (0, 0.0))[0]
             for key, value in it.trained.get(agent, {}).items():

@@ -136,7 +136,8 @@ class MicroBatchTrainer:
             ids = [
                 sid
                 for i in chunk
-                for episode in it.groups[f"{k}-{i}"]
+                for gid in it.slot_groups(i)
+                for episode in it.groups[gid]
                 for node, sid in sorted(episode.items())
                 if node in nodes and table.get(sid).status is Status.READY
             ]

@@ -61,7 +61,7 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
     })
     task = load_task(cfg.task.builder, cfg.task.options)
     orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
-    it = IterationState(index=0, episodes_total=4)
+    it = IterationState(index=0, episodes_total=4, n_inputs=2)
     orch.episodes.iterations[0] = it
     rewards = {("speak", 0, 0): 1.0, ("speak", 0, 1): 0.0, ("speak", 1, 0): 0.0,
                ("speak", 1, 1): 0.0, ("listen", 0, 0): 2.0, ("listen", 0, 1): 2.0,
