@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling on real runs: groups whose rewards all agree are dropped for the
-agent that asks for it and replaced by fresh inputs; sync and async stay equal; every row is
-trained at most once and no dropped row is trained."""
+agent that asks for it and replaced by fresh inputs; sync and async stay equal (with the
+other agent running two optimisation passes per iteration); every row is trained at most once
+and no dropped row is trained."""
 
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from flexmarl.orchestrator.run import train
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SETTINGS = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=6",
             "train.group_size=2", "train.resample_rounds=1",
-            "agents.listener.algorithm.dynamic_sampling=true"]
+            "agents.listener.algorithm.dynamic_sampling=true", "agents.speaker.algorithm.epochs=2"]
 
 
 def _run(tmp_path: Path, mode: str):
@@ -28,6 +29,7 @@ def test_agreeing_groups_are_replaced_and_sync_equals_async(tmp_path):
     filtered = [r.get("agent/listener/rows_filtered", 0) for r in res.records]
     assert sum(resampled) > 0 and sum(filtered) > 0  # chance 1/4: many groups agree
     assert all("agent/speaker/rows_filtered" not in r for r in res.records)
+    assert all(r["agent/speaker/epochs"] == 2.0 for r in res.records)
     per_input = cfg.train.group_size
     for k, rec in enumerate(res.records):
         episodes = (cfg.train.inputs_per_iteration + rec["episodes/groups_resampled"]) * per_input
