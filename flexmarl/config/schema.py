@@ -121,7 +121,14 @@ class GRPOConfig(_AlgorithmBase):
     # input and node), agent (all of this agent's rows of the iteration: its own mean and std,
     # Dr. MAS) or batch (every trainable agent's rows: one global baseline). agent and batch
     # wait for the iteration's last episode before this agent's first micro-batch.
-    normalize: Literal["group", "agent", "batch"] = "group"
+    #
+    # agent_previous: the mean and std of the agent's rows of the previous iteration (the
+    # one before that in one_step_off): an agent-wise baseline like `agent` that needs nothing
+    # of the current iteration, so the micro-batch pipeline keeps its overlap; the first
+    # iteration uses its groups. Unlike a group baseline it still gives a signal when a
+    # group's samples agree, which is how a co-adapting agent gets out of a collapse (a judge
+    # answering one thing to every input once its partner is mostly right).
+    normalize: Literal["group", "agent", "batch", "agent_previous"] = "group"
     # DAPO's dynamic sampling: this agent's rows of a group whose rewards all agree (every
     # advantage zero: no signal, only dilution) are dropped, and the group's input is replaced
     # by a fresh one, at most `train.resample_rounds` times per input. Replacements are chosen

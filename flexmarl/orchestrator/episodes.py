@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.api.runtime import RolloutPool
-from flexmarl.config.schema import CreditConfig, RunConfig
+from flexmarl.config.schema import CreditConfig, GRPOConfig, RunConfig
 from flexmarl.errors import UserError
 from flexmarl.graph import contracts
 from flexmarl.graph.chat import PromptRenderer
@@ -38,6 +38,7 @@ from flexmarl.store.experience import (
 )
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import algorithms
+from flexmarl.training.algorithms import grpo
 from flexmarl.types import GenerationRequest
 
 
@@ -188,6 +189,9 @@ class EpisodeRunner:
         self._started: dict[int, asyncio.Event] = {}
         self.start_iteration = 0
         self.restored: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        # resumed: per iteration before the checkpoint, each agent's reward (mean, std) from
+        # its records (`normalize: agent_previous`)
+        self.resumed_stats: dict[int, dict[str, tuple[float, float]]] = {}
         self.first_error: str | None = None
         # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
         self._check_prompts = cfg.runtime.kind != "sim"
@@ -383,11 +387,19 @@ class EpisodeRunner:
             if not ids:
                 continue
             agent = self.graph.nodes[name].agent
-            if agent not in self.trainable or self.normalize(agent) != "group":
+            if agent not in self.trainable or self.normalize(agent) in ("agent", "batch"):
                 continue
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
             algo_cfg = self.cfg.agents[agent].algorithm
+            previous = (self.previous_stats(it.index, agent)
+                        if self.normalize(agent) == "agent_previous" else None)
+            if previous is not None:
+                assert isinstance(algo_cfg, GRPOConfig)  # normalize is a GRPO option
+                for sid, adv in zip(ids, grpo.baseline_advantages(rewards, *previous, algo_cfg),
+                                    strict=True):
+                    self._set_ready(it, agent, sid, adv)
+                continue
             if getattr(algo_cfg, "dynamic_sampling", False) and len(set(rewards)) == 1:
                 agreed = True
                 for sid in ids:
@@ -461,15 +473,32 @@ class EpisodeRunner:
             "advantage": advantage})
 
     def normalize(self, agent: str) -> str:
-        """`algorithm.normalize` of a GRPO agent (group, agent or batch); others: group."""
+        """`algorithm.normalize` of a GRPO agent (group, agent, batch or agent_previous);
+        others: group."""
         return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
+
+    def previous_stats(self, k: int, agent: str) -> tuple[float, float] | None:
+        """`normalize: agent_previous`: the mean and std of `agent`'s rewards in the iteration
+        whose step made the weights iteration k samples with (k - 1; k - 2 in one_step_off),
+        or None (the first iterations: group baselines). That iteration's rollout is over by
+        then: the agent's step on it preceded these weights. After a resume they come from
+        the checkpoint's records."""
+        source = k - 1 - self.cfg.pipeline.max_staleness
+        if source < 0:
+            return None
+        if source in self.resumed_stats:
+            return self.resumed_stats[source].get(agent)
+        past = self.iterations.get(source)
+        if past is None or not past.rewards.get(agent):
+            return None
+        return grpo.reward_stats(past.rewards[agent])
 
     def _normalize_wide(self, it: IterationState) -> None:
         """Every group of the iteration is in: advantages of the agents whose GRPO normalises
         over more than one group. `agent`: over all of the agent's rows of the iteration (its
         own mean and std, Dr. MAS's agent-wise normalisation); `batch`: over the rows of every
         trainable agent (one global baseline). Rows of failed episodes take no part."""
-        wide = [a for a in self.trainable if self.normalize(a) != "group"]
+        wide = [a for a in self.trainable if self.normalize(a) in ("agent", "batch")]
         if not wide or it.wide_ready:
             it.wide_ready = True
             return

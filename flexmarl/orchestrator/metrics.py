@@ -7,7 +7,6 @@ is a function of the run's state, not of which runtime or schedule produced it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from flexmarl.api.runtime import RolloutPool, TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.episodes import IterationState
 from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.training.algorithms.grpo import reward_stats
 
 
 class FailureBudgetExceeded(RuntimeError):
@@ -115,8 +115,10 @@ class IterationMetrics:
             # fsum is exactly rounded, so the mean does not depend on the order in which
             # episodes finished (placement changes that order, never the rewards).
             rewards = it.rewards.get(agent, [])
-            record[f"agent/{agent}/reward_mean"] = (
-                math.fsum(rewards) / len(rewards) if rewards else 0.0)
+            mean, std = reward_stats(rewards) if rewards else (0.0, 0.0)
+            record[f"agent/{agent}/reward_mean"] = mean
+            if rewards:  # `normalize: agent_previous` resumes from these two
+                record[f"agent/{agent}/reward_std"] = std
             record[f"agent/{agent}/policy_version"] = self.versions[agent]
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
             if agent in it.rows_filtered:  # dynamic sampling dropped these

@@ -110,7 +110,7 @@ class MicroBatchTrainer:
         vector = self.versions.vector(k)
         table = self.store.table(agent)
         canonical = self.cfg.runtime.deterministic or self.cfg.pipeline.mode == "sync"
-        if self.episodes.normalize(agent) != "group":
+        if self.episodes.normalize(agent) in ("agent", "batch"):
             # advantages need the whole iteration's rewards: wait for them (less overlap)
             while not it.wide_ready:
                 changed.clear()
