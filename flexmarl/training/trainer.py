@@ -323,9 +323,7 @@ class AgentTrainer:
         passes, `algorithm.epochs`); version += 1."""
         if self._rows == 0:  # every row of the iteration failed: keep weights, move on
             masked = self._sums.get("rows_masked_truncated", 0.0)
-            self._kept = []
-            self._seen.clear()
-            self._sums = {}
+            self._clear_step()
             self.version += 1
             return {"skipped": 1.0, "rows": 0.0, **(
                 {"rows_masked_truncated": masked} if masked else {})}
@@ -360,14 +358,18 @@ class AgentTrainer:
         """Drop this iteration's gradients, keep the weights, still advance the version (the
         rows of this version were used up)."""
         rows = float(self._rows)
+        self._clear_step()
+        self.version += 1
+        return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
+
+    def _clear_step(self) -> None:
+        """Forget the step in progress: gradients, rows, kept rows, metric sums, poison."""
         self.optimizer.zero_grad(set_to_none=True)
         self._rows = 0
         self._kept = []
         self._seen.clear()
         self._sums = {}
         self._nonfinite = None
-        self.version += 1
-        return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """What the rollout replicas need to hold this version (LoRA: the merged adapted layers;
@@ -513,9 +515,4 @@ class AgentTrainer:
         np.random.set_state((name, np.array(arrays["rng.numpy"], dtype=np.uint32), pos,
                              has_gauss, cached))
         self.version = int(meta["version"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self._rows = 0
-        self._kept = []
-        self._seen.clear()
-        self._sums = {}
-        self._nonfinite = None
+        self._clear_step()
