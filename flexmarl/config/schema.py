@@ -6,6 +6,7 @@ overrides are applied to the raw YAML before validation, so they are checked the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
@@ -418,6 +419,11 @@ class RuntimeConfig(Strict):
     train_devices: DeviceList = None
     # Allow the two pools' device lists to overlap (colocation); off, an overlap is an error.
     share_devices: bool = False
+    # CPU cores each pool's worker processes are pinned to (os.sched_setaffinity, before torch
+    # starts its threads; local runtime): separate lists keep rollout and training physically
+    # apart on a CPU machine, the same list colocates them. None: anywhere.
+    rollout_cpus: list[int] | None = None
+    train_cpus: list[int] | None = None
     rollout_workers: int = Field(1, gt=0)
     # training slots (devices; CPU worker processes on the local runtime), bound to agents on
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
@@ -479,8 +485,23 @@ class RuntimeConfig(Strict):
                 raise ValueError(f"device {value} lists an index twice")
         return value
 
+    @field_validator("rollout_cpus", "train_cpus")
+    @classmethod
+    def _cpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        have = os.cpu_count() or 1
+        bad = [c for c in value if not 0 <= c < have]
+        if not value or bad:
+            raise ValueError(f"CPU ids in 0..{have - 1} on this machine ({have} CPUs), "
+                             f"got {value}")
+        return sorted(set(value))
+
     @model_validator(mode="after")
     def _pools_apart(self) -> RuntimeConfig:
+        if self.kind == "ray" and (self.rollout_cpus or self.train_cpus):
+            raise ValueError("runtime.rollout_cpus / train_cpus pin local worker processes; on "
+                             "Ray, place pools with runtime.ray.rollout_bundle / train_bundle")
         if self.devices == "cpu" and (self.rollout_devices is not None
                                       or self.train_devices is not None):
             raise ValueError("runtime.rollout_devices / train_devices: GPU indices, but "
