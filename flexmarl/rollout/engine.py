@@ -4,8 +4,9 @@ A replica keeps one running batch per model over a paged KV cache (`rollout.page
 are prefilled together into blocks of their own, a sequence that finishes leaves the batch at
 once and its blocks go back to the free list; neither copies the cache, so the batch stays full
 while long-tail generations run. Its full blocks stay in a prefix cache, so a later request that
-starts with the same tokens (the conversation's next turn) prefills only the rest. Per-sequence state (position, Gumbel stream keyed by (seed,
-sample_id, version), token mask, temperature) lives with the sequence, so a sequence decodes to
+starts with the same tokens (the conversation's next turn) prefills only the rest.
+Per-sequence state (position, Gumbel stream keyed by (seed, sample_id, version), token mask,
+temperature) lives with the sequence, so a sequence decodes to
 the same tokens and log-probs whether alone or inside any batch (up to float rounding).
 
 Everything per step stays on the model's device (KV cache, masks, noise, sampling, log-probs);
@@ -728,11 +729,12 @@ class ContinuousBatcher:
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k, v = self.kv.update(k, v, attn.layer_idx)
-            if self._kv_groups > 1:
-                k = k.repeat_interleave(self._kv_groups, dim=1)
-                v = v.repeat_interleave(self._kv_groups, dim=1)
+            # grouped-query attention with one query token: the query heads of a key/value
+            # head become its query rows (head i reads key/value head i // groups, as
+            # transformers' `pack_gqa`), so the keys and values are never repeated
+            q = q.reshape(q.shape[0], k.shape[1], -1, self._head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(h.shape[0], 1, -1))
+            h = h + attn.o_proj(o.reshape(h.shape[0], 1, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self._net.lm_head(net.norm(h))[:, -1, :]
 
