@@ -6,8 +6,8 @@ once and its blocks go back to the free list; neither copies the cache, so the b
 while long-tail generations run. Its full blocks stay in a prefix cache, so a later request that
 starts with the same tokens (the conversation's next turn) prefills only the rest.
 Per-sequence state (position, Gumbel stream keyed by (seed, sample_id, version), token mask,
-temperature) lives with the sequence, so a sequence decodes to
-the same tokens and log-probs whether alone or inside any batch (up to float rounding).
+temperature) lives with the sequence, so a sequence decodes to the same tokens and log-probs
+whether alone or inside any batch (up to float rounding).
 
 Everything per step stays on the model's device (KV cache, masks, noise, sampling, log-probs);
 one device-to-host copy per step brings back the chosen tokens and their log-probs. A decode
