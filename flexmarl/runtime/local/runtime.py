@@ -655,10 +655,12 @@ class Supervisor:
             task.cancel()
 
     async def _watch(self) -> None:
+        """Checked every quarter interval: a worker (or a whole Ray node) gone silent is
+        declared lost at most a quarter interval after `heartbeat_misses` intervals."""
         interval = self.cfg.heartbeat_interval_s
         limit = interval * self.cfg.heartbeat_misses
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval / 4)
             now = time.monotonic()
             stuck = self.cfg.progress_timeout_s
             for w in self._workers():
