@@ -61,7 +61,12 @@ def _signal(pids: set[int], sig: int) -> None:
 @pytest.fixture
 def two_nodes():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    # Ray declares a node dead after ~7 s here (default ~15-30 s), so the rescheduling of its
+    # bundles is quick; still later than the heartbeat check (3 s) that this test times
+    health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+              "health_check_failure_threshold": 6}
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "_system_config": health})
     node = c.add_node(num_cpus=1)
     c.wait_for_nodes()
     try:
