@@ -37,6 +37,8 @@ class RayPools:
         self.bundles = {"rollout": bundle_of(rt.ray.rollout_bundle),
                         "train": bundle_of(rt.ray.train_bundle)}
         self.groups: dict[str, Any] = {}
+        # an elastic pool's workers beyond its first `sizes[pool]`: a one-bundle group each
+        self.grown: dict[tuple[str, int], Any] = {}
         custom: dict[str, float] = {}
         for pool, bundle in self.bundles.items():
             for name, amount in bundle.items():
@@ -70,15 +72,44 @@ class RayPools:
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
 
+    def room_for(self, pool: str) -> bool:
+        """Whether the cluster has free resources for one more bundle of `pool` now."""
+        free = ray.available_resources()
+        return all(free.get(k, 0.0) >= v for k, v in self.bundles[pool].items())
+
+    async def grow(self, pool: str, index: int, timeout: float) -> bool:
+        """Reserve one more bundle for worker `index` of `pool` (its own placement group);
+        False, with nothing held, when the cluster has no room for it within `timeout`."""
+        if not await asyncio.to_thread(self.room_for, pool):
+            return False
+        pg = placement_group([dict(self.bundles[pool])],
+                             name=f"flexmarl-{self.run_name}-{pool}{index}-{os.getpid()}")
+        if not await asyncio.to_thread(pg.wait, timeout):
+            remove_placement_group(pg)
+            return False
+        self.grown[(pool, index)] = pg
+        return True
+
+    def shrink(self, pool: str, index: int) -> None:
+        """Give back the bundle `grow` reserved for worker `index` of `pool`."""
+        pg = self.grown.pop((pool, index), None)
+        if pg is not None:
+            remove_placement_group(pg)
+
+    def _group(self, pool: str, index: int) -> tuple[Any, int]:
+        grown = self.grown.get((pool, index))
+        return (grown, 0) if grown is not None else (self.groups[pool], index)
+
     def options(self, pool: str, index: int) -> dict[str, Any]:
         """Worker `index` of `pool`: its bundle; the supervisor restarts it, not Ray."""
         bundle = self.bundles[pool]
+        group, at = self._group(pool, index)
         return {
             "num_cpus": bundle.get("CPU", 0.0),
             "num_gpus": bundle.get("GPU", 0.0),
             "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.groups[pool], placement_group_bundle_index=index),
+                group, placement_group_bundle_index=at),
             "max_restarts": 0,
         }
 
@@ -93,17 +124,18 @@ class RayPools:
             out.append({"node_id": where.get("node_id"), "ip": where.get("ip"),
                         "actor_id": where.get("actor_id"), "bundle": w.index,
                         "resources": self.bundles[pool],
-                        "placement_group": self.groups[pool].id.hex()
+                        "placement_group": self._group(pool, w.index)[0].id.hex()
                         if pool in self.groups else None})
         return out
 
     def release(self) -> None:
         """The placement groups, then the session (a cluster started for the run stops)."""
         if ray.is_initialized():
-            for pg in self.groups.values():
+            for pg in [*self.groups.values(), *self.grown.values()]:
                 try:
                     remove_placement_group(pg)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
         self.groups.clear()
+        self.grown.clear()
         self.session.stop()

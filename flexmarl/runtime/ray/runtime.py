@@ -9,19 +9,26 @@ differs is where a worker runs, `runtime.ray.placement.RayPools` (the cluster, o
 group per pool, a bundle per worker), and how its pipe travels, `runtime.ray.transport` (a
 `PipeActor` per worker). Shared-base LoRA agents and `runtime.publication` therefore work on
 Ray exactly as locally.
+
+An elastic rollout pool (`runtime.rollout_workers: {min, max}`) starts with `min` replicas; as
+each iteration's rollout ends the runtime asks the cluster for room for one more rollout bundle
+(a node that joined) and, when there is, starts a replica there in a placement group of its
+own, loads every agent's latest weights into it and adds it to the pool, whose next plan (the
+balancer's and the planner's) counts it; up to `max`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from flexmarl.api.runtime import RuntimeSink
+from flexmarl.api.runtime import RuntimeSink, load_latest
 from flexmarl.config.schema import RunConfig
 from flexmarl.policy.device import Placement
-from flexmarl.runtime.local.runtime import Launcher, LocalRuntime
+from flexmarl.runtime.local.runtime import Launcher, LocalRuntime, WorkerProxy
 from flexmarl.runtime.ray.placement import RayPools
 
 
@@ -37,6 +44,8 @@ class RayRuntime(LocalRuntime):
         self.ray = RayPools(cfg.name, cfg.runtime,
                             {"rollout": cfg.runtime.rollout_workers, "train": n_train})
         super().__init__(cfg, vocab_size, max_seq_len, sink)
+        self._growth: asyncio.Task | None = None
+        self._stopping = False
 
     def _launcher(self) -> Launcher:
         return self.ray.launcher()
@@ -65,8 +74,58 @@ class RayRuntime(LocalRuntime):
             self.ray.release()
             raise
         self._report()
+        top = self.cfg.runtime.rollout_workers_max
+        if top is not None and top > len(self.rollout_workers):
+            self.rollout.on_iteration_end = self._look_for_room
+
+    def _look_for_room(self, iteration: int) -> None:
+        """As an iteration's rollout ends: grow the elastic pool by one replica in the
+        background if the cluster has room (one growth at a time)."""
+        top = self.cfg.runtime.rollout_workers_max or 0
+        if self._stopping or len(self.rollout_workers) >= top:
+            return
+        if self._growth is None or self._growth.done():
+            self._growth = asyncio.ensure_future(self._grow(iteration))
+
+    async def _grow(self, iteration: int) -> None:
+        index = len(self.rollout_workers)
+        if not await self.ray.grow("rollout", index, self.cfg.runtime.ray.placement_timeout_s):
+            return
+        like = self.rollout_workers[0]
+        replica = WorkerProxy("rollout", index, like.target, like.spec, self.sink,
+                              like.launcher)
+        replica.memory_hint = like.memory_hint
+        self.placements["rollout"].append(self.ray.placement("rollout"))  # publication's
+        try:
+            await replica.start()
+            await load_latest(self.rollout.latest,
+                              lambda a, v, w: self.rollout.load_into(replica, a, v, w))
+        except Exception as exc:  # noqa: BLE001 - the pool goes on without it; said in events
+            await replica.stop(timeout=1)
+            self.placements["rollout"].pop()
+            self.ray.shrink("rollout", index)
+            self.sink.fault("pool_grow_failed", pool="rollout", worker=index,
+                            reason=f"{type(exc).__name__}: {exc}")
+            return
+        if self._stopping:
+            await replica.stop(timeout=1)
+            return
+        if self.supervisor is not None:
+            self.supervisor.adopt(replica)
+        self.rollout.add_replica(replica)
+        pid = replica.process.pid  # (asks the actor where it runs)
+        where = self.ray.describe("rollout", [replica])[0]
+        self.sink.fault("pool_grown", pool="rollout", worker=index, after_iteration=iteration,
+                        node_id=where["node_id"], pid=pid,
+                        workers=len(self.rollout_workers))
+        print(f"ray: rollout pool grown to {len(self.rollout_workers)} replicas: "
+              f"rollout[{index}] on node {str(where['node_id'])[:12]} ({where['ip']}) "
+              f"after iteration {iteration}", file=sys.stderr, flush=True)
 
     async def stop(self) -> None:
+        self._stopping = True
+        if self._growth is not None and not self._growth.done():
+            await asyncio.wait([self._growth], timeout=60)
         await super().stop()
         self.ray.release()
 
