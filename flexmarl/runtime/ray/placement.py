@@ -13,7 +13,11 @@ import os
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flexmarl.config.schema import RayBundle, RuntimeConfig
@@ -39,6 +43,7 @@ class RayPools:
         self.groups: dict[str, Any] = {}
         # an elastic pool's workers beyond its first `sizes[pool]`: a one-bundle group each
         self.grown: dict[tuple[str, int], Any] = {}
+        self.avoid: set[str] = set()  # nodes being drained: no new bundle goes there
         custom: dict[str, float] = {}
         for pool, bundle in self.bundles.items():
             for name, amount in bundle.items():
@@ -82,13 +87,26 @@ class RayPools:
         False, with nothing held, when the cluster has no room for it within `timeout`."""
         if not await asyncio.to_thread(self.room_for, pool):
             return False
-        pg = placement_group([dict(self.bundles[pool])],
+        return await self._own_group(pool, index, timeout)
+
+    async def _own_group(self, pool: str, index: int, timeout: float) -> bool:
+        """Worker `index` of `pool` in a one-bundle placement group of its own, off the
+        nodes in `avoid` (Ray's node-id label)."""
+        selector = ([{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(self.avoid))})"}]
+                    if self.avoid else None)
+        pg = placement_group([dict(self.bundles[pool])], bundle_label_selector=selector,
                              name=f"flexmarl-{self.run_name}-{pool}{index}-{os.getpid()}")
         if not await asyncio.to_thread(pg.wait, timeout):
             remove_placement_group(pg)
             return False
+        self.shrink(pool, index)
         self.grown[(pool, index)] = pg
         return True
+
+    async def relocate(self, pool: str, index: int, timeout: float) -> bool:
+        """A bundle of its own for worker `index` of `pool`, off the nodes in `avoid`; its
+        next (re)start goes there. False: no room within `timeout`."""
+        return await self._own_group(pool, index, timeout)
 
     def shrink(self, pool: str, index: int) -> None:
         """Give back the bundle `grow` reserved for worker `index` of `pool`."""

@@ -20,6 +20,7 @@ balancer's and the planner's) counts it; up to `max`.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from flexmarl.api.runtime import RuntimeSink, load_latest
 from flexmarl.config.schema import RunConfig
 from flexmarl.policy.device import Placement
 from flexmarl.runtime.local.runtime import Launcher, LocalRuntime, WorkerProxy
+from flexmarl.runtime.ray.drain import draining_nodes, gcs_client, report_drained
 from flexmarl.runtime.ray.placement import RayPools
 
 
@@ -45,6 +47,9 @@ class RayRuntime(LocalRuntime):
                             {"rollout": cfg.runtime.rollout_workers, "train": n_train})
         super().__init__(cfg, vocab_size, max_seq_len, sink)
         self._growth: asyncio.Task | None = None
+        self._draining: asyncio.Task | None = None
+        self._drained: set[str] = set()  # nodes whose work this run moved off
+        self._gcs: Any = None
         self._stopping = False
 
     def _launcher(self) -> Launcher:
@@ -74,18 +79,62 @@ class RayRuntime(LocalRuntime):
             self.ray.release()
             raise
         self._report()
-        top = self.cfg.runtime.rollout_workers_max
-        if top is not None and top > len(self.rollout_workers):
-            self.rollout.on_iteration_end = self._look_for_room
+        self._gcs = gcs_client(self.ray.session.gcs_address or "")
+        self.rollout.on_iteration_end = self._between_iterations
 
-    def _look_for_room(self, iteration: int) -> None:
-        """As an iteration's rollout ends: grow the elastic pool by one replica in the
-        background if the cluster has room (one growth at a time)."""
-        top = self.cfg.runtime.rollout_workers_max or 0
-        if self._stopping or len(self.rollout_workers) >= top:
+    def _between_iterations(self, iteration: int) -> None:
+        """As an iteration's rollout ends: move work off nodes Ray drains (`flexmarl
+        drain`), and grow an elastic pool by one replica if the cluster has room; each in
+        the background, one at a time."""
+        if self._stopping:
             return
-        if self._growth is None or self._growth.done():
+        if self._draining is None or self._draining.done():
+            leaving = draining_nodes(self._gcs) - self._drained
+            if leaving:
+                self._draining = asyncio.ensure_future(self._drain(sorted(leaving)))
+        top = self.cfg.runtime.rollout_workers_max or 0
+        if len(self.rollout_workers) < top and (self._growth is None or self._growth.done()):
             self._growth = asyncio.ensure_future(self._grow(iteration))
+
+    def _workers_on(self, node_id: str) -> list[WorkerProxy]:
+        out = []
+        for w in self.rollout_workers + self.train_workers:
+            w.process.pid  # noqa: B018 - asks the actor where it runs, once
+            if w.alive and (getattr(w.process, "where", None) or {}).get("node_id") == node_id:
+                out.append(w)
+        return out
+
+    async def _drain(self, nodes: list[str]) -> None:
+        """Each worker on a draining node: a bundle elsewhere, then restarted there by the
+        supervisor (restored as after a crash); reported to `flexmarl drain`."""
+        timeout = self.cfg.runtime.ray.placement_timeout_s
+        self.ray.avoid.update(nodes)
+        for node in nodes:
+            self._drained.add(node)
+            moved: list[dict[str, Any]] = []
+            failed: list[str] = []
+            for w in self._workers_on(node):
+                name = f"{w.pool}[{w.index}]"
+                if self.supervisor is None:
+                    failed.append(f"{name}: runtime.max_worker_restarts=0, nothing restarts it")
+                    continue
+                if not await self.ray.relocate(w.pool, w.index, timeout):
+                    failed.append(f"{name}: no room elsewhere within {timeout:.0f} s")
+                    continue
+                w.kill(f"drained: node {node[:12]} is leaving (flexmarl drain)")
+                while w.alive:  # until its death is seen and its restart under way
+                    await asyncio.sleep(0.05)
+                await self.supervisor.wait_worker(w.pool, w.index)
+                pool = self.rollout_workers if w.pool == "rollout" else self.train_workers
+                pid = pool[w.index].process.pid  # (asks the actor where it runs)
+                to = self.ray.describe(w.pool, [pool[w.index]])[0]
+                moved.append({"worker": name, "to_node": to["node_id"], "pid": pid})
+            self.sink.fault("node_drained", node_id=node, moved=moved, failed=failed)
+            names = ", ".join(m["worker"] for m in moved) or "nothing"
+            print(f"ray: node {node[:12]} drained: moved {names}"
+                  + (f"; could not move {'; '.join(failed)}" if failed else ""),
+                  file=sys.stderr, flush=True)
+            report_drained(self._gcs, node, f"{self.cfg.name}-{os.getpid()}", moved, failed)
 
     async def _grow(self, iteration: int) -> None:
         index = len(self.rollout_workers)
@@ -124,8 +173,9 @@ class RayRuntime(LocalRuntime):
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._growth is not None and not self._growth.done():
-            await asyncio.wait([self._growth], timeout=60)
+        busy = [t for t in (self._growth, self._draining) if t is not None and not t.done()]
+        if busy:
+            await asyncio.wait(busy, timeout=60)
         await super().stop()
         self.ray.release()
 
