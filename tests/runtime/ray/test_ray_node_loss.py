@@ -77,8 +77,8 @@ def two_nodes():
         c.shutdown()
 
 
-def test_a_silent_node_is_detected_in_time_and_survived(tmp_path, two_nodes,
-                                                       reference):  # noqa: F811
+def test_a_silent_node_is_detected_in_time_and_survived(tmp_path, two_nodes):
+    """(Equality with the fault-free run is the slow 3-node test's: this one stays short.)"""
     c, node = two_nodes
     interval, misses = 1.0, 3
     cfg = config("runtime.kind=ray", f"runtime.address={c.address}",
@@ -121,7 +121,6 @@ def test_a_silent_node_is_detected_in_time_and_survived(tmp_path, two_nodes,
         assert f["time"] - state["silent_at"] <= interval * misses + interval / 4 + 1.0, f
     assert all(r["episodes/failed"] == 0 for r in result.records)
     assert_rows_exactly_once(result.audit, result.consumed, cfg)
-    assert_final_equal(out, reference)
 
 
 @pytest.fixture
