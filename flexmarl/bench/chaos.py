@@ -156,6 +156,9 @@ def bench_chaos(
     base = Path(out) if out else Path(tempfile.mkdtemp(prefix="flexmarl-chaos-"))
     if fault not in FAULTS:
         raise ChaosError(f"chaos: fault {fault!r} is not one of {', '.join(FAULTS)}")
+    if kills < 1:  # refused up front: a clean table without a fault would prove nothing
+        raise ChaosError(f"chaos: no fault was injected ({kills} faults asked for); the run "
+                         "would prove nothing")
     if fault == "node":
         with ray_cluster(nodes, node_cpus) as cluster:
             return _bench(config, [*overrides, f"runtime.address={cluster.address}"], kills,
