@@ -8,15 +8,17 @@ from pathlib import Path
 
 import yaml
 
+from flexmarl.marl.config import is_marl
+
 
 def is_marl_file(path: str) -> bool:
-    """True when the YAML at `path` says `kind: marl` (unreadable files: the LLM loader's
-    error names the problem)."""
+    """True when the YAML at `path` is a classic MARL run (`env:`, or the old `kind: marl`,
+    whose loader says what changed); unreadable files: the LLM loader names the problem."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
-    return isinstance(raw, dict) and raw.get("kind") == "marl"
+    return is_marl(raw) or (isinstance(raw, dict) and raw.get("kind") == "marl")
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -286,7 +286,7 @@ class MarlRun:
         if missing or sorted(ckpt.trainer_states) != sorted(self.layouts):
             raise CheckpointError(f"resume {ckpt.path}: the checkpoint has policies "
                                   f"{sorted(ckpt.trainer_states)}, the config has "
-                                  f"{sorted(self.layouts)} (policy.share_parameters?)")
+                                  f"{sorted(self.layouts)} (the agents' network.base?)")
         n = int(ckpt.position["rollout_workers"])
         if n != self.cfg.runtime.rollout_workers:
             raise CheckpointError(f"resume {ckpt.path}: the checkpoint holds the environments "
