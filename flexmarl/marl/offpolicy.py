@@ -54,6 +54,7 @@ from flexmarl.training.algorithms import qmix, vdn
 from flexmarl.training.algorithms.vdn import VdnConfig
 from flexmarl.training.learner import Audit, CapturedRestartPoint
 
+
 class QLearnerError(RuntimeError):
     """The replay learner was handed transitions of another iteration or version."""
 
@@ -95,7 +96,8 @@ def build_q(cfg: MarlRunConfig, layout: PolicyLayout) -> tuple[vdn.QNet, qmix.QM
     n = len(layout.agents)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        q = vdn.QNet(layout.obs_dim + n, layout.spec.nvec[0], list(cfg.network_of(layout.name).hidden))
+        hidden = list(cfg.network_of(layout.name).hidden)
+        q = vdn.QNet(layout.obs_dim + n, layout.spec.nvec[0], hidden)
         mixer = (qmix.QMixer(n, layout.critic_dim, algo.mixing_embed, algo.hypernet_layers,
                              algo.hypernet_embed) if algo.name == "qmix" else None)
     return q, mixer

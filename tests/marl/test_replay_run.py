@@ -15,7 +15,7 @@ from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts  # noqa: E402
 from flexmarl.marl.policies import MarlSample  # noqa: E402
 from flexmarl.marl.run import train_marl  # noqa: E402
 from flexmarl.training import state as st  # noqa: E402
-from tests.marl.configs import marl_cfg, shaped  # noqa: E402
+from tests.marl.configs import marl_cfg  # noqa: E402
 from tests.marl.test_reliability import _kill_during, events, final_weights  # noqa: E402
 
 ITERATIONS = 4

@@ -75,9 +75,9 @@ def test_double_q_targets_through_the_target_mixer() -> None:
 def test_qmix_selected_by_config_trains_its_mixer_on_spread() -> None:
     pytest.importorskip("mpe2")
     from flexmarl.envs.pettingzoo import VecParallelEnv
-    from tests.marl.configs import marl_cfg
     from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts
     from flexmarl.marl.policies import MarlSample
+    from tests.marl.configs import marl_cfg
 
     cfg = marl_cfg({
         "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},

@@ -36,9 +36,9 @@ def test_vdn_learner_steps_through_the_replay_table() -> None:
     env step, updates from min_size on, priorities set, age weights below 1."""
     pytest.importorskip("mpe2")
     from flexmarl.envs.pettingzoo import VecParallelEnv
-    from tests.marl.configs import marl_cfg
     from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts
     from flexmarl.marl.policies import MarlSample
+    from tests.marl.configs import marl_cfg
 
     cfg = marl_cfg({
         "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
@@ -86,9 +86,9 @@ def test_vdn_transitions_where_agents_leave_mid_episode() -> None:
     learner trains on such transitions."""
     pytest.importorskip("pettingzoo.butterfly")
     from flexmarl.envs.pettingzoo import VecParallelEnv
-    from tests.marl.configs import marl_cfg
     from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts
     from flexmarl.marl.policies import MarlSample
+    from tests.marl.configs import marl_cfg
 
     cfg = marl_cfg({
         "seed": 1,
