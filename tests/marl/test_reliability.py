@@ -284,3 +284,7 @@ def test_without_restarts_a_killed_worker_fails_the_run(tmp_path):
     with pytest.raises(WorkerLost, match="rollout worker 0 lost"):
         train_marl(cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None}),
                    tmp_path / "run", on_runtime=_kill_during("rollout", "rollout", 0, {}))
+    # hosted like an LLM run: the failure is on disk for doctor and report
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_type"] == "WorkerLost"
+    assert "rollout worker 0 lost" in summary["error"]
