@@ -184,6 +184,10 @@ def _train_classic(args: argparse.Namespace) -> int:
     resumed = f" (resumed after {result.resumed_env_steps})" if result.resumed_env_steps else ""
     print(f"wall time: {wall:.1f} s for {steps_here} env steps{resumed}, "
           f"{steps_here / wall:.0f} env steps/s")
+    from flexmarl.telemetry.curves import reward_curves
+
+    for line in reward_curves(result.records, run.agents):  # episode return per agent
+        print(line)
     print(f"metrics:     {out / 'metrics.jsonl'}")
     for path in sorted((out / "checkpoints" / "final").glob("*/model.safetensors")):
         print(f"checkpoint:  {path}")
