@@ -73,6 +73,9 @@ class ShardedAgentTrainer(AgentTrainer):
             raise TrainingError(f"agent {agent!r}: sharded training supports critic-free "
                                 "algorithms without a KL reference so far (got "
                                 f"{cfg.algorithm.name}, kl_coef={cfg.algorithm.kl_coef})")
+        if cfg.algorithm.epochs > 1:
+            raise TrainingError(f"agent {agent!r}: sharded training runs one pass per "
+                                f"iteration so far (got algorithm.epochs={cfg.algorithm.epochs})")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device)
         self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
