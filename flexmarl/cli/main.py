@@ -142,6 +142,9 @@ def _train_classic(args: argparse.Namespace) -> int:
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
 
     cfg = load_marl_config(args.config, args.set)
+    if getattr(args, "system", None):
+        raise ConfigError(f"--system {args.system}: the simulator's systems are presets of LLM "
+                          f"runs; {args.config} is a classic MARL run (sync schedule only)")
     resume = Path(args.resume) if args.resume else None
     if resume is not None:
         check_resume_dir(resume)

@@ -28,10 +28,11 @@ from flexmarl.config.schema import (
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.algorithms.vdn import VdnConfig
 
-# RuntimeConfig's fields that place and publish LLM models; a classic run's networks are
-# small, live on the CPU and are published through the pipes
+# RuntimeConfig's fields that place, pin and publish LLM workers; a classic run's networks are
+# small, live on the CPU and are published through the pipes (its workers are not pinned yet)
 _LLM_ONLY_RUNTIME = ("devices", "rollout_devices", "train_devices", "share_devices",
-                     "publication", "publication_timeout_s", "deterministic")
+                     "rollout_cpus", "train_cpus", "publication", "publication_timeout_s",
+                     "deterministic")
 
 
 class EnvConfig(Strict):
@@ -115,8 +116,9 @@ class MarlRunConfig(Strict):
             raise ValueError("agents: at least one trained agent of the environment")
         for field in _LLM_ONLY_RUNTIME:
             if getattr(self.runtime, field) != RuntimeConfig.model_fields[field].default:
-                raise ValueError(f"runtime.{field}: places and publishes LLM models; a classic "
-                                 "MARL run's networks live on the CPU (leave it out)")
+                raise ValueError(f"runtime.{field}: places, pins or publishes LLM workers; "
+                                 "a classic MARL run's networks live on the CPU, its workers "
+                                 "unpinned (leave it out)")
         if self.runtime.kind == "sim":
             raise ValueError("runtime.kind: classic MARL runs on the local and ray runtimes, "
                              "not the simulator")

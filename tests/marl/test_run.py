@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("mpe2")
 
@@ -20,7 +21,7 @@ from flexmarl.marl.rollout import EnvRollout  # noqa: E402
 from flexmarl.marl.run import MarlRun, PolicyError, train_marl  # noqa: E402
 from flexmarl.store.experience import ConsistencyError  # noqa: E402
 from flexmarl.training import state as st  # noqa: E402
-from tests.marl.configs import marl_cfg  # noqa: E402
+from tests.marl.configs import marl_cfg, shaped  # noqa: E402
 
 SPEAKER_LISTENER_RANDOM = -40.4  # mean episode return per agent, random policy (issue 18)
 
@@ -179,8 +180,10 @@ def test_agents_and_shared_networks_are_checked_naming_the_field(tmp_path, capsy
         marl_cfg({**sl, "networks": {"n": {}}, "agents": {
             "speaker_0": {"network": {"base": "n"}},
             "listener_0": {"network": {"base": "n", "hidden": [8]}}}})
-    with pytest.raises(ConfigError, match="runtime.publication: places and publishes LLM"):
+    with pytest.raises(ConfigError, match="runtime.publication: places, pins or publishes"):
         cfg(**{"runtime.publication": "pipe"})
+    with pytest.raises(ConfigError, match="runtime.train_cpus: places, pins or publishes"):
+        cfg(**{"runtime.train_cpus": [0]})
     # partial sharing: two of spread's three agents on one network, the third on its own
     run = MarlRun(marl_cfg({"env": {"id": "mpe2.simple_spread_v3"}, "networks": {
         "pair": {"hidden": [16]}}, "agents": {"agent_0": {"network": {"base": "pair"}},
@@ -193,6 +196,11 @@ def test_agents_and_shared_networks_are_checked_naming_the_field(tmp_path, capsy
     old.write_text("kind: marl\nenv: {id: mpe2.simple_v3}\n")
     assert main(["train", str(old), "--out", str(tmp_path / "o")]) == 2
     assert "kind: marl is gone" in capsys.readouterr().err
+    sl_file = tmp_path / "sl.yaml"
+    sl_file.write_text(yaml.safe_dump(shaped(sl)))
+    assert main(["train", str(sl_file), "--system", "flexmarl-sync"]) == 2
+    assert "--system flexmarl-sync: the simulator's systems are presets of LLM runs" in (
+        capsys.readouterr().err)
 
 
 def _speaker_listener(steps: int):
