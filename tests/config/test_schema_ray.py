@@ -63,3 +63,11 @@ def test_an_elastic_rollout_pool_reads_back_as_min_and_max():
 def test_bad_elastic_bounds_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(EXAMPLE, overrides)
+
+
+def test_a_classic_marl_run_refuses_an_elastic_pool():
+    from flexmarl.marl.config import load_marl_config
+
+    marl = Path(__file__).resolve().parents[2] / "examples" / "mpe_spread.yaml"
+    with pytest.raises(ConfigError, match="rollout_workers_max"):
+        load_marl_config(marl, ["runtime.kind=ray", "runtime.rollout_workers={min: 1, max: 2}"])
