@@ -14,10 +14,13 @@ ranks of one training slot do, driven by one host).
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -62,9 +65,11 @@ class ShardedAgentTrainer(AgentTrainer):
     def __init__(self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int,
                  run_seed: int, total_steps: int | None = None, max_staleness: int = 0,
                  device: str | None = None, mesh: DeviceMesh | None = None,
-                 mixed_precision: MixedPrecisionPolicy | None = None) -> None:
+                 mixed_precision: MixedPrecisionPolicy | None = None,
+                 state_dir: str | None = None) -> None:
         """`mixed_precision`: FSDP2's policy (e.g. bf16 params, fp32 reduce); the master
-        weights and optimizer state stay float32 either way."""
+        weights and optimizer state stay float32 either way. `state_dir`: a folder all ranks
+        share, where restart points (`get_state`) are written."""
         if not dist.is_initialized():
             raise TrainingError(f"agent {agent!r}: a sharded trainer needs an initialised "
                                 "torch.distributed process group")
@@ -75,6 +80,7 @@ class ShardedAgentTrainer(AgentTrainer):
                                 f"{cfg.algorithm.name}, kl_coef={cfg.algorithm.kl_coef})")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device)
+        self.state_dir = state_dir
         self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.group = self.mesh.get_group()
         self.rank = self.mesh.get_local_rank()
@@ -194,6 +200,8 @@ class ShardedAgentTrainer(AgentTrainer):
         tensors: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             tensors[f"param/{name}"] = _local(p).detach().to("cpu", copy=True)
+            if p.grad is not None:  # a swap between micro-batches of one step
+                tensors[f"grad/{name}"] = _local(p.grad).detach().to("cpu", copy=True)
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, slots in self.optimizer.state.items():
             for key, v in slots.items():
@@ -216,6 +224,14 @@ class ShardedAgentTrainer(AgentTrainer):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 _local(p).copy_(state.tensors[f"param/{name}"])
+                grad = state.tensors.get(f"grad/{name}")
+                if grad is None:
+                    p.grad = None
+                elif isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(grad.to(p.device, copy=True), p.device_mesh,
+                                                p.placements, shape=p.shape, stride=p.stride())
+                else:
+                    p.grad = grad.to(p.device, copy=True)
             by_index = dict(enumerate(self.params))
             for key, v in state.tensors.items():
                 if not key.startswith("optim/"):
@@ -236,7 +252,46 @@ class ShardedAgentTrainer(AgentTrainer):
         self._seen = set(meta["seen"])
         self._sums = dict(meta["sums"])
         self._nonfinite = meta["nonfinite"]
-        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- the Learner role (training/learner.py) on a sharded slot ----------------------------
+    def capture(self) -> TrainingState:
+        """A swap moves this rank's shard only (`capture_shard`)."""
+        return self.capture_shard()
+
+    def restore(self, state: TrainingState) -> None:
+        self.restore_shard(state)
+
+    def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The restart point: a DCP checkpoint (each rank writes its shard) in a new folder
+        under `state_dir`; the meta names it and carries every rank's RNG state. Collective.
+        The two newest folders of the agent are kept (the driver may still hold the older)."""
+        if self.state_dir is None:
+            raise TrainingError(f"agent {self.agent!r}: a sharded trainer's restart point "
+                                "needs a state folder shared by its ranks")
+        root = Path(self.state_dir) / "restart" / self.agent
+        named = [f"v{self.version}-{uuid.uuid4().hex[:8]}"]  # rank 0's name, for all ranks
+        dist.broadcast_object_list(named, src=dist.get_global_rank(self.group, 0),
+                                   group=self.group)
+        name = named[0]
+        self.save_checkpoint(root / name)
+        rngs: list[Any] = [None] * self.world
+        dist.all_gather_object(rngs, torch.get_rng_state().tolist(), group=self.group)
+        if self.rank == 0:
+            old = sorted((d for d in root.iterdir() if d.name != name),
+                         key=lambda d: d.stat().st_mtime)
+            for stale in old[:-1]:
+                shutil.rmtree(stale, ignore_errors=True)
+        return {}, {"agent": self.agent, "version": self.version, "dcp": str(root / name),
+                    "world": self.world, "rng": rngs}
+
+    def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Load `get_state`'s restart point (any K wrote it; RNG states only at the same K)."""
+        if meta.get("agent") != self.agent or "dcp" not in meta:
+            raise TrainingError(f"agent {self.agent!r}: not a sharded restart point of this "
+                                f"agent (agent {meta.get('agent')!r})")
+        self.load_checkpoint(meta["dcp"])
+        if int(meta.get("world", 0)) == self.world:
+            torch.set_rng_state(torch.tensor(meta["rng"][self.rank], dtype=torch.uint8))
 
     # --- publication -----------------------------------------------------------------------
     def weight_buckets(self, dtype: torch.dtype | None = None,
