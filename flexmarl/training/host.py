@@ -320,9 +320,11 @@ class SlotPool(TrainPool):
 
     n_workers: int
 
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, n_slots: int, slot_sizes: list[int] | None = None) -> None:
         self.n_workers = n_slots
         self.slots = n_slots  # agents time-share them when fewer than agents
+        # the ranks (devices) of each slot: `pool/train/busy_frac` counts devices
+        self.slot_sizes = list(slot_sizes or [1] * n_slots)
         self.allocator = SlotAllocator(n_slots)
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot
         self.swap_seconds = 0.0

@@ -344,16 +344,31 @@ class ShardedAgentTrainer(AgentTrainer):
         return directory
 
     # --- checkpoints (torch.distributed.checkpoint) ----------------------------------------
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`get_state_dict` of model and optimizer. An optimizer that has not stepped yet
+        gets its state initialised by it through a step with zero gradients, which counts
+        one step: the counters are set back to 0 so that the first real step is the first
+        (AdamW's bias correction), exactly as in an optimizer that was never touched."""
+        fresh = not self.optimizer.state
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if fresh:
+            for slots in self.optimizer.state.values():
+                step = slots.get("step")
+                if isinstance(step, torch.Tensor):
+                    step.zero_()
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return model_sd, optim_sd
+
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard of weights and optimizer state; any K can load it."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         dcp.save({"model": model_sd, "optim": optim_sd,
                   "version": torch.tensor(self.version)},
                  checkpoint_id=str(directory), process_group=self.group)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
                                  "version": torch.tensor(0)}
         dcp.load(state, checkpoint_id=str(directory), process_group=self.group)

@@ -286,6 +286,7 @@ class AgentTrainer:
         metrics["grad_norm"] = float(norm)
         metrics["lr"] = lr
         metrics["rows"] = float(self._rows)
+        metrics["train_world_size"] = 1.0  # ranks it trained on (training/sharded.py: K)
         self._rows = 0
         self._seen.clear()
         self._sums = {}

@@ -404,8 +404,8 @@ class LocalTrainPool(SlotPool):
     agents on demand by the shared `SlotPool`. A slot lost meanwhile is restarted by the
     supervisor (`on_lost(slot)` returns once it runs again, restored) and the call runs again."""
 
-    def __init__(self, workers: list[WorkerProxy]) -> None:
-        super().__init__(len(workers))
+    def __init__(self, workers: list[WorkerProxy], slot_sizes: list[int] | None = None) -> None:
+        super().__init__(len(workers), slot_sizes)
         self.workers = workers
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
 
@@ -504,7 +504,7 @@ class LocalRuntime(Runtime):
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
-        self.train = LocalTrainPool(self.train_workers)
+        self.train = LocalTrainPool(self.train_workers, self.slot_sizes)
         self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
         if publication is not None:
             sup = self.supervisor

@@ -48,6 +48,8 @@ def _watch(check: Any, why: str) -> None:
     def loop() -> None:
         while check():
             time.sleep(WATCH_INTERVAL_S)
+        if check():  # stopping meanwhile
+            return
         print(f"flexmarl slot rank {os.getpid()}: {why}; the slot fails", file=sys.stderr,
               flush=True)
         os._exit(1)
@@ -62,7 +64,8 @@ class SlotLeader:
         self.store = store
         self.followers = followers
         self.sent = 0
-        _watch(lambda: all(p.poll() is None for p in self.followers),
+        self.stopping = False
+        _watch(lambda: self.stopping or all(p.poll() is None for p in self.followers),
                "a follower rank exited")
 
     def forward(self, command: str, payload: Any) -> None:
@@ -86,6 +89,7 @@ class SlotLeader:
         return run
 
     def stop(self) -> None:
+        self.stopping = True
         self.forward("stop", None)
         deadline = time.monotonic() + 10
         for p in self.followers:
