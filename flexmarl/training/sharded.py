@@ -264,7 +264,8 @@ class ShardedAgentTrainer(AgentTrainer):
     def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The restart point: a DCP checkpoint (each rank writes its shard) in a new folder
         under `state_dir`; the meta names it and carries every rank's RNG state. Collective.
-        The two newest folders of the agent are kept (the driver may still hold the older)."""
+        The three newest folders of the agent are kept (the driver, or a checkpoint being
+        written, may still read the older)."""
         if self.state_dir is None:
             raise TrainingError(f"agent {self.agent!r}: a sharded trainer's restart point "
                                 "needs a state folder shared by its ranks")
@@ -279,7 +280,7 @@ class ShardedAgentTrainer(AgentTrainer):
         if self.rank == 0:
             old = sorted((d for d in root.iterdir() if d.name != name),
                          key=lambda d: d.stat().st_mtime)
-            for stale in old[:-1]:
+            for stale in old[:-2]:
                 shutil.rmtree(stale, ignore_errors=True)
         return {}, {"agent": self.agent, "version": self.version, "dcp": str(root / name),
                     "world": self.world, "rng": rngs}

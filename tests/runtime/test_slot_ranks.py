@@ -4,6 +4,8 @@ gradients included), ends with the weights of a run on one-device slots within 1
 records the ranks each agent trained on."""
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from flexmarl.config.schema import load_config
 from flexmarl.orchestrator.run import train
+from tests.faults.conftest import assert_final_equal, assert_rows_exactly_once, config, events
 
 RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
 COMMON = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=8",
@@ -40,3 +43,45 @@ def test_a_slot_of_two_ranks_ends_with_the_weights_of_one_device(tmp_path):
             for agent in ("speaker", "relay", "listener"):
                 assert record[f"agent/{agent}/train_world_size"] == float(k)
             assert 0.0 < record["pool/train/busy_frac"] <= 1.0
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.slow  # two runs and a re-formed slot: about a minute on two cores
+def test_a_rank_killed_mid_step_reforms_the_slot_and_resumes_exactly(tmp_path):
+    """SIGKILL of rank 1 after the first micro-batch of iteration 1 was summed: rank 0 sees it
+    and fails the slot, the supervisor re-forms it, the agents are restored from their restart
+    points (DCP, per rank) and replay the journal: every row trained on once, and the weights
+    equal an uninterrupted run with the same slots (checkpoints every iteration, sharded)."""
+    cfg = config("runtime.slot_size=2", "runtime.rollout_workers=1")
+    reference = train(cfg, tmp_path / "reference")
+    state = {"n": 0, "pid": None}
+
+    def hook(runtime):
+        pool = runtime.train
+        original = pool.accumulate
+
+        async def accumulate(agent, samples):
+            out = await original(agent, samples)
+            state["n"] += 1
+            if state["n"] == 4 + 1:
+                (follower,) = _children(pool.workers[0].process.pid)
+                state["pid"] = follower
+                os.kill(follower, signal.SIGKILL)
+            return out
+
+        pool.accumulate = accumulate
+
+    out = tmp_path / "run"
+    result = train(cfg, out, on_runtime=hook)
+    assert state["pid"] is not None
+    assert_rows_exactly_once(result.audit, result.consumed, cfg)
+    failed, recovered = events(out, "worker_failed"), events(out, "worker_recovered")
+    assert failed and failed[0]["pool"] == "train"
+    assert recovered and recovered[0]["pool"] == "train"
+    assert_final_equal(out, reference)
+    gen = out / "checkpoints" / (out / "checkpoints" / "LATEST").read_text().strip()
+    assert any((gen / "agents").glob("*/dcp/.metadata"))  # sharded checkpoints, in the layout

@@ -81,12 +81,27 @@ class SlotLeader:
             self.forward(command, payload)
             try:
                 return handle(command, payload)
-            except dist.DistError as exc:
-                print(f"flexmarl slot rank 0: {command} failed in a collective ({exc}); "
-                      "the slot fails", file=sys.stderr, flush=True)
-                os._exit(1)
+            except Exception as exc:
+                if self.peer_failed(exc):
+                    print(f"flexmarl slot rank 0: {command} failed in a collective ({exc}); "
+                          "the slot fails", file=sys.stderr, flush=True)
+                    os._exit(1)
+                raise  # the command's own error (every rank had it): reported to the driver
 
         return run
+
+    def peer_failed(self, exc: BaseException) -> bool:
+        """Whether `exc` is a peer's failure rather than the command's: a torch.distributed
+        error, a transport error of gloo / NCCL, or a follower that exited meanwhile."""
+        if isinstance(exc, dist.DistError) or any(
+                word in str(exc) for word in ("gloo", "NCCL", "Connection reset")):
+            return True
+        deadline = time.monotonic() + 2 * WATCH_INTERVAL_S
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.followers):
+                return True
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
         self.stopping = True
