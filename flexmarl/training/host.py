@@ -154,8 +154,11 @@ class TrainHost:
         from flexmarl.policy import adapters
 
         if self.world > 1:  # this rank's shards (parameters, gradients, optimizer state)
-            return sum(sum(t.local_nbytes().values())  # type: ignore[attr-defined]
-                       for a, t in self.kept.items() if agents is None or a in agents)
+            total = 0
+            for agent, trainer in self.kept.items():
+                if agents is None or agent in agents:
+                    total += sum(trainer.local_nbytes().values())  # type: ignore[attr-defined]
+            return total
         objects: list = list(self.bases.values())
         for agent, trainer in self.kept.items():
             if agents is None or agent in agents:

@@ -70,7 +70,8 @@ class SlotLeader:
 
     def forward(self, command: str, payload: Any) -> None:
         """Hand one command to every follower (they run it in this order)."""
-        self.store.set(f"cmd/{self.sent}", pickle.dumps((command, payload)))
+        # (Store.set takes bytes as well as str; torch's stub names str only)
+        self.store.set(f"cmd/{self.sent}", pickle.dumps((command, payload)))  # type: ignore[arg-type]
         self.sent += 1
 
     def lead(self, handle: Callable[[str, Any], tuple[Any, str]]
@@ -130,7 +131,8 @@ def form_slot(spec: Any) -> SlotLeader:
         child = dataclasses.replace(spec, placement=placement, slot_ranks=(), publication=None)
         proc = subprocess.Popen(
             [sys.executable, "-c",
-             "from flexmarl.runtime.local.slot_ranks import follower_main; follower_main()"],
+             "from flexmarl.runtime.local.workers import slot_follower_main; "
+             "slot_follower_main()"],
             stdin=subprocess.PIPE)
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps((child, rank, world, store.port, os.getpid())))
@@ -142,16 +144,16 @@ def form_slot(spec: Any) -> SlotLeader:
     return leader
 
 
-def follower_main() -> None:
-    """Rank r > 0 of a slot: build the same `TrainHost`, then run rank 0's commands in order
-    until `stop` (or until rank 0 is gone)."""
+def follower_main(setup_torch: Callable[[Any], None]) -> None:
+    """Rank r > 0 of a slot (its process's main, `workers.slot_follower_main`): build the
+    same `TrainHost`, then run rank 0's commands in order until `stop` (or until rank 0 is
+    gone). `setup_torch(spec)`: the workers' device, threads and determinism settings."""
     from flexmarl.config.schema import RunConfig
-    from flexmarl.runtime.local.workers import _setup_torch
     from flexmarl.training.host import TrainHost
 
     spec, rank, world, port, leader_pid = pickle.loads(sys.stdin.buffer.read())
     _watch(lambda: os.getppid() == leader_pid, "rank 0 is gone")
-    _setup_torch(spec)
+    setup_torch(spec)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=timeout)
     dist.init_process_group(_backend(spec), store=store, rank=rank, world_size=world,

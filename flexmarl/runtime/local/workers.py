@@ -289,6 +289,14 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
         leader.stop()
 
 
+def slot_follower_main() -> None:
+    """The main of ranks 1..K-1 of a sharded training slot (started by rank 0's
+    `slot_ranks.form_slot`, its spec on stdin)."""
+    from flexmarl.runtime.local.slot_ranks import follower_main
+
+    follower_main(_setup_torch)
+
+
 def chaos_stall(pool: str, command: str) -> None:
     """Fault injection for the test suite: a stuck compute thread. If the file named by
     FLEXMARL_CHAOS_STALL holds `pool:command`, the first worker of that pool to run that
