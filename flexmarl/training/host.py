@@ -329,6 +329,8 @@ class SlotPool(TrainPool):
         # the ranks (devices) of each slot: `pool/train/busy_frac` counts devices
         self.slot_sizes = list(slot_sizes or [1] * n_slots)
         self.allocator = SlotAllocator(n_slots)
+        if len(set(self.slot_sizes)) > 1:
+            self.allocator.sizes = self.slot_sizes
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
@@ -400,8 +402,16 @@ class SlotPool(TrainPool):
 
     def follow_plan(self, plan: Plan) -> None:
         """Within an iteration, agents get slots in the planner's order (most critical
-        first) instead of graph order."""
+        first) instead of graph order. (Slots of different sizes: the plan's `slot_of` is
+        recorded; an agent keeps the size it was bound to at the start, `bind_slots`, since
+        its state is sharded over that many ranks.)"""
         self.rank = {a: i for i, a in enumerate(plan.train_order)}
+
+    def bind_slots(self, slot_of: dict[str, int]) -> None:
+        """Slots of different sizes: bind each agent to the size of its slot in `slot_of`
+        before it trains (the runtime's initial `planning.bind_slots`)."""
+        if self.allocator.sizes is not None:
+            self.allocator.bind(slot_of)
 
     def _outranked(self, agent: str, lease: Any, priority: tuple) -> bool:
         """Whether the holder should yield its slot to a more critical agent (planner's order)

@@ -29,7 +29,7 @@ from flexmarl.api.runtime import (
     load_latest,
 )
 from flexmarl.config.schema import RunConfig
-from flexmarl.planning.planner import Plan
+from flexmarl.planning.planner import Plan, bind_slots
 from flexmarl.policy.device import Placement, plan_placements, slot_placements
 from flexmarl.policy.memory import memory_hints
 from flexmarl.policy.model import approx_params
@@ -505,6 +505,11 @@ class LocalRuntime(Runtime):
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
         self.train = LocalTrainPool(self.train_workers, self.slot_sizes)
+        # slots of different sizes: the heaviest agent (parameters) on the largest slot, until
+        # the planner measured their training (an agent keeps the size it first trained at)
+        self.slot_of = bind_slots({a: costs.get(a, float(approx_params(
+            cfg.agents[a].model, vocab_size))) for a in trainable}, self.slot_sizes)
+        self.train.bind_slots(self.slot_of)
         self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
         if publication is not None:
             sup = self.supervisor
