@@ -85,3 +85,22 @@ def test_a_rank_killed_mid_step_reforms_the_slot_and_resumes_exactly(tmp_path):
     assert_final_equal(out, reference)
     gen = out / "checkpoints" / (out / "checkpoints" / "LATEST").read_text().strip()
     assert any((gen / "agents").glob("*/dcp/.metadata"))  # sharded checkpoints, in the layout
+
+
+@pytest.mark.slow  # one short run: about 30 s on two cores
+def test_slots_of_different_sizes_train_the_heaviest_agent_on_the_largest(tmp_path):
+    """runtime.slot_sizes [1, 2]: the relay (the largest model) trains on the slot of 2, the
+    other two time-share the slot of 1; the plan records the sizes."""
+    cfg = load_config(RELAY, [*COMMON[:-1], "runtime.slot_sizes=[1, 2]",
+                              "agents.relay.model.hidden_size=192"])
+    seen = {}
+    result = train(cfg, tmp_path / "run", on_runtime=lambda rt: seen.update(rt=rt))
+    assert seen["rt"].slot_sizes == [2, 1] and seen["rt"].slot_of == {
+        "relay": 0, "speaker": 1, "listener": 1}
+    records = _records(tmp_path / "run")
+    for record in records:
+        assert record["agent/relay/train_world_size"] == 2.0
+        assert record["agent/speaker/train_world_size"] == 1.0
+        assert record["agent/listener/train_world_size"] == 1.0
+    assert result.placement["train_swaps"] >= 2  # speaker and listener share their slot
+    assert records[-1]["rollout/plan"]["slot_sizes"] == [2, 1]
