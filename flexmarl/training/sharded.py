@@ -23,19 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from flexmarl.config.schema import AgentConfig
 from flexmarl.policy.device import memory_stats
+from flexmarl.training import dcp as dcp_state
 from flexmarl.training.state import TrainingState
 from flexmarl.training.trainer import AgentTrainer, TrainingError
 from flexmarl.types import Sample
@@ -287,12 +283,38 @@ class ShardedAgentTrainer(AgentTrainer):
 
     def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Load `get_state`'s restart point (any K wrote it; RNG states only at the same K)."""
-        if meta.get("agent") != self.agent or "dcp" not in meta:
-            raise TrainingError(f"agent {self.agent!r}: not a sharded restart point of this "
-                                f"agent (agent {meta.get('agent')!r})")
+        if meta.get("agent") != self.agent:
+            raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
+        if "dcp" not in meta:  # a one-device state (a checkpoint taken at K=1)
+            self._load_full(arrays, meta)
+            return
         self.load_checkpoint(meta["dcp"])
         if int(meta.get("world", 0)) == self.world:
             torch.set_rng_state(torch.tensor(meta["rng"][self.rank], dtype=torch.uint8))
+
+    def _load_full(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """`AgentTrainer.get_state`'s full arrays (every rank has them), each rank keeping its
+        shard: the model by name, AdamW's state by parameter index (the same order here)."""
+        model: dict[str, Any] = {k[len("model."):]: torch.from_numpy(np.array(v, copy=True))
+                                 for k, v in arrays.items() if k.startswith("model.")}
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in arrays.items():
+            if key.startswith("optim."):
+                _, idx, slot = key.split(".", 2)
+                state.setdefault(names[int(idx)], {})[slot] = torch.from_numpy(
+                    np.array(value, copy=True))
+        groups = [{**g, "params": names} for g in meta["param_groups"]]
+        optim: Any = {"state": state, "param_groups": groups}
+        set_state_dict(self.model, self.optimizer, model_state_dict=model,
+                       optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True, strict=True))
+        self.version = int(meta["version"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
+        self._seen.clear()
+        self._sums = {}
+        self._nonfinite = None
 
     # --- publication -----------------------------------------------------------------------
     def weight_buckets(self, dtype: torch.dtype | None = None,
@@ -345,38 +367,13 @@ class ShardedAgentTrainer(AgentTrainer):
         return directory
 
     # --- checkpoints (torch.distributed.checkpoint) ----------------------------------------
-    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """`get_state_dict` of model and optimizer. An optimizer that has not stepped yet
-        gets its state initialised by it through a step with zero gradients, which counts
-        one step: the counters are set back to 0 so that the first real step is the first
-        (AdamW's bias correction), exactly as in an optimizer that was never touched."""
-        fresh = not self.optimizer.state
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if fresh:
-            for slots in self.optimizer.state.values():
-                step = slots.get("step")
-                if isinstance(step, torch.Tensor):
-                    step.zero_()
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return model_sd, optim_sd
-
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard of weights and optimizer state; any K can load it."""
-        model_sd, optim_sd = self._state_dicts()
-        dcp.save({"model": model_sd, "optim": optim_sd,
-                  "version": torch.tensor(self.version)},
-                 checkpoint_id=str(directory), process_group=self.group)
+        dcp_state.save(self.model, self.optimizer, self.version, directory, self.group)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
-        model_sd, optim_sd = self._state_dicts()
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
-                                 "version": torch.tensor(0)}
-        dcp.load(state, checkpoint_id=str(directory), process_group=self.group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
-        self.version = int(state["version"])
-        self.optimizer.zero_grad(set_to_none=True)
+        self.version = dcp_state.load(self.model, self.optimizer, directory, self.group)
         self._rows = 0
         self._seen.clear()
         self._sums = {}

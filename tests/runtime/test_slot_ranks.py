@@ -104,3 +104,32 @@ def test_slots_of_different_sizes_train_the_heaviest_agent_on_the_largest(tmp_pa
         assert record["agent/listener/train_world_size"] == 1.0
     assert result.placement["train_swaps"] >= 2  # speaker and listener share their slot
     assert records[-1]["rollout/plan"]["slot_sizes"] == [2, 1]
+
+
+@pytest.mark.slow  # five short runs: about two minutes on two cores
+def test_a_checkpoint_taken_at_one_slot_size_resumes_at_another(tmp_path):
+    """Checkpoints of a slot of 2 hold each agent's DCP folder; resumed on one-device slots
+    (and a one-device checkpoint resumed on a slot of 2) the run ends within 1e-4 of the
+    uninterrupted one-device run (deterministic, sync: summation order only)."""
+    base = ["runtime.deterministic=true", "pipeline.mode=sync", "train.inputs_per_iteration=8",
+            "train.group_size=4", "train.micro_batch_size=4", "runtime.train_workers=1",
+            "train.checkpoint_every=1"]
+
+    def run(k: int, iterations: int, out: str, resume: str | None = None):
+        cfg = load_config(RELAY, [*base, f"runtime.slot_size={k}",
+                                  f"train.iterations={iterations}"])
+        return train(cfg, tmp_path / out, resume=tmp_path / resume if resume else None)
+
+    reference = run(1, 3, "reference")
+    run(2, 2, "k2")
+    assert (tmp_path / "k2" / "checkpoints" / "gen-000002" / "agents" / "relay" / "dcp"
+            / ".metadata").is_file()
+    runs = {"k2->k1": run(1, 3, "k2", "k2")}
+    run(1, 2, "k1")
+    runs["k1->k2"] = run(2, 3, "k1", "k1")
+    for name, result in runs.items():
+        for agent in ("speaker", "relay", "listener"):
+            a = load_file(str(reference.checkpoints[agent] / "model.safetensors"))
+            b = load_file(str(result.checkpoints[agent] / "model.safetensors"))
+            worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+            assert worst <= 1e-4, (name, agent, worst)
