@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/ruff check flexmarl tests benchmarks
 	$(BIN)/mypy flexmarl
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

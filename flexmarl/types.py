@@ -61,6 +61,8 @@ class Sample:
     temperature: float
     policy_version: int
     reward: float = 0.0
+    # the token budget ended the completion before its stop token or string
+    truncated: bool = False
 
 
 def encode_array(a: np.ndarray) -> dict[str, Any]:

@@ -245,9 +245,10 @@ def collapse_remedy(run: Run, agent: str) -> str:
     if algo.get("name", "grpo") == "grpo" and algo.get("normalize", "group") == "group":
         group_size = (run.config.get("train") or {}).get("group_size")
         size = f" {group_size}" if group_size else ""
-        steps.append(f"agents.{agent}.algorithm.normalize: agent (with group_size{size} every "
-                     "group of one agreed answer has advantage 0, so nothing moves it back; "
-                     "an agent-wide baseline still rewards the inputs it gets right)")
+        steps.append(f"agents.{agent}.algorithm.normalize: agent_previous or agent (with "
+                     f"group_size{size} every group of one agreed answer has advantage 0, so "
+                     "nothing moves it back; an agent-wide baseline still rewards the inputs it "
+                     "gets right; agent_previous keeps the async pipeline's overlap)")
     if algo.get("clip_eps_high") is None:
         steps.append(f"agents.{agent}.algorithm.clip_eps_high: 0.28 (clip-higher: rare "
                      "answers with a positive advantage may grow)")

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from flexmarl.config.schema import ConfigError, load_config
+from flexmarl.config.systems import system_overrides
 from flexmarl.errors import UserError
 from flexmarl.telemetry.samples import SampleTail, format_sample
 
@@ -31,6 +32,8 @@ def _train(args: argparse.Namespace) -> int:
 
         return train_command(args)
     console = Console(stderr=True)
+    if args.system:  # a system preset's settings come first, the user's --set after them
+        args.set = [*system_overrides(args.system), *args.set]
     cfg = load_config(args.config, args.set)  # config errors surface before torch loads
     if args.show_samples > cfg.logging.samples_per_agent:  # keep as many as are shown
         cfg = load_config(args.config,
@@ -117,10 +120,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "compare":
+        # start-up cost: the simulator and the runtime load only for the command that runs
+        from flexmarl.sim.calibration.compare import DEFAULT_SYSTEMS, compare
+
+        systems = [s for arg in args.systems or [] for s in arg.split(",") if s]
+        compare(args.config, args.set, systems or DEFAULT_SYSTEMS, rounds=args.rounds,
+                iterations=args.iterations, out=args.out, profile=args.profile, pin=args.pin)
+        return 0
     from flexmarl.bench.pipeline import bench_pipeline
 
-    if args.what != "pipeline":
-        raise ConfigError(f"bench: unknown benchmark {args.what!r} (known: pipeline)")
     bench_pipeline(args.config, args.set, rounds=args.rounds, out=args.out)
     return 0
 
@@ -199,16 +208,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default runs/<name>, or the resumed run's)")
     p.add_argument("--resume", metavar="DIR",
                    help="continue the run in DIR (a run folder or its checkpoints/) from LATEST")
+    p.add_argument("--system", metavar="NAME",
+                   help="run as one of the simulator's systems (e.g. sync-disaggregated, "
+                        "flexmarl-sync; config/systems.py): its settings, then --set")
     p.add_argument("--show-samples", type=int, default=0, metavar="N",
                    help="print N sampled episodes per agent each iteration (prompt, answer, "
                         "reward, advantage; at most logging.samples_per_agent)")
     p.set_defaults(fn=_train)
     b = sub.add_parser("bench", help="benchmarks that print figures")
-    b.add_argument("what", choices=["pipeline"])
+    b.add_argument("what", choices=["pipeline", "compare"],
+                   help="pipeline: sync vs async; compare: the simulator's systems as real runs "
+                        "side by side, with the simulator's prediction for each")
     b.add_argument("config")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--out", default=None)
+    b.add_argument("--systems", action="append", metavar="NAME[,NAME]",
+                   help="compare: systems to run (default flexmarl, flexmarl-sync, "
+                        "flexmarl-static-balance, sync-disaggregated)")
+    b.add_argument("--iterations", type=int, default=None, help="compare: iterations per run")
+    b.add_argument("--profile", default=None, metavar="FILE",
+                   help="compare: reuse a profile.json instead of profiling the agents")
+    b.add_argument("--pin", action="store_true",
+                   help="compare: pin rollout and training workers to separate CPU halves")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("simulate", help="the real orchestrator on a simulated cluster, with "
                                          "baselines side by side")

@@ -6,6 +6,7 @@ overrides are applied to the raw YAML before validation, so they are checked the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
@@ -40,6 +41,9 @@ def sharding_refusal(agent: AgentConfig) -> str | None:
             "sharded yet"
     if agent.lora is not None:
         return "a LoRA agent cannot be sharded yet"
+    epochs = getattr(agent.algorithm, "epochs", 1)
+    if epochs > 1:
+        return f"algorithm.epochs={epochs} (passes over kept rows) cannot be sharded yet"
     return None
 
 
@@ -110,6 +114,18 @@ class _AlgorithmBase(Strict):
     # micro-batch split still equals one big batch.
     loss_agg: Literal["sequence", "token_sum_norm"] = "sequence"
     loss_norm_tokens: int = Field(512, gt=0)
+    # Optimisation passes over each iteration's rows (GRPO's mu, PPO's epochs). The first pass
+    # runs in the micro-batch pipeline as rows arrive and ends in one optimizer step; passes
+    # 2..epochs run at step time over the same rows in sample_id order, one optimizer step
+    # each, their ratio taken against the recorded behaviour log-probs (clipped as usual). The
+    # rows and their order never depend on timing, so sync and async runs stay bit-identical;
+    # the version advances once per iteration, after the last pass.
+    epochs: int = Field(1, ge=1)
+    # Leave completions the token budget cut off (no stop token or stop string reached, on a
+    # node that has one) out of the loss, DAPO's overlong filtering: a truncated answer's
+    # reward says little about its tokens. Masked rows count neither in the loss nor in the
+    # rows it is normalised by (`rows_masked_truncated` in the metrics).
+    mask_truncated: bool = False
 
 
 class GRPOConfig(_AlgorithmBase):
@@ -122,7 +138,26 @@ class GRPOConfig(_AlgorithmBase):
     # input and node), agent (all of this agent's rows of the iteration: its own mean and std,
     # Dr. MAS) or batch (every trainable agent's rows: one global baseline). agent and batch
     # wait for the iteration's last episode before this agent's first micro-batch.
-    normalize: Literal["group", "agent", "batch"] = "group"
+    #
+    # agent_previous: the mean and std of the agent's rows of the previous iteration (the
+    # one before that in one_step_off): an agent-wise baseline like `agent` that needs nothing
+    # of the current iteration, so the micro-batch pipeline keeps its overlap; the first
+    # iteration uses its groups. Unlike a group baseline it still gives a signal when a
+    # group's samples agree, which is how a co-adapting agent gets out of a collapse (a judge
+    # answering one thing to every input once its partner is mostly right).
+    normalize: Literal["group", "agent", "batch", "agent_previous"] = "group"
+    # DAPO's dynamic sampling: this agent's rows of a group whose rewards all agree (every
+    # advantage zero: no signal, only dilution) are dropped, and the group's input is replaced
+    # by a fresh one, at most `train.resample_rounds` times per input. Replacements are chosen
+    # by position, not by timing, so sync and async runs stay identical. Group normalisation.
+    dynamic_sampling: bool = False
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_groups(self) -> GRPOConfig:
+        if self.dynamic_sampling and self.normalize != "group":
+            raise ValueError("algorithm.dynamic_sampling drops groups whose rewards agree, "
+                             f"which needs normalize: group (got {self.normalize!r})")
+        return self
 
 
 class PPOConfig(_AlgorithmBase):
@@ -311,6 +346,10 @@ class TrainConfig(Strict):
     # the first error, without "final" checkpoints. 1.0 turns the budget off.
     max_failed_fraction: float = Field(0.5, ge=0, le=1)
     max_consecutive_failed_iterations: int = Field(0, ge=0)
+    # Dynamic sampling (an agent's `algorithm.dynamic_sampling`): how many times one input's
+    # group may be replaced by a fresh input when a dynamic-sampling agent's rewards in it
+    # all agree. Each round costs up to group_size more episodes for that input.
+    resample_rounds: int = Field(2, ge=0)
 
 
 class PipelineConfig(Strict):
@@ -396,6 +435,11 @@ class RuntimeConfig(Strict):
     train_devices: DeviceList = None
     # Allow the two pools' device lists to overlap (colocation); off, an overlap is an error.
     share_devices: bool = False
+    # CPU cores each pool's worker processes are pinned to (os.sched_setaffinity, before torch
+    # starts its threads; local runtime): separate lists keep rollout and training physically
+    # apart on a CPU machine, the same list colocates them. None: anywhere.
+    rollout_cpus: list[int] | None = None
+    train_cpus: list[int] | None = None
     rollout_workers: int = Field(1, gt=0)
     # training slots (devices; CPU worker processes on the local runtime), bound to agents on
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
@@ -486,8 +530,23 @@ class RuntimeConfig(Strict):
             sizes = sizes[:max(1, n_trainable)]
         return sizes
 
+    @field_validator("rollout_cpus", "train_cpus")
+    @classmethod
+    def _cpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        have = os.cpu_count() or 1
+        bad = [c for c in value if not 0 <= c < have]
+        if not value or bad:
+            raise ValueError(f"CPU ids in 0..{have - 1} on this machine ({have} CPUs), "
+                             f"got {value}")
+        return sorted(set(value))
+
     @model_validator(mode="after")
     def _pools_apart(self) -> RuntimeConfig:
+        if self.kind == "ray" and (self.rollout_cpus or self.train_cpus):
+            raise ValueError("runtime.rollout_cpus / train_cpus pin local worker processes; on "
+                             "Ray, place pools with runtime.ray.rollout_bundle / train_bundle")
         if self.slot_sizes is not None:
             if "slot_size" in self.model_fields_set and self.slot_size != 1:
                 raise ValueError(f"runtime.slot_sizes {self.slot_sizes} replaces "
@@ -583,6 +642,11 @@ class RunConfig(Strict):
                     raise ValueError(f"agents.{name}: {why}, but a training slot has "
                                      f"{max(self.runtime.train_slot_sizes())} ranks "
                                      "(runtime.slot_size / slot_sizes); use slots of 1")
+        for name, agent in self.agents.items():
+            if getattr(agent.algorithm, "dynamic_sampling", False) and self.train.group_size < 2:
+                raise ValueError(f"agents.{name}.algorithm.dynamic_sampling: needs "
+                                 f"train.group_size >= 2 (got {self.train.group_size}): a group "
+                                 "of one always agrees with itself")
         if self.pipeline.mode == "one_step_off" and self.train.checkpoint_every is not None:
             # a boundary of one_step_off has iteration k+1 in flight on version k weights, which
             # no trainer holds any more: a resume could not regenerate it

@@ -108,6 +108,10 @@ class CheckpointCoordinator:
         self.episodes.start_iteration = start
         self.versions.current.update({a: int(v) for a, v in pos["versions"].items()})
         self.records[:] = list(pos["records"])
+        for rec in self.records:  # normalize: agent_previous baselines of past iterations
+            self.episodes.resumed_stats[int(rec["iteration"])] = {
+                a: (float(rec[f"agent/{a}/reward_mean"]), float(rec[f"agent/{a}/reward_std"]))
+                for a in self.agents if f"agent/{a}/reward_std" in rec}
         for agent, per in pos["consumed"].items():
             for k, ids in per.items():
                 self.trainer.consumed[agent][int(k)] = list(ids)

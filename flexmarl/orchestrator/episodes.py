@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.api.runtime import RolloutPool
-from flexmarl.config.schema import CreditConfig, RunConfig
+from flexmarl.config.schema import CreditConfig, GRPOConfig, RunConfig
 from flexmarl.errors import UserError
 from flexmarl.graph import contracts
 from flexmarl.graph.chat import PromptRenderer
@@ -38,6 +38,7 @@ from flexmarl.store.experience import (
 )
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import algorithms
+from flexmarl.training.algorithms import grpo
 from flexmarl.types import GenerationRequest
 
 
@@ -80,6 +81,24 @@ class IterationState:
     stage_open: list[asyncio.Event] = field(default_factory=list)
     # what the agents said: a few rows per agent (logging.samples_per_agent), for samples.jsonl
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # dynamic sampling: input slot i's group of round r has input index r * n_inputs + i; the
+    # rounds launched per slot, each round's fresh inputs, the episodes still to await, and
+    # the rows dropped per agent because their group's rewards all agreed
+    n_inputs: int = 0
+    rounds: dict[int, int] = field(default_factory=dict)
+    round_inputs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    pending: list[asyncio.Future] = field(default_factory=list)
+    rows_filtered: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def slot_groups(self, slot: int) -> list[str]:
+        """The input ids of slot `slot`'s groups, the original first, then its replacements."""
+        n = self.n_inputs
+        return [f"{self.index}-{r * n + slot}" for r in range(self.rounds.get(slot, 0) + 1)]
+
+    def original(self, input_id: str) -> bool:
+        """One of the iteration's own inputs (not a dynamic-sampling replacement): rewards and
+        success are reported over these, so curves compare across settings."""
+        return int(input_id.split("-")[1]) < self.n_inputs
 
 
 def assign_credit(
@@ -96,6 +115,15 @@ def assign_credit(
                     value += credit.upstream_discount ** hops * own[down]
         out[name] = value
     return out
+
+
+def truncated(request: GenerationRequest, tokens: list[int]) -> bool:
+    """The budget, not the model, ended this completion: it used every token of a node that
+    has a stop condition and did not end on a stop token. (A stop string ends a text node's
+    completion early, so a full-length one ended by a string is rare: it counts as cut.)"""
+    has_stop = bool(request.stop_tokens or request.stop)
+    return (has_stop and len(tokens) >= request.max_new_tokens
+            and not (tokens and tokens[-1] in request.stop_tokens))
 
 
 def graph_levels(graph: MEG, order: list[str]) -> dict[str, int]:
@@ -161,6 +189,9 @@ class EpisodeRunner:
         self._started: dict[int, asyncio.Event] = {}
         self.start_iteration = 0
         self.restored: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        # resumed: per iteration before the checkpoint, each agent's reward (mean, std) from
+        # its records (`normalize: agent_previous`)
+        self.resumed_stats: dict[int, dict[str, tuple[float, float]]] = {}
         self.first_error: str | None = None
         # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
         self._check_prompts = cfg.runtime.kind != "sim"
@@ -218,6 +249,7 @@ class EpisodeRunner:
                 agent, sample_id,
                 {"prompt": request.prompt, "response": result.tokens,
                  "allowed": prompt.allowed_tokens, "temperature": request.temperature,
+                 "truncated": truncated(request, result.tokens),
                  **({"stop": list(prompt.stop)} if node.is_text else {})},
                 {"logprobs": result.logprobs if isinstance(result.logprobs, TensorRef)
                  else np.asarray(result.logprobs, dtype=np.float32)},
@@ -247,10 +279,12 @@ class EpisodeRunner:
         else:
             for name, row in rows.items():
                 self.store.set_rewarded(row.agent, row.sample_id, rewards[name])
-                it.rewards[row.agent].append(rewards[name])
+                if it.original(input_id):
+                    it.rewards[row.agent].append(rewards[name])
                 if row.agent not in self.trainable:  # no advantage will come: show it now
                     self._keep_sample(it, row, None)
-            it.successes += int(bool(self.executor.success(ctx)))
+            if it.original(input_id):
+                it.successes += int(bool(self.executor.success(ctx)))
         it.groups[input_id].append({n: r.sample_id for n, r in rows.items()} if error is None
                                    else {})
         it.episode_latency.append(self.telemetry.now() - episode_start)
@@ -310,8 +344,10 @@ class EpisodeRunner:
             if "stop" in d["data"]:  # a text-level node: the same decoding as the first time
                 ctx.texts[row.node] = self.renderer.decode(
                     row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
-            it.rewards[row.agent].append(float(d["data"]["reward"]))
-        it.successes += int(bool(self.executor.success(ctx)))
+            if it.original(ctx.input_id):
+                it.rewards[row.agent].append(float(d["data"]["reward"]))
+        if it.original(ctx.input_id):
+            it.successes += int(bool(self.executor.success(ctx)))
         it.groups[ctx.input_id].append({n: r.sample_id for n, r in rows.items()})
         if it.stage_open:
             for name in self.order:
@@ -335,7 +371,9 @@ class EpisodeRunner:
         return out
 
     def _maybe_group_ready(self, it: IterationState, input_id: str) -> None:
-        """When all G trajectories of an input are in, compute group advantages per node."""
+        """When all G trajectories of an input are in, compute group advantages per node; a
+        dynamic-sampling agent's group whose rewards all agree is dropped and, rounds left,
+        its input slot gets a fresh group. A slot is done when its last group is in."""
         group = it.groups[input_id]
         if len(group) < self.cfg.train.group_size:
             return
@@ -343,23 +381,75 @@ class EpisodeRunner:
         # micro-batches (hence float summation order) then never depend on timing, so a resumed
         # or recovered run (whose episodes finish in another order) equals an uninterrupted one.
         group.sort(key=lambda g: min((parse_sample_id(s)[2] for s in g.values()), default=-1))
-        it.groups_done.add(int(input_id.split("-")[1]))
-        self.on_group_ready()
+        agreed = False
         for name in self.order:
             ids = [g[name] for g in group if name in g]
             if not ids:
                 continue
             agent = self.graph.nodes[name].agent
-            if agent not in self.trainable or self.normalize(agent) != "group":
+            if agent not in self.trainable or self.normalize(agent) in ("agent", "batch"):
                 continue
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
             algo_cfg = self.cfg.agents[agent].algorithm
+            previous = (self.previous_stats(it.index, agent)
+                        if self.normalize(agent) == "agent_previous" else None)
+            if previous is not None:
+                assert isinstance(algo_cfg, GRPOConfig)  # normalize is a GRPO option
+                for sid, adv in zip(ids, grpo.baseline_advantages(rewards, *previous, algo_cfg),
+                                    strict=True):
+                    self._set_ready(it, agent, sid, adv)
+                continue
+            if getattr(algo_cfg, "dynamic_sampling", False) and len(set(rewards)) == 1:
+                agreed = True
+                for sid in ids:
+                    self.store.set_failed(agent, sid, "dynamic sampling: the group's rewards "
+                                                      f"all agree ({rewards[0]:g})")
+                it.rows_filtered[agent] += len(ids)
+                continue
             advs = algorithms.get(algo_cfg.name).sequence_advantages(rewards, algo_cfg)
             for sid, adv in zip(ids, advs, strict=True):
                 self._set_ready(it, agent, sid, adv)
-        if len(it.groups_done) == self.cfg.train.inputs_per_iteration:
+        index = int(input_id.split("-")[1])
+        slot, rnd = index % it.n_inputs, index // it.n_inputs
+        if agreed and rnd < self.cfg.train.resample_rounds:
+            self._resample(it, slot, rnd + 1)
+            return
+        it.groups_done.add(slot)
+        self.on_group_ready()
+        if len(it.groups_done) == it.n_inputs:
             self._normalize_wide(it)
+
+    def _resample(self, it: IterationState, slot: int, rnd: int) -> None:
+        """Dynamic sampling: a fresh group for input slot `slot`, round `rnd`. Its input is
+        the slot's entry of the round's own draw (seeded by iteration and round), so which
+        input replaces which never depends on the order groups finished in."""
+        if rnd not in it.round_inputs:
+            it.round_inputs[rnd] = self._draw_inputs(it.index, it.n_inputs, "resample", rnd)
+        it.rounds[slot] = rnd
+        group = self.cfg.train.group_size
+        it.episodes_total += group
+        for name in self.order:
+            if it.stage_left:
+                it.stage_left[self.level[name]] += group
+        index = rnd * it.n_inputs + slot
+        data = it.round_inputs[rnd][slot]
+        self.telemetry.event("group_resampled", iteration=it.index, slot=slot, round=rnd)
+        it.pending.extend(asyncio.ensure_future(self.run_episode(it, index, j, data))
+                          for j in range(group))
+
+    def _draw_inputs(self, k: int, n: int, *stream: Any) -> list[dict[str, Any]]:
+        """Iteration k's n inputs from the task (a replacement round's: `stream` names it)."""
+        rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k, *stream))
+        try:
+            inputs = self.task.sample_inputs(rng, n)
+        except Exception as exc:  # noqa: BLE001 - user code
+            raise contracts.ContractError(f"task {self.cfg.task.builder}: sample_inputs raised "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        contracts.check_inputs(self.cfg.task.builder, inputs)
+        if len(inputs) != n:
+            raise GraphError(f"task returned {len(inputs)} inputs, expected {n}")
+        return inputs
 
     def _set_ready(self, it: IterationState, agent: str, sample_id: str, adv: float) -> None:
         self._keep_sample(it, self.store.set_ready(agent, sample_id, adv), adv)
@@ -383,21 +473,38 @@ class EpisodeRunner:
             "advantage": advantage})
 
     def normalize(self, agent: str) -> str:
-        """`algorithm.normalize` of a GRPO agent (group, agent or batch); others: group."""
+        """`algorithm.normalize` of a GRPO agent (group, agent, batch or agent_previous);
+        others: group."""
         return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
+
+    def previous_stats(self, k: int, agent: str) -> tuple[float, float] | None:
+        """`normalize: agent_previous`: the mean and std of `agent`'s rewards in the iteration
+        whose step made the weights iteration k samples with (k - 1; k - 2 in one_step_off),
+        or None (the first iterations: group baselines). That iteration's rollout is over by
+        then: the agent's step on it preceded these weights. After a resume they come from
+        the checkpoint's records."""
+        source = k - 1 - self.cfg.pipeline.max_staleness
+        if source < 0:
+            return None
+        if source in self.resumed_stats:
+            return self.resumed_stats[source].get(agent)
+        past = self.iterations.get(source)
+        if past is None or not past.rewards.get(agent):
+            return None
+        return grpo.reward_stats(past.rewards[agent])
 
     def _normalize_wide(self, it: IterationState) -> None:
         """Every group of the iteration is in: advantages of the agents whose GRPO normalises
         over more than one group. `agent`: over all of the agent's rows of the iteration (its
         own mean and std, Dr. MAS's agent-wise normalisation); `batch`: over the rows of every
         trainable agent (one global baseline). Rows of failed episodes take no part."""
-        wide = [a for a in self.trainable if self.normalize(a) != "group"]
+        wide = [a for a in self.trainable if self.normalize(a) in ("agent", "batch")]
         if not wide or it.wide_ready:
             it.wide_ready = True
             return
         ids: dict[str, list[str]] = {a: [] for a in self.trainable}
-        for i in range(self.cfg.train.inputs_per_iteration):
-            for episode in it.groups[f"{it.index}-{i}"]:
+        for i in range(it.n_inputs):
+            for episode in (e for gid in it.slot_groups(i) for e in it.groups[gid]):
                 for name, sid in sorted(episode.items()):
                     agent = self.graph.nodes[name].agent
                     if agent in ids:
@@ -428,7 +535,7 @@ class EpisodeRunner:
         n_inputs = self.cfg.train.inputs_per_iteration
         group = self.cfg.train.group_size
         it = IterationState(index=k, episodes_total=n_inputs * group,
-                            started_at=self.telemetry.now())
+                            started_at=self.telemetry.now(), n_inputs=n_inputs)
         self.iterations[k] = it
         self.started_event(k).set()
         if self.cfg.rollout.schedule == "stage":
@@ -438,20 +545,19 @@ class EpisodeRunner:
                 it.stage_left[self.level[name]] += it.episodes_total
             it.stage_open = [asyncio.Event() for _ in range(levels)]
             it.stage_open[0].set()
-        rng = np.random.default_rng(stable_seed(self.cfg.seed, "inputs", k))
-        try:
-            inputs = self.task.sample_inputs(rng, n_inputs)
-        except Exception as exc:  # noqa: BLE001 - user code
-            raise contracts.ContractError(f"task {self.cfg.task.builder}: sample_inputs raised "
-                                          f"{type(exc).__name__}: {exc}") from exc
-        contracts.check_inputs(self.cfg.task.builder, inputs)
-        if len(inputs) != n_inputs:
-            raise GraphError(f"task returned {len(inputs)} inputs, expected {n_inputs}")
+        inputs = self._draw_inputs(k, n_inputs)
         episodes = [
             self.run_episode(it, i, j, inputs[i])
             for i in range(n_inputs) for j in range(group)
         ]
-        await asyncio.gather(*episodes)
+        try:
+            await asyncio.gather(*episodes)
+            while it.pending:  # dynamic sampling's replacement groups, launched as needed
+                launched, it.pending = it.pending, []
+                await asyncio.gather(*launched)
+        finally:
+            for fut in it.pending:
+                fut.cancel()
         return it
 
     def started_event(self, k: int) -> asyncio.Event:

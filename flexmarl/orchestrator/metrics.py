@@ -7,7 +7,6 @@ is a function of the run's state, not of which runtime or schedule produced it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from flexmarl.api.runtime import RolloutPool, TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.episodes import IterationState
 from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.training.algorithms.grpo import reward_stats
 
 
 class FailureBudgetExceeded(RuntimeError):
@@ -99,6 +99,7 @@ class IterationMetrics:
             "task/success_rate": it.successes / max(n_ok, 1),
             "episodes/total": it.episodes_total,
             "episodes/failed": it.episodes_failed,
+            "episodes/groups_resampled": sum(it.rounds.values()),
             "pool/rollout/busy_frac": self.telemetry.busy_frac(
                 "rollout", self.rollout.n_workers, t0, now),
             "pool/train/busy_frac": self._train_busy_frac(t0, now),
@@ -122,10 +123,14 @@ class IterationMetrics:
             # fsum is exactly rounded, so the mean does not depend on the order in which
             # episodes finished (placement changes that order, never the rewards).
             rewards = it.rewards.get(agent, [])
-            record[f"agent/{agent}/reward_mean"] = (
-                math.fsum(rewards) / len(rewards) if rewards else 0.0)
+            mean, std = reward_stats(rewards) if rewards else (0.0, 0.0)
+            record[f"agent/{agent}/reward_mean"] = mean
+            if rewards:  # `normalize: agent_previous` resumes from these two
+                record[f"agent/{agent}/reward_std"] = std
             record[f"agent/{agent}/policy_version"] = self.versions[agent]
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
+            if agent in it.rows_filtered:  # dynamic sampling dropped these
+                record[f"agent/{agent}/rows_filtered"] = it.rows_filtered[agent]
             if agent in self.trainable:
                 record[f"agent/{agent}/swaps"] = swaps.get(agent, (0, 0.0))[0]
             for key, value in it.trained.get(agent, {}).items():

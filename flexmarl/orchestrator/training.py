@@ -110,7 +110,7 @@ class MicroBatchTrainer:
         vector = self.versions.vector(k)
         table = self.store.table(agent)
         canonical = self.cfg.runtime.deterministic or self.cfg.pipeline.mode == "sync"
-        if self.episodes.normalize(agent) != "group":
+        if self.episodes.normalize(agent) in ("agent", "batch"):
             # advantages need the whole iteration's rewards: wait for them (less overlap)
             while not it.wide_ready:
                 changed.clear()
@@ -136,7 +136,8 @@ class MicroBatchTrainer:
             ids = [
                 sid
                 for i in chunk
-                for episode in it.groups[f"{k}-{i}"]
+                for gid in it.slot_groups(i)
+                for episode in it.groups[gid]
                 for node, sid in sorted(episode.items())
                 if node in nodes and table.get(sid).status is Status.READY
             ]

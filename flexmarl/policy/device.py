@@ -10,6 +10,7 @@ reverse (the separation is physical, not a convention). Inside a worker the mode
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +33,7 @@ class Placement:
 
     kind: Literal["cpu", "cuda"] = "cpu"
     visible: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()  # CPU cores the process is pinned to (empty: anywhere)
 
     @property
     def device(self) -> str:
@@ -48,6 +50,8 @@ class Placement:
 
         A cuda placement with no indices keeps what the host set (Ray assigns a GPU actor's
         devices itself)."""
+        if self.cpus:  # before torch starts its threads: they inherit the affinity
+            os.sched_setaffinity(0, self.cpus)
         if self.kind == "cuda" and not self.visible:
             return
         os.environ.update(self.env())
@@ -131,10 +135,20 @@ def plan_placements(runtime_cfg, n_rollout: int, n_train: int, gpu_count: int | 
     n = torch.cuda.device_count() if gpu_count is None else gpu_count
     kind = resolve_kind(runtime_cfg.devices, n)
     if kind == "cpu":
-        return worker_placements("cpu", [], n_rollout), worker_placements("cpu", [], n_train)
-    r, t = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
-                        runtime_cfg.share_devices)
-    return worker_placements("cuda", r, n_rollout), worker_placements("cuda", t, n_train)
+        rollout, train = worker_placements("cpu", [], n_rollout), worker_placements(
+            "cpu", [], n_train)
+    else:
+        r, t = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
+                            runtime_cfg.share_devices)
+        rollout, train = worker_placements("cuda", r, n_rollout), worker_placements(
+            "cuda", t, n_train)
+    return (_pinned(rollout, getattr(runtime_cfg, "rollout_cpus", None)),
+            _pinned(train, getattr(runtime_cfg, "train_cpus", None)))
+
+
+def _pinned(placements: list[Placement], cpus: list[int] | None) -> list[Placement]:
+    """`runtime.rollout_cpus` / `train_cpus`: every worker of the pool on those cores."""
+    return [dataclasses.replace(p, cpus=tuple(cpus)) for p in placements] if cpus else placements
 
 
 def compute_dtype(name: str, device: str | torch.device) -> torch.dtype:

@@ -301,7 +301,7 @@ class ExperienceStore:
                 old_logprobs=self.fetch(r, "logprobs").tolist(),
                 advantage=r.data["advantage"], allowed=r.data["allowed"],
                 temperature=r.data["temperature"], policy_version=r.policy_version,
-                reward=r.data["reward"],
+                reward=r.data["reward"], truncated=bool(r.data.get("truncated", False)),
             )
             for r in rows
         ]

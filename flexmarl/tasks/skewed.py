@@ -33,8 +33,12 @@ def build_skewed_fanout(
     cap_factor: float = 4.0,
     prompt_length: int = 8,
     vocab_size: int = 64,
+    conditional: list[str] | None = None,
 ) -> Task:
-    """`lengths`: mean output tokens per node (= agent); the first node routes to the rest."""
+    """`lengths`: mean output tokens per node (= agent); the first node routes to the rest.
+    `conditional`: experts called only when the router asks for them (its first token in the
+    upper half of the content ids): a conditional edge, whose branch the router learns to take
+    or skip, so the work per episode varies with the router's policy."""
     lengths = dict(lengths or {"router": 4, "brief": 8, "detailed": 24, "verbose": 96})
     if len(lengths) < 2:
         raise TaskLoadError("options.lengths: needs a router and at least one expert")
@@ -45,6 +49,11 @@ def build_skewed_fanout(
         raise TaskLoadError(f"options.sigma: must be >= 0, got {sigma}")
     names = list(lengths)
     router, experts = names[0], names[1:]
+    conditional = list(conditional or [])
+    for name in conditional:
+        if name not in experts:
+            raise TaskLoadError(f"options.conditional: {name!r} is not an expert (experts: "
+                                f"{', '.join(experts)})")
     caps = {n: max(1, int(lengths[n] * cap_factor)) for n in names}
     content = list(range(FIRST, vocab_size))
 
@@ -64,12 +73,18 @@ def build_skewed_fanout(
     def match(ctx: EpisodeContext) -> float:
         """Share of the query's tokens that the experts echo: a dense, learnable reward."""
         query = set(ctx.data["query"])
-        said = [t for e in experts for t in ctx.output(e)]
+        said = [t for e in experts if e in ctx.outputs for t in ctx.output(e)]
         return sum(t in query for t in said) / max(1, len(said))
+
+    midpoint = (FIRST + vocab_size) // 2
+
+    def asked(ctx: EpisodeContext) -> bool:
+        return ctx.output(router)[0] >= midpoint
 
     graph = MEG().node(router, agent=router, prompt=prompt_for(router, None))
     for e in experts:
-        graph = graph.node(e, agent=e, inputs=[router], prompt=prompt_for(e, router))
+        graph = graph.node(e, agent=e, inputs=[router], prompt=prompt_for(e, router),
+                           when=asked if e in conditional else None)
     graph = graph.set_episode_reward(match).set_success(lambda ctx: match(ctx) > 0.5)
     longest = max(caps.values())
     return Task(graph=graph, vocab_size=vocab_size, sample_inputs=sample_inputs,

@@ -74,6 +74,9 @@ class ShardedAgentTrainer(AgentTrainer):
             raise TrainingError(f"agent {agent!r}: sharded training supports critic-free "
                                 "algorithms without a KL reference so far (got "
                                 f"{cfg.algorithm.name}, kl_coef={cfg.algorithm.kl_coef})")
+        if cfg.algorithm.epochs > 1:
+            raise TrainingError(f"agent {agent!r}: sharded training runs one pass per "
+                                f"iteration so far (got algorithm.epochs={cfg.algorithm.epochs})")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device)
         self.state_dir = state_dir
@@ -108,12 +111,13 @@ class ShardedAgentTrainer(AgentTrainer):
             super().accumulate(share)
             return {"rows": float(len(share))}
         saved = (self._rows, set(self._seen), dict(self._sums), self._nonfinite,
-                 self.loss_scale)
+                 self.loss_scale, list(self._kept))
         self.loss_scale = 0.0
         try:
             super().accumulate(samples[:1])
         finally:
-            self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale = saved
+            (self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale,
+             self._kept) = saved
         return {"rows": 0.0}
 
     def _reduce_counts(self) -> None:

@@ -14,6 +14,7 @@ Moving to another process is a send on one side and, on the other, moving the ha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from flexmarl.types import Sample
 
 if TYPE_CHECKING:
     from flexmarl.training.trainer import AgentTrainer
@@ -287,6 +290,8 @@ def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
         "agent": trainer.agent, "version": trainer.version, "rows": trainer._rows,
         "seen": sorted(trainer._seen), "sums": trainer._sums, "param_groups": groups,
         "nonfinite": getattr(trainer, "_nonfinite", None),
+        # algorithm.epochs > 1: the rows the later passes will run over
+        "kept": [dataclasses.asdict(s) for s in getattr(trainer, "_kept", [])],
     }
     return TrainingState(tensors, meta)
 
@@ -323,6 +328,7 @@ def restore(trainer: AgentTrainer, state: TrainingState) -> None:
     trainer._seen = set(state.meta["seen"])
     trainer._sums = dict(state.meta["sums"])
     trainer._nonfinite = state.meta.get("nonfinite")  # a poisoned step stays poisoned
+    trainer._kept = [Sample(**d) for d in state.meta.get("kept", [])]
 
 
 # --- the wire forms of weights between processes -----------------------------------------------

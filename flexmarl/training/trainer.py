@@ -32,6 +32,10 @@ from flexmarl.training.algorithms.common import LossInputs, entropy_coef
 from flexmarl.training.learner import Audit
 from flexmarl.types import Sample
 
+# rows per forward/backward in the passes after the first (`algorithm.epochs`): a fixed
+# chunking, so the summation order never depends on how the first pass's micro-batches came
+EPOCH_CHUNK_ROWS = 64
+
 
 class TrainingError(RuntimeError):
     pass
@@ -142,6 +146,8 @@ class AgentTrainer:
         self._seen: set[str] = set()
         self._sums: dict[str, float] = {}
         self._nonfinite: str | None = None  # why this step must be skipped (NaN/inf seen)
+        # algorithm.epochs > 1: the iteration's rows, for the passes after the first
+        self._kept: list[Sample] = []
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Forward passes in the compute dtype over float32 master weights."""
@@ -184,6 +190,26 @@ class AgentTrainer:
                 raise TrainingError(
                     f"agent {self.agent!r}: sample {s.sample_id} offered twice in one step"
                 )
+        self._seen.update(s.sample_id for s in samples)
+        if self.cfg.algorithm.mask_truncated:
+            cut = sum(s.truncated for s in samples)
+            if cut:
+                self._sums["rows_masked_truncated"] = (
+                    self._sums.get("rows_masked_truncated", 0.0) + cut)
+                samples = [s for s in samples if not s.truncated]
+                if not samples:
+                    return {"rows": 0.0}
+        if self.cfg.algorithm.epochs > 1:
+            self._kept.extend(samples)
+        metrics = self._backward(samples, first_pass=True)
+        self._rows += len(samples)
+        for k, v in metrics.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+        return {"rows": float(len(samples))}
+
+    def _backward(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
+        """Forward and backward of one micro-batch; its loss metrics, summed over its rows.
+        A non-finite loss adds no gradient and poisons the step (`_nonfinite`)."""
         batch = make_token_batch(
             [s.prompt for s in samples],
             [s.response for s in samples],
@@ -211,7 +237,8 @@ class AgentTrainer:
                 ref_logp=self._reference_logprobs(batch), entropy=entropy,
                 values=self._values(batch, hidden),
             )
-        self._logprob_diff(samples, logp.detach(), old, batch.response_mask)
+        if first_pass:
+            self._logprob_diff(samples, logp.detach(), old, batch.response_mask)
         loss, metrics = self.algo.loss(inputs, self.cfg.algorithm, step=self.version)
         bad = [k for k, v in metrics.items() if not math.isfinite(float(v))]
         if not torch.isfinite(loss.detach()) or bad:
@@ -222,11 +249,7 @@ class AgentTrainer:
             self._nonfinite = self._nonfinite or what
         else:
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-        self._rows += len(samples)
-        self._seen.update(s.sample_id for s in samples)
-        for k, v in metrics.items():
-            self._sums[k] = self._sums.get(k, 0.0) + v
-        return {"rows": float(len(samples))}
+        return metrics
 
     def _logprob_diff(self, samples: list[Sample], logp: torch.Tensor, old: torch.Tensor,
                       mask: torch.Tensor) -> None:
@@ -254,12 +277,10 @@ class AgentTrainer:
             group["lr"] = group["base_lr"] * f
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def step(self) -> dict[str, float]:
-        """Normalise the summed gradients by the rows seen, clip, step; version += 1."""
-        if self._rows == 0:  # every row of the iteration failed: keep weights, move on
-            self.version += 1
-            return {"skipped": 1.0, "rows": 0.0}
-        scale = 1.0 / (self._rows * self.loss_scale)
+    def _optimizer_step(self, rows: int) -> torch.Tensor:
+        """Normalise the summed gradients by `rows`, clip and step (unless a non-finite loss
+        or gradient norm poisoned them: then `_nonfinite` says why and nothing moves)."""
+        scale = 1.0 / (rows * self.loss_scale)
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -269,11 +290,49 @@ class AgentTrainer:
         )
         if self._nonfinite is None and not torch.isfinite(norm):
             self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
+        if self._nonfinite is None:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _later_epochs(self) -> dict[str, float]:
+        """Passes 2..epochs over the kept rows (sample_id order, fixed chunks), one optimizer
+        step each; a non-finite pass moves nothing and ends the passes."""
+        rows = sorted(self._kept, key=lambda s: s.sample_id)
+        self._kept = []
+        done, last = 1, {}
+        for _ in range(1, self.cfg.algorithm.epochs):
+            sums: dict[str, float] = {}
+            for i in range(0, len(rows), EPOCH_CHUNK_ROWS):
+                for k, v in self._backward(rows[i:i + EPOCH_CHUNK_ROWS], False).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            self._optimizer_step(len(rows))
+            if self._nonfinite is not None:
+                self._nonfinite = None
+                break
+            done += 1
+            last = sums
+        out = {"epochs": float(done)}
+        if last:
+            out["loss/policy_last_epoch"] = last.get("loss/policy", 0.0) / len(rows)
+            out["clip_frac_last_epoch"] = last.get("clip_frac", 0.0) / max(
+                last.get("tokens", 0.0), 1.0)
+        return out
+
+    def step(self) -> dict[str, float]:
+        """Normalise the summed gradients by the rows seen, clip, step (then the later epochs'
+        passes, `algorithm.epochs`); version += 1."""
+        if self._rows == 0:  # every row of the iteration failed: keep weights, move on
+            masked = self._sums.get("rows_masked_truncated", 0.0)
+            self._clear_step()
+            self.version += 1
+            return {"skipped": 1.0, "rows": 0.0, **(
+                {"rows_masked_truncated": masked} if masked else {})}
+        lr = self._set_lr()
+        norm = self._optimizer_step(self._rows)
         if self._nonfinite is not None:
             return self._skip_step(self._nonfinite)
-        lr = self._set_lr()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        extra = self._later_epochs() if self._kept else {}
         tokens = max(self._sums.pop("tokens", 0.0), 1.0)
         lpd_sum = self._sums.pop("logprob_diff_sum", None)
         lpd_tokens = self._sums.pop("logprob_diff_tokens", 0.0)
@@ -288,6 +347,9 @@ class AgentTrainer:
         metrics["lr"] = lr
         metrics["rows"] = float(self._rows)
         metrics["train_world_size"] = 1.0  # ranks it trained on (training/sharded.py: K)
+        metrics.update(extra)
+        if "rows_masked_truncated" in metrics:  # a count, not a per-row mean
+            metrics["rows_masked_truncated"] = self._sums["rows_masked_truncated"]
         self._rows = 0
         self._seen.clear()
         self._sums = {}
@@ -298,13 +360,18 @@ class AgentTrainer:
         """Drop this iteration's gradients, keep the weights, still advance the version (the
         rows of this version were used up)."""
         rows = float(self._rows)
+        self._clear_step()
+        self.version += 1
+        return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
+
+    def _clear_step(self) -> None:
+        """Forget the step in progress: gradients, rows, kept rows, metric sums, poison."""
         self.optimizer.zero_grad(set_to_none=True)
         self._rows = 0
+        self._kept = []
         self._seen.clear()
         self._sums = {}
         self._nonfinite = None
-        self.version += 1
-        return {"skipped": 1.0, "rows": rows, "skip_reason": reason}  # type: ignore[dict-item]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """What the rollout replicas need to hold this version (LoRA: the merged adapted layers;
@@ -459,8 +526,4 @@ class AgentTrainer:
         np.random.set_state((name, np.array(arrays["rng.numpy"], dtype=np.uint32), pos,
                              has_gauss, cached))
         self.version = int(meta["version"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self._nonfinite = None
+        self._clear_step()

@@ -201,8 +201,13 @@ def test_versions_are_published_in_order_after_each_step():
     assert final_weights(train)["relay"][1] == rollout.held["relay"][1]
 
 
-def test_resume_from_a_checkpoint_equals_the_uninterrupted_run():
-    cfg = config("runtime.deterministic=true", "train.iterations=4", "train.checkpoint_every=2")
+@pytest.mark.parametrize("normalize", ["group", "agent_previous"])
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(normalize):
+    """agent_previous: the resumed run's first iteration takes its baselines from the
+    checkpoint's records (the fake trainers' weights digest every advantage)."""
+    cfg = config("runtime.deterministic=true", "train.iterations=4", "train.checkpoint_every=2",
+                 *(f"agents.{a}.algorithm.normalize={normalize}"
+                   for a in ("speaker", "relay", "listener")))
     saved: dict[int, Checkpoint] = {}
 
     def save(completed: int, position: dict, states: dict, rows: list) -> str:

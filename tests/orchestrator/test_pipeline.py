@@ -90,7 +90,8 @@ def test_reward_that_raises_fails_only_its_episode(tmp_path):
 
 @pytest.mark.parametrize("example,iterations,threshold", [
     ("referential_game.yaml", 40, 0.6),
-    ("relay_chain.yaml", 60, 0.5),
+    # 31 s: the referential game keeps learning in `make test`
+    pytest.param("relay_chain.yaml", 60, 0.5, marks=pytest.mark.slow),
 ])
 def test_examples_learn_well_above_chance(tmp_path, example, iterations, threshold):
     cfg = load_config(EXAMPLES / example, [f"train.iterations={iterations}"])

@@ -4,6 +4,7 @@ run with one slot per agent (deterministic mode; real worker processes)."""
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -13,6 +14,7 @@ from flexmarl.orchestrator.run import train
 RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
 
 
+@pytest.mark.slow  # 26 s; test_shared_base.py checks the same on one shared base
 def test_one_slot_and_three_slots_end_with_equal_weights(tmp_path):
     common = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=8",
               "train.group_size=4", "train.micro_batch_size=8",

@@ -142,12 +142,27 @@ async def model(name: str, request: Request) -> dict:
                        code="model_not_found")
     return model_card(service, name)
 
-@router.post("/v1/completions")
-async def completions(request: Request):
+async def _addressed(request: Request) -> tuple[Any, dict, str, Any]:
+    """(service, body, agent name, its spec) of an OpenAI-style request."""
     service = service_of(request)
     body = await body_of(request)
     name = service.agent(body)
-    spec = service.run.agents[name]
+    return service, body, name, service.run.agents[name]
+
+
+async def _started(request: Request, s: Any, prefix: str, endpoint: str
+                   ) -> tuple[str, int, Any, Any]:
+    """Name the response, tag its tenant and start generating: (id, created, the generator,
+    its first piece)."""
+    cid, created = f"{prefix}-{s.request_id}", int(time.time())
+    s.response_id, s.endpoint = cid, endpoint
+    s.tenant = tenant_of(request)
+    gen = service_of(request).generate(s)
+    return cid, created, gen, await _first(gen)
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    service, body, name, spec = await _addressed(request)
     prompt, as_ids = completion_prompt(body, spec)
     s = common(body, spec, prompt, service.limits)
     s.token_ids_out = as_ids and (spec.tokenizer is None or bool(
@@ -157,11 +172,7 @@ async def completions(request: Request):
                             or not 0 <= top <= 20):
         raise bad("logprobs", "must be an integer in [0, 20]")
     s.logprobs = top is not None
-    cid, created = f"cmpl-{s.request_id}", int(time.time())
-    s.response_id, s.endpoint = cid, "completions"
-    s.tenant = tenant_of(request)
-    gen = service.generate(s)
-    first = await _first(gen)
+    cid, created, gen, first = await _started(request, s, "cmpl", "completions")
 
     def choice(text: str, toks, lps, reason, offset=0) -> dict:
         c = {"index": 0, "text": text, "finish_reason": reason,
@@ -202,10 +213,7 @@ async def completions(request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
-    service = service_of(request)
-    body = await body_of(request)
-    name = service.agent(body)
-    spec = service.run.agents[name]
+    service, body, name, spec = await _addressed(request)
     prompt = chat_prompt(body, spec)
     s = common(body, spec, prompt, service.limits)
     want = body.get("logprobs")
@@ -217,11 +225,7 @@ async def chat(request: Request):
     if top and not want:
         raise bad("top_logprobs", "needs logprobs: true")
     s.logprobs = bool(want)
-    cid, created = f"chatcmpl-{s.request_id}", int(time.time())
-    s.response_id, s.endpoint = cid, "chat.completions"
-    s.tenant = tenant_of(request)
-    gen = service.generate(s)
-    first = await _first(gen)
+    cid, created, gen, first = await _started(request, s, "chatcmpl", "chat.completions")
     if not s.stream:
         out = await _outcome(first, gen)
         return JSONResponse({

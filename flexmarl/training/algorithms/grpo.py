@@ -6,7 +6,9 @@ Read top to bottom:
    orchestrator computes it when a group is complete (`sequence_advantages`). With
    `normalize: agent` the mean and std are those of all the agent's rows of the iteration
    (Dr. MAS's agent-wise normalisation), with `batch` those of every trainable agent's rows;
-   both wait for the iteration's last episode (`normalized_advantages`);
+   both wait for the iteration's last episode (`normalized_advantages`). `agent_previous`
+   takes the agent's mean and std of the previous iteration (`baseline_advantages`): no
+   wait, and a signal even when a group's samples agree;
 2. every response token of a row carries the row's advantage; with `kl_mode: reward` the
    per-token KL penalty to the reference is added to it;
 3. the loss of one row is the PPO clipped surrogate averaged over the row's tokens, plus the KL
@@ -15,14 +17,16 @@ Read top to bottom:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from flexmarl.config.schema import GRPOConfig
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef, policy_loss, reward_kl
 
-__all__ = ["entropy_coef", "group_advantages", "loss", "normalized_advantages",
-           "sequence_advantages"]
+__all__ = ["baseline_advantages", "entropy_coef", "group_advantages", "loss",
+           "normalized_advantages", "reward_stats", "sequence_advantages"]
 
 
 def group_advantages(rewards: list[float], cfg: GRPOConfig) -> list[float]:
@@ -44,6 +48,22 @@ def normalized_advantages(rewards: list[float], reference: list[float],
 
 
 sequence_advantages = group_advantages
+
+
+def baseline_advantages(rewards: list[float], mean: float, std: float,
+                        cfg: GRPOConfig) -> list[float]:
+    """`normalize: agent_previous`: (r - mean) / (std + eps) against statistics known before
+    the rewards (the agent's previous iteration)."""
+    centered = np.asarray(rewards, dtype=np.float64) - mean
+    if cfg.scale_by_std:
+        centered = centered / (std + cfg.adv_eps)
+    return centered.tolist()
+
+
+def reward_stats(rewards: list[float]) -> tuple[float, float]:
+    """Mean and population std, exactly rounded sums (independent of the rewards' order)."""
+    mean = math.fsum(rewards) / len(rewards)
+    return mean, math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
 
 
 def loss(inp: LossInputs, cfg: GRPOConfig, step: int = 0) -> tuple[torch.Tensor, dict[str, float]]:

@@ -147,6 +147,7 @@ def test_trainer_actor_hung_mid_iteration_is_killed_and_restored(tmp_path, ray_h
     _hung(out, "train")
 
 
+@pytest.mark.slow  # 23 s; the hung trainer actor case stays in `make test`
 def test_rollout_actor_hung_mid_iteration_is_killed_and_restarted(tmp_path, ray_head,
                                                                   reference):  # noqa: F811
     cfg = _ray_config(ray_head, *HEARTBEAT)

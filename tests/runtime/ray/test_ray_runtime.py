@@ -121,6 +121,7 @@ def test_shared_base_lora_agents_and_collective_publication_on_ray_equal_local(t
     assert on_ray.records[-1]["agent/listener/policy_version"] == 2
 
 
+@pytest.mark.slow  # 30 s; shared slots are checked locally (tests/training/test_slots.py)
 def test_three_agents_share_one_training_slot_on_ray_sticky_and_exact(tmp_path, ray_head):
     """The shared training host on Ray: 3 agents time-share 1 trainer actor (states swapped
     through the object store), each swapped in at most twice per iteration (sticky slots), the

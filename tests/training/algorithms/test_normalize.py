@@ -61,7 +61,7 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
     })
     task = load_task(cfg.task.builder, cfg.task.options)
     orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
-    it = IterationState(index=0, episodes_total=4)
+    it = IterationState(index=0, episodes_total=4, n_inputs=2)
     orch.episodes.iterations[0] = it
     rewards = {("speak", 0, 0): 1.0, ("speak", 0, 1): 0.0, ("speak", 1, 0): 0.0,
                ("speak", 1, 1): 0.0, ("listen", 0, 0): 2.0, ("listen", 0, 1): 2.0,
@@ -101,3 +101,57 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
     # the listener stays group-normalised whatever the speaker does: [2, 2] -> 0, [4, 0] -> +-1
     listener = [adv("listen", i, t) for i in range(2) for t in range(2)]
     assert listener == pytest.approx([0.0, 0.0, 2 / (2 + EPS), -2 / (2 + EPS)])
+
+
+def _team(speaker: dict, listener: dict | None = None, **train) -> dict:
+    return {"task": {"builder": "flexmarl.tasks.referential:build_referential_game"},
+            "agents": {"speaker": {"algorithm": {"name": "grpo", **speaker}},
+                       "listener": listener or {"algorithm": {"name": "grpo"}}},
+            "train": {"iterations": 2, "inputs_per_iteration": 1, "group_size": 2, **train}}
+
+
+def _group(orch, it, k: int, rewards: list[float]) -> list[float]:
+    """One input of iteration k whose two trajectories get `rewards` for the speaker (the
+    listener 0): the speaker's advantages as the orchestrator sets them."""
+    input_id = f"{k}-0"
+    for traj, reward in enumerate(rewards):
+        ids = {}
+        for node, agent in (("speak", "speaker"), ("listen", "listener")):
+            turn = orch.episodes.turns[node]
+            sid = make_sample_id(input_id, turn, traj)
+            orch.store.add(Row(sid, agent, node, input_id, turn, traj, k, k,
+                               orch.version_book.vector(k)))
+            orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
+                                     {"logprobs": np.zeros(1, np.float32)})
+            orch.store.set_rewarded(agent, sid, reward if agent == "speaker" else 0.0)
+            ids[node] = sid
+        it.groups[input_id].append(ids)
+        it.rewards["speaker"].append(reward)
+        orch.episodes._maybe_group_ready(it, input_id)
+    table = orch.store.table("speaker")
+    return [table.get(make_sample_id(input_id, orch.episodes.turns["speak"], t)).data[
+        "advantage"] for t in range(len(rewards))]
+
+
+def test_agent_previous_takes_the_previous_iterations_statistics(tmp_path):
+    cfg = config_from_dict(_team({"normalize": "agent_previous"}))
+    task = load_task(cfg.task.builder, cfg.task.options)
+    orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
+    first = IterationState(index=0, episodes_total=2, n_inputs=1)
+    orch.episodes.iterations[0] = first
+    a = 0.5 / (0.5 + EPS)
+    assert _group(orch, first, 0, [1.0, 0.0]) == pytest.approx([a, -a])  # no past: its group
+    first.rewards["speaker"].extend([0.0, 0.0])  # the iteration's other rows: [1, 0, 0, 0]
+    second = IterationState(index=1, episodes_total=2, n_inputs=1)
+    orch.episodes.iterations[1] = second
+    std = math.sqrt(3) / 4  # iteration 0: mean 0.25
+    # the group agrees, yet each row is measured against the agent's last iteration
+    assert _group(orch, second, 1, [0.0, 0.0]) == pytest.approx([-0.25 / (std + EPS)] * 2)
+    assert 0 in second.groups_done  # the slot is done without waiting for the iteration
+
+    # resumed: iteration 1 no longer in memory; its statistics come from the records
+    del orch.episodes.iterations[1]
+    orch.episodes.resumed_stats[1] = {"speaker": (0.5, 0.5)}
+    third = IterationState(index=2, episodes_total=2, n_inputs=1)
+    orch.episodes.iterations[2] = third
+    assert _group(orch, third, 2, [1.0, 1.0]) == pytest.approx([0.5 / (0.5 + EPS)] * 2)

@@ -1,0 +1,146 @@
+"""`flexmarl bench compare CONFIG --systems ...`: the paper's table on real runs of this machine.
+
+Each system is a preset of the real runtime (`config/systems.py`, the simulator's names). The
+systems run one after another in rounds, the order reversed every other round so a drift of
+the machine's load does not favour one of them; each row is the median over the rounds of
+seconds per iteration (makespan / iterations, from the runs' `time_s`), next to the
+simulator's prediction for the same system: the production orchestrator on the mirrored local
+runtime (`mirror.py`) from one profile of the config's agents (`profile.py`), with the other
+load each real run saw. FlexMARL's speedup over each system is that system's s/iteration over
+FlexMARL's (`flexmarl` must be among the systems for it).
+
+With `pin`, every run pins its rollout workers to the first half of the CPUs and its training
+workers to the second half (`runtime.rollout_cpus` / `train_cpus`): disaggregated pools on
+separate cores. The mirror models the CPUs as shared, so with pinning its error says how much
+the separation itself costs or gains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flexmarl.config.schema import load_config
+from flexmarl.config.systems import system_overrides
+from flexmarl.orchestrator.run import prepare, train
+from flexmarl.sim.calibration.calibrate import SAMPLE_S
+from flexmarl.sim.calibration.fits import LocalProfile
+from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load
+from flexmarl.sim.calibration.mirror import per_iteration, run_mirror
+from flexmarl.sim.calibration.profile import profile_local
+
+DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
+
+
+@dataclass
+class SystemRow:
+    """One system's figures: medians over the rounds, the simulator's prediction beside."""
+
+    system: str
+    s_per_iteration: list[float] = field(default_factory=list)  # one per round
+    rollout_busy: list[float] = field(default_factory=list)
+    train_busy: list[float] = field(default_factory=list)
+    swaps_per_iteration: list[float] = field(default_factory=list)
+    final_success: list[float] = field(default_factory=list)
+    other_load: list[float] = field(default_factory=list)  # CPUs of others' work per round
+    simulated_s: float = 0.0
+
+    @property
+    def measured_s(self) -> float:
+        return statistics.median(self.s_per_iteration)
+
+    @property
+    def error(self) -> float:
+        return (self.simulated_s - self.measured_s) / self.measured_s if self.measured_s else 0.0
+
+
+def pinned_overrides(cpus: int | None = None) -> list[str]:
+    """Rollout on the first half of the CPUs, training on the rest (at least one each)."""
+    n = cpus or os.cpu_count() or 1
+    if n < 2:
+        return []
+    half = n // 2
+    return [f"runtime.rollout_cpus=[{','.join(map(str, range(half)))}]",
+            f"runtime.train_cpus=[{','.join(map(str, range(half, n)))}]"]
+
+
+def compare(config: str | Path, overrides: list[str] | None = None,
+            systems: tuple[str, ...] | list[str] = DEFAULT_SYSTEMS, rounds: int = 2,
+            iterations: int | None = None, out: str | Path | None = None,
+            profile: str | Path | None = None, pin: bool = False, reps: int = 3,
+            log: Any = print) -> list[SystemRow]:
+    """Run `systems` on `config` in alternating rounds, simulate each, print the table."""
+    overrides = list(overrides or [])
+    systems = list(dict.fromkeys(systems))
+    settings = {s: [*system_overrides(s), "runtime.kind=local",
+                    *(pinned_overrides() if pin else []), *overrides] for s in systems}
+    if iterations is not None:
+        settings = {s: [*o, f"train.iterations={iterations}"] for s, o in settings.items()}
+    cfgs = {s: load_config(config, o) for s, o in settings.items()}  # every error up front
+    first = cfgs[systems[0]]
+    task = prepare(first)
+    base = Path(out or Path("runs") / "compare" / first.name)
+    base.mkdir(parents=True, exist_ok=True)
+    if profile is not None:
+        prof = LocalProfile.load(profile)
+        log(f"profile: {profile} (reused)")
+    else:
+        log(f"profiling {first.name} on this machine")
+        t0 = time.perf_counter()
+        prof = profile_local(first, task, reps=reps, log=lambda s: log(f"  {s}"))
+        log(f"profile: {prof.save(base / 'profile.json')} ({time.perf_counter() - t0:.1f} s)")
+    rows = {s: SystemRow(s) for s in systems}
+    for r in range(rounds):
+        for system in (systems if r % 2 == 0 else systems[::-1]):
+            cfg = cfgs[system]
+            with OtherLoad(every=SAMPLE_S) as during:
+                result = train(cfg, base / f"{system}-{r}")
+            records = result.records
+            row = rows[system]
+            row.s_per_iteration.append(per_iteration(records)[0])
+            row.rollout_busy.append(statistics.mean(x["pool/rollout/busy_frac"]
+                                                    for x in records))
+            row.train_busy.append(statistics.mean(x["pool/train/busy_frac"] for x in records))
+            row.swaps_per_iteration.append(statistics.mean(x.get("pool/train/swaps", 0)
+                                                           for x in records))
+            row.final_success.append(records[-1]["task/success_rate"])
+            row.other_load.append(during.cpus if during.measured else 0.0)
+            log(f"  round {r + 1}/{rounds} {system:<24} {row.s_per_iteration[-1]:.3f} s/iteration")
+    prof_load = profiled_load(prof.machine)
+    for system, row in rows.items():
+        sim = run_mirror(cfgs[system], task, prof, external=statistics.mean(row.other_load),
+                         profiled_external=prof_load)
+        row.simulated_s = sim.per_iteration_s
+    table = list(rows.values())
+    print_table(first.name, table, rounds, first.train.iterations, pin)
+    (base / "compare.json").write_text(json.dumps({
+        "config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
+        "machine": machine_info(), "settings": settings,
+        "rows": [{**asdict(r), "measured_s": r.measured_s, "error": r.error} for r in table],
+    }, indent=2, default=str))
+    log(f"compare: {base / 'compare.json'}")
+    return table
+
+
+def print_table(name: str, rows: list[SystemRow], rounds: int, iterations: int,
+                pin: bool) -> None:
+    ref = next((r.measured_s for r in rows if r.system == "flexmarl"), None)
+    print(f"\n{name}: {len(rows)} systems x {rounds} rounds of {iterations} iterations "
+          f"({os.cpu_count()} CPUs{', pools pinned apart' if pin else ''})")
+    print(f"{'system':<24}{'s/iteration':>12}{'flexmarl x':>11}{'rollout busy':>13}"
+          f"{'train busy':>11}{'swaps/it':>9}{'success':>9}{'simulated':>11}{'error':>8}")
+    for r in rows:
+        speedup = f"{r.measured_s / ref:.2f}" if ref else "-"
+        print(f"{r.system:<24}{r.measured_s:>12.3f}{speedup:>11}"
+              f"{statistics.median(r.rollout_busy):>13.2f}{statistics.median(r.train_busy):>11.2f}"
+              f"{statistics.median(r.swaps_per_iteration):>9.1f}"
+              f"{statistics.median(r.final_success):>9.3f}{r.simulated_s:>11.3f}"
+              f"{r.error:>+8.1%}")
+    print("(medians over the rounds; flexmarl x = the system's s/iteration over FlexMARL's, "
+          "FlexMARL's speedup over it; simulated = the mirrored local runtime from one profile "
+          "with each run's other load; the error is reported, not enforced)")

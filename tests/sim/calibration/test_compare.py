@@ -1,0 +1,66 @@
+"""`flexmarl bench compare`: the simulator's systems as real runs of the local runtime, side by
+side with the simulator's prediction for each (a short real comparison; the profile is a
+recorded one so the test does not spend its time profiling)."""
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+import yaml
+
+from flexmarl.config.schema import ConfigError, load_config
+from flexmarl.config.systems import NOT_YET, SYSTEM_SETTINGS, system_overrides
+from flexmarl.policy.device import Placement, plan_placements
+from flexmarl.sim.calibration.compare import compare, pinned_overrides
+from flexmarl.sim.simulate import SYSTEMS
+from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
+
+
+def test_every_real_preset_and_every_refusal_is_a_simulated_system():
+    assert set(SYSTEM_SETTINGS) | set(NOT_YET) == set(SYSTEMS)
+    with pytest.raises(ConfigError, match=r"--system marti: the real runtime cannot run it yet "
+                                          r"\(it needs colocated"):
+        system_overrides("marti")
+    with pytest.raises(ConfigError, match="--system fast: unknown system"):
+        system_overrides("fast")
+
+
+def _affinity(placement: Placement, queue) -> None:
+    placement.apply()
+    queue.put(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="pinning apart needs 2 CPUs")
+def test_pools_pinned_apart_reach_the_worker_processes(tmp_path):
+    cfg = tiny_config(runtime={"kind": "local", "rollout_cpus": [0], "train_cpus": [1]})
+    rollout, train = plan_placements(cfg.runtime, 1, 1)
+    assert (rollout[0].cpus, train[0].cpus) == ((0,), (1,))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_affinity, args=(train[0], queue))
+    proc.start()
+    assert queue.get(timeout=60) == [1]
+    proc.join()
+    with pytest.raises(ConfigError, match=r"runtime.train_cpus: .*CPU ids in 0\.\."):
+        tiny_config(runtime={"kind": "local", "train_cpus": [4096]})
+
+
+def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config().model_dump(mode="json", exclude_none=True)))
+    profile = _synthetic_profile().save(tmp_path / "profile.json")
+    rows = compare(path, systems=["flexmarl", "sync-disaggregated"], rounds=1, iterations=2,
+                   out=tmp_path / "out", profile=profile, pin=(os.cpu_count() or 1) >= 2)
+    assert [r.system for r in rows] == ["flexmarl", "sync-disaggregated"]
+    assert all(r.measured_s > 0 and r.simulated_s > 0 for r in rows)
+    table = capsys.readouterr().out
+    assert "sync-disaggregated" in table and "flexmarl x" in table
+    saved = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert len(saved["rows"]) == 2
+    run_cfg = load_config(tmp_path / "out" / "sync-disaggregated-0" / "config.yaml")
+    assert (run_cfg.pipeline.mode, run_cfg.rollout.schedule, run_cfg.rollout.balance) == (
+        "sync", "stage", "static")
+    if os.cpu_count() and os.cpu_count() >= 2:
+        assert pinned_overrides()[0].startswith("runtime.rollout_cpus=[0")
+        assert run_cfg.runtime.rollout_cpus == [0] or 0 in run_cfg.runtime.rollout_cpus
