@@ -106,6 +106,14 @@ class ShardedAgentTrainer(AgentTrainer):
         collectives need every rank in every forward and backward."""
         if not samples:
             return {}
+        if self.cfg.algorithm.mask_truncated:  # dropped before the split: every rank agrees
+            cut = [s for s in samples if s.truncated]
+            if cut and self.rank == 0:  # counted once (the ranks' sums are reduced)
+                self._sums["rows_masked_truncated"] = (
+                    self._sums.get("rows_masked_truncated", 0.0) + len(cut))
+            samples = [s for s in samples if not s.truncated]
+            if not samples:
+                return {"rows": 0.0}
         share = samples[self.rank::self.world]
         if share:
             super().accumulate(share)
