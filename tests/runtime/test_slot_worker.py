@@ -7,7 +7,6 @@ import asyncio
 import os
 
 import numpy as np
-import pytest
 
 from flexmarl.api.runtime import NullSink
 from flexmarl.config.schema import load_config
@@ -24,7 +23,6 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
-@pytest.mark.slow  # two processes importing torch: 30 s on two loaded cores
 def test_a_slot_of_two_publishes_the_one_device_bytes_and_swaps_per_rank(tmp_path):
     cfg = load_config(RELAY, ["runtime.deterministic=true"])
     config = cfg.model_dump(mode="json")
