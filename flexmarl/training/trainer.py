@@ -26,6 +26,7 @@ from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
 from flexmarl.policy.tokenizer import TokenizerError, agent_tokenizer, base_model_name
 from flexmarl.training import algorithms, lora
+from flexmarl.training import dcp as dcp_state
 from flexmarl.training import state as st
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef
 from flexmarl.training.learner import Audit
@@ -345,6 +346,7 @@ class AgentTrainer:
         metrics["grad_norm"] = float(norm)
         metrics["lr"] = lr
         metrics["rows"] = float(self._rows)
+        metrics["train_world_size"] = 1.0  # ranks it trained on (training/sharded.py: K)
         metrics.update(extra)
         if "rows_masked_truncated" in metrics:  # a count, not a per-row mean
             metrics["rows_masked_truncated"] = self._sums["rows_masked_truncated"]
@@ -490,9 +492,18 @@ class AgentTrainer:
         return arrays, meta
 
     def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Restore `get_state`'s output; any gradients accumulated so far are dropped."""
+        """Restore `get_state`'s output; any gradients accumulated so far are dropped. A
+        sharded slot's state (`meta["dcp"]`, written at any K) is read resharded to this one
+        device."""
         if meta.get("agent") != self.agent:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
+        if "dcp" in meta:
+            self.version = dcp_state.load(self.model, self.optimizer, meta["dcp"])
+            self._rows = 0
+            self._seen.clear()
+            self._sums = {}
+            self._nonfinite = None
+            return
         for part, module in self._state_modules().items():
             prefix = f"{part}."
             shared = self._shared_keys(part, module)

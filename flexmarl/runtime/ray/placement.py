@@ -32,19 +32,24 @@ def bundle_of(b: RayBundle) -> dict[str, float]:
 class RayPools:
     """The cluster session and the two pools' placement groups of one run."""
 
-    def __init__(self, run_name: str, rt: RuntimeConfig, sizes: dict[str, int]) -> None:
+    def __init__(self, run_name: str, rt: RuntimeConfig, sizes: dict[str, int],
+                 slot_sizes: list[int] | None = None) -> None:
+        """`slot_sizes`: the ranks of each training slot; slot i's bundle is `slot_sizes[i]`
+        x `train_bundle`, so its K ranks are placed together on one node."""
         self.run_name, self.rt, self.sizes = run_name, rt, sizes
         self.bundles = {"rollout": bundle_of(rt.ray.rollout_bundle),
                         "train": bundle_of(rt.ray.train_bundle)}
+        self.scale = {"rollout": [1] * sizes["rollout"],
+                      "train": list(slot_sizes or [1] * sizes["train"])}
         self.groups: dict[str, Any] = {}
         custom: dict[str, float] = {}
         for pool, bundle in self.bundles.items():
             for name, amount in bundle.items():
                 if name not in ("CPU", "GPU"):
-                    custom[name] = custom.get(name, 0.0) + amount * sizes[pool]
+                    custom[name] = custom.get(name, 0.0) + amount * sum(self.scale[pool])
         cpus = rt.ray.num_cpus
         if rt.address is None and cpus is None:  # a cluster of our own: room for every bundle
-            need = sum(self.bundles[p].get("CPU", 0.0) * n for p, n in sizes.items())
+            need = sum(self.bundles[p].get("CPU", 0.0) * sum(self.scale[p]) for p in POOLS)
             cpus = max(os.cpu_count() or 1, math.ceil(need))
         self.session = RaySession(rt.address, cpus, rt.ray.temp_dir, custom)
 
@@ -59,7 +64,7 @@ class RayPools:
         `runtime.ray.placement_timeout_s`, naming its bundle setting."""
         self.session.start()
         for pool in POOLS:
-            bundles = [dict(self.bundles[pool]) for _ in range(self.sizes[pool])]
+            bundles = [self.bundle(pool, i) for i in range(self.sizes[pool])]
             pg = placement_group(bundles, strategy=self.rt.ray.strategy,
                                  name=f"flexmarl-{self.run_name}-{pool}-{os.getpid()}")
             self.groups[pool] = pg
@@ -70,9 +75,13 @@ class RayPools:
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
 
+    def bundle(self, pool: str, index: int) -> dict[str, float]:
+        """Worker `index`'s bundle: the pool's, times its slot's ranks (training)."""
+        return {k: v * self.scale[pool][index] for k, v in self.bundles[pool].items()}
+
     def options(self, pool: str, index: int) -> dict[str, Any]:
         """Worker `index` of `pool`: its bundle; the supervisor restarts it, not Ray."""
-        bundle = self.bundles[pool]
+        bundle = self.bundle(pool, index)
         return {
             "num_cpus": bundle.get("CPU", 0.0),
             "num_gpus": bundle.get("GPU", 0.0),
@@ -92,7 +101,7 @@ class RayPools:
             where = getattr(w.process, "where", {}) or {}
             out.append({"node_id": where.get("node_id"), "ip": where.get("ip"),
                         "actor_id": where.get("actor_id"), "bundle": w.index,
-                        "resources": self.bundles[pool],
+                        "resources": self.bundle(pool, w.index),
                         "placement_group": self.groups[pool].id.hex()
                         if pool in self.groups else None})
         return out
