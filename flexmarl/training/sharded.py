@@ -30,7 +30,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from flexmarl.config.schema import AgentConfig
-from flexmarl.policy.device import memory_stats
 from flexmarl.training import dcp as dcp_state
 from flexmarl.training.state import TrainingState
 from flexmarl.training.trainer import AgentTrainer, TrainingError
@@ -148,47 +147,16 @@ class ShardedAgentTrainer(AgentTrainer):
 
     def step(self) -> dict[str, float]:
         """As `AgentTrainer.step`, over the rows of all ranks: FSDP averaged the gradients over
-        K ranks, so they are scaled by K / rows."""
+        K ranks, so they are scaled by K / rows (`world_size`)."""
         self._reduce_counts()
-        if self._rows == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.version += 1
-            return {"skipped": 1.0, "rows": 0.0}
-        scale = self.world / (self._rows * self.loss_scale)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        max_norm = self.cfg.optim.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.params, max_norm if max_norm is not None else float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if self._nonfinite is None and not torch.isfinite(norm):
-            self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
-        if self._nonfinite is not None:
-            return self._skip_step(self._nonfinite)
-        lr = self._set_lr()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(self._sums.pop("tokens", 0.0), 1.0)
-        lpd_sum = self._sums.pop("logprob_diff_sum", None)
-        lpd_tokens = self._sums.pop("logprob_diff_tokens", 0.0)
-        lpd_max = self._sums.pop("logprob_diff_max", None)
-        metrics = {k: v / self._rows for k, v in self._sums.items()}
-        if lpd_sum is not None and lpd_tokens > 0:
-            metrics["logprob_diff_mean"] = lpd_sum / lpd_tokens
-            metrics["logprob_diff_max"] = float(lpd_max or 0.0)
-        metrics.update(memory_stats(self.device))
-        metrics["clip_frac"] = self._sums.get("clip_frac", 0.0) / tokens
-        metrics["grad_norm"] = float(norm)
-        metrics["lr"] = lr
-        metrics["rows"] = float(self._rows)
-        metrics["train_world_size"] = float(self.world)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self.version += 1
-        return metrics
+        return super().step()
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.world
+
+    def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # --- per-rank state: swapping ----------------------------------------------------------------
     def local_nbytes(self) -> dict[str, int]:

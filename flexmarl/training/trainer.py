@@ -277,17 +277,24 @@ class AgentTrainer:
             group["lr"] = group["base_lr"] * f
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # ranks the gradients were averaged over (FSDP averages; a sharded trainer has K)
+    world_size = 1
+
+    def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over the whole model (a sharded trainer gathers its pieces)."""
+        return norm
+
     def _optimizer_step(self, rows: int) -> torch.Tensor:
         """Normalise the summed gradients by `rows`, clip and step (unless a non-finite loss
         or gradient norm poisoned them: then `_nonfinite` says why and nothing moves)."""
-        scale = 1.0 / (rows * self.loss_scale)
+        scale = self.world_size / (rows * self.loss_scale)
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
         max_norm = self.cfg.optim.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(
+        norm = self._full_norm(torch.nn.utils.clip_grad_norm_(
             self.params, max_norm if max_norm is not None else float("inf")
-        )
+        ))
         if self._nonfinite is None and not torch.isfinite(norm):
             self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
         if self._nonfinite is None:
@@ -346,7 +353,7 @@ class AgentTrainer:
         metrics["grad_norm"] = float(norm)
         metrics["lr"] = lr
         metrics["rows"] = float(self._rows)
-        metrics["train_world_size"] = 1.0  # ranks it trained on (training/sharded.py: K)
+        metrics["train_world_size"] = float(self.world_size)  # ranks it trained on
         metrics.update(extra)
         if "rows_masked_truncated" in metrics:  # a count, not a per-row mean
             metrics["rows_masked_truncated"] = self._sums["rows_masked_truncated"]
