@@ -33,7 +33,7 @@ from flexmarl.training.algorithms.vdn import VdnConfig
 # small, live on the CPU and are published through the pipes (its workers are not pinned yet)
 _LLM_ONLY_RUNTIME = ("devices", "rollout_devices", "train_devices", "share_devices",
                      "rollout_cpus", "train_cpus", "publication", "publication_timeout_s",
-                     "deterministic", "rollout_workers_max")
+                     "deterministic", "slot_size", "slot_sizes", "rollout_workers_max")
 
 
 class EnvConfig(Strict):

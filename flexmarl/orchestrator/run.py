@@ -20,6 +20,7 @@ from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.policy.device import check_slots
 from flexmarl.policy.memory import check_memory
 from flexmarl.runtime import heap
 from flexmarl.telemetry.gpu import GpuMonitor
@@ -59,6 +60,9 @@ def prepare(cfg: RunConfig) -> Task:
     check_models(cfg, task)
     check_installed(cfg.logging.backends)
     check_memory(cfg, task.vocab_size)  # an estimate, before any model is built
+    if cfg.runtime.kind != "sim":  # training slots of K ranks: devices, processes, backend
+        trainable = sum(a.trainable for a in cfg.agents.values())
+        check_slots(cfg.runtime, cfg.runtime.train_slot_sizes(trainable))
     return task
 
 

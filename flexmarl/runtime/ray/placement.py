@@ -36,10 +36,15 @@ def bundle_of(b: RayBundle) -> dict[str, float]:
 class RayPools:
     """The cluster session and the two pools' placement groups of one run."""
 
-    def __init__(self, run_name: str, rt: RuntimeConfig, sizes: dict[str, int]) -> None:
+    def __init__(self, run_name: str, rt: RuntimeConfig, sizes: dict[str, int],
+                 slot_sizes: list[int] | None = None) -> None:
+        """`slot_sizes`: the ranks of each training slot; slot i's bundle is `slot_sizes[i]`
+        x `train_bundle`, so its K ranks are placed together on one node."""
         self.run_name, self.rt, self.sizes = run_name, rt, sizes
         self.bundles = {"rollout": bundle_of(rt.ray.rollout_bundle),
                         "train": bundle_of(rt.ray.train_bundle)}
+        self.scale = {"rollout": [1] * sizes["rollout"],
+                      "train": list(slot_sizes or [1] * sizes["train"])}
         self.groups: dict[str, Any] = {}
         # an elastic pool's workers beyond its first `sizes[pool]`: a one-bundle group each
         self.grown: dict[tuple[str, int], Any] = {}
@@ -48,10 +53,10 @@ class RayPools:
         for pool, bundle in self.bundles.items():
             for name, amount in bundle.items():
                 if name not in ("CPU", "GPU"):
-                    custom[name] = custom.get(name, 0.0) + amount * sizes[pool]
+                    custom[name] = custom.get(name, 0.0) + amount * sum(self.scale[pool])
         cpus = rt.ray.num_cpus
         if rt.address is None and cpus is None:  # a cluster of our own: room for every bundle
-            need = sum(self.bundles[p].get("CPU", 0.0) * n for p, n in sizes.items())
+            need = sum(self.bundles[p].get("CPU", 0.0) * sum(self.scale[p]) for p in POOLS)
             cpus = max(os.cpu_count() or 1, math.ceil(need))
         self.session = RaySession(rt.address, cpus, rt.ray.temp_dir, custom)
 
@@ -66,7 +71,7 @@ class RayPools:
         `runtime.ray.placement_timeout_s`, naming its bundle setting."""
         self.session.start()
         for pool in POOLS:
-            bundles = [dict(self.bundles[pool]) for _ in range(self.sizes[pool])]
+            bundles = [self.bundle(pool, i) for i in range(self.sizes[pool])]
             pg = placement_group(bundles, strategy=self.rt.ray.strategy,
                                  name=f"flexmarl-{self.run_name}-{pool}-{os.getpid()}")
             self.groups[pool] = pg
@@ -77,15 +82,15 @@ class RayPools:
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
 
-    def room_for(self, pool: str) -> bool:
-        """Whether the cluster has free resources for one more bundle of `pool` now."""
+    def room_for(self, pool: str, index: int) -> bool:
+        """Whether the cluster has free resources for worker `index`'s bundle now."""
         free = ray.available_resources()
-        return all(free.get(k, 0.0) >= v for k, v in self.bundles[pool].items())
+        return all(free.get(k, 0.0) >= v for k, v in self.bundle(pool, index).items())
 
     async def grow(self, pool: str, index: int, timeout: float) -> bool:
         """Reserve one more bundle for worker `index` of `pool` (its own placement group);
         False, with nothing held, when the cluster has no room for it within `timeout`."""
-        if not await asyncio.to_thread(self.room_for, pool):
+        if not await asyncio.to_thread(self.room_for, pool, index):
             return False
         return await self._own_group(pool, index, timeout)
 
@@ -94,7 +99,7 @@ class RayPools:
         nodes in `avoid` (Ray's node-id label)."""
         selector = ([{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(self.avoid))})"}]
                     if self.avoid else None)
-        pg = placement_group([dict(self.bundles[pool])], bundle_label_selector=selector,
+        pg = placement_group([self.bundle(pool, index)], bundle_label_selector=selector,
                              name=f"flexmarl-{self.run_name}-{pool}{index}-{os.getpid()}")
         if not await asyncio.to_thread(pg.wait, timeout):
             remove_placement_group(pg)
@@ -118,9 +123,16 @@ class RayPools:
         grown = self.grown.get((pool, index))
         return (grown, 0) if grown is not None else (self.groups[pool], index)
 
+    def bundle(self, pool: str, index: int) -> dict[str, float]:
+        """Worker `index`'s bundle: the pool's, times its slot's ranks (training; a replica
+        an elastic pool added has one)."""
+        scale = self.scale[pool]
+        return {k: v * (scale[index] if index < len(scale) else 1)
+                for k, v in self.bundles[pool].items()}
+
     def options(self, pool: str, index: int) -> dict[str, Any]:
         """Worker `index` of `pool`: its bundle; the supervisor restarts it, not Ray."""
-        bundle = self.bundles[pool]
+        bundle = self.bundle(pool, index)
         group, at = self._group(pool, index)
         return {
             "num_cpus": bundle.get("CPU", 0.0),
@@ -141,7 +153,7 @@ class RayPools:
             where = getattr(w.process, "where", {}) or {}
             out.append({"node_id": where.get("node_id"), "ip": where.get("ip"),
                         "actor_id": where.get("actor_id"), "bundle": w.index,
-                        "resources": self.bundles[pool],
+                        "resources": self.bundle(pool, w.index),
                         "placement_group": self._group(pool, w.index)[0].id.hex()
                         if pool in self.groups else None})
         return out

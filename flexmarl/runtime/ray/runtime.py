@@ -42,9 +42,10 @@ class RayRuntime(LocalRuntime):
         self, cfg: RunConfig, vocab_size: int, max_seq_len: int, sink: RuntimeSink | None = None
     ) -> None:
         trainable = [a for a in cfg.agents if cfg.agents[a].trainable]
-        n_train = max(1, min(cfg.runtime.train_workers, len(trainable)))
+        slot_sizes = cfg.runtime.train_slot_sizes(len(trainable))
         self.ray = RayPools(cfg.name, cfg.runtime,
-                            {"rollout": cfg.runtime.rollout_workers, "train": n_train})
+                            {"rollout": cfg.runtime.rollout_workers, "train": len(slot_sizes)},
+                            slot_sizes)
         super().__init__(cfg, vocab_size, max_seq_len, sink)
         self._growth: asyncio.Task | None = None
         self._draining: asyncio.Task | None = None
@@ -55,10 +56,13 @@ class RayRuntime(LocalRuntime):
     def _launcher(self) -> Launcher:
         return self.ray.launcher()
 
-    def _placements(self, n_rollout: int, n_train: int) -> tuple[list[Placement],
-                                                                   list[Placement]]:
+    def _placements(self, n_rollout: int, slot_sizes: list[int]
+                    ) -> tuple[list[Placement], list[list[Placement]]]:
+        """A slot of K ranks is one bundle of K x `train_bundle` (one node): rank 0 is the
+        actor, its followers processes it starts there (on GPUs, each on one of the bundle's)."""
+        train = self.ray.placement("train")
         return ([self.ray.placement("rollout")] * n_rollout,
-                [self.ray.placement("train")] * n_train)
+                [[train] * k for k in slot_sizes])
 
     def _rendezvous_host(self) -> str:
         """On a cluster of other machines, this machine's address; on loopback, loopback."""
