@@ -264,6 +264,22 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drain(args: argparse.Namespace) -> int:
+    from flexmarl.runtime.ray.drain import drain  # the ray extra, only for this command
+
+    reports = drain(args.address, args.node, timeout_s=args.timeout)
+    if not reports:
+        print(f"drain: Ray drains node {args.node}; no FlexMARL run reported moving work off "
+              f"it within {args.timeout:.0f} s (none had work there, or none is running)")
+        return 0
+    for r in reports:
+        moved = ", ".join(f"{m['worker']} -> node {str(m['to_node'])[:12]}" for m in r["moved"])
+        print(f"drain: run {r['run']}: moved {moved or 'nothing'}")
+        for why in r["failed"]:
+            print(f"drain: run {r['run']}: could not move {why}")
+    return 1 if any(r["failed"] for r in reports) else 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from flexmarl.serving.cli import run_serve
 
@@ -350,6 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
     r.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
     r.set_defaults(fn=_report)
+    dr = sub.add_parser("drain", help="move the work of the runs on a Ray cluster off a node "
+                                      "before it leaves (docs/ray.md)")
+    dr.add_argument("address", help="the cluster's HOST:PORT (runtime.address)")
+    dr.add_argument("node", help="the node's hex id (ray list nodes, or the run's placement)")
+    dr.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds to wait for the runs to report (default 300)")
+    dr.set_defaults(fn=_drain)
     from flexmarl.serving.cli import add_serve_parser
 
     add_serve_parser(sub).set_defaults(fn=_serve)

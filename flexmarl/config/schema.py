@@ -440,7 +440,12 @@ class RuntimeConfig(Strict):
     # apart on a CPU machine, the same list colocates them. None: anywhere.
     rollout_cpus: list[int] | None = None
     train_cpus: list[int] | None = None
+    # Rollout replicas: a count, or {min: M, max: N} for an elastic pool (runtime.kind=ray):
+    # the run starts with M and, each iteration, grows by one replica while the cluster has
+    # room for another rollout bundle (a node that joined), up to N. Read back as
+    # rollout_workers = M, rollout_workers_max = N.
     rollout_workers: int = Field(1, gt=0)
+    rollout_workers_max: int | None = Field(None, gt=0)
     # training slots (devices; CPU worker processes on the local runtime), bound to agents on
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
@@ -507,6 +512,33 @@ class RuntimeConfig(Strict):
             if len(set(value)) != len(value):
                 raise ValueError(f"device {value} lists an index twice")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_rollout(cls, data: Any) -> Any:
+        """`rollout_workers: {min, max}` is rollout_workers=min, rollout_workers_max=max."""
+        if not isinstance(data, dict) or not isinstance(data.get("rollout_workers"), dict):
+            return data
+        bounds = dict(data["rollout_workers"])
+        if set(bounds) != {"min", "max"}:
+            raise ValueError(f"runtime.rollout_workers: a count or {{min: M, max: N}}, got "
+                             f"{bounds}")
+        if "rollout_workers_max" in data:
+            raise ValueError("runtime.rollout_workers {min, max} and rollout_workers_max: "
+                             "give the maximum once")
+        return {**data, "rollout_workers": bounds["min"], "rollout_workers_max": bounds["max"]}
+
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> RuntimeConfig:
+        top = self.rollout_workers_max
+        if top is not None and top < self.rollout_workers:
+            raise ValueError(f"runtime.rollout_workers: max {top} is below min "
+                             f"{self.rollout_workers}")
+        if top is not None and top > self.rollout_workers and self.kind != "ray":
+            raise ValueError(f"runtime.rollout_workers: an elastic pool (min "
+                             f"{self.rollout_workers}, max {top}) grows onto Ray nodes that "
+                             f"join; it needs runtime.kind=ray (kind is {self.kind!r})")
+        return self
 
     @field_validator("slot_sizes")
     @classmethod

@@ -317,6 +317,8 @@ class LocalRolloutPool(RolloutPool):
         self.latest: dict[str, tuple[int, Weights]] = {}
         # Set by the runtime's supervisor: waits until a live replica exists (or raises).
         self.on_lost: Callable[[], Awaitable[None]] | None = None
+        # Called as each iteration's rollout ends (Ray: an elastic pool looks for room).
+        self.on_iteration_end: Callable[[int], None] | None = None
         # runtime.publication collective: weights arrive as `PublishedRef`s and go from the
         # training slot to the replicas directly
         self.publisher: Publisher | None = None
@@ -391,8 +393,17 @@ class LocalRolloutPool(RolloutPool):
 
     def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any]:
         """Re-plan agents onto replicas from iteration k's measured demand."""
+        if self.on_iteration_end is not None:
+            self.on_iteration_end(k)
         plan = self.balancer.replan(k + 1, self.balancer.demand_from(stats))
         return plan.to_dict()
+
+    def add_replica(self, replica: WorkerProxy) -> None:
+        """A started replica holding every agent's latest weights joins the pool; the
+        balancer's next plan (and the planner's) counts it."""
+        self.workers.append(replica)
+        self.n_workers = len(self.workers)
+        self.balancer.n_replicas = len(self.workers)
 
     def follow_plan(self, plan: Plan) -> None:
         """The planner's replicas per agent (critical path), over the demand plan."""
@@ -661,6 +672,10 @@ class Supervisor:
             await self.rt.train.keep_restart_point(agent)
         self._monitor = asyncio.ensure_future(self._watch())
 
+    def adopt(self, proxy: WorkerProxy) -> None:
+        """Watch and restart a worker that joined a running pool (an elastic pool's)."""
+        proxy.on_death = self._on_death
+
     async def stop(self, timeout: float = 60.0) -> None:
         """Let restarts in progress finish (a run hands back whole pools, and their recovery
         is recorded), then stop watching."""
@@ -674,10 +689,12 @@ class Supervisor:
             task.cancel()
 
     async def _watch(self) -> None:
+        """Checked every quarter interval: a worker (or a whole Ray node) gone silent is
+        declared lost at most a quarter interval after `heartbeat_misses` intervals."""
         interval = self.cfg.heartbeat_interval_s
         limit = interval * self.cfg.heartbeat_misses
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval / 4)
             now = time.monotonic()
             stuck = self.cfg.progress_timeout_s
             for w in self._workers():
