@@ -15,6 +15,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import yaml
+
 from flexmarl.config.schema import ConfigError, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.errors import UserError
@@ -25,12 +27,8 @@ def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flexmarl.marl.cli import is_marl_file
-
-    if is_marl_file(args.config):  # `kind: marl`: PettingZoo env, MAPPO / IPPO
-        from flexmarl.marl.cli import train_command
-
-        return train_command(args)
+    if _is_classic_marl(args.config):  # `env:` and network-policy agents (docs/marl.md)
+        return _train_classic(args)
     console = Console(stderr=True)
     if args.system:  # a system preset's settings come first, the user's --set after them
         args.set = [*system_overrides(args.system), *args.set]
@@ -119,6 +117,90 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_classic_marl(path: str) -> bool:
+    """A classic MARL run: `env:` where an LLM run has `task:` (or the retired `kind: marl`,
+    whose loader says what replaced it); unreadable files: the LLM loader names the problem."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and ("env" in raw and "task" not in raw
+                                      or raw.get("kind") == "marl")
+
+
+def _train_classic(args: argparse.Namespace) -> int:
+    """`flexmarl train` of a classic MARL run: the same output folder, resume, stop and
+    summary as an LLM run's (both hosted by `orchestrator.run.host_run`)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    # imported here: the MARL stack (PettingZoo, the networks) is only needed for these runs
+    from flexmarl.marl.config import load_marl_config
+    from flexmarl.marl.run import make_run, train_marl
+    from flexmarl.orchestrator.checkpoint import find_checkpoints
+    from flexmarl.orchestrator.checkpointing import RunInterrupted
+    from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
+
+    cfg = load_marl_config(args.config, args.set)
+    if getattr(args, "system", None):
+        raise ConfigError(f"--system {args.system}: the simulator's systems are presets of LLM "
+                          f"runs; {args.config} is a classic MARL run (sync schedule only)")
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:
+        check_resume_dir(resume)
+    default_out = resume.parent if resume and resume.name == "checkpoints" else resume
+    out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
+    check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
+                                                 "out (the run's output folder)"))
+    done = find_checkpoints(resume).load().completed if resume is not None else 0
+    run = make_run(cfg)  # environments probed: spaces and agents checked before any worker
+    console = Console(stderr=True)
+    envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
+    console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {cfg.env.id}, "
+                  f"{len(run.agents)} agents, {len(run.layouts)} networks, "
+                  f"{cfg.algorithm.name}, {envs} envs, {cfg.iterations} iterations "
+                  f"({cfg.iterations * envs * cfg.train.rollout_steps} env steps) -> {out}")
+    progress = Progress(TextColumn("[bold blue]iteration {task.completed}/{task.total}"),
+                        BarColumn(), TextColumn("return {task.fields[ret]:.2f}"),
+                        TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
+                        console=console)
+    with progress:
+        bar = progress.add_task("train", total=cfg.iterations, ret=0.0, speed="",
+                                completed=done)
+
+        def on_iteration(rec: dict) -> None:
+            progress.update(bar, advance=1, ret=rec.get("return_mean", 0.0),
+                            speed=f"{rec['env_steps_per_s']:.0f} steps/s")
+
+        try:
+            result = train_marl(cfg, out, on_iteration, resume=resume)
+        except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
+            progress.stop()
+            print(f"interrupted: {exc}", file=sys.stderr)
+            return 143
+    # the schedule's wall time, workers' start to stop (a resumed run's: this process's part)
+    steps_here, wall = result.env_steps - result.resumed_env_steps, result.wall_s
+    tail = result.records[-max(1, len(result.records) // 10):]
+    rets = [r["return_mean"] for r in tail if "return_mean" in r]
+    print(f"final mean episode return per agent (last 10% of iterations): "
+          f"{sum(rets) / max(len(rets), 1):.2f}")
+    for key in sorted({k for r in tail for k in r if k.startswith("task/")}):
+        vals = [r[key] for r in tail if key in r]
+        print(f"{key}: {sum(vals) / len(vals):.3f}")
+    resumed = f" (resumed after {result.resumed_env_steps})" if result.resumed_env_steps else ""
+    print(f"wall time: {wall:.1f} s for {steps_here} env steps{resumed}, "
+          f"{steps_here / wall:.0f} env steps/s")
+    from flexmarl.telemetry.curves import reward_curves
+
+    for line in reward_curves(result.records, run.agents):  # episode return per agent
+        print(line)
+    print(f"metrics:     {out / 'metrics.jsonl'}")
+    for path in sorted((out / "checkpoints" / "final").glob("*/model.safetensors")):
+        print(f"checkpoint:  {path}")
+    print(f"next:        flexmarl doctor {out}   |   flexmarl report {out}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "compare":
         # start-up cost: the simulator and the runtime load only for the command that runs
@@ -180,6 +262,22 @@ def _report(args: argparse.Namespace) -> int:
     path = write_report(args.run_dir, args.out)
     print(f"report: {path}")
     return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from flexmarl.runtime.ray.drain import drain  # the ray extra, only for this command
+
+    reports = drain(args.address, args.node, timeout_s=args.timeout)
+    if not reports:
+        print(f"drain: Ray drains node {args.node}; no FlexMARL run reported moving work off "
+              f"it within {args.timeout:.0f} s (none had work there, or none is running)")
+        return 0
+    for r in reports:
+        moved = ", ".join(f"{m['worker']} -> node {str(m['to_node'])[:12]}" for m in r["moved"])
+        print(f"drain: run {r['run']}: moved {moved or 'nothing'}")
+        for why in r["failed"]:
+            print(f"drain: run {r['run']}: could not move {why}")
+    return 1 if any(r["failed"] for r in reports) else 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -268,6 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="a run folder (the --out of flexmarl train)")
     r.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
     r.set_defaults(fn=_report)
+    dr = sub.add_parser("drain", help="move the work of the runs on a Ray cluster off a node "
+                                      "before it leaves (docs/ray.md)")
+    dr.add_argument("address", help="the cluster's HOST:PORT (runtime.address)")
+    dr.add_argument("node", help="the node's hex id (ray list nodes, or the run's placement)")
+    dr.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds to wait for the runs to report (default 300)")
+    dr.set_defaults(fn=_drain)
     from flexmarl.serving.cli import add_serve_parser
 
     add_serve_parser(sub).set_defaults(fn=_serve)

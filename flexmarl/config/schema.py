@@ -31,6 +31,22 @@ class ConfigError(UserError, ValueError):
     """A configuration problem, with the file and the field at fault."""
 
 
+def sharding_refusal(agent: AgentConfig) -> str | None:
+    """Why the agent cannot train on a sharded slot (K > 1), or None: the critic, a KL
+    reference copy and LoRA adapters are not sharded yet (training/sharded.py)."""
+    if agent.algorithm.name == "ppo":
+        return "algorithm ppo (a critic) cannot be sharded yet"
+    if agent.algorithm.kl_coef > 0:
+        return f"algorithm.kl_coef={agent.algorithm.kl_coef} (a reference copy) cannot be " \
+            "sharded yet"
+    if agent.lora is not None:
+        return "a LoRA agent cannot be sharded yet"
+    epochs = getattr(agent.algorithm, "epochs", 1)
+    if epochs > 1:
+        return f"algorithm.epochs={epochs} (passes over kept rows) cannot be sharded yet"
+    return None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -424,10 +440,22 @@ class RuntimeConfig(Strict):
     # apart on a CPU machine, the same list colocates them. None: anywhere.
     rollout_cpus: list[int] | None = None
     train_cpus: list[int] | None = None
+    # Rollout replicas: a count, or {min: M, max: N} for an elastic pool (runtime.kind=ray):
+    # the run starts with M and, each iteration, grows by one replica while the cluster has
+    # room for another rollout bundle (a node that joined), up to N. Read back as
+    # rollout_workers = M, rollout_workers_max = N.
     rollout_workers: int = Field(1, gt=0)
+    rollout_workers_max: int | None = Field(None, gt=0)
     # training slots (devices; CPU worker processes on the local runtime), bound to agents on
     # demand; fewer slots than trainable agents: agents time-share slots, states are swapped
     train_workers: int = Field(1, gt=0)
+    # Devices per training slot (K): a slot of K > 1 is K worker processes (K GPUs; K CPU
+    # processes) in one torch.distributed group training one agent with FSDP2 (docs/training.md,
+    # "Sharded slots"); `train_workers x slot_size` processes in all.
+    slot_size: int = Field(1, gt=0)
+    # Slots of different sizes, e.g. [4, 2, 2]: replaces train_workers (set to its length, the
+    # number of slots) and slot_size; the planner binds the heaviest agent to the largest slot.
+    slot_sizes: list[int] | None = None
     swap_to: Literal["host", "disk"] = "host"
     # How published weights reach the rollout replicas (local and Ray): `pipe` through the
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
@@ -485,6 +513,55 @@ class RuntimeConfig(Strict):
                 raise ValueError(f"device {value} lists an index twice")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_rollout(cls, data: Any) -> Any:
+        """`rollout_workers: {min, max}` is rollout_workers=min, rollout_workers_max=max."""
+        if not isinstance(data, dict) or not isinstance(data.get("rollout_workers"), dict):
+            return data
+        bounds = dict(data["rollout_workers"])
+        if set(bounds) != {"min", "max"}:
+            raise ValueError(f"runtime.rollout_workers: a count or {{min: M, max: N}}, got "
+                             f"{bounds}")
+        if "rollout_workers_max" in data:
+            raise ValueError("runtime.rollout_workers {min, max} and rollout_workers_max: "
+                             "give the maximum once")
+        return {**data, "rollout_workers": bounds["min"], "rollout_workers_max": bounds["max"]}
+
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> RuntimeConfig:
+        top = self.rollout_workers_max
+        if top is not None and top < self.rollout_workers:
+            raise ValueError(f"runtime.rollout_workers: max {top} is below min "
+                             f"{self.rollout_workers}")
+        if top is not None and top > self.rollout_workers and self.kind != "ray":
+            raise ValueError(f"runtime.rollout_workers: an elastic pool (min "
+                             f"{self.rollout_workers}, max {top}) grows onto Ray nodes that "
+                             f"join; it needs runtime.kind=ray (kind is {self.kind!r})")
+        return self
+
+    @field_validator("slot_sizes")
+    @classmethod
+    def _slot_sizes(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("an empty list (leave the field out for train_workers x slot_size)")
+        bad = [k for k in value if k <= 0]
+        if bad:
+            raise ValueError(f"slot sizes must be > 0, got {value}")
+        return value
+
+    def train_slot_sizes(self, n_trainable: int | None = None) -> list[int]:
+        """The size (devices, ranks) of each training slot, largest first: `slot_sizes`, or
+        `train_workers` slots of `slot_size`; with `n_trainable`, no more slots than trainable
+        agents (the largest are kept) and at least one."""
+        sizes = sorted(self.slot_sizes, reverse=True) if self.slot_sizes is not None \
+            else [self.slot_size] * self.train_workers
+        if n_trainable is not None:
+            sizes = sizes[:max(1, n_trainable)]
+        return sizes
+
     @field_validator("rollout_cpus", "train_cpus")
     @classmethod
     def _cpus(cls, value: list[int] | None) -> list[int] | None:
@@ -502,6 +579,12 @@ class RuntimeConfig(Strict):
         if self.kind == "ray" and (self.rollout_cpus or self.train_cpus):
             raise ValueError("runtime.rollout_cpus / train_cpus pin local worker processes; on "
                              "Ray, place pools with runtime.ray.rollout_bundle / train_bundle")
+        if self.slot_sizes is not None:
+            if "slot_size" in self.model_fields_set and self.slot_size != 1:
+                raise ValueError(f"runtime.slot_sizes {self.slot_sizes} replaces "
+                                 f"runtime.slot_size ({self.slot_size}): give only one")
+            # the number of slots, for everything that counts them through train_workers
+            self.train_workers = len(self.slot_sizes)
         if self.devices == "cpu" and (self.rollout_devices is not None
                                       or self.train_devices is not None):
             raise ValueError("runtime.rollout_devices / train_devices: GPU indices, but "
@@ -585,6 +668,12 @@ class RunConfig(Strict):
                 if agent.trainable:
                     raise ValueError(f"agents.{name}.backend: the openai backend serves frozen "
                                      f"agents only; set agents.{name}.trainable: false")
+            if agent.trainable and max(self.runtime.train_slot_sizes()) > 1:
+                why = sharding_refusal(agent)
+                if why:
+                    raise ValueError(f"agents.{name}: {why}, but a training slot has "
+                                     f"{max(self.runtime.train_slot_sizes())} ranks "
+                                     "(runtime.slot_size / slot_sizes); use slots of 1")
         for name, agent in self.agents.items():
             if getattr(agent.algorithm, "dynamic_sampling", False) and self.train.group_size < 2:
                 raise ValueError(f"agents.{name}.algorithm.dynamic_sampling: needs "

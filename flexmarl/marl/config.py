@@ -1,7 +1,12 @@
-"""Configuration of a classic MARL run (a PettingZoo environment, network policies, MAPPO/IPPO).
+"""Configuration of a classic MARL run: a PettingZoo environment whose agents act with network
+policies (MAPPO / IPPO, VDN / QMIX).
 
-A YAML with `kind: marl` at the top level is read by this schema instead of the LLM run's
-(`flexmarl train` dispatches on it). Unknown keys are errors, as everywhere in FlexMARL.
+It has the run config's shape (docs/configuration.md): `agents:` names every trained agent of
+the environment, each with its `network`; agents that name the same entry of the top-level
+`networks:` (`network: {base: NAME}`) share that one network (agent id in its input), as LLM
+agents share a base model. `runtime:` is the run config's `RuntimeConfig`. A YAML with `env:`
+instead of `task:` at the top level is read by this schema (`flexmarl train` looks at that).
+Unknown keys are errors, as everywhere in FlexMARL.
 """
 
 from __future__ import annotations
@@ -10,18 +15,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from flexmarl.config.schema import (
     ConfigError,
     LoggingConfig,
-    RayConfig,
+    RuntimeConfig,
     Strict,
     _format_errors,
     apply_overrides,
 )
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.algorithms.vdn import VdnConfig
+
+# RuntimeConfig's fields that place, pin and publish LLM workers (and grow their pool: an
+# elastic rollout pool is the Ray LLM runtime's); a classic run's networks are
+# small, live on the CPU and are published through the pipes (its workers are not pinned yet)
+_LLM_ONLY_RUNTIME = ("devices", "rollout_devices", "train_devices", "share_devices",
+                     "rollout_cpus", "train_cpus", "publication", "publication_timeout_s",
+                     "deterministic", "slot_size", "slot_sizes", "rollout_workers_max")
 
 
 class EnvConfig(Strict):
@@ -36,6 +48,10 @@ class EnvConfig(Strict):
 
 
 class NetworkConfig(Strict):
+    # The name of an entry of the top-level `networks`: agents naming the same entry share
+    # that one network (their agent id in its input; Discrete action spaces of different
+    # sizes are padded and masked). Its fields come from the entry.
+    base: str | None = None
     kind: Literal["mlp", "gru"] = "mlp"
     hidden: list[int] = [64, 64]
     activation: Literal["tanh", "relu"] = "relu"
@@ -44,14 +60,13 @@ class NetworkConfig(Strict):
     # ("use_feature_normalization"), orthogonal init with the activation's gain
     layer_norm: bool = False
     orthogonal: bool = False
-
-
-class PolicyConfig(Strict):
-    # one network for every agent (agent one-hot id in its input) or one per agent; shared
-    # agents must have the same action space (or Discrete ones, padded and masked)
-    share_parameters: bool = True
-    network: NetworkConfig = NetworkConfig()
     obs_norm: bool = True  # running mean/std of observations and critic inputs
+
+
+class MarlAgentConfig(Strict):
+    """A trained agent of the environment: its network policy (own, or a shared `base`)."""
+
+    network: NetworkConfig = NetworkConfig()
 
 
 class MarlTrainConfig(Strict):
@@ -77,38 +92,17 @@ class MarlStoreConfig(Strict):
     zstd_level: int = Field(3, ge=1, le=22)
 
 
-class MarlRuntimeConfig(Strict):
-    # local: worker processes on this machine; ray: the same workers as Ray actors (one
-    # placement-group bundle each, `ray.rollout_bundle` / `train_bundle`), on the cluster at
-    # `address` or on one started for the run
-    kind: Literal["local", "ray"] = "local"
-    address: str | None = None
-    ray: RayConfig = RayConfig()
-    torch_threads: int = Field(1, gt=0)  # per worker process
-    # Worker processes of the local runtime. Each rollout worker steps its own
-    # `env.num_envs` environments; policies share `train_workers` training slots (swapped
-    # when fewer; VDN/QMIX have one policy, so one slot).
-    rollout_workers: int = Field(1, gt=0)
-    train_workers: int = Field(1, gt=0)
-    swap_to: Literal["host", "disk"] = "host"
-    # The supervisor of the worker processes, as the LLM run's: heartbeats, and
-    # restarts of lost workers (0: a lost worker fails the run)
-    heartbeat_interval_s: float = Field(2.0, gt=0)
-    heartbeat_misses: int = Field(3, gt=0)
-    progress_timeout_s: float | None = Field(None, gt=0)  # a stuck compute thread (off)
-    max_worker_restarts: int = Field(10, ge=0)
-
-
 class MarlRunConfig(Strict):
-    kind: Literal["marl"]
     name: str = "marl"
     seed: int = 0
     env: EnvConfig
-    policy: PolicyConfig = PolicyConfig()
+    # Shared networks by name; an agent runs on one with `network: {base: NAME}`
+    networks: dict[str, NetworkConfig] = {}
+    agents: dict[str, MarlAgentConfig]
     algorithm: MappoConfig | VdnConfig = Field(MappoConfig(), discriminator="name")
     train: MarlTrainConfig = MarlTrainConfig()
     store: MarlStoreConfig = MarlStoreConfig()
-    runtime: MarlRuntimeConfig = MarlRuntimeConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     logging: LoggingConfig = LoggingConfig()
     out: str | None = None
 
@@ -117,12 +111,82 @@ class MarlRunConfig(Strict):
         per = self.env.num_envs * self.runtime.rollout_workers * self.train.rollout_steps
         return max(1, self.train.env_steps // per)
 
+    @model_validator(mode="after")
+    def _check(self) -> MarlRunConfig:
+        if not self.agents:
+            raise ValueError("agents: at least one trained agent of the environment")
+        for field in _LLM_ONLY_RUNTIME:
+            if getattr(self.runtime, field) != RuntimeConfig.model_fields[field].default:
+                raise ValueError(f"runtime.{field}: places, pins or publishes LLM workers; "
+                                 "a classic MARL run's networks live on the CPU, its workers "
+                                 "unpinned (leave it out)")
+        if self.runtime.kind == "sim":
+            raise ValueError("runtime.kind: classic MARL runs on the local and ray runtimes, "
+                             "not the simulator")
+        for key, entry in self.networks.items():
+            if entry.base is not None:
+                raise ValueError(f"networks.{key}.base: a shared network cannot name a base")
+        used: set[str] = set()
+        for name, agent in self.agents.items():
+            base = agent.network.base
+            if base is None:
+                continue
+            if base not in self.networks:
+                known = ", ".join(sorted(self.networks)) or "none: add a top-level `networks:`"
+                raise ValueError(f"agents.{name}.network.base: {base!r} names no entry of "
+                                 f"networks (it has: {known})")
+            if base in self.agents and self.agents[base].network.base != base:
+                raise ValueError(f"networks.{base}: also the name of an agent with a network "
+                                 "of its own; rename one")
+            entry = self.networks[base]
+            for field in sorted(agent.network.model_fields_set - {"base"}):
+                if getattr(agent.network, field) != getattr(entry, field):
+                    raise ValueError(f"agents.{name}.network.{field}: set next to "
+                                     f"network.base {base!r}; a shared network's fields come "
+                                     f"from networks.{base}")
+            agent.network = entry.model_copy(update={"base": base})
+            used.add(base)
+        for key in self.networks:
+            if key not in used:
+                raise ValueError(f"networks.{key}: no agent uses it (agents.<name>.network: "
+                                 f"{{base: {key}}})")
+        return self
+
+    def policy_groups(self, env_agents: list[str]) -> dict[str, list[str]]:
+        """The policies (one network each) and their agents in the environment's order: one
+        per shared `networks` entry, one per agent with a network of its own. Checks that
+        `agents:` names exactly the environment's trained agents."""
+        unknown = [a for a in self.agents if a not in env_agents]
+        if unknown:
+            raise ConfigError(f"agents.{unknown[0]}: env {self.env.id!r} has no trained agent of "
+                              f"that name (it has: {', '.join(env_agents)})")
+        missing = [a for a in env_agents if a not in self.agents]
+        if missing:
+            raise ConfigError(f"agents: env {self.env.id!r} has agent(s) {', '.join(missing)} "
+                              "without a config; add agents.<name>: {network: ...} for each "
+                              "(or env.opponents for a turn-based game's built-in player)")
+        groups: dict[str, list[str]] = {}
+        for a in env_agents:
+            groups.setdefault(self.agents[a].network.base or a, []).append(a)
+        return groups
+
+    def network_of(self, policy: str) -> NetworkConfig:
+        """The network config of a policy named by `policy_groups`."""
+        if policy in self.networks:
+            return self.networks[policy]
+        return self.agents[policy].network
+
 
 def is_marl(raw: Any) -> bool:
-    return isinstance(raw, dict) and raw.get("kind") == "marl"
+    """A classic MARL run: an environment (`env:`) where an LLM run has a `task:`."""
+    return isinstance(raw, dict) and "env" in raw and "task" not in raw
 
 
 def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> MarlRunConfig:
+    if raw.get("kind") == "marl":
+        raise ConfigError(f"{source}: kind: marl is gone; a classic MARL run is a run config "
+                          "with `env:` and `agents:` (each agent's `network`, shared ones in "
+                          "`networks:`), see docs/marl.md and examples/mpe_*.yaml")
     try:
         cfg = MarlRunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -139,9 +203,6 @@ def marl_config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Marl
                     line += f" (an option of {owners[0]}, not of this algorithm)"
             lines.append(line)
         text = "\n".join(lines)
-        if any(e["loc"][:1] == ("runtime",) and e["type"] == "literal_error"
-               for e in exc.errors()):
-            text += "\n  (classic MARL runs on the local and ray runtimes, not the simulator)"
         raise ConfigError(text) from None
     if isinstance(cfg.algorithm, VdnConfig) and cfg.train.eval_every is not None:
         raise ConfigError(f"{source}: train.eval_every: {cfg.algorithm.name} has no greedy "

@@ -126,7 +126,7 @@ def evaluate_checkpoint(cfg: MarlRunConfig, path: str | Path, episodes: int
     layouts = MarlRun(cfg).layouts
     if sorted(ckpt.trainer_states) != sorted(layouts):
         raise ValueError(f"{path}: the checkpoint has policies {sorted(ckpt.trainer_states)}, "
-                         f"the config has {sorted(layouts)} (policy.share_parameters?)")
+                         f"the config has {sorted(layouts)} (the agents' network.base?)")
     ev = GreedyEvaluator(cfg, layouts, episodes)
     for name, (arrays, meta) in ckpt.trainer_states.items():
         ev.load(name, int(meta["version"]), weights_of_state(arrays))

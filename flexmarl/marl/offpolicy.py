@@ -54,8 +54,6 @@ from flexmarl.training.algorithms import qmix, vdn
 from flexmarl.training.algorithms.vdn import VdnConfig
 from flexmarl.training.learner import Audit, CapturedRestartPoint
 
-POLICY = "shared"  # VDN / QMIX: one Q-network for every agent
-
 
 class QLearnerError(RuntimeError):
     """The replay learner was handed transitions of another iteration or version."""
@@ -67,22 +65,26 @@ def q_layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayou
     if not isinstance(cfg.algorithm, VdnConfig):
         raise TypeError(f"the replay driver runs vdn/qmix, not {cfg.algorithm.name}")
     name = cfg.algorithm.name
-    if not cfg.policy.share_parameters:
-        raise ConfigError(f"policy.share_parameters: {name} here uses one Q-network shared by "
-                          "all agents (agent id in its input); set it to true")
-    if cfg.policy.network.kind != "mlp":
-        raise ConfigError(f"policy.network.kind: {name} supports the mlp network only")
+    agents = list(venv.agents)
+    groups = cfg.policy_groups(agents)
+    if len(groups) != 1:
+        raise ConfigError(f"agents: {name} here is one joint learner with one Q-network shared "
+                          "by all agents (agent id in its input); give every agent "
+                          "network: {base: NAME} of one entry of networks")
+    (policy,) = groups
+    if cfg.network_of(policy).kind != "mlp":
+        where = f"networks.{policy}" if policy in cfg.networks else f"agents.{policy}.network"
+        raise ConfigError(f"{where}.kind: {name} supports the mlp network only")
     if cfg.store.compress_obs:
         raise ConfigError(f"store.compress_obs: {name}'s transitions go to its replay table "
                           "uncompressed (the option compresses MAPPO/IPPO's store rows); "
                           "unset it")
-    agents = list(venv.agents)
     spec = group_spec(agents, venv.action_specs, cfg.env.id)
     if spec.kind != "discrete":
         raise ConfigError(f"algorithm.name: {name} needs discrete actions; {cfg.env.id} has "
                           f"{spec.kind} actions (use mappo or ippo)")
     obs_dim = max(venv.obs_specs[a].dim for a in agents)
-    return {POLICY: PolicyLayout(POLICY, 0, tuple(agents), obs_dim, int(venv.state.shape[1]),
+    return {policy: PolicyLayout(policy, 0, tuple(agents), obs_dim, int(venv.state.shape[1]),
                                  spec)}
 
 
@@ -94,7 +96,8 @@ def build_q(cfg: MarlRunConfig, layout: PolicyLayout) -> tuple[vdn.QNet, qmix.QM
     n = len(layout.agents)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        q = vdn.QNet(layout.obs_dim + n, layout.spec.nvec[0], list(cfg.policy.network.hidden))
+        hidden = list(cfg.network_of(layout.name).hidden)
+        q = vdn.QNet(layout.obs_dim + n, layout.spec.nvec[0], hidden)
         mixer = (qmix.QMixer(n, layout.critic_dim, algo.mixing_embed, algo.hypernet_layers,
                              algo.hypernet_embed) if algo.name == "qmix" else None)
     return q, mixer
@@ -135,7 +138,7 @@ class QRollout:
                  ) -> None:
         assert isinstance(cfg.algorithm, VdnConfig)
         self.cfg, self.algo, self.index = cfg, cfg.algorithm, index
-        self.layout = layouts[POLICY]
+        (self.layout,) = layouts.values()  # the one joint policy
         seed = cfg.seed + WORKER_SEED_STRIDE * index
         self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, cfg.env.num_envs, seed,
                                    cfg.env.opponents)
@@ -143,7 +146,8 @@ class QRollout:
         self.agents = list(self.layout.agents)
         self.rng = np.random.default_rng(seed)
         self.q, _ = build_q(cfg, self.layout)
-        self.norm = RunningMeanStd(self.layout.obs_dim) if cfg.policy.obs_norm else None
+        self.norm = (RunningMeanStd(self.layout.obs_dim)
+                     if cfg.network_of(self.layout.name).obs_norm else None)
         self.version = -1
         self.qmix = self.algo.name == "qmix"
 
@@ -243,7 +247,8 @@ class QLearner(CapturedRestartPoint):
         self.params = list(self.q.parameters()) + (
             list(self.mixer.parameters()) if self.mixer is not None else [])
         self.opt = torch.optim.Adam(self.params, lr=self.algo.lr)
-        self.norm = RunningMeanStd(layout.obs_dim) if cfg.policy.obs_norm else None
+        self.norm = (RunningMeanStd(layout.obs_dim)
+                     if cfg.network_of(layout.name).obs_norm else None)
         a = self.algo
         self.replay = ReplayTable(a.capacity, a.min_size,
                                   a.priority_fraction if a.prioritized else 0.0,
@@ -444,5 +449,5 @@ class QLearner(CapturedRestartPoint):
             for i, p in enumerate(meta["pending"])]
 
 
-__all__ = ["POLICY", "QLearner", "QLearnerError", "QRollout", "QRolloutResult", "build_q",
+__all__ = ["QLearner", "QLearnerError", "QRollout", "QRolloutResult", "build_q",
            "q_layouts"]

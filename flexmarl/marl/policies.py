@@ -62,9 +62,10 @@ def group_spec(agents: list[str], specs: dict[str, ActionSpec], env_id: str) -> 
         return first
     if all(specs[a].kind == "discrete" for a in agents):
         return ActionSpec("discrete", nvec=(max(specs[a].nvec[0] for a in agents),))
-    raise PolicyError(f"policy.share_parameters: agents of env {env_id!r} have different "
-                      f"action spaces ({', '.join(f'{a}: {specs[a].kind}' for a in agents)}); "
-                      "set policy.share_parameters: false")
+    raise PolicyError(f"agents.{agents[0]}.network.base: agents of env {env_id!r} sharing a "
+                      f"network have different action spaces "
+                      f"({', '.join(f'{a}: {specs[a].kind}' for a in agents)}); give each of "
+                      "them a network of its own")
 
 
 def pad(x: np.ndarray, dim: int) -> np.ndarray:
@@ -81,12 +82,12 @@ def critic_x(algo: MappoConfig, agents: list[str], agent: str, obs_dim: int,
 
 
 def layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]:
-    """`policy.share_parameters`: one policy "shared" for every agent, else one per agent."""
+    """One policy per shared network (`networks:`) and per agent with a network of its own."""
     algo = cfg.algorithm
     if not isinstance(algo, MappoConfig):
         raise TypeError(f"the on-policy driver runs mappo/ippo, not {algo.name}")
     agents = list(venv.agents)
-    groups = {"shared": agents} if cfg.policy.share_parameters else {a: [a] for a in agents}
+    groups = cfg.policy_groups(agents)
     out = {}
     for i, (name, members) in enumerate(groups.items()):
         spec = group_spec(members, venv.action_specs, cfg.env.id)
@@ -99,10 +100,10 @@ def layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]
 def build_net(cfg: MarlRunConfig, layout: PolicyLayout) -> NetPolicy:
     """The policy's network with its initial weights: the same in every process (seeded by
     the run's seed and the policy's index)."""
-    n = cfg.policy.network
+    n = cfg.network_of(layout.name)
     net = NetConfigView(n.kind, list(n.hidden), n.activation, n.gru_hidden,
                          n.layer_norm, n.orthogonal)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed * 1009 + layout.index)
         return NetPolicy(list(layout.agents), layout.obs_dim, layout.critic_dim, layout.spec,
-                         net, cfg.policy.obs_norm)
+                         net, n.obs_norm)

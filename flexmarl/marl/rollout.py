@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from flexmarl.envs.pettingzoo import EnvError, VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig
+from flexmarl.marl.config import MarlRunConfig, NetworkConfig
 from flexmarl.marl.policies import COMPRESSED, PolicyLayout, build_net, critic_x, pad
 from flexmarl.policy.nets import NetPolicy
 from flexmarl.store.compression import Codec
@@ -141,6 +141,11 @@ def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     return net, vn
 
 
+def _gru(net: NetworkConfig) -> int | None:
+    """The recurrent state's width of a GRU network (None: an MLP has none)."""
+    return net.gru_hidden if net.kind == "gru" else None
+
+
 class EnvRollout:
     def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout], index: int = 0
                  ) -> None:
@@ -152,8 +157,7 @@ class EnvRollout:
         self.venv.reset()
         self.agents = list(self.venv.agents)
         self.gen = torch.Generator().manual_seed(cfg.seed + WORKER_SEED_STRIDE * index)
-        gru = cfg.policy.network.gru_hidden if cfg.policy.network.kind == "gru" else None
-        self.actors = {name: _Actor(lay, build_net(cfg, lay), E, gru)
+        self.actors = {name: _Actor(lay, build_net(cfg, lay), E, _gru(cfg.network_of(name)))
                        for name, lay in layouts.items()}
         self.codec = Codec(cfg.store.zstd_level) if cfg.store.compress_obs else None
         self._start_flag = {a: np.ones(E, bool) for a in self.agents}

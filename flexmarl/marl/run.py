@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -44,10 +43,20 @@ from flexmarl.marl.policies import (
     group_spec,
     layouts,
 )
+from flexmarl.marl.ray_runtime import MarlRayRuntime
 from flexmarl.marl.rollout import RolloutResult
-from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointError, CheckpointManager
+from flexmarl.marl.runtime import MarlRuntime
+from flexmarl.orchestrator.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    find_checkpoints,
+)
 from flexmarl.orchestrator.checkpointing import RunInterrupted
+from flexmarl.orchestrator.run import host_run, release_signals, stop_on_signals
+from flexmarl.orchestrator.schedules import SyncSchedule
 from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
+from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.algorithms.mappo import MappoConfig
 
 __all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "make_run", "train_marl"]
@@ -64,6 +73,7 @@ class MarlResult:
     episodes: list[dict[str, Any]] = field(default_factory=list)
     placement: dict[str, Any] = field(default_factory=dict)
     faults: dict[str, Any] | None = None  # the supervisor's failures and recoveries
+    resumed_env_steps: int = 0  # done before a resume, by an earlier process
 
 
 class MarlRun:
@@ -87,6 +97,8 @@ class MarlRun:
         self._states_taken: asyncio.Future | None = None
         self.last_checkpoint: str | None = None
         self._stop_requests = 0
+        self._can_save = False
+        self._drive: asyncio.Future | None = None
         self._stop_after = False  # the boundary's checkpoint is taken: stop
         self.published: dict[str, tuple[int, Any]] = {}  # per policy: its latest weights
         self.evaluator: Any = None  # train.eval_every: marl/evaluate.py's GreedyEvaluator
@@ -180,39 +192,26 @@ class MarlRun:
             self.metrics_k[f"agent/{policy}/{key}"] = value
 
     # --- the run -----------------------------------------------------------------------------
-    async def _run(self, out: Path | None, on_iteration, n_iter: int,
-                   resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
-        # imported here: a spawned worker re-imports the parent's main module, and these
-        # pull in the LLM stack (transformers), which a worker does not need
-        from flexmarl.marl.runtime import MarlRuntime
-        from flexmarl.orchestrator.schedules import SyncSchedule
-        from flexmarl.telemetry.loggers import make_loggers
-        from flexmarl.telemetry.recorder import Telemetry
-
-        telemetry = Telemetry(out, loggers=make_loggers(self.cfg, out) if out else None)
+    async def run_loop(self, telemetry: Telemetry, out: Path | None, on_iteration, n_iter: int,
+                       resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
+        """The schedule over the runtime's pools, hosted by `orchestrator.run.host_run` (which
+        owns the files, the telemetry and the event loop)."""
         records: list[dict[str, Any]] = []
         episodes: list[dict[str, Any]] = []
         first = 0
-        if resume is not None:  # metrics.jsonl restarts from the checkpoint's records
+        if resume is not None:  # the host already put the checkpoint's records on disk
             first = resume.completed
             records += resume.position["records"]
             episodes += resume.position["episodes"]
             for policy, trail in resume.position["audit"].items():
                 self.audit[policy] = [(sid, int(v), int(s), int(e)) for sid, v, s, e in trail]
-            for rec in records:
-                telemetry.log(rec)
-            telemetry.fault("resumed", checkpoint=str(resume.path), completed=first)
-        if self.cfg.runtime.kind == "ray":
-            from flexmarl.marl.ray_runtime import MarlRayRuntime
-
-            self.runtime = MarlRayRuntime(self.cfg, self.layouts, telemetry)
-        else:
-            self.runtime = MarlRuntime(self.cfg, self.layouts, telemetry)
+        self.runtime = (MarlRayRuntime(self.cfg, self.layouts, telemetry)
+                        if self.cfg.runtime.kind == "ray"
+                        else MarlRuntime(self.cfg, self.layouts, telemetry))
         self.telemetry = telemetry
         manager = (CheckpointManager(out / "checkpoints", self.cfg.train.keep_checkpoints)
                    if out is not None else None)
         start = time.perf_counter()
-        status = "failed"
         await self.runtime.start()
         try:
             if resume is not None:
@@ -238,18 +237,18 @@ class MarlRun:
                     on_iteration(rec)
                 self._reset_iteration()
                 every = self.cfg.train.checkpoint_every
-                if can_save and (self._stop_requests > 0
-                                 or (every is not None and (k + 1) % every == 0)):
+                if self._can_save and (self._stop_requests > 0
+                                       or (every is not None and (k + 1) % every == 0)):
                     assert manager is not None
                     self._checkpoint(manager, k, records, episodes)
                     self._stop_after = self._stop_requests > 0
 
             schedule = SyncSchedule(self, self, self.runtime.train, list(self.layouts), finish)
-            drive = asyncio.ensure_future(schedule.drive(first, n_iter))
-            can_save = manager is not None and self.runtime.capture
-            handled = self._handle_signals(drive, can_save)
+            self._drive = asyncio.ensure_future(schedule.drive(first, n_iter))
+            self._can_save = manager is not None and self.runtime.capture
+            handled = stop_on_signals(self.request_stop)
             try:
-                await drive
+                await self._drive
             except asyncio.CancelledError:
                 if self._stop_requests == 0:
                     raise
@@ -257,9 +256,7 @@ class MarlRun:
                                      "checkpoint to write); resume from "
                                      f"{self.last_checkpoint}", self.last_checkpoint) from None
             finally:
-                loop = asyncio.get_running_loop()
-                for signum in handled:
-                    loop.remove_signal_handler(signum)
+                release_signals(handled)
             if self._writing is not None:
                 await self._writing  # re-raises a failed save
             if out is not None:
@@ -267,17 +264,22 @@ class MarlRun:
                     await self.runtime.train.save(name, str(out / "checkpoints" / "final" / name))
             placement = self.runtime.placement()
             faults = self.runtime.fault_counts()
-            status = "completed"
         finally:
             if self._writing is not None and not self._writing.done():
                 self._writing.cancel()
             await self.runtime.stop()
-            if out is not None:
-                telemetry.write_trace(out / "trace.json")
-            telemetry.close(status)
         return MarlResult(out, records, dict(self.audit), self.store.stats(),
                           time.perf_counter() - start, n_iter * self.num_envs
-                          * self.cfg.train.rollout_steps, episodes, placement, faults)
+                          * self.cfg.train.rollout_steps, episodes, placement, faults,
+                          first * self.num_envs * self.cfg.train.rollout_steps)
+
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop (the LLM
+        run's behaviour); a second request, or a run that cannot checkpoint, stops at once."""
+        self._stop_requests += 1
+        self.telemetry.fault("stop_requested", count=self._stop_requests)
+        if (self._stop_requests > 1 or not self._can_save) and self._drive is not None:
+            self._drive.cancel()
 
     async def _restore(self, ckpt: Checkpoint) -> None:
         """Resume: each policy's learner and each rollout worker's environments as the
@@ -286,7 +288,7 @@ class MarlRun:
         if missing or sorted(ckpt.trainer_states) != sorted(self.layouts):
             raise CheckpointError(f"resume {ckpt.path}: the checkpoint has policies "
                                   f"{sorted(ckpt.trainer_states)}, the config has "
-                                  f"{sorted(self.layouts)} (policy.share_parameters?)")
+                                  f"{sorted(self.layouts)} (the agents' network.base?)")
         n = int(ckpt.position["rollout_workers"])
         if n != self.cfg.runtime.rollout_workers:
             raise CheckpointError(f"resume {ckpt.path}: the checkpoint holds the environments "
@@ -328,31 +330,6 @@ class MarlRun:
                             save_s=time.perf_counter() - t0)
 
         self._writing = asyncio.ensure_future(write())
-
-    def _handle_signals(self, drive: asyncio.Future, can_save: bool) -> list[int]:
-        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop (the LLM
-        run's behaviour); a second request, or a run that cannot checkpoint, stops at once."""
-        loop = asyncio.get_running_loop()
-
-        def request_stop() -> None:
-            self._stop_requests += 1
-            self.telemetry.fault("stop_requested", count=self._stop_requests)
-            if self._stop_requests > 1 or not can_save:
-                drive.cancel()
-
-        handled: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, request_stop)
-                handled.append(sig)
-            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-                pass
-        return handled
-
-    def run(self, out: Path | None = None, on_iteration=None, iterations: int | None = None,
-            resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
-        n_iter = iterations if iterations is not None else self.cfg.iterations
-        return asyncio.run(self._run(out, on_iteration, n_iter, resume, on_runtime))
 
     def _evaluate(self, k: int, n_iter: int) -> dict[str, float]:
         """`train.eval_every`: after iterations eval_every - 1, 2 * eval_every - 1, ... and the
@@ -397,6 +374,9 @@ class MarlRun:
             per_agent = {a: float(np.mean([e["returns"][a] for e in eps])) for a in self.agents}
             for a, v in per_agent.items():
                 rec[f"agent/{a}/return_mean"] = v
+                # the common name (doctor, report, reward curves): an agent's reward per
+                # episode, which for an environment agent is its episode return
+                rec[f"agent/{a}/reward_mean"] = v
             rec["return_mean"] = float(np.mean(list(per_agent.values())))
             for key in eps[0]:
                 if key not in ("returns", "length"):
@@ -416,26 +396,25 @@ def make_run(cfg: MarlRunConfig) -> MarlRun:
 def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=None,
                iterations: int | None = None, resume: str | Path | None = None,
                on_runtime=None) -> MarlResult:
-    """Train a classic MARL run; writes metrics.jsonl, config.yaml, checkpoints under `out`.
-    With `resume` (a run folder or its checkpoints/), continue from its LATEST generation.
+    """Train a classic MARL run, hosted like every run (`orchestrator.run.host_run`): writes
+    config.yaml, metrics.jsonl, summary.json, trace.json and checkpoints under `out`. With
+    `resume` (a run folder or its checkpoints/), continue from its LATEST generation.
     `on_runtime(runtime)` is called once the workers run (fault tests)."""
-    from flexmarl.orchestrator.checkpoint import find_checkpoints
-
-    run = make_run(cfg)
+    run = make_run(cfg)  # environments probed: spaces and agents checked
     out_path = Path(out) if out is not None else None
     ckpt = find_checkpoints(resume).load() if resume is not None else None
-    if out_path is not None:
-        import yaml
+    n_iter = iterations if iterations is not None else cfg.iterations
 
-        out_path.mkdir(parents=True, exist_ok=True)
-        (out_path / "config.yaml").write_text(
-            yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    result = run.run(out_path, on_iteration, iterations, ckpt, on_runtime)
-    if out_path is not None:
-        (out_path / "summary.json").write_text(json.dumps({
-            "status": "completed", "iterations": len(result.records),
-            "env_steps": result.env_steps, "wall_s": result.wall_s,
-            "final_return_mean": result.records[-1].get("return_mean")
-            if result.records else None, "placement": result.placement,
-            "faults": result.faults}, indent=2))
-    return result
+    async def body(telemetry: Telemetry) -> MarlResult:
+        return await run.run_loop(telemetry, out_path, on_iteration, n_iter, ckpt, on_runtime)
+
+    def summary(result: MarlResult, wall_s: float) -> dict[str, Any]:
+        steps_here = result.env_steps - result.resumed_env_steps
+        return {"iterations": len(result.records), "env_steps": result.env_steps,
+                "env_steps_this_process": steps_here, "wall_s": wall_s,
+                "algorithm": cfg.algorithm.name,
+                "final_return_mean": result.records[-1].get("return_mean")
+                if result.records else None, "placement": result.placement,
+                "faults": result.faults}
+
+    return host_run(cfg, out_path, ckpt, body, summary)

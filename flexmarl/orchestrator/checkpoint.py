@@ -128,6 +128,9 @@ class CheckpointManager:
                 hf = meta.get("hf_config")
                 if hf is not None:
                     _write_bytes(adir / "config.json", json.dumps(hf, indent=2).encode())
+                if "dcp" in meta:  # a sharded slot's state: its ranks' DCP shards, copied in
+                    shutil.copytree(meta["dcp"], adir / "dcp")
+                    meta = {**meta, "dcp": "dcp"}  # relative to the agent's folder
                 _write_bytes(adir / "trainer.json", json.dumps(
                     {k: v for k, v in meta.items() if k != "hf_config"}).encode())
                 _slow_down()
@@ -219,6 +222,8 @@ class CheckpointManager:
             arrays = {f"model.{k}": v for k, v in model.items()}
             arrays.update(load_file(str(adir / "state.safetensors")))
             meta = json.loads((adir / "trainer.json").read_text())
+            if "dcp" in meta:  # sharded (torch.distributed.checkpoint): any K reads it
+                meta["dcp"] = str(adir / meta["dcp"])
             states[adir.name] = (arrays, meta)
         extra_dir = path / "extra"
         extra = {f.name: f.read_bytes() for f in sorted(extra_dir.iterdir())} \

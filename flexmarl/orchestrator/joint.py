@@ -180,7 +180,9 @@ class JointOrchestrator:
                                 it.node_latency, share, train_s, calls, swap_s)
         n_replicas = self.rollout.n_workers  # (Ray: the actors started)
         n_slots = self.train.training_slots() or max(1, len(self.trainable))
-        plan = self.planner.plan(demand, Resources(n_replicas + n_slots, n_replicas, n_slots),
+        sizes = getattr(self.train, "slot_sizes", None)
+        plan = self.planner.plan(demand, Resources(n_replicas + n_slots, n_replicas, n_slots,
+                                                   tuple(sizes) if sizes else None),
                                  it.index + 1)
         self.rollout.follow_plan(plan)
         self.train.follow_plan(plan)

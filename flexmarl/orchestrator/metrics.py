@@ -49,6 +49,15 @@ class IterationMetrics:
         # more per-iteration metrics (GPU utilisation and memory): each called once per record
         self.sources: list[Callable[[], dict[str, Any]]] = []
 
+    def _train_busy_frac(self, t0: float, t1: float) -> float:
+        """Busy device-seconds of the training pool over its devices: a slot of K ranks
+        (`slot_sizes`) counts K devices busy while it runs a command."""
+        sizes = getattr(self.train, "slot_sizes", None) or [1] * self.train.n_workers
+        if t1 <= t0 or not sizes:
+            return 0.0
+        busy = self.telemetry.busy_by_worker("train", len(sizes), t0, t1)
+        return sum(b * k for b, k in zip(busy, sizes, strict=True)) / ((t1 - t0) * sum(sizes))
+
     def rollout_metrics(self, it: IterationState) -> dict[str, Any]:
         """Balance and latency of one iteration's rollout (docs/design.md section 9 names)."""
         t0, t1 = it.started_at, it.rollout_finished_at
@@ -93,8 +102,7 @@ class IterationMetrics:
             "episodes/groups_resampled": sum(it.rounds.values()),
             "pool/rollout/busy_frac": self.telemetry.busy_frac(
                 "rollout", self.rollout.n_workers, t0, now),
-            "pool/train/busy_frac": self.telemetry.busy_frac("train", self.train.n_workers,
-                                                             t0, now),
+            "pool/train/busy_frac": self._train_busy_frac(t0, now),
             "rollout/makespan_s": it.rollout_finished_at - it.started_at,
         }
         record.update(self.rollout_metrics(it))

@@ -6,10 +6,10 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -20,12 +20,15 @@ from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.policy.device import check_slots
 from flexmarl.policy.memory import check_memory
 from flexmarl.runtime import heap
 from flexmarl.telemetry.gpu import GpuMonitor
-from flexmarl.telemetry.loggers import check_installed
+from flexmarl.telemetry.loggers import check_installed, make_loggers
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.telemetry.train_stats import SlotStatsSource
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -57,6 +60,9 @@ def prepare(cfg: RunConfig) -> Task:
     check_models(cfg, task)
     check_installed(cfg.logging.backends)
     check_memory(cfg, task.vocab_size)  # an estimate, before any model is built
+    if cfg.runtime.kind != "sim":  # training slots of K ranks: devices, processes, backend
+        trainable = sum(a.trainable for a in cfg.agents.values())
+        check_slots(cfg.runtime, cfg.runtime.train_slot_sizes(trainable))
     return task
 
 
@@ -117,50 +123,93 @@ def train(
     """Train; with `resume` (a run folder or its checkpoints/), continue from its LATEST
     generation. `on_runtime(runtime)` is called once the workers run (chaos tests, benches)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     task = prepare(cfg)
     ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    from flexmarl.telemetry.loggers import make_loggers
 
-    telemetry = Telemetry(out, loggers=make_loggers(cfg, out))
-    if ckpt is not None:  # metrics.jsonl restarts from the checkpoint's records
-        for record in ckpt.position["records"]:
+    async def body(telemetry: Telemetry) -> RunResult:
+        return await _run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime)
+
+    def summary(result: RunResult, wall_s: float) -> dict[str, Any]:
+        result.wall_s = wall_s
+        return {"iterations": len(result.records), "final_success_rate": result.final_success,
+                "wall_s": wall_s,
+                "checkpoints": {a: str(p) for a, p in result.checkpoints.items()},
+                "placement": result.placement}
+
+    return host_run(cfg, out, ckpt, body, summary)
+
+
+def host_run(cfg: Any, out: Path | None, resume: Checkpoint | None,
+             body: Callable[[Telemetry], Awaitable[R]],
+             summary: Callable[[R, float], dict[str, Any]]) -> R:
+    """What every run does around its loop, an LLM run's orchestrator or a classic MARL run's
+    schedule alike: OUT/config.yaml, the telemetry and its logging backends, metrics.jsonl
+    restarted from a resumed checkpoint's records, the driver's event loop, OUT/summary.json
+    (`status: failed` with the error when the body raises: doctor and report read it), the
+    trace. `out` None (tests, benches): no files, the records in memory only."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
+                                                        sort_keys=False))
+    telemetry = Telemetry(out, loggers=make_loggers(cfg, out) if out is not None else None)
+    if resume is not None:  # metrics.jsonl restarts from the checkpoint's records
+        for record in resume.position["records"]:
             telemetry.log(record)
-        telemetry.fault("resumed", checkpoint=str(ckpt.path), completed=ckpt.completed,
-                        rows_restored=len(ckpt.rows))
+        telemetry.fault("resumed", checkpoint=str(resume.path), completed=resume.completed,
+                        rows_restored=len(resume.rows))
     started = time.time()
     status = "failed"
     try:
         with heap.settled():  # the driver's event loop: no full walks of torch's heap
-            result = asyncio.run(_run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime))
+            result = asyncio.run(_hosted(body, telemetry))
     except BaseException as exc:  # a failed run says so on disk (doctor, report read it)
-        (out / "summary.json").write_text(json.dumps({
-            "status": "failed", "error_type": type(exc).__name__, "error": str(exc),
-            "first_error": getattr(exc, "first_error", None), "wall_s": time.time() - started,
-        }, indent=2))
+        if out is not None:
+            (out / "summary.json").write_text(json.dumps({
+                "status": "failed", "error_type": type(exc).__name__, "error": str(exc),
+                "first_error": getattr(exc, "first_error", None),
+                "wall_s": time.time() - started}, indent=2))
         raise
     else:
         status = "completed"
     finally:
-        telemetry.write_trace(out / "trace.json")
+        if out is not None:
+            telemetry.write_trace(out / "trace.json")
         telemetry.close(status)
-    result.wall_s = time.time() - started
-    (out / "summary.json").write_text(json.dumps({
-        "status": "completed",
-        "iterations": len(result.records),
-        "final_success_rate": result.final_success,
-        "wall_s": result.wall_s,
-        "checkpoints": {a: str(p) for a, p in result.checkpoints.items()},
-        "placement": result.placement,
-    }, indent=2))
+    wall_s = time.time() - started
+    done = summary(result, wall_s)
+    if out is not None:
+        (out / "summary.json").write_text(json.dumps({"status": "completed", **done}, indent=2))
     return result
+
+
+async def _hosted(body: Callable[[Telemetry], Awaitable[R]], telemetry: Telemetry) -> R:
+    quiet_unretrieved(asyncio.get_running_loop(), telemetry)
+    return await body(telemetry)
+
+
+def stop_on_signals(request_stop: Callable[[], None]) -> list[int]:
+    """SIGTERM / Ctrl-C call `request_stop` (every run: a checkpoint at the next iteration
+    boundary, then stop; a second request stops at once). The signals handled, for
+    `release_signals`; none off the main thread."""
+    loop = asyncio.get_running_loop()
+    handled: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, request_stop)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    return handled
+
+
+def release_signals(handled: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in handled:
+        loop.remove_signal_handler(signum)
 
 
 async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
                on_runtime=None) -> RunResult:
-    loop = asyncio.get_running_loop()
-    quiet_unretrieved(loop, telemetry)
     runtime = make_runtime(cfg, task, telemetry)
     await runtime.start()
     handled: list[int] = []
@@ -169,12 +218,7 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
         orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
                                  save_checkpoint=manager.save, resume=ckpt)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # checkpoint at the next boundary, stop
-            try:
-                loop.add_signal_handler(sig, orch.request_stop)
-                handled.append(sig)
-            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-                pass
+        handled = stop_on_signals(orch.request_stop)
         tables = orch.store.tables  # rows the store still holds (doctor: a growing store)
         from flexmarl.store.experience import Status
 
@@ -199,6 +243,5 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         return RunResult(out, records, checkpoints, orch.consumed, orch.audit, orch.store.stats(),
                          runtime.placement(), 0.0, runtime.fault_counts())
     finally:
-        for signum in handled:
-            loop.remove_signal_handler(signum)
+        release_signals(handled)
         await runtime.stop()

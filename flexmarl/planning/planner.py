@@ -110,6 +110,8 @@ class Resources:
     total: int
     rollout: int | None = None
     train_slots: int | None = None
+    # the devices (ranks) of each training slot when they differ (`runtime.slot_sizes`)
+    slot_sizes: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -133,6 +135,10 @@ class Plan:
     node_s: dict[str, float] = field(default_factory=dict)
     # the replicas are interchangeable workers (real runtimes): the pool follows indices
     indexed: bool = False
+    # training slots of different sizes: their devices, and the slot each agent is bound to
+    # (`bind_slots`: the heaviest agent on the largest slot)
+    slot_sizes: list[int] | None = None
+    slot_of: dict[str, int] | None = None
 
     def replica_indices(self) -> dict[str, list[int]] | None:
         """Which replicas serve each agent: contiguous runs, in agent order."""
@@ -163,7 +169,25 @@ class Plan:
                                     "accelerators_per_slot": g}
         if self.predicted_s is not None:
             plan["predicted_s"] = round(self.predicted_s, 4)
+        if self.slot_sizes is not None:
+            plan["slot_sizes"] = list(self.slot_sizes)
+            plan["slot_of"] = dict(self.slot_of or {})
         return plan
+
+
+def bind_slots(load: Mapping[str, float], sizes: Sequence[int]) -> dict[str, int]:
+    """Agent-centric allocation over slots of different sizes (devices): agents in order of
+    decreasing training load, each to the slot whose load per device would be smallest with
+    it (ties: the larger slot), so the heaviest agent gets the largest slot and the others
+    fill the slots in proportion to their devices. Returns agent -> slot index."""
+    per_slot = [0.0] * len(sizes)
+    out: dict[str, int] = {}
+    for agent in sorted(load, key=lambda a: (-load[a], a)):
+        best = min(range(len(sizes)),
+                   key=lambda i: ((per_slot[i] + load[agent]) / sizes[i], -sizes[i], i))
+        per_slot[best] += load[agent]
+        out[agent] = best
+    return out
 
 
 def balanced_split(load: dict[str, float], total: int, minimum: dict[str, int]) -> dict[str, int]:
@@ -275,8 +299,15 @@ class Planner:
         node_s = demand.node_seconds(replicas)
         order = critical_order(demand.nodes, node_s, demand.trainable)
         path = max(remaining_path(demand.nodes, node_s).values(), default=0.0)
-        return Plan(iteration, replicas, roll_acc, train_acc, train_alloc, order, shared, groups,
-                    path, predicted, node_s, indexed=resources.rollout is not None)
+        plan = Plan(iteration, replicas, roll_acc, train_acc, train_alloc, order, shared,
+                    groups, path, predicted, node_s, indexed=resources.rollout is not None)
+        if resources.slot_sizes is not None and len(set(resources.slot_sizes)) > 1:
+            sizes = list(resources.slot_sizes)
+            plan.slot_sizes = sizes
+            plan.slot_of = bind_slots({a: train_d.get(a, 0.0) for a in demand.trainable}, sizes)
+            plan.train = {a: sizes[i] for a, i in plan.slot_of.items()}
+            plan.train_accelerators = sum(sizes)
+        return plan
 
     def plan_critical_path(
         self, train_d: dict[str, float], mins: dict[str, int],

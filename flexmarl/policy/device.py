@@ -207,3 +207,61 @@ def set_process_device(placement: Placement) -> None:
 def process_device() -> str:
     """The device models of this process compute on (`cpu` unless a placement was set)."""
     return _PROCESS_DEVICE
+
+
+def _slot_field(runtime_cfg) -> str:
+    """How the config named its slot sizes (for the error messages)."""
+    if runtime_cfg.slot_sizes is not None:
+        return f"runtime.slot_sizes={runtime_cfg.slot_sizes}"
+    return f"runtime.train_workers={runtime_cfg.train_workers} x " \
+        f"runtime.slot_size={runtime_cfg.slot_size}"
+
+
+def check_slots(runtime_cfg, sizes: list[int], gpu_count: int | None = None,
+                cpu_count: int | None = None) -> None:
+    """Whether training slots of `sizes` ranks can run here (before anything starts): a
+    slot larger than the training pool's GPUs, on the CPU more training processes than 4x the
+    CPU count, or no collective backend for a slot of K > 1 is an error naming the field."""
+    import torch.distributed as dist
+
+    n = torch.cuda.device_count() if gpu_count is None else gpu_count
+    kind = resolve_kind(runtime_cfg.devices, n)
+    field = _slot_field(runtime_cfg)
+    if kind == "cuda":
+        _, train = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
+                                runtime_cfg.share_devices)
+        if max(sizes) > len(train):
+            raise PlacementError(f"{field}: a slot of {max(sizes)} ranks needs {max(sizes)} "
+                                 f"GPUs, but the training pool has {len(train)} ({train})")
+    else:
+        cpus = os.cpu_count() if cpu_count is None else cpu_count
+        cpus = cpus or 1
+        if sum(sizes) > 4 * cpus:
+            raise PlacementError(f"{field}: {sum(sizes)} CPU training processes, more than "
+                                 f"4 x the {cpus} CPUs of this machine ({4 * cpus})")
+    if max(sizes) > 1:
+        backend = "nccl" if kind == "cuda" else "gloo"
+        ok = dist.is_available() and (dist.is_nccl_available() if kind == "cuda"
+                                      else dist.is_gloo_available())
+        if not ok:
+            raise PlacementError(f"{field}: a slot of {max(sizes)} ranks needs the "
+                                 f"torch.distributed {backend} backend, which this torch "
+                                 "build does not have")
+
+
+def slot_placements(runtime_cfg, sizes: list[int], gpu_count: int | None = None
+                    ) -> list[list[Placement]]:
+    """The placement of every rank of every training slot: slot i's ranks take the training
+    pool's GPUs in order from where slot i-1's ended (wrapping around: slots may share GPUs,
+    as single-device slots do; the ranks of one slot never do), each rank seeing its own."""
+    n = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if resolve_kind(runtime_cfg.devices, n) == "cpu":
+        return [[Placement("cpu")] * k for k in sizes]
+    _, train = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
+                            runtime_cfg.share_devices)
+    out: list[list[Placement]] = []
+    start = 0
+    for k in sizes:  # slots of 1: slot i on device i, as `worker_placements`
+        out.append([Placement("cuda", (train[(start + j) % len(train)],)) for j in range(k)])
+        start += k
+    return out

@@ -64,12 +64,26 @@ class SlotAllocator:
     # of that agent on another slot must wait for it (runtime side: `state_arrived`)
     transit: dict[str, asyncio.Future] = field(default_factory=dict)
     _clock: itertools.count = field(default_factory=itertools.count)
+    # slots of different sizes (devices): each slot's, and the size each agent is bound to
+    # (`bind`): an agent's state, sharded over its slot's ranks, moves only between slots of
+    # its size, so it is given no other
+    sizes: list[int] | None = None
+    size_of: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = [SlotInfo(i) for i in range(self.n_slots)]
 
+    def bind(self, slot_of: dict[str, int]) -> None:
+        """Bind each agent to the size of its slot in `slot_of` (the planner's `bind_slots`)."""
+        assert self.sizes is not None
+        self.size_of = {a: self.sizes[i] for a, i in slot_of.items()}
+
+    def _fits(self, agent: str, slot: SlotInfo) -> bool:
+        return (self.sizes is None or agent not in self.size_of
+                or self.sizes[slot.index] == self.size_of[agent])
+
     def _pick(self, agent: str, may_swap: MaySwap = None) -> Lease | None:
-        free = [s for s in self.slots if not s.busy]
+        free = [s for s in self.slots if not s.busy and self._fits(agent, s)]
         if not free:
             return None
         home = [s for s in self.slots if s.resident == agent]
@@ -155,7 +169,8 @@ class SlotAllocator:
                 continue
             if w.priority[:1] >= mine:
                 return False  # sorted: nobody older waits
-            if home.get(w.agent, lease.slot) == lease.slot and (
+            if home.get(w.agent, lease.slot) == lease.slot and self._fits(
+                    w.agent, self.slots[lease.slot]) and (
                     w.may_swap is None or w.agent in home or w.may_swap()):
                 return True
         return False

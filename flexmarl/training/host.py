@@ -63,10 +63,14 @@ class _Resident(dict):
                         f"(resident: {sorted(self) or 'none'})")
 
 
-def published(trainer: Learner, publisher: Any = None) -> Any:
+def published(trainer: Learner, publisher: Any = None, rank: int = 0) -> Any:
     """The learner's weights as published: the state interface's wire form
     (`training.learner.published_form`); with a collective `publisher`
-    (runtime.publication), a `PublishedRef` to the copy the slot keeps and sends itself."""
+    (runtime.publication), a `PublishedRef` to the copy the slot keeps and sends itself.
+    Ranks > 0 of a sharded slot take part in the gathering and publish nothing (None)."""
+    if rank > 0:
+        trainer.weights()  # collective: each bucket is all-gathered on every rank
+        return None
     if publisher is not None:
         return publisher.keep(trainer.agent, trainer.version, trainer.weights())
     return published_form(trainer)
@@ -79,9 +83,23 @@ class TrainHost:
 
     def __init__(self, cfg: RunConfig | None, vocab_size: int = 0, max_seq_len: int = 0,
                  swap_dir: str | None = None,
-                 build: Callable[[str], Learner] | None = None) -> None:
+                 build: Callable[[str], Learner] | None = None,
+                 world: int = 1, shard_dir: str | None = None) -> None:
+        """`world` > 1: this process is one rank of a sharded slot (the default
+        torch.distributed group, initialised by the caller): it builds `ShardedAgentTrainer`s,
+        and swaps and restart points go per rank through `shard_dir`, a folder every rank
+        and every slot can read."""
         if cfg is None and build is None:
             raise ValueError("TrainHost: give the run's config or a learner builder")
+        if world > 1 and shard_dir is None:
+            raise ValueError("TrainHost: a sharded slot needs a shard_dir")
+        self.world = world
+        self.rank = 0
+        if world > 1:
+            import torch.distributed as dist  # only sharded slots initialise a group
+
+            self.rank = dist.get_rank()
+        self.shard_dir = shard_dir
         self.cfg = cfg
         self.build_learner = build
         self.vocab_size = vocab_size
@@ -119,6 +137,13 @@ class TrainHost:
                                                process_device())
             shared = self.bases[name]
         self.builds += 1
+        if self.world > 1:
+            from flexmarl.training.sharded import ShardedAgentTrainer  # torch.distributed
+
+            return ShardedAgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
+                                       self.cfg.seed, total_steps=self.cfg.train.iterations,
+                                       max_staleness=self.cfg.pipeline.max_staleness,
+                                       device=str(process_device()), state_dir=self.shard_dir)
         return AgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
                             self.cfg.seed, total_steps=self.cfg.train.iterations,
                             max_staleness=self.cfg.pipeline.max_staleness, shared_base=shared)
@@ -128,6 +153,12 @@ class TrainHost:
         gradients and optimizer states, each shared base once."""
         from flexmarl.policy import adapters
 
+        if self.world > 1:  # this rank's shards (parameters, gradients, optimizer state)
+            total = 0
+            for agent, trainer in self.kept.items():
+                if agents is None or agent in agents:
+                    total += sum(trainer.local_nbytes().values())  # type: ignore[attr-defined]
+            return total
         objects: list = list(self.bases.values())
         for agent, trainer in self.kept.items():
             if agents is None or agent in agents:
@@ -150,7 +181,7 @@ class TrainHost:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
             captured = trainer.capture()  # a frozen base is kept in the object
-            out_state = st.swap_out(captured, self.swap_dir, resident)
+            out_state = self._swap_out(captured, resident)
             out_agent = resident
             timings["swap_out_s"] = time.perf_counter() - t0
             timings["swap_bytes"] = float(captured.nbytes)
@@ -167,12 +198,37 @@ class TrainHost:
                 # follows; until then it is exactly the initial state, as a fresh build
                 trainer.restore(self._initial(agent))
             if incoming is not None:
-                trainer.restore(st.swap_in(incoming))
+                trainer.restore(st.swap_in(self._own_part(agent, incoming)))
             self.trainers[agent] = trainer
             timings["swap_in_s"] = time.perf_counter() - t0
             timings["resident_bytes"] = float(self.resident_bytes())
             timings["agent_bytes"] = float(self.agent_bytes(agent))
         return out_agent, out_state, timings
+
+    def _swap_out(self, captured: st.TrainingState, agent: str) -> tuple[str, Any]:
+        """A swapped-out state as it leaves the slot. A sharded slot's ranks each write their
+        own shard to `shard_dir` (never gathered): `("shards", [path of rank 0, ...])`."""
+        if self.world == 1:
+            return st.swap_out(captured, self.swap_dir, agent)
+        import torch.distributed as dist  # only sharded slots get here
+
+        _, path = st.swap_out(captured, self.shard_dir, f"{agent}.rank{self.rank}of{self.world}")
+        paths: list[Any] = [None] * self.world
+        dist.all_gather_object(paths, path)
+        return ("shards", paths)
+
+    def _own_part(self, agent: str, incoming: tuple[str, Any]) -> tuple[str, Any]:
+        """This rank's part of a swapped-in state (a sharded slot's: its own shard file)."""
+        if incoming[0] != "shards":
+            if self.world > 1:
+                raise SlotError(f"agent {agent!r}: a one-device state offered to a slot of "
+                                f"{self.world} ranks")
+            return incoming
+        paths = incoming[1]
+        if len(paths) != self.world:
+            raise SlotError(f"agent {agent!r}: its state is sharded over {len(paths)} ranks, "
+                            f"this slot has {self.world}")
+        return ("disk", paths[self.rank])
 
     def _initial(self, agent: str) -> st.TrainingState:
         """The agent's initial state (a trainer built from its config, then dropped)."""
@@ -184,10 +240,10 @@ class TrainHost:
 
     def step(self, agent: str) -> tuple[dict[str, float], Any]:
         metrics = self.trainers[agent].step()
-        return metrics, published(self.trainers[agent], self.publisher)
+        return metrics, published(self.trainers[agent], self.publisher, self.rank)
 
     def weights(self, agent: str) -> Any:
-        return published(self.trainers[agent], self.publisher)
+        return published(self.trainers[agent], self.publisher, self.rank)
 
     def save(self, agent: str, directory: str) -> str:
         return str(self.trainers[agent].save(directory))
@@ -212,7 +268,7 @@ class TrainHost:
         if command == "weights":
             return self.weights(payload), f"weights:{payload}"
         if command == "weights_pipe":
-            return published(self.trainers[payload]), f"weights:{payload}"
+            return published(self.trainers[payload], None, self.rank), f"weights:{payload}"
         if command == "save":
             agent, directory = payload
             return self.save(agent, directory), f"save:{agent}"
@@ -267,10 +323,14 @@ class SlotPool(TrainPool):
 
     n_workers: int
 
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, n_slots: int, slot_sizes: list[int] | None = None) -> None:
         self.n_workers = n_slots
         self.slots = n_slots  # agents time-share them when fewer than agents
+        # the ranks (devices) of each slot: `pool/train/busy_frac` counts devices
+        self.slot_sizes = list(slot_sizes or [1] * n_slots)
         self.allocator = SlotAllocator(n_slots)
+        if len(set(self.slot_sizes)) > 1:
+            self.allocator.sizes = self.slot_sizes
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
@@ -342,8 +402,16 @@ class SlotPool(TrainPool):
 
     def follow_plan(self, plan: Plan) -> None:
         """Within an iteration, agents get slots in the planner's order (most critical
-        first) instead of graph order."""
+        first) instead of graph order. (Slots of different sizes: the plan's `slot_of` is
+        recorded; an agent keeps the size it was bound to at the start, `bind_slots`, since
+        its state is sharded over that many ranks.)"""
         self.rank = {a: i for i, a in enumerate(plan.train_order)}
+
+    def bind_slots(self, slot_of: dict[str, int]) -> None:
+        """Slots of different sizes: bind each agent to the size of its slot in `slot_of`
+        before it trains (the runtime's initial `planning.bind_slots`)."""
+        if self.allocator.sizes is not None:
+            self.allocator.bind(slot_of)
 
     def _outranked(self, agent: str, lease: Any, priority: tuple) -> bool:
         """Whether the holder should yield its slot to a more critical agent (planner's order)

@@ -14,25 +14,23 @@ ranks of one training slot do, driven by one host).
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from flexmarl.config.schema import AgentConfig
-from flexmarl.policy.device import memory_stats
+from flexmarl.training import dcp as dcp_state
 from flexmarl.training.state import TrainingState
 from flexmarl.training.trainer import AgentTrainer, TrainingError
 from flexmarl.types import Sample
@@ -62,9 +60,11 @@ class ShardedAgentTrainer(AgentTrainer):
     def __init__(self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int,
                  run_seed: int, total_steps: int | None = None, max_staleness: int = 0,
                  device: str | None = None, mesh: DeviceMesh | None = None,
-                 mixed_precision: MixedPrecisionPolicy | None = None) -> None:
+                 mixed_precision: MixedPrecisionPolicy | None = None,
+                 state_dir: str | None = None) -> None:
         """`mixed_precision`: FSDP2's policy (e.g. bf16 params, fp32 reduce); the master
-        weights and optimizer state stay float32 either way."""
+        weights and optimizer state stay float32 either way. `state_dir`: a folder all ranks
+        share, where restart points (`get_state`) are written."""
         if not dist.is_initialized():
             raise TrainingError(f"agent {agent!r}: a sharded trainer needs an initialised "
                                 "torch.distributed process group")
@@ -78,6 +78,7 @@ class ShardedAgentTrainer(AgentTrainer):
                                 f"iteration so far (got algorithm.epochs={cfg.algorithm.epochs})")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device)
+        self.state_dir = state_dir
         self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.group = self.mesh.get_group()
         self.rank = self.mesh.get_local_rank()
@@ -104,17 +105,26 @@ class ShardedAgentTrainer(AgentTrainer):
         collectives need every rank in every forward and backward."""
         if not samples:
             return {}
+        if self.cfg.algorithm.mask_truncated:  # dropped before the split: every rank agrees
+            cut = [s for s in samples if s.truncated]
+            if cut and self.rank == 0:  # counted once (the ranks' sums are reduced)
+                self._sums["rows_masked_truncated"] = (
+                    self._sums.get("rows_masked_truncated", 0.0) + len(cut))
+            samples = [s for s in samples if not s.truncated]
+            if not samples:
+                return {"rows": 0.0}
         share = samples[self.rank::self.world]
         if share:
             super().accumulate(share)
             return {"rows": float(len(share))}
         saved = (self._rows, set(self._seen), dict(self._sums), self._nonfinite,
-                 self.loss_scale)
+                 self.loss_scale, list(self._kept))
         self.loss_scale = 0.0
         try:
             super().accumulate(samples[:1])
         finally:
-            self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale = saved
+            (self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale,
+             self._kept) = saved
         return {"rows": 0.0}
 
     def _reduce_counts(self) -> None:
@@ -137,47 +147,16 @@ class ShardedAgentTrainer(AgentTrainer):
 
     def step(self) -> dict[str, float]:
         """As `AgentTrainer.step`, over the rows of all ranks: FSDP averaged the gradients over
-        K ranks, so they are scaled by K / rows."""
+        K ranks, so they are scaled by K / rows (`world_size`)."""
         self._reduce_counts()
-        if self._rows == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.version += 1
-            return {"skipped": 1.0, "rows": 0.0}
-        scale = self.world / (self._rows * self.loss_scale)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        max_norm = self.cfg.optim.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.params, max_norm if max_norm is not None else float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if self._nonfinite is None and not torch.isfinite(norm):
-            self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
-        if self._nonfinite is not None:
-            return self._skip_step(self._nonfinite)
-        lr = self._set_lr()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(self._sums.pop("tokens", 0.0), 1.0)
-        lpd_sum = self._sums.pop("logprob_diff_sum", None)
-        lpd_tokens = self._sums.pop("logprob_diff_tokens", 0.0)
-        lpd_max = self._sums.pop("logprob_diff_max", None)
-        metrics = {k: v / self._rows for k, v in self._sums.items()}
-        if lpd_sum is not None and lpd_tokens > 0:
-            metrics["logprob_diff_mean"] = lpd_sum / lpd_tokens
-            metrics["logprob_diff_max"] = float(lpd_max or 0.0)
-        metrics.update(memory_stats(self.device))
-        metrics["clip_frac"] = self._sums.get("clip_frac", 0.0) / tokens
-        metrics["grad_norm"] = float(norm)
-        metrics["lr"] = lr
-        metrics["rows"] = float(self._rows)
-        metrics["train_world_size"] = float(self.world)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self.version += 1
-        return metrics
+        return super().step()
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.world
+
+    def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # --- per-rank state: swapping ----------------------------------------------------------------
     def local_nbytes(self) -> dict[str, int]:
@@ -197,6 +176,8 @@ class ShardedAgentTrainer(AgentTrainer):
         tensors: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             tensors[f"param/{name}"] = _local(p).detach().to("cpu", copy=True)
+            if p.grad is not None:  # a swap between micro-batches of one step
+                tensors[f"grad/{name}"] = _local(p.grad).detach().to("cpu", copy=True)
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, slots in self.optimizer.state.items():
             for key, v in slots.items():
@@ -219,6 +200,14 @@ class ShardedAgentTrainer(AgentTrainer):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 _local(p).copy_(state.tensors[f"param/{name}"])
+                grad = state.tensors.get(f"grad/{name}")
+                if grad is None:
+                    p.grad = None
+                elif isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(grad.to(p.device, copy=True), p.device_mesh,
+                                                p.placements, shape=p.shape, stride=p.stride())
+                else:
+                    p.grad = grad.to(p.device, copy=True)
             by_index = dict(enumerate(self.params))
             for key, v in state.tensors.items():
                 if not key.startswith("optim/"):
@@ -239,7 +228,73 @@ class ShardedAgentTrainer(AgentTrainer):
         self._seen = set(meta["seen"])
         self._sums = dict(meta["sums"])
         self._nonfinite = meta["nonfinite"]
+
+    # --- the Learner role (training/learner.py) on a sharded slot ----------------------------
+    def capture(self) -> TrainingState:
+        """A swap moves this rank's shard only (`capture_shard`)."""
+        return self.capture_shard()
+
+    def restore(self, state: TrainingState) -> None:
+        self.restore_shard(state)
+
+    def get_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The restart point: a DCP checkpoint (each rank writes its shard) in a new folder
+        under `state_dir`; the meta names it and carries every rank's RNG state. Collective.
+        The three newest folders of the agent are kept (the driver, or a checkpoint being
+        written, may still read the older)."""
+        if self.state_dir is None:
+            raise TrainingError(f"agent {self.agent!r}: a sharded trainer's restart point "
+                                "needs a state folder shared by its ranks")
+        root = Path(self.state_dir) / "restart" / self.agent
+        named = [f"v{self.version}-{uuid.uuid4().hex[:8]}"]  # rank 0's name, for all ranks
+        dist.broadcast_object_list(named, src=dist.get_global_rank(self.group, 0),
+                                   group=self.group)
+        name = named[0]
+        self.save_checkpoint(root / name)
+        rngs: list[Any] = [None] * self.world
+        dist.all_gather_object(rngs, torch.get_rng_state().tolist(), group=self.group)
+        if self.rank == 0:
+            old = sorted((d for d in root.iterdir() if d.name != name),
+                         key=lambda d: d.stat().st_mtime)
+            for stale in old[:-2]:
+                shutil.rmtree(stale, ignore_errors=True)
+        return {}, {"agent": self.agent, "version": self.version, "dcp": str(root / name),
+                    "world": self.world, "rng": rngs}
+
+    def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Load `get_state`'s restart point (any K wrote it; RNG states only at the same K)."""
+        if meta.get("agent") != self.agent:
+            raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
+        if "dcp" not in meta:  # a one-device state (a checkpoint taken at K=1)
+            self._load_full(arrays, meta)
+            return
+        self.load_checkpoint(meta["dcp"])
+        if int(meta.get("world", 0)) == self.world:
+            torch.set_rng_state(torch.tensor(meta["rng"][self.rank], dtype=torch.uint8))
+
+    def _load_full(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """`AgentTrainer.get_state`'s full arrays (every rank has them), each rank keeping its
+        shard: the model by name, AdamW's state by parameter index (the same order here)."""
+        model: dict[str, Any] = {k[len("model."):]: torch.from_numpy(np.array(v, copy=True))
+                                 for k, v in arrays.items() if k.startswith("model.")}
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in arrays.items():
+            if key.startswith("optim."):
+                _, idx, slot = key.split(".", 2)
+                state.setdefault(names[int(idx)], {})[slot] = torch.from_numpy(
+                    np.array(value, copy=True))
+        groups = [{**g, "params": names} for g in meta["param_groups"]]
+        optim: Any = {"state": state, "param_groups": groups}
+        set_state_dict(self.model, self.optimizer, model_state_dict=model,
+                       optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True, strict=True))
+        self.version = int(meta["version"])
         self.optimizer.zero_grad(set_to_none=True)
+        self._rows = 0
+        self._seen.clear()
+        self._sums = {}
+        self._nonfinite = None
 
     # --- publication -----------------------------------------------------------------------
     def weight_buckets(self, dtype: torch.dtype | None = None,
@@ -294,21 +349,11 @@ class ShardedAgentTrainer(AgentTrainer):
     # --- checkpoints (torch.distributed.checkpoint) ----------------------------------------
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard of weights and optimizer state; any K can load it."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd,
-                  "version": torch.tensor(self.version)},
-                 checkpoint_id=str(directory), process_group=self.group)
+        dcp_state.save(self.model, self.optimizer, self.version, directory, self.group)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
-                                 "version": torch.tensor(0)}
-        dcp.load(state, checkpoint_id=str(directory), process_group=self.group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
-        self.version = int(state["version"])
-        self.optimizer.zero_grad(set_to_none=True)
+        self.version = dcp_state.load(self.model, self.optimizer, directory, self.group)
         self._rows = 0
         self._seen.clear()
         self._sums = {}

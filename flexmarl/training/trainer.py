@@ -26,6 +26,7 @@ from flexmarl.policy.model import build_model, stable_seed, weights_of
 from flexmarl.policy.sampling import make_token_batch, response_forward
 from flexmarl.policy.tokenizer import TokenizerError, agent_tokenizer, base_model_name
 from flexmarl.training import algorithms, lora
+from flexmarl.training import dcp as dcp_state
 from flexmarl.training import state as st
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef
 from flexmarl.training.learner import Audit
@@ -276,17 +277,24 @@ class AgentTrainer:
             group["lr"] = group["base_lr"] * f
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # ranks the gradients were averaged over (FSDP averages; a sharded trainer has K)
+    world_size = 1
+
+    def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over the whole model (a sharded trainer gathers its pieces)."""
+        return norm
+
     def _optimizer_step(self, rows: int) -> torch.Tensor:
         """Normalise the summed gradients by `rows`, clip and step (unless a non-finite loss
         or gradient norm poisoned them: then `_nonfinite` says why and nothing moves)."""
-        scale = 1.0 / (rows * self.loss_scale)
+        scale = self.world_size / (rows * self.loss_scale)
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
         max_norm = self.cfg.optim.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(
+        norm = self._full_norm(torch.nn.utils.clip_grad_norm_(
             self.params, max_norm if max_norm is not None else float("inf")
-        )
+        ))
         if self._nonfinite is None and not torch.isfinite(norm):
             self._nonfinite = f"non-finite gradient norm {float(norm):.4g}"
         if self._nonfinite is None:
@@ -345,6 +353,7 @@ class AgentTrainer:
         metrics["grad_norm"] = float(norm)
         metrics["lr"] = lr
         metrics["rows"] = float(self._rows)
+        metrics["train_world_size"] = float(self.world_size)  # ranks it trained on
         metrics.update(extra)
         if "rows_masked_truncated" in metrics:  # a count, not a per-row mean
             metrics["rows_masked_truncated"] = self._sums["rows_masked_truncated"]
@@ -490,9 +499,18 @@ class AgentTrainer:
         return arrays, meta
 
     def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Restore `get_state`'s output; any gradients accumulated so far are dropped."""
+        """Restore `get_state`'s output; any gradients accumulated so far are dropped. A
+        sharded slot's state (`meta["dcp"]`, written at any K) is read resharded to this one
+        device."""
         if meta.get("agent") != self.agent:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
+        if "dcp" in meta:
+            self.version = dcp_state.load(self.model, self.optimizer, meta["dcp"])
+            self._rows = 0
+            self._seen.clear()
+            self._sums = {}
+            self._nonfinite = None
+            return
         for part, module in self._state_modules().items():
             prefix = f"{part}."
             shared = self._shared_keys(part, module)

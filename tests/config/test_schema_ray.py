@@ -41,3 +41,33 @@ def test_ray_address_and_bundles_load():
 def test_bad_ray_settings_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(EXAMPLE, overrides)
+
+
+def test_an_elastic_rollout_pool_reads_back_as_min_and_max():
+    rt = load_config(EXAMPLE, ["runtime.kind=ray",
+                               "runtime.rollout_workers={min: 1, max: 4}"]).runtime
+    assert (rt.rollout_workers, rt.rollout_workers_max) == (1, 4)
+    again = load_config(EXAMPLE, [f"runtime.{k}={v}" for k, v in
+                                  rt.model_dump(include={"kind", "rollout_workers",
+                                                         "rollout_workers_max"}).items()])
+    assert again.runtime.rollout_workers_max == 4  # a dumped config loads back the same
+    fixed = load_config(EXAMPLE, ["runtime.rollout_workers=3"]).runtime
+    assert (fixed.rollout_workers, fixed.rollout_workers_max) == (3, None)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["runtime.kind=ray", "runtime.rollout_workers={min: 3, max: 2}"], r"max 2 is below min 3"),
+    (["runtime.kind=ray", "runtime.rollout_workers={min: 1}"], r"a count or \{min: M, max: N\}"),
+    (["runtime.rollout_workers={min: 1, max: 2}"], r"needs runtime\.kind=ray"),
+])
+def test_bad_elastic_bounds_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(EXAMPLE, overrides)
+
+
+def test_a_classic_marl_run_refuses_an_elastic_pool():
+    from flexmarl.marl.config import load_marl_config
+
+    marl = Path(__file__).resolve().parents[2] / "examples" / "mpe_spread.yaml"
+    with pytest.raises(ConfigError, match="rollout_workers_max"):
+        load_marl_config(marl, ["runtime.kind=ray", "runtime.rollout_workers={min: 1, max: 2}"])

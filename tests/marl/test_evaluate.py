@@ -12,7 +12,6 @@ pytest.importorskip("mpe2")
 
 from flexmarl.config.schema import ConfigError  # noqa: E402
 from flexmarl.envs.pettingzoo import VecParallelEnv  # noqa: E402
-from flexmarl.marl.config import marl_config_from_dict  # noqa: E402
 from flexmarl.marl.evaluate import (  # noqa: E402
     EVAL_SEED_OFFSET,
     GreedyEvaluator,
@@ -21,21 +20,16 @@ from flexmarl.marl.evaluate import (  # noqa: E402
 )
 from flexmarl.marl.learner import PolicyLearner  # noqa: E402
 from flexmarl.marl.run import MarlRun, train_marl  # noqa: E402
+from tests.marl.configs import marl_cfg  # noqa: E402
 
 
 def spread(**over):
-    raw = {"kind": "marl", "seed": 3,
+    raw = {"seed": 3,
            "env": {"id": "mpe2.simple_spread_v3", "options": {"N": 3, "max_cycles": 25},
                    "num_envs": 4},
            "algorithm": {"name": "mappo", "epochs": 2, "minibatches": 1},
            "train": {"env_steps": 300, "rollout_steps": 25, "eval_episodes": 6}}
-    for key, value in over.items():
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return marl_config_from_dict(raw)
+    return marl_cfg(raw, **over)
 
 
 def constant_weights(c, action: int) -> tuple[MarlRun, dict[str, torch.Tensor]]:
@@ -52,7 +46,7 @@ def constant_weights(c, action: int) -> tuple[MarlRun, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("kind", ["mlp", "gru"])
 def test_greedy_takes_the_most_likely_action_on_fixed_episodes(kind: str) -> None:
-    c = spread(**{"policy.network.kind": kind})
+    c = spread(**{"network.kind": kind})
     run, w = constant_weights(c, 3)  # mpe2's discrete action 3: move down
     ev = GreedyEvaluator(c, run.layouts, 6)
     ev.load("shared", 1, w)

@@ -22,11 +22,11 @@ from safetensors.numpy import load_file
 
 pytest.importorskip("mpe2")
 
-from flexmarl.marl.config import marl_config_from_dict  # noqa: E402
 from flexmarl.marl.learner import PolicyLearner  # noqa: E402
 from flexmarl.marl.rollout import EnvRollout  # noqa: E402
 from flexmarl.marl.run import MarlRun, train_marl  # noqa: E402
 from flexmarl.orchestrator.checkpoint import CheckpointError  # noqa: E402
+from tests.marl.configs import marl_cfg, shaped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 4
@@ -40,24 +40,18 @@ COMPARED = ("return_mean", "agent/speaker_0/return_mean", "agent/listener_0/retu
 def raw(**over) -> dict:
     """speaker_listener, two policies time-sharing one training slot, a checkpoint every
     iteration."""
-    out: dict = {"kind": "marl", "name": "sl_reliability", "seed": 3,
+    out: dict = {"name": "sl_reliability", "seed": 3,
                  "env": {"id": "mpe2.simple_speaker_listener_v4",
                          "options": {"max_cycles": 25}, "num_envs": ENVS},
-                 "policy": {"share_parameters": False},
+                 "share": False,
                  "algorithm": {"name": "mappo", "epochs": 2, "minibatches": 2},
                  "train": {"env_steps": ITERATIONS * ENVS * 25, "rollout_steps": 25,
                            "checkpoint_every": 1}}
-    for key, value in over.items():
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
+    return shaped(out, **over)
 
 
 def cfg(**over):
-    return marl_config_from_dict(raw(**over))
+    return marl_cfg(raw(**over))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +107,7 @@ def records_on_disk(out: Path) -> list[dict]:
 def test_a_rollout_workers_environment_state_round_trips_exactly() -> None:
     """Captured after an iteration, restored into a fresh worker: the next iterations (GRU
     hidden states, episodes ending and resetting mid-iteration) are bit-identical."""
-    c = cfg(**{"policy.network.kind": "gru", "train.rollout_steps": 15})
+    c = cfg(**{"network.kind": "gru", "train.rollout_steps": 15})
     run = MarlRun(c)
     weights = {n: PolicyLearner(c, lay).weights() for n, lay in run.layouts.items()}
 
@@ -164,7 +158,7 @@ def test_stopped_after_two_iterations_then_resumed_equals_uninterrupted(tmp_path
     assert [r["iteration"] for r in records_on_disk(out)] == list(range(ITERATIONS))
     assert_same_run(out, resumed.records, resumed.audit, reference)
     with pytest.raises(CheckpointError, match="has policies"):  # a config that does not fit
-        train_marl(cfg(**{"policy.share_parameters": True}), tmp_path / "x", resume=out)
+        train_marl(cfg(**{"share": True}), tmp_path / "x", resume=out)
 
 
 def _generation(out: Path) -> int:
@@ -290,18 +284,7 @@ def test_without_restarts_a_killed_worker_fails_the_run(tmp_path):
     with pytest.raises(WorkerLost, match="rollout worker 0 lost"):
         train_marl(cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None}),
                    tmp_path / "run", on_runtime=_kill_during("rollout", "rollout", 0, {}))
-
-
-def test_the_marl_runtime_config_has_every_field_the_supervisor_reads():
-    """The local `Supervisor` watches MARL workers with `cfg.runtime` untyped: a field it reads
-    and the MARL schema lacks would end its monitor task silently."""
-    import inspect
-    import re
-
-    from flexmarl.marl.config import MarlRuntimeConfig
-    from flexmarl.runtime.local.runtime import Supervisor
-
-    source = inspect.getsource(Supervisor)
-    read = set(re.findall(r"self\.cfg\.([a-z_]+)", source))
-    assert read, "the supervisor reads its fields from self.cfg"
-    assert read <= set(MarlRuntimeConfig.model_fields), read - set(MarlRuntimeConfig.model_fields)
+    # hosted like an LLM run: the failure is on disk for doctor and report
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_type"] == "WorkerLost"
+    assert "rollout worker 0 lost" in summary["error"]

@@ -11,11 +11,11 @@ import torch
 pytest.importorskip("mpe2")
 
 from flexmarl.envs.pettingzoo import VecParallelEnv  # noqa: E402
-from flexmarl.marl.config import marl_config_from_dict  # noqa: E402
-from flexmarl.marl.offpolicy import POLICY, QLearner, QRollout, q_layouts  # noqa: E402
+from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts  # noqa: E402
 from flexmarl.marl.policies import MarlSample  # noqa: E402
 from flexmarl.marl.run import train_marl  # noqa: E402
 from flexmarl.training import state as st  # noqa: E402
+from tests.marl.configs import marl_cfg  # noqa: E402
 from tests.marl.test_reliability import _kill_during, events, final_weights  # noqa: E402
 
 ITERATIONS = 4
@@ -26,31 +26,25 @@ COMPARED = ("return_mean", "agent/shared/loss/value", "agent/shared/q_mean",
 
 
 def cfg(**over):
-    raw: dict = {"kind": "marl", "name": "spread_qmix", "seed": 5,
+    raw: dict = {"name": "spread_qmix", "seed": 5,
                  "env": {"id": "mpe2.simple_spread_v3", "num_envs": ENVS},
                  "algorithm": {"name": "qmix", "min_size": 150, "capacity": 300,
                                "batch_size": 32, "target_every": 7, "mixing_embed": 8,
                                "eps_decay_steps": 300},
                  "train": {"env_steps": ITERATIONS * ENVS * 25, "rollout_steps": 25,
                            "checkpoint_every": 1}}
-    for key, value in over.items():
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return marl_config_from_dict(raw)
+    return marl_cfg(raw, **over)
 
 
 def _parts(c):
     probe = VecParallelEnv(c.env.id, c.env.options, 1, c.seed)
     probe.reset()
     lay = q_layouts(c, probe)
-    return lay, QLearner(c, lay[POLICY]), QRollout(c, lay)
+    return lay, QLearner(c, lay["shared"]), QRollout(c, lay)
 
 
 def _feed(learner: QLearner, worker: QRollout, k: int) -> dict:
-    worker.load(POLICY, k, learner.weights())
+    worker.load("shared", k, learner.weights())
     res = worker.run(k)
     learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
     return learner.step()
@@ -64,11 +58,11 @@ def test_the_replay_learners_state_round_trips_exactly() -> None:
     lay, a, worker = _parts(c)
     for k in range(3):
         _feed(a, worker, k)
-    worker.load(POLICY, 3, a.weights())
+    worker.load("shared", 3, a.weights())
     res = worker.run(3)
     a.accumulate([MarlSample("3-w0_0_0", 3, 3, 0, res.transitions)])
     assert a.replay.size == 300 and a.replay.cursor == 0  # full, wrapped once
-    b = QLearner(c, lay[POLICY])
+    b = QLearner(c, lay["shared"])
     b.restore(st.from_wire(st.to_wire(a.capture())))
     ma, mb = a.step(), b.step()
     assert ma == mb
@@ -84,8 +78,8 @@ def test_the_replay_learners_state_round_trips_exactly() -> None:
 
 
 @pytest.mark.parametrize(("over", "field"), [
-    ({"policy.share_parameters": False}, "policy.share_parameters"),
-    ({"policy.network.kind": "gru"}, "policy.network.kind"),
+    ({"share": False}, "one joint learner"),
+    ({"network.kind": "gru"}, "networks.shared.kind"),
     ({"store.compress_obs": True}, "store.compress_obs"),
 ])
 def test_what_the_replay_learners_cannot_do_is_refused_naming_the_field(over, field):
@@ -103,10 +97,10 @@ def reference(tmp_path_factory):
 
 def assert_same(out, records, reference) -> None:
     ref_w, got_w = final_weights(reference.out_dir), final_weights(out)
-    assert ref_w.keys() == got_w.keys() == {POLICY}
-    assert any(k.startswith("mixer.") for k in got_w[POLICY])
-    for key, value in ref_w[POLICY].items():
-        assert np.array_equal(value, got_w[POLICY][key]), key
+    assert ref_w.keys() == got_w.keys() == {"shared"}
+    assert any(k.startswith("mixer.") for k in got_w["shared"])
+    for key, value in ref_w["shared"].items():
+        assert np.array_equal(value, got_w["shared"][key]), key
     assert len(records) == len(reference.records) == ITERATIONS
     for a, b in zip(records, reference.records, strict=True):
         for key in COMPARED:  # (no loss before min_size rows)
@@ -126,12 +120,12 @@ def test_qmix_stopped_after_two_iterations_then_resumed_equals_uninterrupted(tmp
 
     assert [r["replay/size"] for r in reference.records] == [100, 200, 300, 300]
     assert sum(r["replay/updates"] for r in reference.records) == (400 - 150) // 4 + 1
-    assert reference.audit[POLICY] == [(f"{k}-w0_0_0", k, k, 0) for k in range(ITERATIONS)]
+    assert reference.audit["shared"] == [(f"{k}-w0_0_0", k, k, 0) for k in range(ITERATIONS)]
     tb = {"logging.backends": ["jsonl", "tensorboard"]}
     out = tmp_path / "run"
     first = train_marl(cfg(**tb), out, iterations=2)
     assert len(first.records) == 2
-    state = load_file(str(out / "checkpoints" / "gen-000002" / "agents" / POLICY
+    state = load_file(str(out / "checkpoints" / "gen-000002" / "agents" / "shared"
                           / "state.safetensors"))
     assert state["r/f/obs"].shape == (200, 3, 18) and state["r/f/state"].shape[0] == 200
     resumed = train_marl(cfg(**tb), out, resume=out)
@@ -167,8 +161,8 @@ def test_training_slot_killed_mid_step_is_restored_exactly(tmp_path, reference):
 def test_vdn_learns_on_simple_v3_with_two_rollout_workers(tmp_path):
     """Learning smoke test: one agent to its landmark (`simple_v3`), two rollout workers;
     the greedy-ish late episodes beat the random first ones by a wide margin."""
-    c = marl_config_from_dict({
-        "kind": "marl", "seed": 0, "env": {"id": "mpe2.simple_v3", "num_envs": 8},
+    c = marl_cfg({
+        "seed": 0, "env": {"id": "mpe2.simple_v3", "num_envs": 8},
         "algorithm": {"name": "vdn", "min_size": 1000, "capacity": 20000, "batch_size": 64,
                       "target_every": 100, "eps_decay_steps": 4000, "lr": 0.001},
         "runtime": {"rollout_workers": 2},

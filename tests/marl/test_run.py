@@ -10,35 +10,30 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("mpe2")
 
 from flexmarl.cli.main import main  # noqa: E402
 from flexmarl.config.schema import ConfigError  # noqa: E402
-from flexmarl.marl.config import marl_config_from_dict  # noqa: E402
 from flexmarl.marl.learner import LearnerError, PolicyLearner  # noqa: E402
 from flexmarl.marl.rollout import EnvRollout  # noqa: E402
 from flexmarl.marl.run import MarlRun, PolicyError, train_marl  # noqa: E402
 from flexmarl.store.experience import ConsistencyError  # noqa: E402
 from flexmarl.training import state as st  # noqa: E402
+from tests.marl.configs import marl_cfg, shaped  # noqa: E402
 
 SPEAKER_LISTENER_RANDOM = -40.4  # mean episode return per agent, random policy (issue 18)
 
 
 def cfg(**over):
-    raw = {"kind": "marl", "seed": 0,
+    raw = {"seed": 0,
            "env": {"id": "mpe2.simple_speaker_listener_v4", "options": {"max_cycles": 25},
                    "num_envs": 4},
-           "policy": {"share_parameters": False},
+           "share": False,
            "algorithm": {"name": "mappo", "epochs": 3, "minibatches": 2},
            "train": {"env_steps": 200, "rollout_steps": 25}}
-    for key, value in over.items():
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return marl_config_from_dict(raw)
+    return marl_cfg(raw, **over)
 
 
 def in_process(c):
@@ -109,7 +104,7 @@ def test_a_step_refuses_rows_of_another_iteration() -> None:
 def test_a_swapped_out_learner_resumes_exactly() -> None:
     """capture -> wire -> restore into a fresh learner, with rows held (accumulated, not
     stepped): its step equals the unswapped learner's, weights and metrics bit for bit."""
-    c = cfg(**{"policy.share_parameters": True, "policy.network.kind": "gru"})
+    c = cfg(**{"share": True, "network.kind": "gru"})
     run, env, learners = in_process(c)
     step_in_process(run, env, learners, 0)  # Adam state, statistics, version 1
     run.put_rows(1, [env.run(1)])
@@ -126,8 +121,8 @@ def test_a_swapped_out_learner_resumes_exactly() -> None:
 
 
 def test_gru_shared_and_gaussian_policies_run() -> None:
-    gru = cfg(**{"env.id": "mpe2.simple_spread_v3", "policy.share_parameters": True,
-                 "policy.network.kind": "gru", "algorithm.name": "ippo",
+    gru = cfg(**{"env.id": "mpe2.simple_spread_v3", "share": True,
+                 "network.kind": "gru", "algorithm.name": "ippo",
                  "runtime.rollout_workers": 2})
     res = train_marl(gru, None)  # 2 rollout workers x 4 envs: 1 iteration of 200 steps
     assert np.isfinite(res.records[-1]["agent/shared/loss/policy"])
@@ -136,14 +131,14 @@ def test_gru_shared_and_gaussian_policies_run() -> None:
     _, env, _ = in_process(gru)
     assert env.actors["shared"].hidden.shape == (3 * 4, 64)  # carried across iterations
     box = cfg(**{"env.id": "mpe2.simple_spread_v3", "env.options.continuous_actions": True,
-                 "policy.share_parameters": True})
+                 "share": True})
     res = train_marl(box, None)
     assert MarlRun(box).layouts["shared"].spec.kind == "box"
     assert np.isfinite(res.records[-1]["agent/shared/entropy"])
 
 
 def test_shared_speaker_listener_pads_discrete_heads() -> None:
-    run, env, _ = in_process(cfg(**{"policy.share_parameters": True}))
+    run, env, _ = in_process(cfg(**{"share": True}))
     lay = run.layouts["shared"]
     assert lay.spec.nvec == (5,) and lay.obs_dim == 11
     run.put_rows(0, [env.run(0)])
@@ -158,15 +153,54 @@ def test_config_errors_name_the_field(tmp_path, capsys) -> None:
     with pytest.raises(ConfigError, match="(?s)runtime.kind.*not the simulator"):
         cfg(**{"runtime.kind": "sim"})
     bad = tmp_path / "bad.yaml"
-    bad.write_text("kind: marl\nenv: {id: mpe2.simple_nothing_v9}\n")
+    bad.write_text("env: {id: mpe2.simple_nothing_v9}\nagents: {a: {}}\n")
     assert main(["train", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "env.id: unknown environment 'mpe2.simple_nothing_v9'" in capsys.readouterr().err
     from flexmarl.envs.spaces import ActionSpec
     from flexmarl.marl.policies import group_spec
 
-    with pytest.raises(PolicyError, match="agents of env 'e' have different action spaces"):
+    with pytest.raises(PolicyError, match="sharing a network have different action spaces"):
         group_spec(["a", "b"], {"a": ActionSpec("discrete", nvec=(3,)),
                                  "b": ActionSpec("box", dim=2, low=(-1, -1), high=(1, 1))}, "e")
+
+
+def test_agents_and_shared_networks_are_checked_naming_the_field(tmp_path, capsys) -> None:
+    """The run config's shape: every trained agent of the environment named once, a shared
+    network named by `base` like a shared LLM base; each mistake names its field."""
+    sl = {"env": {"id": "mpe2.simple_speaker_listener_v4"}, "share": False}
+    with pytest.raises(ConfigError, match="agents.speaker_1: env .* has no trained agent"):
+        MarlRun(marl_cfg({**sl, "agents": {"speaker_1": {}, "listener_0": {}}}))
+    with pytest.raises(ConfigError, match="agent\\(s\\) listener_0 without a config"):
+        MarlRun(marl_cfg({**sl, "agents": {"speaker_0": {}}}))
+    with pytest.raises(ConfigError, match="agents.speaker_0.network.base: 'net' names no"):
+        marl_cfg({**sl, "agents": {"speaker_0": {"network": {"base": "net"}}}})
+    with pytest.raises(ConfigError, match="networks.spare: no agent uses it"):
+        marl_cfg({**sl, "networks": {"spare": {}}, "agents": {"speaker_0": {}}})
+    with pytest.raises(ConfigError, match="agents.listener_0.network.hidden: set next to"):
+        marl_cfg({**sl, "networks": {"n": {}}, "agents": {
+            "speaker_0": {"network": {"base": "n"}},
+            "listener_0": {"network": {"base": "n", "hidden": [8]}}}})
+    with pytest.raises(ConfigError, match="runtime.publication: places, pins or publishes"):
+        cfg(**{"runtime.publication": "pipe"})
+    with pytest.raises(ConfigError, match="runtime.train_cpus: places, pins or publishes"):
+        cfg(**{"runtime.train_cpus": [0]})
+    # partial sharing: two of spread's three agents on one network, the third on its own
+    run = MarlRun(marl_cfg({"env": {"id": "mpe2.simple_spread_v3"}, "networks": {
+        "pair": {"hidden": [16]}}, "agents": {"agent_0": {"network": {"base": "pair"}},
+                                              "agent_1": {"network": {"base": "pair"}},
+                                              "agent_2": {"network": {"hidden": [8]}}}}))
+    assert {n: lay.agents for n, lay in run.layouts.items()} == {
+        "pair": ("agent_0", "agent_1"), "agent_2": ("agent_2",)}
+    assert run.cfg.network_of("pair").hidden == [16]
+    old = tmp_path / "old.yaml"  # the retired shape says what replaced it
+    old.write_text("kind: marl\nenv: {id: mpe2.simple_v3}\n")
+    assert main(["train", str(old), "--out", str(tmp_path / "o")]) == 2
+    assert "kind: marl is gone" in capsys.readouterr().err
+    sl_file = tmp_path / "sl.yaml"
+    sl_file.write_text(yaml.safe_dump(shaped(sl)))
+    assert main(["train", str(sl_file), "--system", "flexmarl-sync"]) == 2
+    assert "--system flexmarl-sync: the simulator's systems are presets of LLM runs" in (
+        capsys.readouterr().err)
 
 
 def _speaker_listener(steps: int):
@@ -201,7 +235,7 @@ def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
     """On-policy: at the first epoch the learner's log-probs of iteration k's rows are the
     rollout's, also when the store holds FP16 + zstd observations (the policy acts on the
     rounded ones), and the compressed rows take fewer bytes."""
-    c = cfg(**{"env.id": "mpe2.simple_spread_v3", "policy.share_parameters": True,
+    c = cfg(**{"env.id": "mpe2.simple_spread_v3", "share": True,
                "store.compress_obs": compress, "train.env_steps": 200})
     run, env, learners = in_process(c)
     step_in_process(run, env, learners, 0)  # obs statistics exist: version 1 normalises

@@ -80,3 +80,15 @@ def test_mappo_beats_a_random_tictactoe_opponent(tmp_path) -> None:
     rets = [r["return_mean"] for r in res.records if "return_mean" in r]
     first, last = float(np.mean(rets[:5])), float(np.mean(rets[-5:]))
     assert first < 0.5 and last > first + 0.25, (first, last)
+    # the run folder reads like an LLM run's: summary.json, and doctor finds the agent and
+    # its common reward metric
+    import json
+
+    from flexmarl.cli.doctor import load_run
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == len(res.records)
+    run = load_run(tmp_path / "run")
+    assert run.agents == ["player_1"]
+    its, rewards = run.series("agent/player_1/reward_mean")
+    assert len(its) == len(res.records) and rewards[-1] == res.records[-1]["return_mean"]

@@ -13,6 +13,7 @@ from flexmarl.planning.planner import (
     Planner,
     Policy,
     Resources,
+    bind_slots,
     critical_order,
     remaining_path,
 )
@@ -140,3 +141,22 @@ def test_an_agent_behind_an_endpoint_gets_no_replicas_but_counts_on_the_path() -
     assert sum(plan.replicas.values()) == 3
     assert plan.train_order == ["solver", "helper"]  # 0.2 + 1.0 ahead of the helper's 0.3
     assert plan.critical_path_s == pytest.approx(1.2)
+
+
+def test_slots_of_different_sizes_bind_the_heaviest_agent_to_the_largest() -> None:
+    """`runtime.slot_sizes`: the heaviest agent on the largest slot, the others where the load
+    per device stays smallest; the plan records the sizes and the binding."""
+    assert bind_slots({"a": 1.0, "b": 8.0, "c": 2.0}, [1, 4, 2]) == {"b": 1, "c": 2, "a": 0}
+    # per device: a, b -> 6/2 on slot 0 (a tie with 3/1 goes to the larger), c -> 3/1 on slot
+    # 1, d -> 7/2 on slot 0 rather than 4/1
+    assert bind_slots({"a": 3.0, "b": 3.0, "c": 3.0, "d": 1.0}, [2, 1]) == {
+        "a": 0, "b": 0, "c": 1, "d": 0}
+    lat = {"s": [0.1] * 4, "r": [0.4] * 4, "l": [0.1] * 4}
+    agents = ["speaker", "relay", "listener"]
+    d = MeasuredDemand("test", CHAIN, agents, agents, lat, None,
+                       train_s={"speaker": 0.2, "relay": 0.9, "listener": 0.3},
+                       calls=dict.fromkeys(agents, 4.0))
+    plan = Planner().plan(d, Resources(4 + 2, 4, 2, (2, 1)), 1)
+    assert plan.slot_of == {"relay": 0, "listener": 1, "speaker": 1}
+    assert plan.train == {"relay": 2, "listener": 1, "speaker": 1}
+    assert plan.to_dict()["slot_sizes"] == [2, 1]

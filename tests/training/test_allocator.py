@@ -145,3 +145,28 @@ def test_the_holder_yields_only_to_older_work_that_this_slot_can_serve():
         for fut in (same, unwilling):
             fut.cancel()
     asyncio.run(run())
+
+
+def test_an_agent_bound_to_a_slot_size_gets_only_slots_of_that_size():
+    """Slots of different sizes: an agent's state is sharded over its slot's ranks, so it is
+    only ever given slots of the size it is bound to (waiting rather than taking another)."""
+    async def run():
+        alloc = SlotAllocator(3, sizes=[2, 1, 1])
+        alloc.bind({"big": 0, "x": 1, "y": 2})
+        big = await alloc.acquire("big")
+        x = await alloc.acquire("x")
+        assert (big.slot, x.slot) == (0, 1)
+        alloc.release(big)
+        y = await alloc.acquire("y")  # slot 0 is free, but of size 2
+        assert y.slot == 2
+        z = await alloc.acquire("z")  # unbound: any free slot
+        assert z.slot == 0
+        alloc.release(x)
+        waiting_big = asyncio.ensure_future(alloc.acquire("big"))
+        await asyncio.sleep(0)
+        assert not waiting_big.done()  # slot 1 is free, but of size 1: it waits for slot 0
+        alloc.release(z)
+        lease = await waiting_big
+        assert (lease.slot, lease.evict) == (0, "z")
+
+    asyncio.run(run())

@@ -29,8 +29,8 @@ from flexmarl.api.runtime import (
     load_latest,
 )
 from flexmarl.config.schema import RunConfig
-from flexmarl.planning.planner import Plan
-from flexmarl.policy.device import Placement, plan_placements
+from flexmarl.planning.planner import Plan, bind_slots
+from flexmarl.policy.device import Placement, plan_placements, slot_placements
 from flexmarl.policy.memory import memory_hints
 from flexmarl.policy.model import approx_params
 from flexmarl.rollout.backends.openai import OpenAIBackend
@@ -317,6 +317,8 @@ class LocalRolloutPool(RolloutPool):
         self.latest: dict[str, tuple[int, Weights]] = {}
         # Set by the runtime's supervisor: waits until a live replica exists (or raises).
         self.on_lost: Callable[[], Awaitable[None]] | None = None
+        # Called as each iteration's rollout ends (Ray: an elastic pool looks for room).
+        self.on_iteration_end: Callable[[int], None] | None = None
         # runtime.publication collective: weights arrive as `PublishedRef`s and go from the
         # training slot to the replicas directly
         self.publisher: Publisher | None = None
@@ -391,8 +393,17 @@ class LocalRolloutPool(RolloutPool):
 
     def end_iteration(self, k: int, stats: dict[str, Any]) -> dict[str, Any]:
         """Re-plan agents onto replicas from iteration k's measured demand."""
+        if self.on_iteration_end is not None:
+            self.on_iteration_end(k)
         plan = self.balancer.replan(k + 1, self.balancer.demand_from(stats))
         return plan.to_dict()
+
+    def add_replica(self, replica: WorkerProxy) -> None:
+        """A started replica holding every agent's latest weights joins the pool; the
+        balancer's next plan (and the planner's) counts it."""
+        self.workers.append(replica)
+        self.n_workers = len(self.workers)
+        self.balancer.n_replicas = len(self.workers)
 
     def follow_plan(self, plan: Plan) -> None:
         """The planner's replicas per agent (critical path), over the demand plan."""
@@ -404,8 +415,8 @@ class LocalTrainPool(SlotPool):
     agents on demand by the shared `SlotPool`. A slot lost meanwhile is restarted by the
     supervisor (`on_lost(slot)` returns once it runs again, restored) and the call runs again."""
 
-    def __init__(self, workers: list[WorkerProxy]) -> None:
-        super().__init__(len(workers))
+    def __init__(self, workers: list[WorkerProxy], slot_sizes: list[int] | None = None) -> None:
+        super().__init__(len(workers), slot_sizes)
         self.workers = workers
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
 
@@ -448,9 +459,17 @@ class LocalRuntime(Runtime):
 
         # agents served by an external endpoint need no model in the replicas
         local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
-        n_train = max(1, min(rt.train_workers, len(trainable)))
+        # the ranks (devices) of each training slot, largest first; rank 0 is the slot's worker
+        self.slot_sizes = rt.train_slot_sizes(len(trainable))
+        n_train = len(self.slot_sizes)
         # each worker process sees only its pool's devices (CUDA_VISIBLE_DEVICES)
-        rollout_at, train_at = self._placements(rt.rollout_workers, n_train)
+        rollout_at, slot_at = self._placements(rt.rollout_workers, self.slot_sizes)
+        train_at = [ranks[0] for ranks in slot_at]
+        self._shard_tmp = None
+        shard_dir = None
+        if max(self.slot_sizes) > 1:  # sharded slots swap and restart per rank through files
+            self._shard_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-shards-")
+            shard_dir = self._shard_tmp.name
         self.publication = publication_mode(rt.publication, cfg.pipeline.mode)
         self._store: Any = None
         publication: tuple[str, int, float] | None = None
@@ -466,11 +485,13 @@ class LocalRuntime(Runtime):
                                             seconds=rt.publication_timeout_s))
             publication = (host, self._store.port, rt.publication_timeout_s)
 
-        def spec(names: list[str], placement: Placement) -> WorkerSpec:
+        def spec(names: list[str], placement: Placement,
+                 slot_ranks: tuple[Placement, ...] = ()) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
                               rt.deterministic, cfg.rollout.max_batch_seqs,
                               heartbeat_s=rt.heartbeat_interval_s, swap_dir=swap_dir,
-                              placement=placement, publication=publication)
+                              placement=placement, publication=publication,
+                              slot_ranks=slot_ranks, shard_dir=shard_dir)
 
         self.placements = {"rollout": rollout_at, "train": train_at}
         launcher = self._launcher()
@@ -480,8 +501,8 @@ class LocalRuntime(Runtime):
             for i in range(rt.rollout_workers)
         ]
         self.train_workers = [
-            WorkerProxy("train", i, train_worker_main, spec(trainable, train_at[i]), sink,
-                        launcher)
+            WorkerProxy("train", i, train_worker_main,
+                        spec(trainable, train_at[i], tuple(slot_at[i][1:])), sink, launcher)
             for i in range(n_train)
         ]
         for w, hint in zip(self.rollout_workers + self.train_workers,
@@ -494,7 +515,12 @@ class LocalRuntime(Runtime):
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
-        self.train = LocalTrainPool(self.train_workers)
+        self.train = LocalTrainPool(self.train_workers, self.slot_sizes)
+        # slots of different sizes: the heaviest agent (parameters) on the largest slot, until
+        # the planner measured their training (an agent keeps the size it first trained at)
+        self.slot_of = bind_slots({a: costs.get(a, float(approx_params(
+            cfg.agents[a].model, vocab_size))) for a in trainable}, self.slot_sizes)
+        self.train.bind_slots(self.slot_of)
         self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
         if publication is not None:
             sup = self.supervisor
@@ -520,10 +546,12 @@ class LocalRuntime(Runtime):
         """Where the workers run: local processes."""
         return ProcessLauncher()
 
-    def _placements(self, n_rollout: int, n_train: int) -> tuple[list[Placement],
-                                                                   list[Placement]]:
-        """The device(s) of each worker: each sees only its pool's GPUs."""
-        return plan_placements(self.cfg.runtime, n_rollout, n_train)
+    def _placements(self, n_rollout: int, slot_sizes: list[int]
+                    ) -> tuple[list[Placement], list[list[Placement]]]:
+        """The device of each rollout worker and of each rank of each training slot: each
+        process sees only its own GPU."""
+        rollout, _ = plan_placements(self.cfg.runtime, n_rollout, 0)
+        return rollout, slot_placements(self.cfg.runtime, slot_sizes)
 
     def _rendezvous_host(self) -> str:
         """The address the workers reach the driver's publication rendezvous at."""
@@ -547,6 +575,8 @@ class LocalRuntime(Runtime):
         )
         if self._swap_tmp is not None:
             self._swap_tmp.cleanup()
+        if self._shard_tmp is not None:
+            self._shard_tmp.cleanup()
         self._store = None  # the pair groups' rendezvous, once every worker is gone
 
     def pool_devices(self) -> dict[str, list[int]]:
@@ -642,6 +672,10 @@ class Supervisor:
             await self.rt.train.keep_restart_point(agent)
         self._monitor = asyncio.ensure_future(self._watch())
 
+    def adopt(self, proxy: WorkerProxy) -> None:
+        """Watch and restart a worker that joined a running pool (an elastic pool's)."""
+        proxy.on_death = self._on_death
+
     async def stop(self, timeout: float = 60.0) -> None:
         """Let restarts in progress finish (a run hands back whole pools, and their recovery
         is recorded), then stop watching."""
@@ -655,10 +689,12 @@ class Supervisor:
             task.cancel()
 
     async def _watch(self) -> None:
+        """Checked every quarter interval: a worker (or a whole Ray node) gone silent is
+        declared lost at most a quarter interval after `heartbeat_misses` intervals."""
         interval = self.cfg.heartbeat_interval_s
         limit = interval * self.cfg.heartbeat_misses
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval / 4)
             now = time.monotonic()
             stuck = self.cfg.progress_timeout_s
             for w in self._workers():

@@ -41,6 +41,10 @@ class WorkerSpec:
     placement: Placement = Placement()  # the device(s) this worker computes on
     # runtime.publication collective: (host, port, timeout_s) of the driver's TCPStore
     publication: tuple[str, int, float] | None = None
+    # a sharded training slot (K > 1): the placements of its ranks 1..K-1 (rank 0 starts
+    # them, `slot_ranks.form_slot`), and the folder its ranks swap and restart through
+    slot_ranks: tuple[Placement, ...] = ()
+    shard_dir: str | None = None
 
 
 HEARTBEAT = -3  # message id of a liveness beat: `(HEARTBEAT, True, time, [])`
@@ -265,7 +269,13 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     from flexmarl.training.host import TrainHost
 
     cfg = RunConfig.model_validate(spec.config)
-    host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir)
+    leader = None
+    if spec.slot_ranks:  # a sharded slot: this is rank 0, the others follow its commands
+        from flexmarl.runtime.local.slot_ranks import form_slot
+
+        leader = form_slot(spec)
+    host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir,
+                     world=1 + len(spec.slot_ranks), shard_dir=spec.shard_dir)
     side: dict[str, Callable[[Any], tuple[Any, str]]] = {}
     if spec.publication is not None:
         from flexmarl.runtime.local.publication import PairGroups, SlotPublisher
@@ -273,7 +283,18 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
         publisher = host.publisher = SlotPublisher(PairGroups(*spec.publication))
         side["pub_send"] = lambda p: (publisher.send(*p), f"publish:{p[0]}")
     settle_heap()
-    serve_slot(conn, host.handle, side)
+    handle = host.handle if leader is None else leader.lead(host.handle)
+    serve_slot(conn, handle, side)
+    if leader is not None:
+        leader.stop()
+
+
+def slot_follower_main() -> None:
+    """The main of ranks 1..K-1 of a sharded training slot (started by rank 0's
+    `slot_ranks.form_slot`, its spec on stdin)."""
+    from flexmarl.runtime.local.slot_ranks import follower_main
+
+    follower_main(_setup_torch)
 
 
 def chaos_stall(pool: str, command: str) -> None:

@@ -13,7 +13,11 @@ import os
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flexmarl.config.schema import RayBundle, RuntimeConfig
@@ -32,19 +36,27 @@ def bundle_of(b: RayBundle) -> dict[str, float]:
 class RayPools:
     """The cluster session and the two pools' placement groups of one run."""
 
-    def __init__(self, run_name: str, rt: RuntimeConfig, sizes: dict[str, int]) -> None:
+    def __init__(self, run_name: str, rt: RuntimeConfig, sizes: dict[str, int],
+                 slot_sizes: list[int] | None = None) -> None:
+        """`slot_sizes`: the ranks of each training slot; slot i's bundle is `slot_sizes[i]`
+        x `train_bundle`, so its K ranks are placed together on one node."""
         self.run_name, self.rt, self.sizes = run_name, rt, sizes
         self.bundles = {"rollout": bundle_of(rt.ray.rollout_bundle),
                         "train": bundle_of(rt.ray.train_bundle)}
+        self.scale = {"rollout": [1] * sizes["rollout"],
+                      "train": list(slot_sizes or [1] * sizes["train"])}
         self.groups: dict[str, Any] = {}
+        # an elastic pool's workers beyond its first `sizes[pool]`: a one-bundle group each
+        self.grown: dict[tuple[str, int], Any] = {}
+        self.avoid: set[str] = set()  # nodes being drained: no new bundle goes there
         custom: dict[str, float] = {}
         for pool, bundle in self.bundles.items():
             for name, amount in bundle.items():
                 if name not in ("CPU", "GPU"):
-                    custom[name] = custom.get(name, 0.0) + amount * sizes[pool]
+                    custom[name] = custom.get(name, 0.0) + amount * sum(self.scale[pool])
         cpus = rt.ray.num_cpus
         if rt.address is None and cpus is None:  # a cluster of our own: room for every bundle
-            need = sum(self.bundles[p].get("CPU", 0.0) * n for p, n in sizes.items())
+            need = sum(self.bundles[p].get("CPU", 0.0) * sum(self.scale[p]) for p in POOLS)
             cpus = max(os.cpu_count() or 1, math.ceil(need))
         self.session = RaySession(rt.address, cpus, rt.ray.temp_dir, custom)
 
@@ -59,7 +71,7 @@ class RayPools:
         `runtime.ray.placement_timeout_s`, naming its bundle setting."""
         self.session.start()
         for pool in POOLS:
-            bundles = [dict(self.bundles[pool]) for _ in range(self.sizes[pool])]
+            bundles = [self.bundle(pool, i) for i in range(self.sizes[pool])]
             pg = placement_group(bundles, strategy=self.rt.ray.strategy,
                                  name=f"flexmarl-{self.run_name}-{pool}-{os.getpid()}")
             self.groups[pool] = pg
@@ -70,15 +82,64 @@ class RayPools:
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
 
+    def room_for(self, pool: str, index: int) -> bool:
+        """Whether the cluster has free resources for worker `index`'s bundle now."""
+        free = ray.available_resources()
+        return all(free.get(k, 0.0) >= v for k, v in self.bundle(pool, index).items())
+
+    async def grow(self, pool: str, index: int, timeout: float) -> bool:
+        """Reserve one more bundle for worker `index` of `pool` (its own placement group);
+        False, with nothing held, when the cluster has no room for it within `timeout`."""
+        if not await asyncio.to_thread(self.room_for, pool, index):
+            return False
+        return await self._own_group(pool, index, timeout)
+
+    async def _own_group(self, pool: str, index: int, timeout: float) -> bool:
+        """Worker `index` of `pool` in a one-bundle placement group of its own, off the
+        nodes in `avoid` (Ray's node-id label)."""
+        selector = ([{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(self.avoid))})"}]
+                    if self.avoid else None)
+        pg = placement_group([self.bundle(pool, index)], bundle_label_selector=selector,
+                             name=f"flexmarl-{self.run_name}-{pool}{index}-{os.getpid()}")
+        if not await asyncio.to_thread(pg.wait, timeout):
+            remove_placement_group(pg)
+            return False
+        self.shrink(pool, index)
+        self.grown[(pool, index)] = pg
+        return True
+
+    async def relocate(self, pool: str, index: int, timeout: float) -> bool:
+        """A bundle of its own for worker `index` of `pool`, off the nodes in `avoid`; its
+        next (re)start goes there. False: no room within `timeout`."""
+        return await self._own_group(pool, index, timeout)
+
+    def shrink(self, pool: str, index: int) -> None:
+        """Give back the bundle `grow` reserved for worker `index` of `pool`."""
+        pg = self.grown.pop((pool, index), None)
+        if pg is not None:
+            remove_placement_group(pg)
+
+    def _group(self, pool: str, index: int) -> tuple[Any, int]:
+        grown = self.grown.get((pool, index))
+        return (grown, 0) if grown is not None else (self.groups[pool], index)
+
+    def bundle(self, pool: str, index: int) -> dict[str, float]:
+        """Worker `index`'s bundle: the pool's, times its slot's ranks (training; a replica
+        an elastic pool added has one)."""
+        scale = self.scale[pool]
+        return {k: v * (scale[index] if index < len(scale) else 1)
+                for k, v in self.bundles[pool].items()}
+
     def options(self, pool: str, index: int) -> dict[str, Any]:
         """Worker `index` of `pool`: its bundle; the supervisor restarts it, not Ray."""
-        bundle = self.bundles[pool]
+        bundle = self.bundle(pool, index)
+        group, at = self._group(pool, index)
         return {
             "num_cpus": bundle.get("CPU", 0.0),
             "num_gpus": bundle.get("GPU", 0.0),
             "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.groups[pool], placement_group_bundle_index=index),
+                group, placement_group_bundle_index=at),
             "max_restarts": 0,
         }
 
@@ -92,18 +153,19 @@ class RayPools:
             where = getattr(w.process, "where", {}) or {}
             out.append({"node_id": where.get("node_id"), "ip": where.get("ip"),
                         "actor_id": where.get("actor_id"), "bundle": w.index,
-                        "resources": self.bundles[pool],
-                        "placement_group": self.groups[pool].id.hex()
+                        "resources": self.bundle(pool, w.index),
+                        "placement_group": self._group(pool, w.index)[0].id.hex()
                         if pool in self.groups else None})
         return out
 
     def release(self) -> None:
         """The placement groups, then the session (a cluster started for the run stops)."""
         if ray.is_initialized():
-            for pg in self.groups.values():
+            for pg in [*self.groups.values(), *self.grown.values()]:
                 try:
                     remove_placement_group(pg)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
         self.groups.clear()
+        self.grown.clear()
         self.session.stop()

@@ -188,7 +188,7 @@ class ActorConn:
     def recv(self) -> Any:
         while not self._received:
             try:
-                got = ray.get(self.process.handle.pull.options(concurrency_group=PULL).remote())
+                got = self._pull()
             except ray.exceptions.RayActorError as exc:
                 self.process.gone(f"actor died: {exc}".splitlines()[0])
                 raise EOFError from exc
@@ -200,6 +200,19 @@ class ActorConn:
                 raise EOFError
             self._received.extend(got)
         return self._received.popleft()
+
+
+    def _pull(self) -> list[Any] | None:
+        """One long poll; given up as the pipe's EOF once the driver killed the actor (a
+        silent node's actor: Ray learns of its death only when the node is declared dead)."""
+        ref = self.process.handle.pull.options(concurrency_group=PULL).remote()
+        while True:
+            ready, _ = ray.wait([ref], timeout=PULL_WAIT_S)
+            if ready:
+                return ray.get(ready[0])
+            if not self.process.is_alive():
+                raise ray.exceptions.RayActorError(
+                    error_msg="killed by the driver while it did not answer")
 
 
 class RayLauncher:

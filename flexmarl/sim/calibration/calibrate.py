@@ -88,6 +88,19 @@ def _local(config: str | Path, overrides: list[str] | None = None) -> tuple[RunC
     return cfg, prepare(cfg)
 
 
+def load_or_profile(cfg: RunConfig, task: Any, profile: str | Path | None, out: Path,
+                    reps: int, log: Any) -> LocalProfile:
+    """A saved profile, or one measured now and written to OUT/profile.json."""
+    if profile is not None:
+        log(f"profile: {profile} (reused)")
+        return LocalProfile.load(profile)
+    log(f"profiling {cfg.name} on this machine (torch_threads={cfg.runtime.torch_threads})")
+    t0 = time.perf_counter()
+    prof = profile_local(cfg, task, reps=reps, log=lambda s: log(f"  {s}"))
+    log(f"profile: {prof.save(out / 'profile.json')} ({time.perf_counter() - t0:.1f} s)")
+    return prof
+
+
 def calibrate(config: str | Path, overrides: list[str] | None = None, iterations: int = 5,
               out: str | Path | None = None, profile: str | Path | None = None,
               modes: tuple[str, ...] = ("sync", "async"),
@@ -95,14 +108,7 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
     cfg, task = _local(config, overrides)
     out = Path(out or Path("runs") / "calibrate" / cfg.name)
     out.mkdir(parents=True, exist_ok=True)
-    if profile is not None:
-        prof = LocalProfile.load(profile)
-        log(f"profile: {profile} (reused)")
-    else:
-        log(f"profiling {cfg.name} on this machine (torch_threads={cfg.runtime.torch_threads})")
-        t0 = time.perf_counter()
-        prof = profile_local(cfg, task, reps=reps, log=lambda s: log(f"  {s}"))
-        log(f"profile: {prof.save(out / 'profile.json')} ({time.perf_counter() - t0:.1f} s)")
+    prof = load_or_profile(cfg, task, profile, out, reps, log)
     rows: list[CalibrationRow] = []
     sims: dict[str, MirrorResult] = {}
     loads = {"before": machine_info()["loadavg"]}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,9 @@ from typing import Any
 from flexmarl.config.schema import load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
-from flexmarl.sim.calibration.calibrate import SAMPLE_S
-from flexmarl.sim.calibration.fits import LocalProfile
+from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load
 from flexmarl.sim.calibration.mirror import per_iteration, run_mirror
-from flexmarl.sim.calibration.profile import profile_local
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
 
@@ -86,14 +83,7 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     task = prepare(first)
     base = Path(out or Path("runs") / "compare" / first.name)
     base.mkdir(parents=True, exist_ok=True)
-    if profile is not None:
-        prof = LocalProfile.load(profile)
-        log(f"profile: {profile} (reused)")
-    else:
-        log(f"profiling {first.name} on this machine")
-        t0 = time.perf_counter()
-        prof = profile_local(first, task, reps=reps, log=lambda s: log(f"  {s}"))
-        log(f"profile: {prof.save(base / 'profile.json')} ({time.perf_counter() - t0:.1f} s)")
+    prof = load_or_profile(first, task, profile, base, reps, log)
     rows = {s: SystemRow(s) for s in systems}
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):

@@ -75,24 +75,24 @@ def test_double_q_targets_through_the_target_mixer() -> None:
 def test_qmix_selected_by_config_trains_its_mixer_on_spread() -> None:
     pytest.importorskip("mpe2")
     from flexmarl.envs.pettingzoo import VecParallelEnv
-    from flexmarl.marl.config import marl_config_from_dict
-    from flexmarl.marl.offpolicy import POLICY, QLearner, QRollout, q_layouts
+    from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts
     from flexmarl.marl.policies import MarlSample
+    from tests.marl.configs import marl_cfg
 
-    cfg = marl_config_from_dict({
-        "kind": "marl", "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
+    cfg = marl_cfg({
+        "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
         "algorithm": {"name": "qmix", "min_size": 200, "capacity": 1000, "batch_size": 32,
                       "target_every": 5, "mixing_embed": 8},
         "train": {"env_steps": 400, "rollout_steps": 25}})
     probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, 0)
     probe.reset()
     lay = q_layouts(cfg, probe)
-    learner, worker = QLearner(cfg, lay[POLICY]), QRollout(cfg, lay)
+    learner, worker = QLearner(cfg, lay["shared"]), QRollout(cfg, lay)
     assert learner.mixer is not None and learner.mixer.state_dim == probe.state.shape[1]
     before = {k: v.clone() for k, v in learner.mixer.state_dict().items()}
     metrics: dict = {}
     for k in range(4):
-        worker.load(POLICY, k, learner.weights())
+        worker.load("shared", k, learner.weights())
         res = worker.run(k)
         learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
         metrics = learner.step()

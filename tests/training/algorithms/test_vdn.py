@@ -36,22 +36,22 @@ def test_vdn_learner_steps_through_the_replay_table() -> None:
     env step, updates from min_size on, priorities set, age weights below 1."""
     pytest.importorskip("mpe2")
     from flexmarl.envs.pettingzoo import VecParallelEnv
-    from flexmarl.marl.config import marl_config_from_dict
-    from flexmarl.marl.offpolicy import POLICY, QLearner, QRollout, q_layouts
+    from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts
     from flexmarl.marl.policies import MarlSample
+    from tests.marl.configs import marl_cfg
 
-    cfg = marl_config_from_dict({
-        "kind": "marl", "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
+    cfg = marl_cfg({
+        "env": {"id": "mpe2.simple_spread_v3", "num_envs": 4},
         "algorithm": {"name": "vdn", "min_size": 200, "capacity": 1000, "batch_size": 32,
                       "target_every": 5},
         "train": {"env_steps": 400, "rollout_steps": 25}})
     probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, 0)
     probe.reset()
     lay = q_layouts(cfg, probe)
-    learner, worker = QLearner(cfg, lay[POLICY]), QRollout(cfg, lay)
+    learner, worker = QLearner(cfg, lay["shared"]), QRollout(cfg, lay)
     metrics: dict = {}
     for k in range(4):
-        worker.load(POLICY, k, learner.weights())
+        worker.load("shared", k, learner.weights())
         res = worker.run(k)
         assert res.transitions["obs"].shape == (25, 4, 3, 18)
         learner.accumulate([MarlSample(f"{k}-w0_0_0", k, k, 0, res.transitions)])
@@ -86,12 +86,12 @@ def test_vdn_transitions_where_agents_leave_mid_episode() -> None:
     learner trains on such transitions."""
     pytest.importorskip("pettingzoo.butterfly")
     from flexmarl.envs.pettingzoo import VecParallelEnv
-    from flexmarl.marl.config import marl_config_from_dict
-    from flexmarl.marl.offpolicy import POLICY, QLearner, QRollout, q_layouts
+    from flexmarl.marl.offpolicy import QLearner, QRollout, q_layouts
     from flexmarl.marl.policies import MarlSample
+    from tests.marl.configs import marl_cfg
 
-    cfg = marl_config_from_dict({
-        "kind": "marl", "seed": 1,
+    cfg = marl_cfg({
+        "seed": 1,
         "env": {"id": "pettingzoo.butterfly.knights_archers_zombies_v11", "num_envs": 2,
                 "options": {"max_cycles": 300, "spawn_delay": 5, "line_death": True,
                             "max_zombies": 4}},
@@ -100,10 +100,10 @@ def test_vdn_transitions_where_agents_leave_mid_episode() -> None:
     probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, 0)
     probe.reset()
     lay = q_layouts(cfg, probe)
-    learner, worker = QLearner(cfg, lay[POLICY]), QRollout(cfg, lay)
+    learner, worker = QLearner(cfg, lay["shared"]), QRollout(cfg, lay)
     partial = 0
     for k in range(2):
-        worker.load(POLICY, k, learner.weights())
+        worker.load("shared", k, learner.weights())
         tr = worker.run(k).transitions
         alive, nxt, done = tr["alive"].astype(bool), tr["next_alive"].astype(bool), tr["done"]
         assert not (nxt & ~alive).any()  # no future without acting now

@@ -1,0 +1,75 @@
+"""`flexmarl drain ADDRESS NODE` on a real two-node Ray cluster: the run moves every worker it
+has on the node elsewhere (restored as after a crash) and says so to the command; then the node
+leaves, and no episode failed, no row was lost or trained twice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from flexmarl.orchestrator.run import train
+from tests.faults.conftest import ROOT, assert_rows_exactly_once, config, events
+
+
+@pytest.fixture
+def two_nodes():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    c = Cluster(initialize_head=True, shutdown_at_exit=False,
+                head_node_args={"num_cpus": 1, "include_dashboard": False})
+    node = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    try:
+        yield c, node
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+
+
+@pytest.mark.slow  # a two-node cluster, a run, a drain: ~1 min here
+def test_drain_moves_the_work_off_a_node_before_it_leaves(tmp_path, two_nodes):
+    c, node = two_nodes
+    cfg = config("runtime.kind=ray", f"runtime.address={c.address}", "train.iterations=30",
+                 "runtime.ray.rollout_bundle.cpus=0.25", "runtime.ray.train_bundle.cpus=0.25",
+                 "runtime.ray.strategy=SPREAD")
+    state: dict = {}
+
+    def drain_then_leave() -> None:
+        state["cli"] = subprocess.run(
+            [sys.executable, "-m", "flexmarl", "drain", c.address, node.node_id,
+             "--timeout", "120"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        c.remove_node(node)
+
+    def on_runtime(runtime) -> None:
+        state["runtime"] = runtime
+
+    def on_iteration(record) -> None:
+        if record["iteration"] == 0:
+            placed = state["runtime"].placement()
+            state["on_node"] = {f"{pool}[{w['worker']}]" for pool in ("rollout", "train")
+                                for w in placed[pool] if w["node_id"] == node.node_id}
+            assert state["on_node"], "SPREAD put no worker on the second node"
+            state["thread"] = threading.Thread(target=drain_then_leave, daemon=True)
+            state["thread"].start()
+
+    out = tmp_path / "run"
+    result = train(cfg, out, on_iteration=on_iteration, on_runtime=on_runtime)
+    state["thread"].join(timeout=200)
+    cli = state["cli"]
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    (drained,) = events(out, "node_drained")
+    assert drained["node_id"] == node.node_id and not drained["failed"]
+    assert {m["worker"] for m in drained["moved"]} == state["on_node"]
+    assert all(m["to_node"] != node.node_id for m in drained["moved"])
+    for name in state["on_node"]:
+        assert f"{name} -> node" in cli.stdout, cli.stdout
+    assert all("drained" in f["reason"] for f in events(out, "worker_failed"))
+    assert all(r["episodes/failed"] == 0 for r in result.records)
+    assert_rows_exactly_once(result.audit, result.consumed, cfg)
