@@ -21,6 +21,7 @@ from flexmarl.bench.engine_overhead import (
     print_step_table,
     print_tail_table,
     requests,
+    smollm_requests,
     use_cpu_clock,
 )
 
@@ -28,10 +29,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tiny model only")
-    parser.add_argument("--cases", default="shapes,a,b",
+    parser.add_argument("--cases", default="shapes,a,b,c",
                         help="comma list: shapes (the tiny/medium step tables), a (overhead-bound "
                              "model, batch 64, outputs 4..64), b (256-token prompts shared by "
-                             "groups of 8)")
+                             "groups of 8), c (SmolLM2-135M, real tokenizer, chat prompts)")
+    parser.add_argument("--c-requests", type=int, default=32,
+                        help="case (c): chat requests, all in one batch (64 on a GPU)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     use_cpu_clock()  # this process's CPU time: a shared machine disturbs it less than wall time
@@ -53,6 +56,18 @@ if __name__ == "__main__":
                          "(hidden 256, 4 layers, vocab 2048), outputs 4..60, batch 64",
                          long_tail_costs(model, reqs, 64, rounds=args.rounds))
         print_kv_table("(b) KV memory", kv_footprint(model, reqs, 64))
+    if "c" in cases:  # (c) SmolLM2-135M-Instruct on chat prompts (its real tokenizer)
+        loaded = smollm_requests(args.c_requests)
+        if loaded is None:
+            print("\n== (c) skipped: SmolLM2 is not installed (see flexmarl/policy/smollm.py)")
+        else:
+            model, reqs = loaded
+            print_tail_table(f"\n== (c) SmolLM2-135M-Instruct, {len(reqs)} chat prompts "
+                             f"({min(len(r.prompt) for r in reqs)}-"
+                             f"{max(len(r.prompt) for r in reqs)} tokens, chat template), outputs "
+                             f"4..64, batch {len(reqs)}",
+                             long_tail_costs(model, reqs, len(reqs), rounds=args.rounds))
+            print_kv_table("(c) KV memory", kv_footprint(model, reqs, len(reqs)))
     for name, shape in shapes.items():
         if "shapes" not in cases or (args.quick and name != "tiny"):
             continue

@@ -8,8 +8,12 @@ Models are random-initialised Llama-shaped ones (the default: 24 layers, hidden 
 pyyaml, rich and msgpack are needed. It prints:
 1. rollout tokens/s of FlexMARL's continuous-batching engine against `model.generate` (static
    batches) on the same long-tailed requests (output lengths varying 8x); then the engine
-   benchmark's cases (a) overhead-bound model, batch 64, outputs 4..64 and (b) 256-token
-   prompts shared by groups of 8 (prefix sharing), with KV bytes per held token (`cases`);
+   benchmark's cases (a) overhead-bound model, batch 64, outputs 4..64, (b) 256-token
+   prompts shared by groups of 8 (prefix sharing) and (c) SmolLM2-135M with its real tokenizer
+   on chat prompts (skipped when not installed), with KV bytes per held token (`cases`); and a
+   Llama-shaped random model of about 1.1B parameters at batch 64 and 256: tokens/s against
+   `generate` and against the memory-bandwidth limit (weights read once per decode step, at
+   the copy bandwidth measured on the device) (`llama`);
 2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW);
 3. swap MB/s of a full training state device <-> pinned host, and publication MB/s trainer ->
    replica (the wire form a worker pipe carries, loaded into the replica's model), then
@@ -190,15 +194,22 @@ def bench_rollout_cases(device: torch.device, small: bool) -> None:
         print_kv_table,
         print_tail_table,
         requests,
+        smollm_requests,
     )
 
     out = {}
     n_a, groups = (16, 2) if small else (64, 8)
-    for case, (model, reqs) in {
+    cases = {
         "a": (_model(32, 1, 512), requests(n_a, 512, 4, spread=16)),
         "b": (_model(256, 4, 2048), grouped_requests(groups, 8, 2048,
                                                      prompt_len=32 if small else 256)),
-    }.items():
+    }
+    smol = smollm_requests(8 if small else 64, hi=16 if small else 64)
+    if smol is None:
+        print("(c) skipped: SmolLM2 is not installed (flexmarl/policy/smollm.py: INSTALL)")
+    else:
+        cases["c"] = smol
+    for case, (model, reqs) in cases.items():
         model = model.to(device)
         long_tail_costs(model, reqs[:8], 64, rounds=1)  # warm-up
         costs = long_tail_costs(model, reqs, 64, rounds=1)
@@ -208,6 +219,64 @@ def bench_rollout_cases(device: torch.device, small: bool) -> None:
         out[case] = {"speedup": costs["engine"]["tok_s"] / costs["generate"]["tok_s"],
                      "engine_tps": costs["engine"]["tok_s"], "kv": kv}
     RESULTS["rollout_cases"] = out
+
+
+def copy_bandwidth(device: torch.device, mb: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted): the memory-bandwidth limit
+    a decode step that reads every weight once is held against."""
+    src = torch.empty(mb * MB, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def bench_llama(device: torch.device, small: bool) -> None:
+    """A Llama-shaped random model (TinyLlama's 1.1B shape: hidden 2048, 22 layers, GQA 32/4
+    heads, vocabulary 32000; tiny on a CPU) at batch 64 and 256 on long-tailed requests: the
+    engine's tokens/s against `generate` (goal >= 3x) and against the bandwidth limit
+    (batch x bandwidth / weight bytes: goal >= 30% at batch 64)."""
+    section("Llama-shaped random model: engine vs generate vs the memory-bandwidth limit")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flexmarl.bench.engine_overhead import long_tail_costs
+    from flexmarl.policy.device import compute_dtype
+
+    dtype = compute_dtype("auto", device)
+    if small:
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    else:
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                          num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                          max_position_embeddings=2048)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(device, 64 if small else 2048)
+    print(f"model: {weight_bytes / dtype.itemsize / 1e9:.2f}B params, {dtype}; measured copy "
+          f"bandwidth {bw / 1e9:.0f} GB/s")
+    out = {}
+    for batch in ((8, 16) if small else (64, 256)):
+        reqs = long_tailed_requests(batch, cfg.vocab_size, True, seed=batch)
+        long_tail_costs(model, reqs[:4], batch, rounds=1)  # warm-up (and graph captures)
+        costs = long_tail_costs(model, reqs, batch, rounds=1)
+        limit = batch * bw / weight_bytes
+        e, g = costs["engine"]["tok_s"], costs["generate"]["tok_s"]
+        print(f"batch {batch:>4}: engine {e:>9.0f} tok/s, generate {g:>9.0f} tok/s, "
+              f"engine/generate {e / g:.2f}x (goal >= 3x); bandwidth limit {limit:>9.0f} "
+              f"tok/s, engine at {100 * e / limit:.1f}% of it (goal >= 30% at batch 64)")
+        out[batch] = {"engine_tps": e, "generate_tps": g, "speedup": e / g,
+                      "limit_tps": limit, "fraction_of_limit": e / limit}
+    RESULTS["llama"] = {"params": weight_bytes / dtype.itemsize, "bandwidth": bw, **out}
 
 
 # --- 2. trainer vs plain loop ---------------------------------------------------------------
@@ -408,7 +477,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--only", default="rollout,cases,training,transfers,logprob,run")
+    parser.add_argument("--only",
+                        default="rollout,cases,llama,training,transfers,logprob,run")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine's run")
     args = parser.parse_args()
@@ -423,7 +493,8 @@ def main() -> None:
     vocab = 256 if args.small else 32000
     t0 = time.perf_counter()
     steps = [("rollout", lambda: bench_rollout(device, args.small, vocab)),
-             ("cases", lambda: bench_rollout_cases(device, args.small))]
+             ("cases", lambda: bench_rollout_cases(device, args.small)),
+             ("llama", lambda: bench_llama(device, args.small))]
     trainer_box: list[AgentTrainer] = []
     steps.append(("training", lambda: trainer_box.append(
         bench_trainer(device, args.small, vocab))))

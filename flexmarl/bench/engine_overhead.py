@@ -375,3 +375,41 @@ def print_kv_table(title: str, kv: dict[str, float]) -> None:
     print(title)
     print(f"  KV bytes per held token: paged {kv['paged']:.0f}, padded cache {kv['padded']:.0f}, "
           f"one token's K+V {kv['exact']:.0f}; pool fraction in use {kv['fraction']:.2f}")
+
+
+CHAT_TOPICS = ["the sea", "a lighthouse keeper", "prime numbers", "autumn leaves", "a robot chef",
+               "the moon landing", "honey bees", "a rainy city", "chess openings", "volcanoes",
+               "a lost key", "the speed of light", "origami", "desert nights", "a jazz trio",
+               "glaciers"]
+CHAT_ASKS = ["Write a short poem about {}.", "Explain {} to a child in two sentences.",
+             "Give me three facts about {}.", "Tell a one-line joke about {}."]
+
+
+def smollm_requests(n: int, lo: int = 4, hi: int = 64, seed: int = 0,
+                    device: str | torch.device = "cpu") -> tuple[Any, list[Any]] | None:
+    """Case (c): SmolLM2-135M-Instruct and `n` chat prompts through its real tokenizer's chat
+    template, output lengths long-tailed in [lo, hi]; None when the model package is not
+    installed (`flexmarl.policy.smollm.INSTALL`)."""
+    from flexmarl.config.schema import ModelConfig
+    from flexmarl.policy.model import build_model
+    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.policy.smollm import SmolLMUnavailable, load_tokenizer
+
+    try:
+        tok = load_tokenizer()
+        model = build_model("bench", ModelConfig(kind="smollm2"), len(tok), 2048, 0, device)
+    except SmolLMUnavailable:
+        return None
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.exp(rng.normal(np.log(lo * 2.5), 0.8, size=n)), lo, hi).astype(int)
+    lengths[0], lengths[min(1, n - 1)] = lo, hi
+    reqs = []
+    for i in range(n):
+        ask = CHAT_ASKS[i % len(CHAT_ASKS)].format(CHAT_TOPICS[(i // 4) % len(CHAT_TOPICS)])
+        ids = tok.apply_chat_template([{"role": "user", "content": ask}],
+                                      add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = list(ids["input_ids"])
+        reqs.append(GenerationRequest(f"c{i}", "bench", 0, [int(t) for t in ids],
+                                      int(lengths[i]), seed=seed))
+    return model, reqs

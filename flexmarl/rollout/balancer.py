@@ -5,7 +5,10 @@ Two levels, as in the paper:
   proportion to their measured demand, tokens generated x per-token model cost, read from the
   experience store's statistics and re-planned between iterations;
 - intra-agent: a request goes to the replica of its agent with the least outstanding work,
-  counted in tokens (prompt + expected output), not in requests.
+  counted in tokens (prompt + expected output), not in requests, except that the samples of
+  a group and the turns of its episodes stay on one replica (affinity: they share a prompt or
+  a conversation, which that replica's prefix cache holds) unless it carries clearly more
+  work than the least loaded one.
 `static` is the peers' behaviour (MARTI-like): replicas split equally between agents, requests
 dealt round robin whatever their length.
 """
@@ -13,6 +16,7 @@ dealt round robin whatever their length.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,6 +26,23 @@ BalanceMode = Literal["hierarchical", "static"]
 # Prefill processes a prompt in one batched forward pass, decode one token per pass over the
 # weights: on memory-bound engines a prompt token costs roughly a tenth of a generated one.
 PREFILL_TOKEN_WEIGHT = 0.1
+
+# A group or episode stays on its replica while that replica's outstanding work is within
+# this many tokens (or this fraction) of the least loaded replica's: enough for a GRPO group of
+# 8 samples of a few hundred tokens, or the next turns of a conversation, to follow each other.
+AFFINITY_SLACK_TOKENS = 8192
+AFFINITY_SLACK_RATIO = 0.5
+AFFINITY_MEMORY = 1 << 16  # affinity keys remembered (least recently used forgotten first)
+
+
+def affinity_key(sample_id: str) -> str | None:
+    """What a request shares its prompt prefix with: the input id of `{input_id}_{turn}_
+    {trajectory}` (store.experience.make_sample_id), the same for every sample of a group and
+    every turn of their episodes; None for an id of another form (no affinity)."""
+    parts = sample_id.rsplit("_", 2)
+    if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()) or not parts[0]:
+        return None
+    return parts[0]
 
 
 def allot_replicas(
@@ -294,6 +315,8 @@ class Balancer:
         n_replicas: int,
         mode: BalanceMode = "hierarchical",
         cost_per_token: Mapping[str, float] | None = None,
+        affinity_slack_tokens: float = AFFINITY_SLACK_TOKENS,
+        affinity_slack_ratio: float = AFFINITY_SLACK_RATIO,
     ) -> None:
         if n_replicas < 1:
             raise ValueError("a rollout pool needs at least one replica")
@@ -303,6 +326,10 @@ class Balancer:
         self.cost_per_token = dict(cost_per_token or dict.fromkeys(agents, 1.0))
         self._round_robin = {a: itertools.count() for a in agents}
         self._out_tokens: dict[str, list[int]] = {a: [0, 0] for a in agents}  # sum, count
+        # (agent, affinity key) -> the replica its group / episode went to
+        self._home: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.affinity_slack_tokens = affinity_slack_tokens
+        self.affinity_slack_ratio = affinity_slack_ratio
         self.plans: list[RolloutPlan] = []
         self.plan = self._make_plan(0, None)
 
@@ -363,9 +390,27 @@ class Balancer:
         acc[0] += output_tokens
         acc[1] += 1
 
-    def pick(self, agent: str, outstanding: Sequence[float]) -> int:
-        """The replica for agent's next request, given every replica's outstanding tokens."""
+    def pick(self, agent: str, outstanding: Sequence[float], sample_id: str | None = None) -> int:
+        """The replica for agent's next request, given every replica's outstanding tokens.
+
+        `hierarchical`: the least loaded of the agent's replicas, unless the request's group or
+        episode (`affinity_key(sample_id)`) already went to one of them that is not overloaded
+        (within `affinity_slack_tokens` or `affinity_slack_ratio` of the least loaded): its
+        prompt prefix is cached there. An overloaded home hands the key to the least loaded."""
         candidates = self.plan.replicas[agent]
         if self.mode == "static":
             return candidates[next(self._round_robin[agent]) % len(candidates)]
-        return min(candidates, key=lambda r: (outstanding[r], r))
+        best = min(candidates, key=lambda r: (outstanding[r], r))
+        key = None if sample_id is None else affinity_key(sample_id)
+        if key is None:
+            return best
+        home = self._home.get((agent, key))
+        least = outstanding[best]
+        if home is not None and home in candidates and outstanding[home] <= least + max(
+                self.affinity_slack_tokens, self.affinity_slack_ratio * least):
+            best = home
+        self._home[(agent, key)] = best
+        self._home.move_to_end((agent, key))
+        if len(self._home) > AFFINITY_MEMORY:
+            self._home.popitem(last=False)
+        return best

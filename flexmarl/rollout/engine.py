@@ -3,24 +3,31 @@
 A replica keeps one running batch per model over a paged KV cache (`rollout.paged`): newcomers
 are prefilled together into blocks of their own, a sequence that finishes leaves the batch at
 once and its blocks go back to the free list; neither copies the cache, so the batch stays full
-while long-tail generations run. Per-sequence state (position, Gumbel stream keyed by (seed,
-sample_id, version), token mask, temperature) lives with the sequence, so a sequence decodes to
-the same tokens and log-probs whether alone or inside any batch (up to float rounding).
+while long-tail generations run. Its full blocks stay in a prefix cache, so a later request that
+starts with the same tokens (the conversation's next turn) prefills only the rest.
+Per-sequence state (position, Gumbel stream keyed by (seed, sample_id, version), token mask,
+temperature) lives with the sequence, so a sequence decodes to the same tokens and log-probs
+whether alone or inside any batch (up to float rounding).
 
 Everything per step stays on the model's device (KV cache, masks, noise, sampling, log-probs);
-one device-to-host copy per step brings back the chosen tokens and their log-probs.
+one device-to-host copy per step brings back the chosen tokens and their log-probs. A decode
+step can run on static shapes (`DecodeRunner`): captured once per bucket as a CUDA graph on a
+GPU, optionally compiled on a CPU.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from flexmarl.policy.sampling import (
     PAD,
@@ -30,7 +37,14 @@ from flexmarl.policy.sampling import (
     noise_seed_of,
     top_p_mask,
 )
-from flexmarl.rollout.paged import NULL_BLOCK, BlockAllocator, KVStats, PagedKVCache
+from flexmarl.rollout.paged import (
+    NULL_BLOCK,
+    BlockAllocator,
+    KVStats,
+    PagedKVCache,
+    PrefixCache,
+    block_hashes,
+)
 
 
 @dataclass
@@ -53,6 +67,10 @@ class _Sequence:
         """KV columns this running sequence fills (its prompt and every token fed back so far:
         all sampled ones but the last), known on the host: no device read to trim padding."""
         return len(self.request.prompt) + len(self.tokens) - 1
+
+    def namespace(self) -> tuple[str, str | None, int]:
+        """What its keys and values depend on besides the tokens: agent, adapter, weights."""
+        return (self.request.agent, self.adapter, self.request.version)
 
 
 def cache_argument(model: Any) -> str:
@@ -78,7 +96,97 @@ def _host_to(device: torch.device, rows: list[list[int]] | list[int]) -> torch.T
     return t.to(device)
 
 
+log = logging.getLogger(__name__)
+
 BLOCK_SIZE = 16  # tokens per KV block
+
+DecodeMode = Literal["auto", "eager", "static", "compile", "cuda_graph"]
+
+
+def _bucket(n: int) -> int:
+    """The static size `n` rows (or blocks) are padded to: the next power of two, so a batch
+    that shrinks and grows meets a handful of shapes (one capture or compilation each)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeRunner:
+    """Runs `ContinuousBatcher.decode_tensors` on static shapes, one (rows, blocks) bucket at a
+    time: `static` eagerly (the padding alone: to test that bucketing never changes a token),
+    `compile` through `torch.compile(dynamic=False)` (one compilation per bucket; optional on
+    a CPU, where it costs seconds per bucket), `cuda_graph` replayed from a CUDA graph captured
+    once per bucket (inputs copied into the graph's own buffers: a replay launches the whole
+    step at once, and no host synchronisation happens inside it)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.graphs: dict[tuple[int, int], tuple[Any, list[torch.Tensor], tuple]] = {}
+        self.compiled: Any = None
+        self.pool = 0  # address of the KV pool the graphs were captured on
+        self.captures = 0  # CUDA graphs captured (one per bucket met)
+
+    def run(self, engine: ContinuousBatcher, rows: int, width: int, choice: torch.Tensor,
+            state: torch.Tensor, temps: torch.Tensor,
+            table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = choice.shape[0]
+        if self.mode == "cuda_graph":
+            return self._replay(engine, rows, width, (choice, state, temps, table), n)
+        padded = (F.pad(choice, (0, rows - n)), F.pad(state, (0, 0, 0, rows - n)),
+                  F.pad(temps, (0, 0, 0, rows - n), value=1.0),
+                  F.pad(table, (0, width - table.shape[1], 0, rows - n)))
+        fn = engine.decode_tensors
+        if self.mode == "compile":
+            if self.compiled is None:
+                self.compiled = torch.compile(fn, dynamic=False)
+            fn = self.compiled
+        nxt, chosen, new = fn(*padded)
+        return nxt[:n], chosen[:n], new[:n]
+
+    def _replay(self, engine: ContinuousBatcher, rows: int, width: int,
+                inputs: tuple[torch.Tensor, ...],
+                n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # a graph bakes in the pool's addresses: a pool that grew (not reserved) since its
+        # captures invalidates them (a reserved pool, as on a GPU replica, never grows)
+        pool = engine.kv.ensure_capacity()
+        if pool != self.pool:
+            self.graphs.clear()
+            self.pool = pool
+        key = (rows, width)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(engine, rows, width, inputs[3].dtype)
+        graph, static, out = self.graphs[key]
+        choice, state, temps, table = static
+        # this step's rows; the padding rows reset (a row left by a larger batch would still
+        # point at blocks that now belong to others)
+        choice[:n].copy_(inputs[0])
+        state[:n].copy_(inputs[1])
+        state[n:].zero_()
+        temps[:n].copy_(inputs[2])
+        table[:n, :inputs[3].shape[1]].copy_(inputs[3])
+        table[:n, inputs[3].shape[1]:].zero_()
+        table[n:].zero_()
+        graph.replay()
+        return out[0][:n], out[1][:n], out[2][:n]
+
+    def _capture(self, engine: ContinuousBatcher, rows: int, width: int,
+                 dtype: torch.dtype) -> tuple[Any, list[torch.Tensor], tuple]:
+        dev = engine.device
+        static = [torch.zeros(rows, dtype=torch.long, device=dev),
+                  torch.zeros((rows, 3), dtype=torch.long, device=dev),
+                  torch.ones((rows, 1), dtype=torch.float32, device=dev),
+                  torch.zeros((rows, width), dtype=dtype, device=dev)]
+        # warm up on a side stream (lazy initialisations stay out of the graph); every row is
+        # padding: writes go to the null block
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                engine.decode_tensors(*static)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = engine.decode_tensors(*static)
+        self.captures += 1
+        return graph, static, out
 
 
 class ContinuousBatcher:
@@ -96,9 +204,14 @@ class ContinuousBatcher:
 
     def __init__(self, model: Any, max_seqs: int = 64, max_tokens: int = 1 << 20,
                  tokenizer: Any = None, adapters: dict[str, str] | None = None,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
+                 decode: DecodeMode = "auto"):
         """`tokenizer`: the agent's tokenizer (on a shared base, the base's), or a function that
-        loads it on first use, for requests with stop strings (None: such requests are refused)."""
+        loads it on first use, for requests with stop strings (None: such requests are refused).
+        `prefix_cache`: keep finished sequences' full blocks for later requests that start
+        with the same tokens (`rollout.paged.PrefixCache`). `decode`: how a decode step runs
+        (`DecodeRunner`); `auto` is `cuda_graph` on a GPU, `eager` on a CPU (a compilation
+        costs more than a CPU run of tests saves; `compile` is the option)."""
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
@@ -122,6 +235,7 @@ class ContinuousBatcher:
         self.kv = PagedKVCache(self.allocator, block_size, model.config.num_hidden_layers,
                                self.device)
         self.max_tokens = max_tokens
+        self.prefix = PrefixCache(self.allocator, block_size) if prefix_cache else None
         # [B, blocks] the block table of each row on the device: rows join and leave on the
         # device; copied up (one small pinned copy) only on a step where a row opens a block.
         # `_columns`: the flat slots it gathers (None: to recompute)
@@ -141,6 +255,20 @@ class ContinuousBatcher:
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
         self._tokenizer = tokenizer
+        # Llama-shaped models (random ones, SmolLM2) decode through `_llama_decode`
+        cfg = model.config
+        self._lean = type(self._net) is LlamaForCausalLM and self._bool_mask
+        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // \
+            cfg.num_attention_heads
+        self._kv_groups = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None)
+                                                      or cfg.num_attention_heads)
+        if decode == "auto":
+            decode = "cuda_graph" if self.device.type == "cuda" else "eager"
+        if decode == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError(f"decode mode 'cuda_graph' needs a CUDA model, this one is on "
+                             f"{self.device}")
+        self.decode_mode: str = decode
+        self._runner = DecodeRunner(decode)
 
     @property
     def max_tokens(self) -> int:
@@ -158,6 +286,7 @@ class ContinuousBatcher:
         """Reserve the whole pool now rather than growing it (a GPU replica, whose budget was
         sized from `rollout.kv_memory_fraction`): no allocation while decoding."""
         self.kv.preallocate = True
+        self.allocator.grow(self.allocator.max_blocks)  # the prefix cache may use all of it
 
     def tokenizer(self) -> Any:
         if callable(self._tokenizer) and not hasattr(self._tokenizer, "decode"):
@@ -234,7 +363,12 @@ class ContinuousBatcher:
 
     def kv_stats(self) -> KVStats:
         """The paged cache now: blocks in use and held, KV bytes per held token."""
-        return self.kv.stats(sum(s.kv for s in self.seqs))
+        stats = self.kv.stats(sum(s.kv for s in self.seqs))
+        if self.prefix is not None:  # blocks only the prefix cache holds: kept, not in use
+            refs = self.allocator.refs
+            stats.cached_blocks = sum(1 for b in self.prefix.blocks.values() if refs[b] == 1)
+            stats.blocks_in_use -= stats.cached_blocks
+        return stats
 
     def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
         """Would `request` fit next to the running batch and `already` other newcomers?"""
@@ -255,7 +389,6 @@ class ContinuousBatcher:
         for r in requests:
             if not r.prompt:
                 raise ValueError(f"request {r.sample_id}: empty prompt")
-        width = max(len(r.prompt) for r in requests)
         bs = self.block_size
         # Prefix sharing: requests with the same prompt on the same adapter (a GRPO group)
         # prefill it once. The first of each prompt (its leader) comes first in the batch;
@@ -273,10 +406,21 @@ class ContinuousBatcher:
         n_lead = len(leaders)
         new = [_Sequence(r, None, now, self._adapter_of(r)) for r in requests]
         cow: dict[int, tuple[int, int]] = {}  # follower -> (leader's last block, its copy)
+        # A leader's prompt starts with blocks the prefix cache holds (an earlier turn of the
+        # conversation, an earlier sample of the group): it shares them and prefills the rest,
+        # always at least its last token (whose logits it samples from). `cached[i]`: tokens
+        # leader i takes from the cache; `hashes[i]`: its full prompt blocks' hashes.
+        cached: list[int] = []
+        hashes: list[list[bytes]] = []
         for i, s in enumerate(new):
             n = len(s.request.prompt)
             if i < n_lead:  # the prompt's blocks
-                s.blocks = [self.allocator.allocate() for _ in range(-(-n // bs))]
+                s.blocks = []
+                if self.prefix is not None:
+                    hashes.append(block_hashes(s.namespace(), s.request.prompt, bs, n // bs))
+                    s.blocks = self.prefix.match(hashes[-1][:(n - 1) // bs])
+                cached.append(len(s.blocks) * bs)
+                s.blocks += [self.allocator.allocate() for _ in range(-(-n // bs) - len(s.blocks))]
                 continue
             lead = new[lead_of[i]].blocks
             s.blocks = lead[:n // bs]
@@ -286,20 +430,25 @@ class ContinuousBatcher:
                 s.blocks.append(self.allocator.allocate())
                 cow[i] = (lead[-1], s.blocks[-1])
         n_blocks = max(len(s.blocks) for s in new)
-        # one host->device copy: left-padded ids, each input token's slot (padding: the null
-        # block), the block tables, then the state (noise seed, tokens sampled, next position),
-        # the temperature's float64 bits, the padding's width, the row of its leader, and the
-        # blocks to copy on write (null to null where none)
+        width = max(len(s.request.prompt) - c for s, c in zip(new, cached, strict=False))
+        # one host->device copy: left-padded ids not cached yet, each input token's slot
+        # (padding: the null block), the block tables, then the state (noise seed, tokens
+        # sampled, next position), the temperature's float64 bits, the offset of the logical
+        # positions (padding - cached tokens), the row of its leader, and the blocks to copy
+        # on write (null to null where none); followers feed nothing
         host = []
         for i, s in enumerate(new):
             r = s.request
-            pad = width - len(r.prompt)
-            slots = [s.blocks[j // bs] * bs + j % bs for j in range(len(r.prompt))]
+            c = cached[i] if i < n_lead else 0
+            pad = width - (len(r.prompt) - c) if i < n_lead else width
+            fed = list(r.prompt[c:]) if i < n_lead else []
+            slots = [s.blocks[j // bs] * bs + j % bs for j in range(c, c + len(fed))]
             temp = struct.unpack("<q", struct.pack("<d", r.temperature))[0]
             src, dst = cow.get(i, (NULL_BLOCK, NULL_BLOCK))
-            host.append([PAD] * pad + list(r.prompt) + [NULL_BLOCK] * pad + slots
+            host.append([PAD] * pad + fed + [NULL_BLOCK] * pad + slots
                         + s.blocks + [NULL_BLOCK] * (n_blocks - len(s.blocks))
-                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad, lead_of[i], src, dst])
+                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad - c, lead_of[i], src,
+                           dst])
         packed = _host_to(self.device, host)
         shared = n_lead < len(new)
         input_ids = packed[:n_lead, :width]
@@ -334,6 +483,9 @@ class ContinuousBatcher:
                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
                             **{self._cache_arg: self.kv})
         logits = out.logits[:, -1, :].float()
+        if self.prefix is not None:  # the leaders' full prompt blocks, now written
+            for s, h in zip(new, hashes, strict=False):
+                self.prefix.insert(s.request.agent, h, s.blocks)
         if shared:  # followers: their leader's logits; their own copy of its last block
             logits = logits[packed[:, at + 5]]
             self.kv.copy_blocks(packed[n_lead:, at + 6], packed[n_lead:, at + 7])
@@ -431,18 +583,23 @@ class ContinuousBatcher:
         self.logits = None
         # one device-to-host copy per step (token ids < 2**24 are exact in float32)
         picked = torch.stack([choice.to(chosen.dtype), chosen]).cpu().tolist()
-        tokens_host, logps_host = picked
+        return self._finish(list(range(start, len(self.seqs))), picked[0], picked[1])
+
+    def _finish(self, index: list[int], tokens_host: list[float],
+                logps_host: list[float]) -> list[GenerationResult]:
+        """Append the sampled tokens (host copies) of sequences `index`; retire finished ones."""
         finished = []
-        for j, s in enumerate(seqs):
+        for j, i in enumerate(index):
+            s = self.seqs[i]
             if s.request.max_new_tokens <= 0:
-                finished.append(start + j)
+                finished.append(i)
                 continue
             tok = int(tokens_host[j])
             s.tokens.append(tok)
             s.logprobs.append(logps_host[j])
             if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens or (
                     s.request.stop and self._stopped_by_string(s)):
-                finished.append(start + j)
+                finished.append(i)
         results = [self._result(self.seqs[i]) for i in finished]
         if finished:
             gone = set(finished)
@@ -460,9 +617,22 @@ class ContinuousBatcher:
                 self.allocator.release(block)
             s.blocks = []
 
+    def _keep_prefix(self, s: _Sequence) -> None:
+        """Hand the full blocks of a finished sequence (its prompt and the tokens fed back) to
+        the prefix cache: the next turn of its conversation starts with them."""
+        if self.prefix is None:
+            return
+        fed = list(s.request.prompt) + s.tokens[:-1]
+        full = len(fed) // self.block_size
+        self.prefix.insert(s.request.agent, block_hashes(s.namespace(), fed, self.block_size,
+                                                         full), s.blocks[:full])
+
     def _retire(self, keep: list[int]) -> None:
         kept = set(keep)
-        self._release([s for i, s in enumerate(self.seqs) if i not in kept])
+        gone = [s for i, s in enumerate(self.seqs) if i not in kept]
+        for s in gone:
+            self._keep_prefix(s)
+        self._release(gone)
         self._columns = None
         if not keep:
             self._table = None
@@ -504,17 +674,114 @@ class ContinuousBatcher:
             width = max(len(s.blocks) for s in self.seqs)
             self._table = self._table[:, :width]
             self._columns = self._columns_of(self._table)
+        if self._static_ok():
+            try:
+                return self._step_static()
+            except RuntimeError as exc:
+                # a model whose forward cannot be captured (a host sync, a host copy inside):
+                # it decodes eagerly, said once, rather than failing the replica
+                if self.decode_mode != "cuda_graph" or self._runner.captures:
+                    raise
+                log.warning("decode steps cannot be captured as CUDA graphs (%s); decoding "
+                            "eagerly", exc)
+                self.decode_mode = "eager"
         pos = self._state[:, 2:3].clone()
         self._state[:, 2] += 1
         self.kv.slots = self._table.gather(1, pos // bs) * bs + pos % bs
         self.kv.columns = self._columns
         cols = torch.arange(self._columns.shape[1], device=self.device)
         allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
-        out = self._forward(self._rows, self._only, input_ids=self._choice.unsqueeze(1),
-                            attention_mask=self._mask(allowed), position_ids=pos,
-                            use_cache=True, **{self._cache_arg: self.kv})
-        self.logits = out.logits[:, -1, :].float()
+        self.logits = self._decode_logits(self._rows, self._only, self._choice, pos,
+                                          self._mask(allowed)).float()
         return self._sample()
+
+    def _decode_logits(self, rows: torch.Tensor | None, only: int | None, choice: torch.Tensor,
+                       pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits of one decode step (one token per row, its KV written in place)."""
+        if not self._lean:
+            out = self._forward(rows, only, input_ids=choice.unsqueeze(1), attention_mask=mask,
+                                position_ids=pos, use_cache=True, **{self._cache_arg: self.kv})
+            return out.logits[:, -1, :]
+        if self._stack is None:
+            return self._llama_decode(choice, pos, mask)
+        self._stack.use_rows(rows, only)
+        try:
+            return self._llama_decode(choice, pos, mask)
+        finally:
+            self._stack.clear()
+
+    def _llama_decode(self, choice: torch.Tensor, pos: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """A Llama decode step through the model's own modules (so LoRA layers and their
+        stacked adapters still apply) and PyTorch's `scaled_dot_product_attention`, without
+        the transformers wrappers around them: argument processing, mask building and output
+        records cost more host time per step than a tiny model's whole compute. The same ops
+        as `LlamaForCausalLM.forward` with an SDPA mask (tests compare the two)."""
+        net = self._net.model
+        h = net.embed_tokens(choice.unsqueeze(1))  # [B, 1, hidden]
+        cos, sin = net.rotary_emb(h, pos)
+        shape = (h.shape[0], 1, -1, self._head_dim)
+        for layer in net.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = self.kv.update(k, v, attn.layer_idx)
+            # grouped-query attention with one query token: the query heads of a key/value
+            # head become its query rows (head i reads key/value head i // groups, as
+            # transformers' `pack_gqa`), so the keys and values are never repeated
+            q = q.reshape(q.shape[0], k.shape[1], -1, self._head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            h = h + attn.o_proj(o.reshape(h.shape[0], 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._net.lm_head(net.norm(h))[:, -1, :]
+
+    # --- static-shape decode steps (captured on CUDA, optionally compiled on a CPU) ----------
+    def _static_ok(self) -> bool:
+        """Can this step run on static shapes? Not in `eager` mode, nor for rows with a token
+        mask or nucleus sampling (they keep the eager step: masks and the nucleus cut change
+        which ops run), nor on a shared base (the stacked adapters pick a path per batch on
+        the host)."""
+        if self.decode_mode == "eager" or self._stack is not None or self._banned is not None:
+            return False
+        return all(s.request.top_p >= 1.0 for s in self.seqs)
+
+    def decode_tensors(self, choice: torch.Tensor, state: torch.Tensor, temps: torch.Tensor,
+                       table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step as a pure function of device tensors of fixed shapes (what a CUDA
+        graph captures and `torch.compile` compiles): feed `choice` [B] at each row's position,
+        sample the next tokens. Returns (next tokens [B], their log-probs [B], the new state
+        [B, 3]). A padding row (null block table, position 0) writes into the null block and
+        reads only it."""
+        bs = self.block_size
+        pos = state[:, 2:3]
+        self.kv.slots = table.gather(1, pos // bs) * bs + pos % bs
+        self.kv.columns = self._columns_of(table)
+        cols = torch.arange(self.kv.columns.shape[1], device=table.device)
+        allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
+        logits = self._decode_logits(None, None, choice, pos, self._mask(allowed))
+        logp = F.log_softmax(logits.float() / temps, dim=-1)
+        scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
+        nxt = torch.argmax(scores, dim=-1)
+        chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
+        new = state.clone()  # one more token sampled, the next position (no host constant:
+        new[:, 1:] += 1  # a host-to-device copy cannot be captured)
+        return nxt, chosen, new
+
+    def _step_static(self) -> list[GenerationResult]:
+        """The decode step on a bucketed batch (rows padded to a power of two, the block table
+        to a power of two of blocks): `DecodeRunner` runs it eagerly, compiled or replayed
+        from the bucket's CUDA graph."""
+        assert self._table is not None
+        n = len(self.seqs)
+        rows, width = _bucket(n), _bucket(self._table.shape[1])
+        nxt, chosen, state = self._runner.run(self, rows, width, self._choice, self._state,
+                                              self._temps, self._table)
+        self._choice, self._state = nxt, state
+        picked = torch.stack([nxt.to(chosen.dtype), chosen]).cpu().tolist()
+        return self._finish(list(range(n)), picked[0], picked[1])
 
     def run_to_completion(self, requests: list[GenerationRequest],
                           min_admit: int | None = None) -> list[GenerationResult]:
@@ -556,15 +823,22 @@ class HFEngine(ContinuousBatcher):
                                    "sequences are running")
             load_adapter(self.model, self.adapters[agent], weights)
             self._stack.refresh(self.adapters[agent])
+            if self.prefix is not None:  # its cached keys were computed by the old adapter
+                self.prefix.flush(agent)
             return
         if self.active:
             raise RuntimeError("cannot load weights while sequences are running")
+        if self.prefix is not None:  # keys computed by the old weights
+            self.prefix.flush()
         # a version may carry only the tensors that changed (LoRA: the adapted layers)
         self.model.load_state_dict(weights, strict=False)
 
     def reset(self) -> None:
-        """Drop the running batch (after a failure); the model stays loaded."""
+        """Drop the running batch (after a failure); the model stays loaded. The prefix cache
+        goes too: a failed pass may have left blocks half written."""
         self._release(self.seqs)
+        if self.prefix is not None:
+            self.prefix.flush()
         self.seqs, self.logits = [], None
         self._table, self._columns = None, None
         self._banned, self._rows, self._only = None, None, None

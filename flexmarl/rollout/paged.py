@@ -19,6 +19,10 @@ gigabytes; `preallocate` reserves it all at once (on a GPU, sized from
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +42,8 @@ class BlockAllocator:
         self.refs = [0] * self.capacity
         self.refs[NULL_BLOCK] = 1  # never handed out
         self.free = list(range(self.capacity - 1, 0, -1))  # pop() hands out the lowest first
+        # frees blocks held only by a prefix cache when the pool is at its limit (`PrefixCache`)
+        self.reclaim: Callable[[int], int] | None = None
 
     @property
     def used(self) -> int:
@@ -54,7 +60,9 @@ class BlockAllocator:
         self.capacity = new
 
     def allocate(self) -> int:
-        if not self.free:
+        # blocks only a prefix cache holds are reused before the pool grows: the cache fills
+        # the room running sequences left, never makes the pool larger
+        if not self.free and (self.reclaim is None or not self.reclaim(1)):
             self.grow(self.capacity + 1)
         block = self.free.pop()
         self.refs[block] = 1
@@ -82,6 +90,7 @@ class KVStats:
     held_tokens: int
     bytes_per_token: int  # K and V of one token, all layers
     pool_bytes: int
+    cached_blocks: int = 0  # blocks only the prefix cache holds (not in use, evictable)
 
     @property
     def fraction_in_use(self) -> float:
@@ -134,6 +143,15 @@ class PagedKVCache:
         self.keys[layer], self.values[layer] = keys, values
         return keys, values
 
+    def ensure_capacity(self) -> int:
+        """Grow every layer's pool to the allocator's capacity now (a captured decode step
+        runs no Python to grow it); returns the first pool's address (0: none yet)."""
+        for layer, keys in enumerate(self.keys):
+            if keys is not None:
+                self._pool(layer, keys.unsqueeze(2))
+        first = self.keys[0]
+        return 0 if first is None else int(first.data_ptr())
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' keys/values ([B, H, T, D]) into their slots; return each row's
@@ -165,3 +183,101 @@ class PagedKVCache:
                        held_tokens, self.token_bytes,
                        sum(int(k.numel() * k.element_size()) * 2 for k in self.keys
                            if k is not None))
+
+
+Namespace = tuple[str, str | None, int]  # (agent, adapter, weight version)
+
+
+def block_hashes(namespace: Namespace, tokens: list[int], block_size: int,
+                 n_blocks: int) -> list[bytes]:
+    """The chained hash of each of the first `n_blocks` full blocks of `tokens`: block i's hash
+    covers the namespace and every token up to the end of block i (as vLLM and SGLang hash), so
+    equal hashes mean equal prefixes and therefore equal keys and values at equal weights.
+    BLAKE2b (128 bits): a collision would silently reuse wrong keys, so no 64-bit hash."""
+    out: list[bytes] = []
+    parent = hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
+    for i in range(n_blocks):
+        chunk = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """Full KV blocks kept after their sequences leave, found again by the hash of their prefix.
+
+    A later request whose prompt starts with a cached prefix (the next turn of a multi-turn
+    agent, whose prompt is the conversation so far; another sample of a group admitted later)
+    shares those blocks and prefills only the rest. The cache holds one reference on each block
+    it keeps; a block only the cache holds is evicted least recently used first whenever the
+    pool has no free block (`BlockAllocator.reclaim`, before the pool grows: the cache only
+    fills room running sequences left), the chain's last blocks before its first ones. Keys
+    carry the agent, adapter and weight version, and `flush` drops an agent's blocks when new
+    weights load: keys computed under old weights are never read by the new ones.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> block, oldest use first
+        self.agent_of: dict[bytes, str] = {}
+        self.hits = 0  # blocks reused (prefill tokens saved = hits * block_size)
+        self.lookups = 0  # full prompt blocks looked up
+        allocator.reclaim = self.evict
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest cached prefix among `hashes`, each shared once more
+        (the caller now holds them) and marked as just used."""
+        found: list[int] = []
+        for h in hashes:
+            block = self.blocks.get(h)
+            if block is None:
+                break
+            found.append(block)
+            self.allocator.share(block)
+        self.lookups += len(hashes)
+        self.hits += len(found)
+        self._touch(hashes[:len(found)])
+        return found
+
+    def insert(self, agent: str, hashes: list[bytes], blocks: list[int]) -> None:
+        """Keep `blocks` (full, in prefix order, hashed `hashes`); a prefix already cached in
+        other blocks keeps those (the caller's copies go back with the caller)."""
+        for h, block in zip(hashes, blocks, strict=False):
+            if h not in self.blocks:
+                self.allocator.share(block)
+                self.blocks[h] = block
+                self.agent_of[h] = agent
+        self._touch(hashes[:len(blocks)])
+
+    def _touch(self, hashes: list[bytes]) -> None:
+        # the chain's last block first: eviction (from the oldest) then takes leaves before the
+        # prefixes other chains may still extend
+        for h in reversed(hashes):
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+
+    def evict(self, wanted: int) -> int:
+        """Hand back up to `wanted` blocks that only the cache holds, least recently used
+        first; returns how many went back to the free list."""
+        gone: list[bytes] = []
+        for h, b in self.blocks.items():
+            if len(gone) == wanted:
+                break
+            if self.allocator.refs[b] == 1:
+                gone.append(h)
+        for h in gone:
+            self._drop(h)
+        return len(gone)
+
+    def flush(self, agent: str | None = None) -> None:
+        """Drop the blocks of `agent` (None: of every agent): its weights changed."""
+        for h in [h for h in self.blocks if agent is None or self.agent_of[h] == agent]:
+            self._drop(h)
+
+    def _drop(self, h: bytes) -> None:
+        self.allocator.release(self.blocks.pop(h))
+        del self.agent_of[h]

@@ -149,3 +149,39 @@ def test_latency_allotment_does_not_stall_on_two_tied_parallel_branches():
 
     last = latency_allotments(nodes3, phase3, 64)[-1]
     assert min(last.replicas[a] for a in ("spec_a", "spec_b", "spec_c")) > 4
+
+
+def test_a_group_and_its_episodes_turns_stay_on_one_replica():
+    bal = Balancer(["a"], 3)
+    load = [0.0, 0.0, 0.0]
+    homes = {}
+    for group in range(3):  # groups of 8 samples, 300 tokens each, submitted one by one
+        for traj in range(8):
+            r = bal.pick("a", load, f"4-{group}_0_{traj}")
+            homes.setdefault(group, set()).add(r)
+            load[r] += 300
+    # least-outstanding alone would deal every group over all three replicas
+    assert all(len(h) == 1 for h in homes.values())
+    assert {next(iter(h)) for h in homes.values()} == {0, 1, 2}  # groups still spread
+    # the second turn of an episode goes where its conversation's first turn went
+    assert bal.pick("a", load, "4-1_1_5") == next(iter(homes[1]))
+    # without affinity (ids of another form) every request goes to the least loaded
+    assert [bal.pick("a", [5.0, 0.0, 9.0], "x") for _ in range(2)] == [1, 1]
+
+
+def test_affinity_gives_way_when_load_forces_otherwise():
+    bal = Balancer(["a"], 2, affinity_slack_tokens=1000, affinity_slack_ratio=0.5)
+    assert bal.pick("a", [0.0, 0.0], "7-0_0_0") == 0
+    assert bal.pick("a", [900.0, 0.0], "7-0_0_1") == 0  # within the slack: stays
+    assert bal.pick("a", [4400.0, 3000.0], "7-0_0_2") == 0  # within half the least load
+    assert bal.pick("a", [5000.0, 100.0], "7-0_0_3") == 1  # overloaded: moves, and the
+    assert bal.pick("a", [5000.0, 400.0], "7-0_1_0") == 1  # group's later turns follow
+    assert bal.pick("a", [float("inf"), 400.0], "7-0_2_0") == 1  # a lost replica: never
+    # a replan that takes the home replica away from the agent: the key moves with the plan
+    bal = Balancer(["a", "b"], 2)
+    assert bal.pick("a", [0.0, 0.0], "1-0_0_0") == 0
+    bal.follow(1, {"a": [1], "b": [0]})
+    assert bal.pick("a", [0.0, 0.0], "1-0_0_1") == 1
+    # static mode (the peers' baseline) keeps dealing round robin
+    static = Balancer(["a"], 2, mode="static")
+    assert [static.pick("a", [0.0, 0.0], "1-0_0_0") for _ in range(2)] == [0, 1]

@@ -68,3 +68,20 @@ def test_shared_base_step_copies_no_adapter_rows():
     with count_host_costs() as c:
         engine.step()
     assert (c.syncs, c.h2d) == (1, 0), c.by_sync
+
+
+def test_a_static_decode_step_reads_back_once_and_copies_nothing_up():
+    """The bucketed step (what a CUDA graph replays): one read, no copy up, also when rows
+    leave and the batch drops to a smaller bucket."""
+    engine = HFEngine(build_model("a", ModelConfig(init_std=0.1), 48, 96, 0), 8, decode="static")
+    engine.admit([GenerationRequest(f"s{i}_0_0", "a", 0, [1] + [5 + i] * (1 + i),
+                                    40 if i % 2 else 3, None, [], 0.8 + 0.1 * (i % 3), 3)
+                  for i in range(6)])
+    with count_host_costs() as c:
+        assert not engine.step()
+    assert (c.syncs, c.h2d) == (1, 0), c.by_sync
+    with count_host_costs() as c:
+        assert len(engine.step()) == 3  # 6 rows (bucket 8) -> 3 rows (bucket 4)
+    with count_host_costs() as c:
+        engine.step()
+    assert (c.syncs, c.h2d) == (1, 0), c.by_sync

@@ -7,7 +7,7 @@ import torch
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
 from flexmarl.policy.sampling import GenerationRequest
-from flexmarl.rollout.engine import ContinuousBatcher
+from flexmarl.rollout.engine import ContinuousBatcher, HFEngine
 from flexmarl.rollout.paged import NULL_BLOCK, BlockAllocator
 
 
@@ -71,7 +71,10 @@ def test_long_tailed_batch_equals_one_at_a_time_and_the_trainer(model):
     # block size 4: sequences cross many block boundaries, join and leave at every offset
     batched = ContinuousBatcher(model, max_seqs=5, block_size=4)
     out = {r.sample_id: r for r in batched.run_to_completion(reqs)}
-    assert batched.allocator.used == 0  # every block came back
+    # every block came back, but those the prefix cache keeps (and a flush hands back)
+    assert batched.prefix is not None and batched.allocator.used == len(batched.prefix) > 0
+    batched.prefix.flush()
+    assert batched.allocator.used == 0
     for req in reqs:
         alone = ContinuousBatcher(model, max_seqs=1, block_size=16).run_to_completion([req])[0]
         res = out[req.sample_id]
@@ -95,7 +98,10 @@ def test_cache_exhaustion_queues_instead_of_failing(model):
         most = max(most, engine.allocator.used)
         assert engine.active < 8  # the token budget, not max_seqs, bounded the batch
     assert set(done) == {r.sample_id for r in reqs}
-    assert most <= engine.allocator.max_blocks - 1 and engine.allocator.used == 0
+    # the pool never outgrew its budget: the prefix cache gave blocks back under pressure
+    assert most <= engine.allocator.max_blocks - 1
+    assert engine.allocator.capacity <= engine.allocator.max_blocks
+    assert engine.prefix is not None and engine.allocator.used == len(engine.prefix)
 
 
 def test_kv_bytes_follow_held_tokens(model):
@@ -133,13 +139,169 @@ def test_shared_prefix_decodes_as_unshared(model, prompt_len):
     # each group prefilled once: its full blocks are held once, read by all three samples
     full = prompt_len // 4
     assert engine.allocator.used == 2 * full + 6 * (prompt_len % 4 > 0)
-    assert all(engine.allocator.refs[b] == 3 for s in engine.seqs[:2] for b in s.blocks[:full])
+    # three samples and the prefix cache
+    assert all(engine.allocator.refs[b] == 4 for s in engine.seqs[:2] for b in s.blocks[:full])
     while engine.active:
         for res in engine.step():
             results[res.sample_id] = res
+    assert engine.prefix is not None
+    engine.prefix.flush()
     assert engine.allocator.used == 0
     for req in reqs:
         alone = ContinuousBatcher(model, max_seqs=1).run_to_completion([req])[0]
         res = results[req.sample_id]
         assert res.tokens == alone.tokens, req.sample_id
         assert np.allclose(res.logprobs, alone.logprobs, atol=1e-5)
+
+
+def _request(sample_id, prompt, n, version=0):
+    return GenerationRequest(sample_id, "a", version, prompt, n, None, [], 1.0, 11)
+
+
+def _same(a, b):
+    assert a.tokens == b.tokens
+    assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_prefix_cache_serves_a_later_admission_exactly(model):
+    prompt = [1] + list(range(5, 18))  # 14 tokens: 3 full blocks of 4
+    engine = ContinuousBatcher(model, max_seqs=4, block_size=4)
+    engine.run_to_completion([_request("first_0_0", prompt, 6)])
+    assert engine.prefix is not None and len(engine.prefix) >= 3
+    later = _request("second_0_0", prompt + [20, 21, 22], 9)
+    used_before = engine.allocator.used
+    res = engine.run_to_completion([later])[0]
+    assert engine.prefix.hits == 3  # its first 12 prompt tokens were not prefilled again
+    uncached = ContinuousBatcher(model, max_seqs=4, block_size=4, prefix_cache=False)
+    _same(res, uncached.run_to_completion([later])[0])
+    assert uncached.allocator.used == 0
+    assert torch.allclose(_recomputed(model, later, res), torch.tensor(res.logprobs), atol=1e-5)
+    assert engine.allocator.used >= used_before  # the new turn's blocks joined the cache
+
+
+def test_next_turn_reuses_the_conversation_including_its_response(model):
+    engine = ContinuousBatcher(model, max_seqs=4, block_size=4)
+    turn1 = _request("ep0/turn1_0_0", [1] + list(range(5, 15)), 12)
+    out1 = engine.run_to_completion([turn1])[0]
+    conversation = turn1.prompt + out1.tokens + [3, 7, 9]
+    turn2 = _request("ep0/turn2_0_0", conversation, 8)
+    assert engine.prefix is not None
+    hits = engine.prefix.hits
+    out2 = engine.run_to_completion([turn2])[0]
+    # the blocks of the first turn's response (fed back while decoding) were reused too
+    fed = len(turn1.prompt) + len(out1.tokens) - 1
+    assert engine.prefix.hits - hits == fed // 4 > len(turn1.prompt) // 4
+    _same(out2, ContinuousBatcher(model, 4, block_size=4, prefix_cache=False)
+          .run_to_completion([turn2])[0])
+    assert torch.allclose(_recomputed(model, turn2, out2), torch.tensor(out2.logprobs),
+                          atol=1e-5)
+
+
+def test_prefix_cache_is_flushed_when_weights_load():
+    net = build_model("a", ModelConfig(init_std=0.1), vocab_size=48, max_seq_len=128, run_seed=0)
+    engine = HFEngine(net, 4, block_size=4)
+    prompt = [1] + list(range(5, 20))
+    engine.run_to_completion([_request("v0_0_0", prompt, 5)])
+    assert engine.prefix is not None and len(engine.prefix) > 0
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in net.state_dict().items()}
+    engine.load_weights(new)
+    assert len(engine.prefix) == 0 and engine.allocator.used == 0
+    req = _request("v1_0_0", prompt + [30], 7, version=1)
+    res = engine.run_to_completion([req])[0]
+    assert engine.prefix.hits == 0  # nothing of version 0 was read by version 1
+    fresh = build_model("a", ModelConfig(init_std=0.1), vocab_size=48, max_seq_len=128,
+                        run_seed=0)
+    fresh.load_state_dict(new)
+    _same(res, ContinuousBatcher(fresh, 4, block_size=4).run_to_completion([req])[0])
+
+
+def test_prefix_cache_evicts_least_recently_used_under_pressure_without_leaks(model):
+    # a budget of 64 KV tokens (+ a block per sequence): far less than 8 rounds cache
+    engine = ContinuousBatcher(model, max_seqs=2, max_tokens=64, block_size=4)
+    assert engine.prefix is not None
+    rng = np.random.default_rng(9)
+    hot = [1] + rng.integers(5, 48, size=12).tolist()
+    for i in range(8):
+        cold = [2] + rng.integers(5, 48, size=15).tolist()
+        engine.run_to_completion([_request(f"cold{i}_0_0", cold, 8),
+                                  _request(f"hot{i}_0_0", hot + [5 + i], 4)])
+        assert engine.allocator.capacity <= engine.allocator.max_blocks
+        assert engine.allocator.used == len(engine.prefix)  # no block outside the cache
+        assert all(engine.allocator.refs[b] == 1 for b in engine.prefix.blocks.values())
+    # the hot prefix, used every round, stayed; cold ones were evicted
+    assert engine.prefix.hits >= 3 * 7
+    assert len(engine.prefix) < 8 * 5  # 5 blocks each cold request cached
+    engine.prefix.flush()
+    assert engine.allocator.used == 0 and len(engine.allocator.free) == \
+        engine.allocator.capacity - 1
+
+
+def _decode_modes_agree(model, mode):
+    reqs = _long_tailed(8, seed=3)
+    eager = ContinuousBatcher(model, max_seqs=5, block_size=4).run_to_completion(reqs)
+    engine = ContinuousBatcher(model, max_seqs=5, block_size=4, decode=mode)
+    # the batch shrinks and grows through buckets of 1-8 rows and 1-32 blocks
+    for a, b in zip(eager, engine.run_to_completion(reqs), strict=True):
+        assert a.tokens == b.tokens, a.sample_id
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert engine.prefix is not None
+    engine.prefix.flush()
+    assert engine.allocator.used == 0
+
+
+def test_bucketed_static_decode_steps_sample_the_same_tokens(model):
+    _decode_modes_agree(model, "static")
+
+
+@pytest.mark.slow  # one compilation per bucket: minutes on a CPU
+def test_compiled_decode_steps_sample_the_same_tokens(model):
+    _decode_modes_agree(model, "compile")
+
+
+def test_cuda_graph_decode_needs_a_cuda_model(model):
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        ContinuousBatcher(model, decode="cuda_graph")
+
+
+@pytest.mark.slow  # loads the 135M model: about a minute on a loaded 2-core machine
+def test_lean_llama_step_equals_the_transformers_forward_on_smollm2():
+    """SmolLM2-135M (grouped-query attention, tied embeddings, its RoPE base): the engine's
+    own Llama decode step samples what transformers' forward samples."""
+    from flexmarl.policy.smollm import SmolLMUnavailable
+
+    try:
+        net = build_model("a", ModelConfig(kind="smollm2"), 49152, 256, 0)
+    except SmolLMUnavailable as exc:
+        pytest.skip(str(exc))
+    reqs = [_request(f"s{i}_0_0", [1, 9690, 30, 2683 + i, 28, 253], 6) for i in range(3)]
+    lean = ContinuousBatcher(net, 3)
+    assert lean._lean and lean._kv_groups == 3
+    slow = ContinuousBatcher(net, 3)
+    slow._lean = False
+    for a, b in zip(lean.run_to_completion(reqs), slow.run_to_completion(reqs), strict=True):
+        _same(a, b)
+
+
+def test_prefix_cache_hashes_by_namespace_and_flushes_one_agent():
+    from flexmarl.rollout.paged import PrefixCache, block_hashes
+
+    alloc = BlockAllocator(max_blocks=16)
+    cache = PrefixCache(alloc, 4)
+    tokens = list(range(12))
+    ha = block_hashes(("a", "lora_a", 0), tokens, 4, 3)
+    assert block_hashes(("a", "lora_a", 1), tokens, 4, 3)[0] != ha[0]  # another version
+    assert block_hashes(("b", "lora_a", 0), tokens, 4, 3)[0] != ha[0]  # another agent
+    assert block_hashes(("a", "lora_a", 0), [0, 1, 2, 3, 9, 9, 9, 9], 4, 2)[0] == ha[0]
+    hb = block_hashes(("b", "lora_b", 0), tokens, 4, 3)
+    blocks_a = [alloc.allocate() for _ in range(3)]
+    blocks_b = [alloc.allocate() for _ in range(3)]
+    cache.insert("a", ha, blocks_a)
+    cache.insert("b", hb, blocks_b)
+    for b in blocks_a + blocks_b:  # the sequences leave; the cache keeps the blocks
+        alloc.release(b)
+    assert alloc.used == 6 and cache.match(ha[:2]) == blocks_a[:2]
+    for b in blocks_a[:2]:
+        alloc.release(b)
+    cache.flush("a")  # agent a's adapter loaded: its blocks go, b's stay
+    assert len(cache) == 3 and alloc.used == 3 and cache.match(ha) == []
+    assert cache.evict(10) == 3 and alloc.used == 0

@@ -344,7 +344,7 @@ class LocalRolloutPool(RolloutPool):
         if not live:
             raise WorkerLost("no live rollout replica")
         load = [w.outstanding_tokens if w.alive else float("inf") for w in self.workers]
-        worker = self.workers[self.balancer.pick(request.agent, load)]
+        worker = self.workers[self.balancer.pick(request.agent, load, request.sample_id)]
         if not worker.alive:  # its planned replicas are down: any live one will do
             worker = min(live, key=lambda w: (w.outstanding_tokens, w.index))
         worker.outstanding_tokens += cost
