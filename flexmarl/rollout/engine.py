@@ -210,8 +210,9 @@ class ContinuousBatcher:
         loads it on first use, for requests with stop strings (None: such requests are refused).
         `prefix_cache`: keep finished sequences' full blocks for later requests that start
         with the same tokens (`rollout.paged.PrefixCache`). `decode`: how a decode step runs
-        (`DecodeRunner`); `auto` is `cuda_graph` on a GPU, `eager` on a CPU (a compilation
-        costs more than a CPU run of tests saves; `compile` is the option)."""
+        (`DecodeRunner`); `auto` is `eager` everywhere until the CUDA-graph path has run on a
+        GPU (`benchmarks/gpu_check.py` times both; `cuda_graph` is the option there), and on a
+        CPU a compilation costs more than a run of tests saves (`compile` is the option)."""
         if max_seqs < 1:
             raise ValueError("max_seqs must be >= 1")
         self.model = model
@@ -263,7 +264,7 @@ class ContinuousBatcher:
         self._kv_groups = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None)
                                                       or cfg.num_attention_heads)
         if decode == "auto":
-            decode = "cuda_graph" if self.device.type == "cuda" else "eager"
+            decode = "eager"  # cuda_graph becomes the GPU default once verified on one
         if decode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError(f"decode mode 'cuda_graph' needs a CUDA model, this one is on "
                              f"{self.device}")
