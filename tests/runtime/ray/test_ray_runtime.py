@@ -34,6 +34,7 @@ def _max_diff(a: Path, b: Path) -> float:
     return max(float((x[k] - y[k]).abs().max()) for k in x)
 
 
+@pytest.mark.slow  # 17 s; Ray equals local bit for bit in the parity tests, which stay
 def test_referential_game_learns_on_ray(tmp_path, ray_head):
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
         "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=30",
