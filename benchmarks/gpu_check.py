@@ -28,7 +28,6 @@ With $OUT set, the figures are also written to $OUT/gpu_check.json.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -270,8 +269,15 @@ def bench_llama(device: torch.device, small: bool) -> None:
     # the eager default and, on a GPU, the CUDA-graph decode steps it does not default to until
     # this check has run them (rollout/engine.py, `decode`)
     engines: dict[str, Any] = {"engine": HFEngine}
+    graph_engines: list[Any] = []
+
+    def graph_engine(*args: Any, **kwargs: Any) -> Any:
+        engine = HFEngine(*args, decode="cuda_graph", **kwargs)
+        graph_engines.append(engine)
+        return engine
+
     if device.type == "cuda":
-        engines["engine_graph"] = functools.partial(HFEngine, decode="cuda_graph")
+        engines["engine_graph"] = graph_engine
     out: dict[Any, Any] = {}
     for batch in ((8, 16) if small else (64, 256)):
         reqs = long_tailed_requests(batch, cfg.vocab_size, True, seed=batch)
@@ -286,6 +292,15 @@ def bench_llama(device: torch.device, small: bool) -> None:
                   f"{e / g:.2f}x (goal >= 3x); bandwidth limit {limit:>9.0f} tok/s, at "
                   f"{100 * e / limit:.1f}% of it (goal >= 30% at batch 64)")
             out[batch][name] = {"tps": e, "speedup": e / g, "fraction_of_limit": e / limit}
+        # the engine_graph row must time CUDA graphs: an engine that fell back to eager decode
+        # (capture failed) or never took a static step would time eager under that name
+        fell_back = [e for e in graph_engines
+                     if e.decode_mode != "cuda_graph" or e._runner.captures == 0]
+        if fell_back:
+            raise RuntimeError(f"batch {batch}: {len(fell_back)} of {len(graph_engines)} "
+                               "CUDA-graph engines decoded eagerly (no graph captured); the "
+                               "engine_graph figures above are not CUDA-graph figures")
+        graph_engines.clear()
     RESULTS["llama"] = {"params": weight_bytes / dtype.itemsize, "bandwidth": bw, **out}
 
 
