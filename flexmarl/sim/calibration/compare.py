@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flexmarl.config.schema import load_config
+from flexmarl.config.schema import ConfigError, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
@@ -59,8 +59,8 @@ class SystemRow:
 def pinned_overrides(cpus: int | None = None) -> list[str]:
     """Rollout on the first half of the CPUs, training on the rest (at least one each)."""
     n = cpus or os.cpu_count() or 1
-    if n < 2:
-        return []
+    if n < 2:  # the table would say "pinned apart" of pools that share the one CPU
+        raise ConfigError(f"--pin: pools pinned apart need 2 CPUs or more, this machine has {n}")
     half = n // 2
     return [f"runtime.rollout_cpus=[{','.join(map(str, range(half)))}]",
             f"runtime.train_cpus=[{','.join(map(str, range(half, n)))}]"]

@@ -61,6 +61,8 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     run_cfg = load_config(tmp_path / "out" / "sync-disaggregated-0" / "config.yaml")
     assert (run_cfg.pipeline.mode, run_cfg.rollout.schedule, run_cfg.rollout.balance) == (
         "sync", "stage", "static")
+    with pytest.raises(ConfigError, match="--pin: pools pinned apart need 2 CPUs or more"):
+        pinned_overrides(1)
     if os.cpu_count() and os.cpu_count() >= 2:
         assert pinned_overrides()[0].startswith("runtime.rollout_cpus=[0")
         assert run_cfg.runtime.rollout_cpus == [0] or 0 in run_cfg.runtime.rollout_cpus
