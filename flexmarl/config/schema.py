@@ -7,6 +7,7 @@ overrides are applied to the raw YAML before validation, so they are checked the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
@@ -691,27 +692,8 @@ class RunConfig(Strict):
     def _resolve_bases(self) -> None:
         """Copy each shared base's fields into the agents that name it (`model.base`), so
         everything downstream reads `agents.X.model` as before; check what sharing needs."""
-        for key, entry in self.models.items():
-            if not key.isidentifier():
-                raise ValueError(f"models: name {key!r} must be an identifier")
-            if entry.base is not None:
-                raise ValueError(f"models.{key}.base: a shared model cannot itself name a base")
-        used: set[str] = set()
-        for name, agent in self.agents.items():
-            base = agent.model.base
-            if base is None:
-                continue
-            if base not in self.models:
-                known = ", ".join(sorted(self.models)) or "none: add a top-level `models:`"
-                raise ValueError(f"agents.{name}.model.base: {base!r} names no entry of "
-                                 f"models (it has: {known})")
-            entry = self.models[base]
-            for field in agent.model.model_fields_set - {"base"}:
-                if getattr(agent.model, field) != getattr(entry, field):
-                    raise ValueError(
-                        f"agents.{name}.model.{field}: set next to model.base {base!r}; a "
-                        f"shared base's fields come from models.{base} (set it there, or give "
-                        f"agents.{name} a model of its own without `base`)")
+
+        def on_shared_base(name: str, agent: AgentConfig, base: str) -> None:
             if agent.backend.kind != "hf":
                 raise ValueError(f"agents.{name}.backend.kind: an agent on a shared base "
                                  f"(model.base {base!r}) is served by the hf backend, not "
@@ -721,12 +703,47 @@ class RunConfig(Strict):
                     f"agents.{name}.lora: an agent on a shared base (model.base {base!r}) "
                     f"trains a LoRA adapter; give agents.{name}.lora (e.g. {{r: 8}}), or set "
                     f"agents.{name}.trainable: false to use the base as it is")
-            agent.model = entry.model_copy(update={"base": base})
-            used.add(base)
-        for key in self.models:
-            if key not in used:
-                raise ValueError(f"models.{key}: no agent uses it (agents.<name>.model: "
-                                 f"{{base: {key}}})")
+
+        resolve_shared("models", "model", self.models, self.agents, on_shared_base)
+
+
+def resolve_shared(table: str, field: str, entries: dict[str, Any], agents: dict[str, Any],
+                   check: Callable[[str, Any, str], None] | None = None) -> None:
+    """Shared entries by name (`models:` for LLM bases, `networks:` for classic MARL): each
+    agent whose `<field>.base` names an entry gets a copy of it (`base` kept), so everything
+    downstream reads `agents.X.<field>`. Errors name the field: an entry naming a base, a base
+    naming no entry, a field set next to `base`, an entry no agent uses; `check(name, agent,
+    base)` adds what sharing needs of one agent."""
+    for key, entry in entries.items():
+        if not key.isidentifier():
+            raise ValueError(f"{table}: name {key!r} must be an identifier")
+        if entry.base is not None:
+            raise ValueError(f"{table}.{key}.base: a shared {field} cannot itself name a base")
+    used: set[str] = set()
+    for name, agent in agents.items():
+        own = getattr(agent, field)
+        base = own.base
+        if base is None:
+            continue
+        if base not in entries:
+            known = ", ".join(sorted(entries)) or f"none: add a top-level `{table}:`"
+            raise ValueError(f"agents.{name}.{field}.base: {base!r} names no entry of "
+                             f"{table} (it has: {known})")
+        entry = entries[base]
+        for key in sorted(own.model_fields_set - {"base"}):
+            if getattr(own, key) != getattr(entry, key):
+                raise ValueError(
+                    f"agents.{name}.{field}.{key}: set next to {field}.base {base!r}; a "
+                    f"shared {field}'s fields come from {table}.{base} (set it there, or give "
+                    f"agents.{name} a {field} of its own without `base`)")
+        if check is not None:
+            check(name, agent, base)
+        setattr(agent, field, entry.model_copy(update={"base": base}))
+        used.add(base)
+    for key in entries:
+        if key not in used:
+            raise ValueError(f"{table}.{key}: no agent uses it (agents.<name>.{field}: "
+                             f"{{base: {key}}})")
 
 
 def _algorithm_field(loc: tuple) -> tuple[list[str], str] | None:

@@ -24,6 +24,7 @@ from flexmarl.config.schema import (
     Strict,
     _format_errors,
     apply_overrides,
+    resolve_shared,
 )
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.algorithms.vdn import VdnConfig
@@ -123,33 +124,12 @@ class MarlRunConfig(Strict):
         if self.runtime.kind == "sim":
             raise ValueError("runtime.kind: classic MARL runs on the local and ray runtimes, "
                              "not the simulator")
-        for key, entry in self.networks.items():
-            if entry.base is not None:
-                raise ValueError(f"networks.{key}.base: a shared network cannot name a base")
-        used: set[str] = set()
-        for name, agent in self.agents.items():
-            base = agent.network.base
-            if base is None:
-                continue
-            if base not in self.networks:
-                known = ", ".join(sorted(self.networks)) or "none: add a top-level `networks:`"
-                raise ValueError(f"agents.{name}.network.base: {base!r} names no entry of "
-                                 f"networks (it has: {known})")
+        def distinct_names(name: str, agent: Any, base: str) -> None:
             if base in self.agents and self.agents[base].network.base != base:
                 raise ValueError(f"networks.{base}: also the name of an agent with a network "
                                  "of its own; rename one")
-            entry = self.networks[base]
-            for field in sorted(agent.network.model_fields_set - {"base"}):
-                if getattr(agent.network, field) != getattr(entry, field):
-                    raise ValueError(f"agents.{name}.network.{field}: set next to "
-                                     f"network.base {base!r}; a shared network's fields come "
-                                     f"from networks.{base}")
-            agent.network = entry.model_copy(update={"base": base})
-            used.add(base)
-        for key in self.networks:
-            if key not in used:
-                raise ValueError(f"networks.{key}: no agent uses it (agents.<name>.network: "
-                                 f"{{base: {key}}})")
+
+        resolve_shared("networks", "network", self.networks, self.agents, distinct_names)
         return self
 
     def policy_groups(self, env_agents: list[str]) -> dict[str, list[str]]:
