@@ -539,7 +539,8 @@ class LocalRuntime(Runtime):
                 sink.fault("weights_refetched", agent=agent, version=version)
 
             self.rollout.publisher = Publisher(self.train_workers, self.placements,
-                                               wait_slot, pipe_weights, refetched)
+                                               wait_slot, pipe_weights, refetched,
+                                               rt.publication_timeout_s)
 
     # --- what a runtime that hosts the same workers elsewhere (Ray) changes ------------------
     def _launcher(self) -> Launcher:
@@ -740,6 +741,14 @@ class Supervisor:
             except WorkerLost:
                 await new.stop(timeout=1)
                 continue
+            except Exception as exc:  # noqa: BLE001 - ends the run with why, never a silent wait
+                await new.stop(timeout=1)
+                self._fatal = (f"{old.pool} worker {old.index} lost ({old.lost_reason}) and its "
+                               f"restart failed: {type(exc).__name__}: {exc}")
+                self._event("worker_unrecoverable", pool=old.pool, worker=old.index,
+                            reason=self._fatal)
+                self._changed.set()
+                return
             new.on_death = self._on_death
             workers = self.rt.rollout_workers if old.pool == "rollout" else self.rt.train_workers
             workers[old.index] = new  # the pools share these lists
