@@ -32,6 +32,7 @@ from flexmarl.policy.device import Placement
 from flexmarl.runtime.local.runtime import Launcher, LocalRuntime, WorkerProxy
 from flexmarl.runtime.ray.drain import draining_nodes, gcs_client, report_drained
 from flexmarl.runtime.ray.placement import RayPools
+from flexmarl.runtime.ray.session import RayRuntimeError
 
 
 class RayRuntime(LocalRuntime):
@@ -83,7 +84,10 @@ class RayRuntime(LocalRuntime):
             self.ray.release()
             raise
         self._report()
-        self._gcs = gcs_client(self.ray.session.gcs_address or "")
+        try:
+            self._gcs = gcs_client(self.ray.session.gcs_address or "")
+        except RayRuntimeError as exc:  # a Ray without the private drain API: runs, undrained
+            print(f"ray: draining nodes are not watched: {exc}", file=sys.stderr, flush=True)
         self.rollout.on_iteration_end = self._between_iterations
 
     def _between_iterations(self, iteration: int) -> None:
@@ -92,7 +96,7 @@ class RayRuntime(LocalRuntime):
         the background, one at a time."""
         if self._stopping:
             return
-        if self._draining is None or self._draining.done():
+        if self._gcs is not None and (self._draining is None or self._draining.done()):
             leaving = draining_nodes(self._gcs) - self._drained
             if leaving:
                 self._draining = asyncio.ensure_future(self._drain(sorted(leaving)))
