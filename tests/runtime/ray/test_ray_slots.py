@@ -1,12 +1,13 @@
-"""A sharded training slot on Ray: one slot of 2 ranks (its bundle is 2 x train_bundle on one
-node; rank 0 the actor, rank 1 its child process) trains three time-sharing agents and ends
-with exactly the weights of the same slot on the local runtime."""
+"""A sharded training slot on Ray: one slot of 2 ranks (a placement group of 2 train_bundles
+packed on one node; rank 0 the slot's actor, rank 1 an actor in the other bundle) trains three
+time-sharing agents and ends with exactly the weights of the same slot on the local runtime."""
 
 import json
 from pathlib import Path
 
 import pytest
 import ray
+from ray.util.placement_group import placement_group_table
 from safetensors.torch import load_file
 
 from flexmarl.config.schema import load_config
@@ -18,13 +19,30 @@ COMMON = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_
           "runtime.slot_size=2"]
 
 
+def _slot_on_ray(record) -> dict:
+    """While the run trains: the slot's placement group and its rank actors."""
+    (group,) = [g for g in placement_group_table().values()
+                if g["name"].startswith("flexmarl-") and "-train0-" in g["name"]
+                and g["state"] == "CREATED"]
+    ranks = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("flexmarl-slot-rank")]
+    return {"group": group, "ranks": ranks}
+
+
 @pytest.mark.slow  # two runs, one on a Ray head: about a minute on two cores
 def test_one_slot_of_two_on_ray_equals_the_local_slot(tmp_path, ray_head):
+    seen: list[dict] = []
     on_ray = train(load_config(EXAMPLES / "relay_chain.yaml", [
         *COMMON, "runtime.kind=ray", f"runtime.address={ray_head}",
         "runtime.ray.train_bundle.cpus=0.5", "runtime.ray.rollout_bundle.cpus=0.5"]),
-        tmp_path / "ray")
+        tmp_path / "ray", on_iteration=lambda r: seen.append(_slot_on_ray(r)))
     assert not ray.is_initialized()
+    # the slot: a placement group of 2 bundles packed on one node, rank 1 an actor in it
+    group = seen[0]["group"]
+    assert group["strategy"] == "STRICT_PACK" and len(group["bundles"]) == 2
+    assert len(set(group["bundles_to_node_id"].values())) == 1
+    assert all(len(s["ranks"]) == 1 and s["ranks"][0].startswith("flexmarl-slot-rank1-")
+               for s in seen)
     local = train(load_config(EXAMPLES / "relay_chain.yaml", COMMON), tmp_path / "local")
     for agent in ("speaker", "relay", "listener"):
         a = load_file(str(local.checkpoints[agent] / "model.safetensors"))
