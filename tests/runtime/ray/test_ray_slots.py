@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from flexmarl.config.schema import load_config
 from flexmarl.orchestrator.run import train
+from tests.faults.conftest import assert_final_equal, assert_rows_exactly_once, config, events
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 COMMON = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=8",
@@ -53,3 +54,41 @@ def test_one_slot_of_two_on_ray_equals_the_local_slot(tmp_path, ray_head):
     lines = (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()
     records = [r for r in map(json.loads, lines) if "iteration" in r and "event" not in r]
     assert [r["agent/relay/train_world_size"] for r in records] == [2.0, 2.0]
+
+
+@pytest.mark.slow  # a local reference and a Ray run whose slot is re-formed: ~2 min here
+def test_a_rank_actor_killed_mid_iteration_reforms_the_slot_and_resumes_exactly(tmp_path,
+                                                                               ray_head):
+    """`ray.kill` of the rank-1 actor after the first micro-batch of iteration 1: rank 0 sees
+    it end and fails the slot, the supervisor restarts rank 0's actor, which starts a new
+    rank-1 actor in its group; the agents are restored from their restart points and replay
+    the journal: every row trained on once, the weights equal the uninterrupted local run."""
+    extra = ("runtime.slot_size=2", "runtime.rollout_workers=1")
+    reference = train(config(*extra), tmp_path / "reference")
+    cfg = config(*extra, "runtime.kind=ray", f"runtime.address={ray_head}",
+                 "runtime.ray.train_bundle.cpus=0.5", "runtime.ray.rollout_bundle.cpus=0.5")
+    state: dict = {"n": 0, "killed": None}
+
+    def hook(runtime):
+        pool = runtime.train
+        original = pool.accumulate
+
+        async def accumulate(agent, samples):
+            out = await original(agent, samples)
+            state["n"] += 1
+            if state["n"] == 4 + 1:
+                (rank,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                           if a["name"].startswith("flexmarl-slot-rank1-")]
+                state["killed"] = rank["name"]
+                ray.kill(ray.get_actor(rank["name"], namespace=rank["namespace"]))
+            return out
+
+        pool.accumulate = accumulate
+
+    out = tmp_path / "ray"
+    result = train(cfg, out, on_runtime=hook)
+    assert state["killed"] is not None
+    assert_rows_exactly_once(result.audit, result.consumed, cfg)
+    failed, recovered = events(out, "worker_failed"), events(out, "worker_recovered")
+    assert [e["pool"] for e in failed] == [e["pool"] for e in recovered] == ["train"]
+    assert_final_equal(out, reference)
