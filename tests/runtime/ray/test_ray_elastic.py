@@ -55,7 +55,7 @@ def test_a_node_that_joins_gets_a_new_replica_with_work(tmp_path, one_full_node)
     assert_rows_exactly_once(result.audit, result.consumed, cfg)
 
 
-@pytest.mark.slow  # a Ray cluster, a node started and removed mid-run: ~2 min here
+@pytest.mark.slow  # a Ray cluster, a node started and removed mid-run: ~1 min here
 def test_the_pool_shrinks_back_when_the_node_it_grew_onto_leaves(tmp_path, one_full_node):
     """Grown onto a joined node, the pool shrinks back to `min` when that node leaves: the
     lost replica is not restarted (its bundle is given back, no room for it elsewhere), the
@@ -90,7 +90,7 @@ def test_the_pool_shrinks_back_when_the_node_it_grew_onto_leaves(tmp_path, one_f
     assert_rows_exactly_once(result.audit, result.consumed, cfg)
 
 
-@pytest.mark.slow  # a Ray cluster, a node started mid-run then drained: ~2 min here
+@pytest.mark.slow  # a Ray cluster, a node started mid-run then drained: ~1 min here
 def test_draining_the_node_it_grew_onto_shrinks_the_pool(tmp_path, one_full_node):
     """`flexmarl drain` of the node an elastic pool grew onto: the grown replica there is not
     moved but retired (the pool shrinks back to `min`), the command says so, and the node then

@@ -56,7 +56,7 @@ def test_one_slot_of_two_on_ray_equals_the_local_slot(tmp_path, ray_head):
     assert [r["agent/relay/train_world_size"] for r in records] == [2.0, 2.0]
 
 
-@pytest.mark.slow  # a local reference and a Ray run whose slot is re-formed: ~2 min here
+@pytest.mark.slow  # a local reference and a Ray run whose slot is re-formed: ~1.5 min here
 def test_a_rank_actor_killed_mid_iteration_reforms_the_slot_and_resumes_exactly(tmp_path,
                                                                                ray_head):
     """`ray.kill` of the rank-1 actor after the first micro-batch of iteration 1: rank 0 sees
