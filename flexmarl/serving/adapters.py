@@ -13,7 +13,6 @@ model's (no copy) and whose adapter tensors are its own.
 from __future__ import annotations
 
 import copy
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +38,29 @@ def is_lora_tensor(name: str) -> bool:
 
 def light_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A new module tree over the same base tensors as `model`, with copies of its LoRA
-    tensors: a version that differs only in its adapters costs the adapters' bytes."""
-    memo = {id(t): t for n, t in itertools.chain(model.named_parameters(),
-                                                 model.named_buffers())
-            if not is_lora_tensor(n)}
-    return copy.deepcopy(model, memo)
+    tensors: a version that differs only in its adapters costs the adapters' bytes.
+
+    Module by module, shallow (`copy.copy`, new child, parameter and buffer tables): a deep
+    copy of a 30-layer model's tree with a memo of its tensors takes ~100x longer."""
+    copies: dict[int, torch.nn.Module] = {}
+
+    def copy_of(module: torch.nn.Module, lora: bool) -> torch.nn.Module:
+        if id(module) in copies:  # a module reachable twice stays one module
+            return copies[id(module)]
+        new = copy.copy(module)
+        copies[id(module)] = new
+        new._modules = {k: None if c is None else copy_of(c, lora or k in _LORA_DICTS)
+                        for k, c in module._modules.items()}
+        new._parameters = {k: None if p is None else (
+            torch.nn.Parameter(p.detach().clone(), p.requires_grad) if lora else p)
+            for k, p in module._parameters.items()}
+        new._buffers = dict(module._buffers)
+        return new
+
+    return copy_of(model, False)
+
+
+_LORA_DICTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
 def with_adapter(model: torch.nn.Module, adapter: str, tensors: dict[str, torch.Tensor]
