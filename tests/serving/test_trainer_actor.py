@@ -34,6 +34,7 @@ def local_ray(monkeypatch):
     shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow  # ~20 s, most of it starting Ray
 def test_online_trainer_as_a_ray_actor_publishes_and_recovers(toy_run, tmp_path, local_ray):
     from flexmarl.serving.trainer_actor import start_trainer_actor
 
