@@ -1,8 +1,14 @@
 """Agent-to-agent hand-off latency: 10 agents, 1,000 round trips, p50/p99, with and without a
-one-token model call, through the in-process message bus (`flexmarl/serving/messages.py`)
+one-token model call, through the in-process message bus (`flexmarl.graph.messages.py`)
 and, next to it, through HTTP to `flexmarl serve` in another process.
 
     .venv/bin/python benchmarks/handoff.py [--round-trips 1000] [--agents 10] [--obs 256]
+
+First rows: the hand-off path of a running graph, `GraphExecutor(handoff="bus")` (what
+`POST /v1/episodes` runs): a three-node graph per round trip (agent i's node hands its output
+to agent i+1's node, whose output is handed back to a second node of agent i), timed from the
+end of the first node's call to the start of the last one's: two bus messages, the executor's
+own work, and the middle node's call (none, or one token from the model).
 
 The toy run (flexmarl/serving/toy.py) supplies the model: the one-token call is the
 referential game's token-level speaker through the serving engine (`Service.generate`, the
@@ -35,8 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve import quantile  # noqa: E402 - after the path
+from flexmarl.graph.chat import PromptRenderer  # noqa: E402
+from flexmarl.graph.executor import GraphExecutor, NodeCall  # noqa: E402
+from flexmarl.graph.meg import MEG, EpisodeContext, NodePrompt  # noqa: E402
+from flexmarl.graph.messages import MessageBus, decode, encode  # noqa: E402
 from flexmarl.serving.agents import load_run  # noqa: E402
-from flexmarl.serving.messages import MessageBus, decode, encode  # noqa: E402
 from flexmarl.serving.protocol import Sampling  # noqa: E402
 from flexmarl.serving.service import Service  # noqa: E402
 from flexmarl.serving.toy import make_toy_run  # noqa: E402
@@ -79,6 +88,49 @@ async def bus_block(service: Service, n_agents: int, trips: int, model: bool, ob
     finally:
         for t in tasks:
             t.cancel()
+    return out
+
+
+def chain_graph(sender: str, receiver: str) -> MEG:
+    """A round trip inside a running graph: `sender` hands its output to `receiver`, whose
+    answer is handed back to `sender` (three nodes, two hand-offs)."""
+    g = MEG()
+    g.node("send", agent=sender, prompt=lambda ctx: NodePrompt(list(PROMPT), 1))
+    g.node("answer", agent=receiver, inputs=["send"],
+           prompt=lambda ctx: NodePrompt(list(PROMPT[:3]) + ctx.output("send"), 1))
+    g.node("back", agent=sender, inputs=["answer"],
+           prompt=lambda ctx: NodePrompt(ctx.output("answer"), 1))
+    return g
+
+
+async def graph_block(service: Service, n_agents: int, trips: int, model: bool, start: int
+                      ) -> list[float]:
+    """Round trips through the graph executor's bus hand-offs (`GraphExecutor(handoff="bus")`,
+    what `POST /v1/episodes` runs): from the end of `send`'s call to the start of `back`'s,
+    with `answer` calling the model for one token or not."""
+    names = [f"agent{i}" for i in range(n_agents)]
+    executors = [GraphExecutor(chain_graph(names[i], names[(i + 1) % n_agents]),
+                               PromptRenderer({}, 16), names, handoff="bus")
+                 for i in range(n_agents)]
+    out = []
+    for k in range(start, start + trips):
+        marks: dict[str, float] = {}
+
+        async def call(node: NodeCall, k: int = k, marks: dict[str, float] = marks
+                       ) -> list[int]:
+            if node.name == "back":
+                marks["back"] = time.perf_counter()
+            if node.name == "answer" and model:
+                return [await one_token(service, k)]
+            if node.name == "send":
+                marks["send"] = time.perf_counter()
+            return [k % 8 + 8]
+
+        ctx = EpisodeContext(input_id=str(k), trajectory_id=0, data={})
+        ran = await executors[k % n_agents].run(ctx, call)
+        assert all(ran.values())
+        out.append(marks["back"] - marks["send"])
+    assert sum(e.messages for e in executors) == 2 * trips
     return out
 
 
@@ -131,11 +183,13 @@ def main() -> None:
                 raise SystemExit(f"server did not come up: {proc.stdout.read()}") from None
             time.sleep(0.3)
     obs = np.random.default_rng(0).standard_normal(args.obs).astype(np.float32)
-    modes = ["bus", "bus+model", "http", "http+model"]
+    modes = ["graph", "graph+model", "bus", "bus+model", "http", "http+model"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for m in modes:  # warm-up: first calls build caches, connections, kernels
-            if m.startswith("bus"):
+            if m.startswith("graph"):
+                asyncio.run(graph_block(service, args.agents, 20, m.endswith("model"), 0))
+            elif m.startswith("bus"):
                 asyncio.run(bus_block(service, args.agents, 20, m.endswith("model"), obs, 0))
             else:
                 http_block(conn, 20, m.endswith("model"), 0)
@@ -143,7 +197,10 @@ def main() -> None:
         while done < args.round_trips:
             n = min(args.block, args.round_trips - done)
             for m in modes:
-                if m.startswith("bus"):
+                if m.startswith("graph"):
+                    times[m] += asyncio.run(graph_block(service, args.agents, n,
+                                                        m.endswith("model"), 10**6 + done))
+                elif m.startswith("bus"):
                     times[m] += asyncio.run(bus_block(service, args.agents, n,
                                                       m.endswith("model"), obs, 10**6 + done))
                 else:
@@ -173,7 +230,9 @@ def main() -> None:
           "one-token call: the toy speaker through the serving engine (CPU, 1 torch thread)")
     print("\n| path | model call | p50 (ms) | p99 (ms) | mean (ms) |")
     print("|---|---|---|---|---|")
-    labels = {"bus": ("in-process message bus (msgpack + FP16, zstd when it pays)", "no"),
+    graph_label = "hand-offs inside a running graph (GraphExecutor, bus; token payload)"
+    labels = {"graph": (graph_label, "no"), "graph+model": (graph_label, "one token"),
+              "bus": ("in-process message bus (msgpack + FP16, zstd when it pays)", "no"),
               "bus+model": ("in-process message bus (msgpack + FP16, zstd when it pays)",
                             "one token"),
               "http": ("HTTP to `flexmarl serve`, kept-alive loopback (GET /health)", "no"),
