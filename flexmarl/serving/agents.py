@@ -233,6 +233,13 @@ class AgentSpec:
             return None
         return [self.adapter, *self.tenant_adapters.values()]
 
+    def carry_tenant_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` (a new shadow: a promotion, a rollback) with the training tenants' adapters
+        as served now: the shadow's version never changes what a tenant is served."""
+        for adapter in self.tenant_adapters.values():
+            load_adapter(model, adapter, adapter_tensors(self.model, adapter))
+        return model
+
     def add_tenant_adapters(self, tenants: list[str], folder: Path) -> None:
         """One adapter per training tenant beside the shadow's: the tenant's last published
         adapter (`folder/<tenant>/adapter.safetensors`), else a copy of the shadow's."""

@@ -46,7 +46,6 @@ import torch
 
 from flexmarl.config.schema import ConfigError
 from flexmarl.graph.meg import EpisodeContext
-from flexmarl.policy.adapters import adapter_tensors, load_adapter
 from flexmarl.serving.adapters import save_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
 from flexmarl.serving.snapshots import SnapshotStore
@@ -322,10 +321,10 @@ class AgentDeployment:
 
     def _promote(self, c: Canary, detail: dict[str, Any]) -> dict[str, Any]:
         old = self.spec.version.number
-        if self.spec.tenant_adapters:  # tenants' adapters published since the canary began
-            for adapter in self.spec.tenant_adapters.values():
-                load_adapter(c.model, adapter, adapter_tensors(self.spec.model, adapter))
+        self.spec.carry_tenant_adapters(c.model)  # those published since the canary began
         self.worker.promote()
+        if self.spec.tenant_adapters:  # the canary's engine holds them as they were
+            self.worker.swap(c.model, c.version)
         with self.spec.lock:
             self.spec.model, self.spec.version = c.model, c.version
         self.canary = None

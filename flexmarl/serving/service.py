@@ -298,7 +298,10 @@ class Service:
         for name, version in tc.versions.items():
             worker, spec = self.workers[name], self.run.agents[name]
             if verdict == "promote":
+                spec.carry_tenant_adapters(tc.models[name])
                 worker.promote()
+                if spec.tenant_adapters:  # the canary's engine holds them as they were
+                    worker.swap(tc.models[name], version)
                 with spec.lock:
                     spec.model, spec.version = tc.models[name], version
                 dep = self.deployment.agents.get(name) if self.deployment is not None else None
