@@ -179,11 +179,16 @@ def _serve_learn_on_ray(args: argparse.Namespace, cfg: Any, api_key: str | None)
     """The online trainer as a Ray actor (trainer_actor.py) until Ctrl-C."""
     import ray  # the Ray extra, imported only for --ray
 
-    from flexmarl.runtime.ray.session import RaySession
+    from flexmarl.config.schema import ConfigError
+    from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
     from flexmarl.serving.trainer_actor import start_trainer_actor
 
     session = RaySession(None if args.ray == "local" else args.ray)
-    session.start()
+    try:
+        session.start()
+    except RayRuntimeError as exc:  # it names runtime.address: say which flag it was
+        raise ConfigError(f"serve-learn: --ray {args.ray}: "
+                          f"{str(exc).split(': ', 1)[-1]}") from None
     try:
         actor = start_trainer_actor(args.run_dir, args.capture, args.agent, args.server, cfg,
                                     args.snapshot_url, api_key, args.threads)

@@ -85,3 +85,15 @@ def test_online_trainer_as_a_ray_actor_publishes_and_recovers(toy_run, tmp_path,
             lineage += [(e["step"], i) for i in e["ids"]]
     ids = [i for _, i in lineage]
     assert len(ids) == len(set(ids)) == 32
+
+
+def test_serve_learn_ray_names_an_address_nobody_listens_on(toy_run, tmp_path, capsys):
+    from flexmarl.cli.main import main
+
+    db = tmp_path / "c.sqlite"
+    Capture(db).close()
+    code = main(["serve-learn", str(toy_run), "--capture", str(db), "--agent", "listener",
+                 "--server", "http://127.0.0.1:9", "--ray", "127.0.0.1:9"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: serve-learn: --ray 127.0.0.1:9: no Ray head")
+    assert "\n" not in err
