@@ -215,6 +215,15 @@ class GraphExecutor:
                 out[name] = contracts.check_reward(f"node {name!r}: reward", value)
         return out
 
+    def node_labels(self, ctx: EpisodeContext, ran: Iterable[str]) -> dict[str, str]:
+        """The true class (`label=`) of each node that ran and declares one, as a string."""
+        out: dict[str, str] = {}
+        for name in ran:
+            fn = self.graph.nodes[name].label
+            if fn is not None:
+                out[name] = str(_task_code(name, "label", fn, ctx, user_errors_stop=False))
+        return out
+
     def success(self, ctx: EpisodeContext) -> bool | None:
         """The task's success flag for a finished episode; None without one or when it raises
         (a metric must not fail an episode)."""
