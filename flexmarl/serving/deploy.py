@@ -188,7 +188,7 @@ class AgentDeployment:
     def __init__(self, service: Any, name: str, cfg: DeployConfig, events: EventLog,
                  root: Path, store: SnapshotStore) -> None:
         from flexmarl.serving.online import OnlineLearner
-        from flexmarl.serving.tenant_learning import TenantLearner
+        from flexmarl.serving.tenant_learning import TenantLearner, training_base
 
         self.service = service
         self.name = name
@@ -217,7 +217,8 @@ class AgentDeployment:
                                  f"{run.task_error}")
             if self.spec.tenant_adapters:  # a LoRA agent behind training tenants: each
                 # tenant learns its own adapter, none learns the shared one (tenant_learning)
-                self.tenant_learners = {t: TenantLearner(self, t)
+                base = training_base(self)  # held once, whatever the number of tenants
+                self.tenant_learners = {t: TenantLearner(self, t, base)
                                         for t in self.spec.tenant_adapters}
                 return
             self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,

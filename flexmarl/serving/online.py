@@ -108,10 +108,13 @@ class OnlineLearner:
 
     def __init__(self, spec: AgentSpec, vocab: int, max_seq_len: int, run_seed: int,
                  device: str, kl_max: float, is_max: float, lr: float | None = None,
-                 algorithm: str = "auto", adapter: str | None = None) -> None:
+                 algorithm: str = "auto", adapter: str | None = None,
+                 shared_base: torch.nn.Module | None = None) -> None:
         """`adapter`: a LoRA agent's adapter in the served model this learner trains (the
         shadow's by default; a training tenant's own): only it is read, trained and
-        published, the base stays shared and frozen."""
+        published, the base stays shared and frozen. `shared_base`: the agent's base built
+        once (float32, on `device`) for every tenant's learner, which wraps a tree over its
+        tensors instead of building a base of its own."""
         from flexmarl.training.trainer import AgentTrainer
 
         cfg = spec.cfg
@@ -137,7 +140,7 @@ class OnlineLearner:
         self.kl_max = kl_max
         self.is_max = is_max
         self.trainer = AgentTrainer(spec.name, cfg, vocab, max_seq_len, run_seed,
-                                    device=device)
+                                    device=device, shared_base=shared_base)
         if lr is not None:  # online updates often want a smaller step than offline training
             for group in self.trainer.optimizer.param_groups[:1]:
                 group["lr"] = group["base_lr"] = lr

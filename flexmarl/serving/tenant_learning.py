@@ -28,10 +28,21 @@ from flexmarl.serving.agents import AgentSpec, Version
 from flexmarl.serving.online import OnlineLearner
 
 
+def training_base(deployment: Any) -> torch.nn.Module:
+    """The agent's base as its trainers hold it (float32, the run's initial weights: LoRA
+    never changes them), built once and shared by every tenant's learner."""
+    from flexmarl.policy.model import build_model  # transformers: loaded on first use
+
+    run, spec = deployment.service.run, deployment.spec
+    return build_model(spec.name, spec.cfg.model, run.task.vocab_size, run.task.max_seq_len,
+                       run.cfg.seed, run.device)
+
+
 class TenantLearner:
     """One training tenant's adapter of one agent: its learner and its publication."""
 
-    def __init__(self, deployment: Any, tenant: str) -> None:
+    def __init__(self, deployment: Any, tenant: str, base: torch.nn.Module) -> None:
+        """`base`: the agent's frozen base, built once for all its tenants' learners."""
         dep = deployment
         self.dep = dep
         self.tenant = tenant
@@ -42,7 +53,8 @@ class TenantLearner:
         run, cfg = dep.service.run, dep.cfg
         self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,
                                      run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr,
-                                     cfg.online_algorithm, adapter=self.adapter)
+                                     cfg.online_algorithm, adapter=self.adapter,
+                                     shared_base=base)
         self.learner.same_version = self.spec.tenant_versions[tenant].number
         self.since_candidate = 0
         self.last_update = float("-inf")

@@ -183,6 +183,11 @@ def test_each_training_tenant_learns_and_is_served_its_own_adapter(lora_run, tmp
         dep = running.service.deployment.agents["listener"]
         spec = dep.spec
         assert set(dep.tenant_learners) == {"acme", "beta"} and dep.learner is None
+        # the tenants' trainers hold one base between them (their adapters are their own)
+        acme_t, beta_t = (dict(dep.tenant_learners[t].learner.trainer.model.named_parameters())
+                          for t in ("acme", "beta"))
+        for name, p in acme_t.items():
+            assert (p.data_ptr() == beta_t[name].data_ptr()) != (".lora_" in name), name
         acme_adapter = spec.tenant_adapters["acme"]
         acme_before = adapter_tensors(spec.model, acme_adapter)
         acme_trainer_before = adapter_tensors(dep.tenant_learners["acme"].learner.trainer.model)
