@@ -314,6 +314,36 @@ def check_entropy(run: Run) -> list[Finding]:
     return out
 
 
+def check_one_verdict(run: Run) -> list[Finding]:
+    """A judge giving one verdict to every input, seen through its nodes' true classes
+    (`MEG.node(label=...)`): over the last third of iterations it is right on one class nearly
+    always and on another nearly never. Its responses may still differ as strings ("No.",
+    "No,"), so top_response_frac and entropy can miss what the per-class rewards show."""
+    out = []
+    for agent in run.trainable():
+        prefix = f"agent/{agent}/reward_mean/"
+        classes = sorted({k[len(prefix):] for r in run.records for k in r
+                          if k.startswith(prefix)})
+        if len(classes) < 2:
+            continue
+        last = {c: _thirds(run.series(prefix + c)[1])[1] for c in classes}
+        if any(len(v) < 2 for v in last.values()):
+            continue
+        means = {c: sum(v) / len(v) for c, v in last.items()}
+        high = [c for c, m in means.items() if m >= 0.9]
+        low = [c for c, m in means.items() if m <= 0.1]
+        if not (high and low):
+            continue
+        its = run.series(prefix + low[0])[0]
+        per_class = ", ".join(f"{c} {means[c]:.2f}" for c in classes)
+        out.append(Finding(
+            "one verdict for every input: right on one true class, wrong on the other",
+            "warning", prefix + low[0], its[-len(last[low[0]]):],
+            f"reward by the node's true class over the last third of iterations: {per_class}",
+            collapse_remedy(run, agent), agent))
+    return out
+
+
 def check_swaps(run: Run) -> list[Finding]:
     """Swap thrash: agents time-sharing too few training slots swap states in and out."""
     its, swaps = run.series("pool/train/swaps")
@@ -380,8 +410,8 @@ def check_throughput(run: Run) -> list[Finding]:
     return out
 
 
-RULES = [check_failures, check_gradients, check_oscillation, check_entropy, check_swaps,
-         check_store, check_throughput]
+RULES = [check_failures, check_gradients, check_oscillation, check_entropy, check_one_verdict,
+         check_swaps, check_store, check_throughput]
 
 
 def diagnose(run: Run) -> list[Finding]:

@@ -57,6 +57,10 @@ class IterationState:
     successes: int = 0
     rollout_done: asyncio.Event = field(default_factory=asyncio.Event)
     rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # rewards by the true class of their node (`MEG.node(label=...)`): a judge's accuracy per
+    # class, where one verdict for every input shows as 1 on one class and 0 on the other
+    label_rewards: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     groups: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
     groups_done: set[int] = field(default_factory=set)
     trained: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -285,6 +289,8 @@ class EpisodeRunner:
                                         labels.get(name))
                 if it.original(input_id):
                     it.rewards[row.agent].append(rewards[name])
+                    if name in labels:
+                        it.label_rewards[row.agent][labels[name]].append(rewards[name])
                 if row.agent not in self.trainable:  # no advantage will come: show it now
                     self._keep_sample(it, row, None)
             if it.original(input_id):
@@ -350,6 +356,9 @@ class EpisodeRunner:
                     row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
             if it.original(ctx.input_id):
                 it.rewards[row.agent].append(float(d["data"]["reward"]))
+                if "label" in d["data"]:
+                    it.label_rewards[row.agent][d["data"]["label"]].append(
+                        float(d["data"]["reward"]))
         if it.original(ctx.input_id):
             it.successes += int(bool(self.executor.success(ctx)))
         it.groups[ctx.input_id].append({n: r.sample_id for n, r in rows.items()})

@@ -127,6 +127,12 @@ class IterationMetrics:
             record[f"agent/{agent}/reward_mean"] = mean
             if rewards:  # `normalize: agent_previous` resumes from these two
                 record[f"agent/{agent}/reward_std"] = std
+            by_label = it.label_rewards.get(agent)
+            if by_label:  # a judge's reward per true class, and their mean (balanced)
+                means = {c: reward_stats(r)[0] for c, r in sorted(by_label.items())}
+                record.update({f"agent/{agent}/reward_mean/{c}": m for c, m in means.items()})
+                record[f"agent/{agent}/balanced_reward_mean"] = float(np.mean(
+                    list(means.values())))
             record[f"agent/{agent}/policy_version"] = self.versions[agent]
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
             if agent in it.rows_filtered:  # dynamic sampling dropped these

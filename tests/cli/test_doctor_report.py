@@ -218,3 +218,26 @@ def test_doctor_collapse_advice_names_the_option_that_fixes_it(tmp_path):
                                              "balance_labels": True}))
     remedy = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")][0].remedy
     assert "normalize" not in remedy and remedy.startswith("agents.judge.algorithm.entropy_coef")
+
+
+def test_doctor_sees_one_verdict_for_every_input_through_the_true_classes(tmp_path):
+    """Responses that differ as strings ("No.", "No,") hide a judge's collapse from
+    top_response_frac; its reward per true class does not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(json.dumps({"agents": {"judge": {"algorithm": {
+        "name": "grpo"}}}}))
+    rows = [{"iteration": i, "agent/judge/reward_mean": 0.4,
+             "agent/judge/top_response_frac": 0.4,
+             "agent/judge/reward_mean/False": 1.0 if i >= 3 else 0.6,
+             "agent/judge/reward_mean/True": 0.0 if i >= 3 else 0.5} for i in range(9)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = [f for f in diagnose(load_run(run)) if f.problem.startswith("one verdict")]
+    assert len(found) == 1 and found[0].agent == "judge"
+    assert found[0].metric == "agent/judge/reward_mean/True"
+    assert "False 1.00, True 0.00" in found[0].evidence
+    assert found[0].remedy.startswith("agents.judge.algorithm.kl_coef: 0.1")
+    # a judge right on both classes: nothing to say
+    rows = [{**r, "agent/judge/reward_mean/True": 0.95} for r in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not [f for f in diagnose(load_run(run)) if f.problem.startswith("one verdict")]

@@ -55,13 +55,16 @@ def run_team(tmp_path: Path, algorithms: dict, judge: Path,
         "runtime": {"torch_threads": 1}})
     records = train(cfg, tmp_path / "run").records
     keys = {"answerer": "agent/answerer/reward_mean", "judge": "agent/judge/reward_mean",
-            "top": "agent/judge/top_response_frac"}
+            "top": "agent/judge/top_response_frac",
+            # the judge's reward on episodes whose answer was right / wrong (`label=`)
+            "right": "agent/judge/reward_mean/True", "wrong": "agent/judge/reward_mean/False"}
     return {k: np.array([r[key] for r in records]) for k, key in keys.items()}
 
 
 def test_a_yes_saying_judge_judges_again_with_the_team_settings(tmp_path):
     curve = run_team(tmp_path, TEAM, yes_sayer(tmp_path / "judge"))
-    assert curve["top"][0] > 0.9  # it starts collapsed
+    assert curve["top"][0] > 0.9  # it starts collapsed: YES is right on right answers only
+    assert curve["right"][0] > 0.9 and curve["wrong"][0] < 0.1
     assert curve["answerer"][-5:].mean() > curve["answerer"][:5].mean() + 0.2
     # it answers both ways again, and judges better than saying YES to everything (which
     # earns exactly the answerer's accuracy) over the second half
@@ -74,4 +77,5 @@ def test_without_them_the_judge_stays_a_yes_sayer(tmp_path):
     curve = run_team(tmp_path, {"answerer": {"name": "grpo"}, "judge": {"name": "grpo"}},
                      yes_sayer(tmp_path / "judge"))
     assert curve["top"].min() > 0.95
+    assert curve["right"].min() > 0.95 and curve["wrong"].max() < 0.05
     assert (curve["judge"] - curve["answerer"])[10:].mean() <= 0.02
