@@ -34,14 +34,12 @@ class ConfigError(UserError, ValueError):
 
 def sharding_refusal(agent: AgentConfig) -> str | None:
     """Why the agent cannot train on a sharded slot (K > 1), or None: the critic, a KL
-    reference copy and LoRA adapters are not sharded yet (training/sharded.py)."""
+    reference copy are not sharded yet (training/sharded.py)."""
     if agent.algorithm.name == "ppo":
         return "algorithm ppo (a critic) cannot be sharded yet"
     if agent.algorithm.kl_coef > 0:
         return f"algorithm.kl_coef={agent.algorithm.kl_coef} (a reference copy) cannot be " \
             "sharded yet"
-    if agent.lora is not None:
-        return "a LoRA agent cannot be sharded yet"
     epochs = getattr(agent.algorithm, "epochs", 1)
     if epochs > 1:
         return f"algorithm.epochs={epochs} (passes over kept rows) cannot be sharded yet"

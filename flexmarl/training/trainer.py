@@ -41,6 +41,17 @@ class TrainingError(RuntimeError):
     pass
 
 
+def enable_checkpointing(base: Any) -> None:
+    """Activation (gradient) checkpointing of a transformers model, non-reentrant."""
+    # transformers renamed it (activation_) after 5.17, kwargs included
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def lr_factor(cfg: OptimConfig, step: int, total: int, n_actor: int, n_critic: int) -> float:
     """The multiplier of `optim.lr` at optimizer step `step` (0-based)."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -59,7 +70,7 @@ class AgentTrainer:
     def __init__(
         self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int, run_seed: int,
         total_steps: int | None = None, max_staleness: int = 0, device: str | None = None,
-        shared_base: torch.nn.Module | None = None,
+        shared_base: torch.nn.Module | None = None, policy: Any = None,
     ) -> None:
         """`device`: where the trainer computes (None: this process's device, see
         `policy.device`). Weights and optimizer state stay float32 there; forward and backward
@@ -72,7 +83,10 @@ class AgentTrainer:
         one-step off-policy PPO/GRPO.
 
         `shared_base`: the built base of an agent on a shared base (`model.base`), on this
-        trainer's device in float32; the trainer wraps a tree over the same tensors (no copy)."""
+        trainer's device in float32; the trainer wraps a tree over the same tensors (no copy).
+
+        `policy`: a peft model the slot built and wrapped already, used as it is (a sharded
+        slot's one peft model over its sharded shared base, an adapter per agent)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.agent = agent
@@ -86,18 +100,14 @@ class AgentTrainer:
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
         base: Any  # a transformers causal LM
-        if shared_base is not None:
+        if policy is not None:
+            base = policy.get_base_model()
+        elif shared_base is not None:
             base = adapters.share_base(shared_base)
         else:
             base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
-        if cfg.model.gradient_checkpointing:
-            # transformers renamed it (activation_) after 5.17, kwargs included
-            if hasattr(base, "activation_checkpointing_enable"):
-                base.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                base.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.gradient_checkpointing and policy is None:  # a built policy has it set
+            enable_checkpointing(base)
         self.vocab = base.config.vocab_size
         self.ref_model: Any = None
         if cfg.algorithm.kl_coef > 0 and cfg.lora is None:
@@ -106,8 +116,9 @@ class AgentTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         # a transformers model, or peft's wrapper of one (both duck-typed)
-        self.model: Any = (lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
-                           if cfg.lora is not None else base)
+        self.model: Any = policy if policy is not None else (
+            lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
+            if cfg.lora is not None else base)
         self.model.train()
         self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
         self.critic_model = None
