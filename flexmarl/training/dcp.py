@@ -72,6 +72,12 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: st
     if names is not None:
         back = {n: k for k in [*model_sd, *optim_sd["state"]] if (n := names(k)) is not None}
         model_sd, optim_sd = _renamed(model_sd, optim_sd, names)
+    # a parameter that never had a gradient (a separate critic's unused lm_head) has no AdamW
+    # state in the checkpoint: it gets none here either
+    stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    optim_sd["state"] = {
+        fqn: kept for fqn, slots in optim_sd["state"].items()
+        if (kept := {k: v for k, v in slots.items() if f"optim.state.{fqn}.{k}" in stored})}
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "version": torch.tensor(0)}
     dcp.load(state, checkpoint_id=str(directory),
              process_group=group if dist.is_initialized() else None)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -37,7 +38,12 @@ from flexmarl.policy.tokenizer import base_model_name
 from flexmarl.training import dcp as dcp_state
 from flexmarl.training import lora
 from flexmarl.training.state import TrainingState
-from flexmarl.training.trainer import AgentTrainer, TrainingError, enable_checkpointing
+from flexmarl.training.trainer import (
+    EPOCH_CHUNK_ROWS,
+    AgentTrainer,
+    TrainingError,
+    enable_checkpointing,
+)
 from flexmarl.types import Sample
 
 # bytes per all-gather when the full weights are published (one bucket in flight at a time)
@@ -119,14 +125,6 @@ class ShardedAgentTrainer(AgentTrainer):
         if not dist.is_initialized():
             raise TrainingError(f"agent {agent!r}: a sharded trainer needs an initialised "
                                 "torch.distributed process group")
-        if cfg.algorithm.name == "ppo" or cfg.algorithm.kl_coef > 0:
-            # the value head / critic / reference copy would need their own sharding
-            raise TrainingError(f"agent {agent!r}: sharded training supports critic-free "
-                                "algorithms without a KL reference so far (got "
-                                f"{cfg.algorithm.name}, kl_coef={cfg.algorithm.kl_coef})")
-        if cfg.algorithm.epochs > 1:
-            raise TrainingError(f"agent {agent!r}: sharded training runs one pass per "
-                                f"iteration so far (got algorithm.epochs={cfg.algorithm.epochs})")
         if (policy is None) != (adapter is None):
             raise TrainingError(f"agent {agent!r}: a shared sharded policy needs its adapter "
                                 "name, and the reverse")
@@ -142,20 +140,36 @@ class ShardedAgentTrainer(AgentTrainer):
         self.shared_policy = policy is not None
         if policy is None:
             shard_model(self.model, self.mesh, mixed_precision)
-        # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet)
+        # the KL reference copy and a separate critic are sharded like the policy; PPO's
+        # value head (hidden -> 1) too, as one FSDP unit of its own
+        if self.ref_model is not None:
+            shard_model(self.ref_model, self.mesh, mixed_precision)
+        if self.critic_model is not None:
+            shard_model(self.critic_model, self.mesh, mixed_precision)
+        if self.value_head is not None:
+            fully_shard(self.value_head, mesh=self.mesh)
+        # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet),
+        # with AgentTrainer's groups and parameter order (actor, then critic, then value head)
         self.named_trainable = [
             (n, p) for n, p in self.model.named_parameters()
             if p.requires_grad and (adapter is None or f".{adapter}." in n)]
         self.actor_params = [p for _, p in self.named_trainable]
-        self.params = list(self.actor_params)
+        critic = [(f"{part}.{n}", p) for part, module in self._state_modules().items()
+                  if part != "model" for n, p in module.named_parameters()]
+        critic.sort(key=lambda item: not item[0].startswith("critic."))
+        self.named_trainable += critic
+        self.critic_params = [p for _, p in critic]
+        self.params = self.actor_params + self.critic_params
+        groups = [{**g, "params": params} for g, params in zip(
+            self.optimizer.param_groups, [self.actor_params, self.critic_params], strict=False)]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=cfg.optim.lr, betas=self.optimizer.defaults["betas"],
+            weight_decay=self.optimizer.defaults["weight_decay"])
         # an adapter of a shared policy: its initial shard, as a fresh build has it (the
         # policy is built once per slot, so a later build would see the trained adapter)
-        opt = self.optimizer
-        self.optimizer = torch.optim.AdamW(
-            [{"params": self.actor_params, "lr": cfg.optim.lr, "base_lr": cfg.optim.lr}],
-            lr=cfg.optim.lr, betas=opt.defaults["betas"],
-            weight_decay=opt.defaults["weight_decay"])
         self.initial = self.capture_shard() if self.shared_policy else None
+        # a row every rank has, for a rank left without rows of a pass (`_zero_weight_pass`)
+        self._filler: Sample | None = None
 
     # --- training ------------------------------------------------------------------------------
     def accumulate(self, samples: list[Sample]) -> dict[str, float]:
@@ -172,18 +186,20 @@ class ShardedAgentTrainer(AgentTrainer):
             samples = [s for s in samples if not s.truncated]
             if not samples:
                 return {"rows": 0.0}
+        self._filler = samples[0]
         share = samples[self.rank::self.world]
         if share:
             super().accumulate(share)
             return {"rows": float(len(share))}
         saved = (self._rows, set(self._seen), dict(self._sums), self._nonfinite,
                  self.loss_scale, list(self._kept))
-        self.loss_scale = 0.0
+        self.loss_scale = self._share_weight = 0.0
         try:
             super().accumulate(samples[:1])
         finally:
             (self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale,
              self._kept) = saved
+            self._share_weight = 1.0
         return {"rows": 0.0}
 
     def _backward(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
@@ -194,6 +210,66 @@ class ShardedAgentTrainer(AgentTrainer):
             for _, layer in adapters._lora_layers(self.model):
                 layer._active_adapter = self.adapter
         return super()._backward(samples, first_pass)
+
+    def _zero_weight_pass(self) -> None:
+        """A forward and backward of one row that adds nothing (loss scale 0): a rank without
+        rows of a pass still takes part in FSDP's all-gathers and reduce-scatters."""
+        assert self._filler is not None
+        saved = self.loss_scale, self._nonfinite
+        self.loss_scale = self._share_weight = 0.0
+        try:
+            self._backward([self._filler], first_pass=False)
+        finally:
+            self.loss_scale, self._nonfinite = saved
+            self._share_weight = 1.0
+
+    # 0 while a rank runs a row that is not its (a zero-weight pass): it adds nothing to sums
+    _share_weight = 1.0
+
+    def _batch_total(self, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """A sum over the micro-batch's rows on all ranks (`LossInputs.total`, e.g. PPO's
+        advantage whitening), differentiable; collective, in the same place on every rank."""
+        return dist_nn.all_reduce(t * self._share_weight, group=self.group)
+
+    def _later_epochs(self) -> dict[str, float]:
+        """`AgentTrainer._later_epochs` with each rank over its own share of the kept rows
+        (sample_id order, fixed chunks): every rank runs as many chunks as the rank with the
+        most (a zero-weight pass where it has none), each step normalises by the rows of all
+        ranks, and a pass poisoned on any rank moves nothing on every rank."""
+        rows = sorted(self._kept, key=lambda s: s.sample_id)
+        self._kept = []
+        total = torch.tensor([float(len(rows))], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        chunks = torch.tensor([-(-len(rows) // EPOCH_CHUNK_ROWS)], dtype=torch.int64)
+        dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=self.group)
+        done, last = 1, {}
+        for _ in range(1, self.cfg.algorithm.epochs):
+            sums: dict[str, float] = {}
+            for i in range(int(chunks.item())):
+                chunk = rows[i * EPOCH_CHUNK_ROWS:(i + 1) * EPOCH_CHUNK_ROWS]
+                if not chunk:
+                    self._zero_weight_pass()
+                    continue
+                for k, v in self._backward(chunk, False).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            poisoned = torch.tensor([float(self._nonfinite is not None)])
+            dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=self.group)
+            if poisoned.item() and self._nonfinite is None:
+                self._nonfinite = "non-finite loss on another rank"
+            self._optimizer_step(int(total.item()))
+            if self._nonfinite is not None:
+                self._nonfinite = None
+                break
+            done += 1
+            last = sums
+        out = {"epochs": float(done)}
+        if done > 1:  # every rank agrees (the poison flag was reduced)
+            vals = torch.tensor([last.get("loss/policy", 0.0), last.get("clip_frac", 0.0),
+                                 last.get("tokens", 0.0)], dtype=torch.float64)
+            dist.all_reduce(vals, group=self.group)
+            out["loss/policy_last_epoch"] = float(vals[0]) / float(total.item())
+            out["clip_frac_last_epoch"] = float(vals[1]) / max(float(vals[2]), 1.0)
+        return out
 
     def _reduce_counts(self) -> None:
         """Rows, metric sums and the skip flag of all ranks, on every rank."""
@@ -229,8 +305,10 @@ class ShardedAgentTrainer(AgentTrainer):
     # --- per-rank state: swapping ----------------------------------------------------------------
     def local_nbytes(self) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
-        own = self.actor_params if self.shared_policy else list(self.model.parameters())
-        params = sum(_local(p).numel() * _local(p).element_size() for p in own)
+        own = self.params if self.shared_policy else [
+            *self.model.parameters(), *self.critic_params]
+        held = own + ([] if self.ref_model is None else list(self.ref_model.parameters()))
+        params = sum(_local(p).numel() * _local(p).element_size() for p in held)
         grads = sum(_local(p.grad).numel() * _local(p.grad).element_size()
                     for p in own if p.grad is not None)
         optim = sum(_local(v).numel() * _local(v).element_size()
@@ -344,12 +422,15 @@ class ShardedAgentTrainer(AgentTrainer):
     def _canonical(self, key: str) -> str | None:
         """A state key as a one-device trainer of the agent names it (a shared policy's
         adapter is peft's "default" there), or None for what this trainer does not own: the
-        shared base and the other agents' adapters. Restart points and checkpoints use these
+        other agents' adapters. Restart points and checkpoints use these
         names, so any K, and one device, read them."""
         if not self.shared_policy:
             return key
         own = f".{self.adapter}."
-        return key.replace(own, ".default.") if own in key else None
+        if own in key:
+            return key.replace(own, ".default.")
+        # another agent's adapter is not this agent's state (the frozen base is not saved)
+        return None if ".lora_" in key else key
 
     def _local_key(self, key: str) -> str:
         return key.replace(".default.", f".{self.adapter}.") if self.shared_policy else key
@@ -358,10 +439,18 @@ class ShardedAgentTrainer(AgentTrainer):
         """`AgentTrainer.get_state`'s full arrays (every rank has them), each rank keeping its
         shard: the model by name, AdamW's state by parameter index (the same order here). A
         LoRA agent's frozen base is left as it is (a shared base holds no state of its own)."""
-        model: dict[str, Any] = {
-            self._local_key(k[len("model."):]): torch.from_numpy(np.array(v, copy=True))
-            for k, v in arrays.items() if k.startswith("model.")}
-        names = [n for n, _ in self.named_trainable]
+        root = self.checkpoint_root()
+        prefix = "" if root is self.model else "model."  # a critic: parts by name
+        model: dict[str, Any] = {}
+        for key, value in arrays.items():
+            if key.startswith("model."):
+                key = prefix + self._local_key(key[len("model."):])
+            elif not key.startswith(("value_head.", "critic.")):
+                continue
+            model[key] = torch.from_numpy(np.array(value, copy=True))
+        n_actor = len(self.actor_params)
+        names = [prefix + n for n, _ in self.named_trainable[:n_actor]] + [
+            n for n, _ in self.named_trainable[n_actor:]]
         if self.cfg.lora is not None:  # the adapters only
             model = {k: v for k, v in model.items() if k in set(names)}
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -372,7 +461,7 @@ class ShardedAgentTrainer(AgentTrainer):
                     np.array(value, copy=True))
         groups = [{**g, "params": names} for g in meta["param_groups"]]
         optim: Any = {"state": state, "param_groups": groups}
-        set_state_dict(self.model, self.optimizer, model_state_dict=model,
+        set_state_dict(root, self.optimizer, model_state_dict=model,
                        optim_state_dict=optim,
                        options=StateDictOptions(full_state_dict=True,
                                                 strict=self.cfg.lora is None))
@@ -514,12 +603,13 @@ class ShardedAgentTrainer(AgentTrainer):
     # --- checkpoints (torch.distributed.checkpoint) ----------------------------------------
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard of weights and optimizer state; any K can load it."""
-        dcp_state.save(self.model, self.optimizer, self.version, directory, self.group,
-                       names=self._canonical)
+        dcp_state.save(self.checkpoint_root(), self.optimizer, self.version, directory,
+                       self.group, names=self._canonical)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
-        self.version = dcp_state.load(self.model, self.optimizer, directory, self.group,
+        self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, directory,
+                                      self.group,
                                       names=self._canonical)
         self._rows = 0
         self._seen.clear()

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +247,7 @@ class AgentTrainer:
                 rewards=torch.tensor([s.reward for s in samples],
                                      dtype=torch.float32).to(self.device),
                 ref_logp=self._reference_logprobs(batch), entropy=entropy,
-                values=self._values(batch, hidden),
+                values=self._values(batch, hidden), total=self._batch_total,
             )
         if first_pass:
             self._logprob_diff(samples, logp.detach(), old, batch.response_mask)
@@ -290,6 +291,8 @@ class AgentTrainer:
 
     # ranks the gradients were averaged over (FSDP averages; a sharded trainer has K)
     world_size = 1
+    # sums over the whole micro-batch (`LossInputs.total`); a sharded trainer's reduce them
+    _batch_total: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over the whole model (a sharded trainer gathers its pieces)."""
@@ -350,7 +353,8 @@ class AgentTrainer:
         norm = self._optimizer_step(self._rows)
         if self._nonfinite is not None:
             return self._skip_step(self._nonfinite)
-        extra = self._later_epochs() if self._kept else {}
+        # (not `if self._kept`: a rank of a sharded slot may hold none of the rows)
+        extra = self._later_epochs() if self.cfg.algorithm.epochs > 1 else {}
         tokens = max(self._sums.pop("tokens", 0.0), 1.0)
         lpd_sum = self._sums.pop("logprob_diff_sum", None)
         lpd_tokens = self._sums.pop("logprob_diff_tokens", 0.0)
@@ -475,6 +479,12 @@ class AgentTrainer:
             out["critic"] = self.critic_model
         return out
 
+    def checkpoint_root(self) -> torch.nn.Module:
+        """The module tree a `torch.distributed.checkpoint` folder holds (`training.dcp`):
+        the policy, or with a critic every trained part under its `_state_modules` name."""
+        parts = self._state_modules()
+        return self.model if len(parts) == 1 else torch.nn.ModuleDict(parts)
+
     def _shared_keys(self, part: str, module: Any) -> set[str]:
         """The frozen base tensors of an agent on a shared base: the same in every trainer
         built from the config, and held once per slot, so restart points leave them out."""
@@ -516,7 +526,7 @@ class AgentTrainer:
         if meta.get("agent") != self.agent:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
         if "dcp" in meta:
-            self.version = dcp_state.load(self.model, self.optimizer, meta["dcp"])
+            self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, meta["dcp"])
             self._rows = 0
             self._seen.clear()
             self._sums = {}
