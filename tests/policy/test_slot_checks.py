@@ -1,6 +1,6 @@
 """Training slots of K ranks that cannot run here are refused before anything starts, with one
 line naming the field and the numbers (runtime.slot_size / slot_sizes): more GPUs than the
-training pool has, more CPU processes than 4x the CPUs; every LLM algorithm and LoRA are accepted."""
+training pool has, more CPU processes than 4x the CPUs. Every LLM algorithm and LoRA shard."""
 
 import os
 import subprocess

@@ -160,3 +160,22 @@ def test_lora_agents_on_a_slot_of_two_end_with_the_weights_of_one_device(tmp_pat
     for record in _records(tmp_path / "k2"):
         for agent in ("speaker", "relay", "listener"):
             assert record[f"agent/{agent}/train_world_size"] == 2.0
+
+
+@pytest.mark.slow  # two short runs: about a minute on two cores
+def test_ppo_kl_and_several_passes_on_a_slot_of_two_end_with_the_weights_of_one_device(
+        tmp_path):
+    """PPO with a separate critic, a KL reference and two passes per iteration, time-sharing
+    one slot of 2 ranks (restart points and swaps carry the critic)."""
+    algos = ["agents.relay.algorithm={name: ppo, critic: separate, epochs: 2}",
+             "agents.speaker.algorithm.kl_coef=0.1", "agents.listener.algorithm.epochs=2"]
+    runs = {k: train(load_config(RELAY, [*COMMON, *algos, f"runtime.slot_size={k}"]),
+                     tmp_path / f"k{k}") for k in (1, 2)}
+    for agent in ("speaker", "relay", "listener"):
+        a = load_file(str(runs[1].checkpoints[agent] / "model.safetensors"))
+        b = load_file(str(runs[2].checkpoints[agent] / "model.safetensors"))
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst <= 1e-4, (agent, worst)
+    for record in _records(tmp_path / "k2"):
+        assert record["agent/relay/train_world_size"] == 2.0
+        assert record["agent/relay/epochs"] == 2.0
