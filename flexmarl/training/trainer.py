@@ -259,6 +259,10 @@ class AgentTrainer:
             what = f"non-finite loss {float(loss.detach()):.4g}" if not bad else \
                 f"non-finite {', '.join(bad)}"
             self._nonfinite = self._nonfinite or what
+            if self.world_size > 1:
+                # the peers of a sharded slot run their backward: this rank's FSDP
+                # collectives must run too (every rank skips the step, `_reduce_counts`)
+                (loss * 0.0).backward()
         else:
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
         return metrics

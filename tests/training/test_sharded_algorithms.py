@@ -5,6 +5,7 @@ path on one FSDP rank in seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import pytest
@@ -54,6 +55,16 @@ def _run(trainer: AgentTrainer) -> dict:
             "optim_slots": sum(len(v) for v in trainer.optimizer.state.values())}
 
 
+def _poisoned(trainer: AgentTrainer) -> dict:
+    s = _samples(0)
+    # row 1 (rank 1's share at K=2) with NaN behaviour log-probs: a non-finite loss
+    s[1] = dataclasses.replace(s[1], old_logprobs=[float("nan")] * len(s[1].response))
+    trainer.accumulate(s)
+    first = trainer.step()
+    _train(trainer, 1, 2)
+    return {"first": first, "state": _state(trainer)}
+
+
 def _k2_job(rank: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=30))
@@ -63,6 +74,10 @@ def _k2_job(rank: int, out: str) -> None:
         res[which] = _run(tr)
         if which == "ppo_separate":
             tr.save_checkpoint(f"{out}/ck-ppo")
+    # a non-finite row on rank 1 only: both ranks skip the step (no hang), then train on
+    tr = ShardedAgentTrainer("poisoned", _cfg("grpo_kl_epochs"), VOCAB, 16, run_seed=SEED,
+                             device="cpu")
+    res["poisoned"] = _poisoned(tr)
     torch.save(res, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -138,3 +153,14 @@ def test_one_rank_ppo_and_kl_epochs_equal_one_device(one_rank):
         shard = sharded.capture_shard()
         if which == "ppo_head":
             assert any(k.startswith("param/value_head.") for k in shard.tensors)
+
+
+@pytest.mark.slow
+def test_a_non_finite_row_on_one_rank_skips_the_step_on_every_rank(k2):
+    _, ranks = k2
+    plain = _poisoned(AgentTrainer("poisoned", _cfg("grpo_kl_epochs"), VOCAB, 16,
+                                   run_seed=SEED, device="cpu"))
+    assert plain["first"]["skipped"] == 1.0
+    for r in ranks:
+        assert r["poisoned"]["first"]["skipped"] == 1.0
+        _close(r["poisoned"]["state"], plain["state"], atol=1e-4)
