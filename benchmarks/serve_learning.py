@@ -1,11 +1,12 @@
-"""Serving latency with and without online learning: none, inside the server (`--learn`), and
-in its own process (`flexmarl serve-learn`).
+"""Serving latency with and without online learning: none, inside the server (`--learn`), in
+its own process (`flexmarl serve-learn`), and as a Ray actor (`serve-learn --ray`).
 
     .venv/bin/python benchmarks/serve_learning.py [RUN_DIR] [--seconds 15] [--cycles 2]
 
 Without RUN_DIR it builds the toy run (flexmarl/serving/toy.py). For each mode a fresh
 `flexmarl serve --capture --deploy` starts (with `--learn listener` in the in-process mode,
-plus a `serve-learn` process in the separate one); 4 client threads run episodes and send
+plus a `serve-learn` process in the separate ones, timed from when it trains: for the Ray
+actor, once its private local cluster and actor are up); 4 client threads run episodes and send
 their success as feedback (what feeds learning), and a probe sends sequential one-token
 completions to the listener and records each round trip. Modes run in turn, `--cycles`
 times (A B C A B C), so the machine's load falls on all alike; prints p50/p99 of the probe
@@ -18,6 +19,7 @@ import argparse
 import http.client
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +34,8 @@ from benchmarks.continual import post  # noqa: E402 - after the path
 from benchmarks.serve import quantile  # noqa: E402
 from flexmarl.serving.toy import make_toy_run  # noqa: E402
 
-MODES = ("no learning", "in the server (--learn)", "own process (serve-learn)")
+MODES = ("no learning", "in the server (--learn)", "own process (serve-learn)",
+         "Ray actor (serve-learn --ray)")
 LEARN = ["--online-batch", "16", "--canary-every", "4", "--online-lr", "0.001"]
 
 
@@ -57,11 +60,20 @@ def run_mode(mode: str, base: Path, tmp: Path, port: int, seconds: float) -> tup
             if time.time() > deadline:
                 raise SystemExit("server did not come up") from None
             time.sleep(0.3)
-    if mode == MODES[2]:
-        procs.append(subprocess.Popen(
+    if mode in MODES[2:]:
+        trainer = subprocess.Popen(
             [sys.executable, "-m", "flexmarl", "serve-learn", str(run), "--capture", str(db),
-             "--agent", "listener", "--server", url, "--threads", "1", *LEARN], cwd=ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+             "--agent", "listener", "--server", url, "--threads", "1", *LEARN,
+             *(["--ray"] if mode == MODES[3] else [])], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(trainer)
+        assert trainer.stdout is not None
+        for line in trainer.stdout:  # timing starts once the trainer runs (Ray: its actor)
+            if "online trainer of" in line:
+                break
+        else:
+            raise SystemExit(f"serve-learn ended before training ({mode})")
+        threading.Thread(target=trainer.stdout.read, daemon=True).start()  # keep it drained
     stop = threading.Event()
 
     def load(k: int) -> None:
@@ -95,8 +107,13 @@ def run_mode(mode: str, base: Path, tmp: Path, port: int, seconds: float) -> tup
             t.join(60)
         conn.close()
         for p in reversed(procs):
-            p.terminate()
-            p.wait(60)
+            # Ctrl-C: serve-learn --ray stops its actor and the Ray cluster it started
+            p.send_signal(signal.SIGINT if p is not procs[0] else signal.SIGTERM)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(60)
     updates = 0
     for name in ("events.jsonl", "trainer-listener.jsonl"):
         f = run / "serving" / name

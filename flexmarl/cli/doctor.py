@@ -230,11 +230,14 @@ def check_oscillation(run: Run) -> list[Finding]:
 
 
 def collapse_remedy(run: Run, agent: str) -> str:
-    """The option that moves a collapsed agent again, from the run's own config: a GRPO agent
+    """The option that moves a collapsed agent again, from the run's own config: a KL to the
+    frozen reference (`kl_coef`) pulls a policy drifting onto one answer back toward its initial
+    spread whatever the rewards say (the team default, docs/training.md); a judge's classes
+    weighed equally (`balance_labels`) take away the majority answer's pay; a GRPO agent
     normalised per group has zero advantage on every group whose samples agree (all of them,
-    once it answers one thing), so nothing in the loss can bring it back; an agent-wide
-    baseline (`normalize: agent`) still pays the inputs where the one answer is right over
-    those where it is wrong, and clip-higher lets the rare other answers grow."""
+    once it answers one thing), while an agent-wide baseline (`normalize: agent`) still pays
+    the inputs where the one answer is right over those where it is wrong; clip-higher lets
+    the rare other answers grow."""
     algo = ((run.config.get("agents") or {}).get(agent) or {}).get("algorithm") or {}
     if not isinstance(algo, dict):
         algo = {}
@@ -242,6 +245,14 @@ def collapse_remedy(run: Run, agent: str) -> str:
                "entropy_decay_steps), a lower optim.lr, or a higher sampling.temperature; "
                "check the reward has no shortcut")
     steps = []
+    if not algo.get("kl_coef"):
+        steps.append(f"agents.{agent}.algorithm.kl_coef: 0.1 (a KL to the frozen reference "
+                     "pulls a policy drifting onto one answer back toward its initial spread, "
+                     "whatever its partner does)")
+    if algo.get("name", "grpo") == "grpo" and not algo.get("balance_labels"):
+        steps.append(f"a judge or classifier: label= on its node and agents.{agent}.algorithm."
+                     "balance_labels: true with normalize: agent (every true class weighs the "
+                     "same, so the majority answer earns nothing over chance)")
     if algo.get("name", "grpo") == "grpo" and algo.get("normalize", "group") == "group":
         group_size = (run.config.get("train") or {}).get("group_size")
         size = f" {group_size}" if group_size else ""

@@ -136,12 +136,22 @@ class GRPOConfig(_AlgorithmBase):
     # by a fresh one, at most `train.resample_rounds` times per input. Replacements are chosen
     # by position, not by timing, so sync and async runs stay identical. Group normalisation.
     dynamic_sampling: bool = False
+    # Label-balanced advantages, for judges and classifiers: with `normalize: agent`, the
+    # agent's rows are grouped by their node's true class (`MEG.node(label=...)`); each row's
+    # baseline is its class's mean reward and each class weighs the same in the loss (weight
+    # n / (classes x n_class)). The objective becomes balanced accuracy, so answering the
+    # majority class to every input (a judge saying No while its partner is mostly wrong, then
+    # stuck there once the partner improves) earns nothing over chance.
+    balance_labels: bool = False
 
     @model_validator(mode="after")
     def _dynamic_sampling_groups(self) -> GRPOConfig:
         if self.dynamic_sampling and self.normalize != "group":
             raise ValueError("algorithm.dynamic_sampling drops groups whose rewards agree, "
                              f"which needs normalize: group (got {self.normalize!r})")
+        if self.balance_labels and self.normalize != "agent":
+            raise ValueError("algorithm.balance_labels weighs the classes of the agent's whole "
+                             f"iteration, which needs normalize: agent (got {self.normalize!r})")
         return self
 
 

@@ -7,6 +7,13 @@ training, `flexmarl serve`'s agents when serving) and records the sampled ids, a
 text of a text-level node, in the episode's context. Scoring reads the task's reward functions
 through the same contracts. What the callers add stays theirs: training's store rows, version
 gates and stage barrier live inside its `call`; serving's request options inside its own.
+
+Hand-offs (`handoff=`): "direct", a node reads its inputs' outputs from the episode's
+context once they are set; "bus" (what training's and `flexmarl serve`'s episodes use), a
+finished node
+sends its output, encoded as on the wire (`graph.messages`: msgpack), to the mailbox of each
+node that reads it, and that node waits for one message per input and takes its inputs from
+the messages, an input that did not run included (which ends the branch, as directly).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from flexmarl.errors import UserError
 from flexmarl.graph import contracts
 from flexmarl.graph.chat import PromptRenderer
 from flexmarl.graph.meg import MEG, EpisodeContext, NodePrompt
+from flexmarl.graph.messages import MessageBus
 
 
 class TaskCodeError(RuntimeError):
@@ -66,10 +74,20 @@ Call = Callable[[NodeCall], Awaitable[list[int]]]
 class GraphExecutor:
     """Walks episodes of one graph; `agents` are the names it may use (validated once)."""
 
-    def __init__(self, graph: MEG, renderer: PromptRenderer, agents: Iterable[str]) -> None:
+    def __init__(self, graph: MEG, renderer: PromptRenderer, agents: Iterable[str],
+                 handoff: str = "direct") -> None:
+        if handoff not in ("direct", "bus"):
+            raise ValueError(f"handoff {handoff!r}: expected 'direct' or 'bus'")
         self.graph = graph
         self.renderer = renderer
         self.order = graph.validate(agents)
+        self.handoff = handoff
+        self.messages = 0  # hand-offs sent through the bus, all episodes together
+        # who reads each node's output (a bus message per reader)
+        self.readers: dict[str, list[str]] = {n: [] for n in self.order}
+        for name in self.order:
+            for d in graph.nodes[name].inputs:
+                self.readers[d].append(name)
         # nodes whose condition is decided at the episode's start (`MEG.node(static_when=)`)
         self._static = frozenset(n for n, nd in graph.nodes.items()
                                  if nd.when is not None and nd.static_when)
@@ -117,21 +135,50 @@ class GraphExecutor:
         names = [n for n in self.order if n not in skip]
         loop = asyncio.get_running_loop()
         done: dict[str, asyncio.Future[bool]] = {n: loop.create_future() for n in names}
+        bus = MessageBus([self.address(n) for n in names]) if self.handoff == "bus" else None
+
+        def finish(name: str, ran: bool) -> None:
+            done[name].set_result(ran)
+            if bus is None:
+                return
+            msg: dict[str, Any] = {"node": name, "ran": ran}
+            if ran:
+                msg["tokens"] = ctx.outputs[name]
+                if name in ctx.texts:
+                    msg["text"] = ctx.texts[name]
+            for reader in self.readers[name]:
+                if reader in done:
+                    bus.send(self.address(name), self.address(reader), msg)
+                    self.messages += 1
+
+        async def inputs_ran(name: str) -> bool:
+            node = self.graph.nodes[name]
+            if bus is None:
+                return all([await done[d] for d in node.inputs])
+            ran = True
+            for _ in node.inputs:  # one message from each input, in the order they finish
+                _env, msg = await bus.receive(self.address(name))
+                if msg["ran"]:
+                    ctx.outputs[msg["node"]] = list(msg["tokens"])
+                    if "text" in msg:
+                        ctx.texts[msg["node"]] = msg["text"]
+                ran = ran and msg["ran"]
+            return ran
 
         async def run_node(name: str) -> None:
             node = self.graph.nodes[name]
-            if not all([await done[d] for d in node.inputs]):
-                done[name].set_result(False)  # an upstream branch ended: so does this one
+            if not await inputs_ran(name):
+                finish(name, False)  # an upstream branch ended: so does this one
                 return
             ready = self.prepare(ctx, name)
             if ready is None:
-                done[name].set_result(False)
+                finish(name, False)
                 return
             tokens = await call(ready)
             ctx.outputs[name] = tokens
             if ready.is_text:  # the sampled ids stay as they are; downstream reads them decoded
                 ctx.texts[name] = self.renderer.decode(node.agent, tokens, ready.prompt.stop)
-            done[name].set_result(True)
+            finish(name, True)
 
         tasks = [asyncio.ensure_future(run_node(n)) for n in names]
         if on_task is not None:
@@ -144,6 +191,10 @@ class GraphExecutor:
                 if not t.done():
                     t.cancel()
         return {n: done[n].result() for n in names}
+
+    def address(self, node: str) -> str:
+        """A node's mailbox on the bus: its agent and the node (one agent may run many)."""
+        return f"{self.graph.nodes[node].agent}/{node}"
 
     def team_reward(self, ctx: EpisodeContext) -> float:
         """The episode's team reward (0 without one), checked to be a finite number."""
@@ -162,6 +213,15 @@ class GraphExecutor:
             if fn is not None:
                 value = _task_code(name, "reward", fn, ctx, user_errors_stop=False)
                 out[name] = contracts.check_reward(f"node {name!r}: reward", value)
+        return out
+
+    def node_labels(self, ctx: EpisodeContext, ran: Iterable[str]) -> dict[str, str]:
+        """The true class (`label=`) of each node that ran and declares one, as a string."""
+        out: dict[str, str] = {}
+        for name in ran:
+            fn = self.graph.nodes[name].label
+            if fn is not None:
+                out[name] = str(_task_code(name, "label", fn, ctx, user_errors_stop=False))
         return out
 
     def success(self, ctx: EpisodeContext) -> bool | None:

@@ -113,6 +113,9 @@ class EpisodeContext:
 PromptValue = NodePrompt | TextPrompt | str | list[dict[str, str]]
 PromptBuilder = Callable[[EpisodeContext], PromptValue]
 RewardFn = Callable[[EpisodeContext], float]
+# The true class of a node's decision (a judge's "the answer was right"), for label-balanced
+# advantages (`algorithm.balance_labels`): any value; rows are grouped by its str().
+LabelFn = Callable[[EpisodeContext], object]
 Condition = Callable[[EpisodeContext], bool]
 
 
@@ -126,6 +129,7 @@ class Node:
     reward: RewardFn | None = None
     # `when` reads only the episode's input and trajectory, never an output
     static_when: bool = False
+    label: LabelFn | None = None
 
 
 @dataclass
@@ -161,6 +165,7 @@ class MEG:
         when: Condition | None = None,
         reward: RewardFn | None = None,
         static_when: bool = False,
+        label: LabelFn | None = None,
     ) -> MEG:
         """Add a node: one call of `agent` in every episode (unless `when` skips it).
 
@@ -181,6 +186,10 @@ class MEG:
                 so it is decided when the episode starts and a node it skips, with everything
                 downstream, costs nothing (many conditional variants of a node, as the
                 simulator's graphs have, would otherwise run a task per variant).
+            label: `label(ctx)` returns the true class of this node's decision once the
+                episode is complete (a judge: whether the answer it judged was right). With
+                `algorithm.balance_labels` every class weighs the same in the agent's loss,
+                so a judge cannot win by answering the majority class to every input.
 
         Returns:
             The graph itself, so calls chain.
@@ -189,7 +198,8 @@ class MEG:
             raise GraphError(f"node name {name!r} must be non-empty and contain no '_'")
         if name in self.nodes:
             raise GraphError(f"node {name!r} is defined twice")
-        self.nodes[name] = Node(name, agent, tuple(inputs), prompt, when, reward, static_when)
+        self.nodes[name] = Node(name, agent, tuple(inputs), prompt, when, reward, static_when,
+                                 label)
         return self
 
     def set_episode_reward(self, fn: RewardFn) -> MEG:

@@ -16,7 +16,6 @@ states are swapped out and in through `training/state.py` (wire bytes or a safet
 from __future__ import annotations
 
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from flexmarl.training import state as st
 from flexmarl.training.algorithms import mappo
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.host import TrainHost
-from flexmarl.training.learner import Audit, CapturedRestartPoint
+from flexmarl.training.learner import Audit, NetworkLearner
 
 if TYPE_CHECKING:
     from flexmarl.marl.offpolicy import QLearner
@@ -39,8 +38,10 @@ class LearnerError(RuntimeError):
     """A learner was handed rows it must not train on (another iteration or version)."""
 
 
-class PolicyLearner(CapturedRestartPoint):
+class PolicyLearner(NetworkLearner):
     """MAPPO / IPPO's learner of one policy (the `Learner` role, training/learner.py)."""
+
+    error = LearnerError
 
     def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
         assert isinstance(cfg.algorithm, MappoConfig)
@@ -58,22 +59,10 @@ class PolicyLearner(CapturedRestartPoint):
         self.trained_on: Audit | None = None  # the last step's rows, by epoch
 
     # --- the pool's commands -----------------------------------------------------------------
-    def accumulate(self, samples: list[MarlSample]) -> dict[str, float]:
-        for s in samples:
-            if s.iteration != self.version or s.version != self.version:
-                raise LearnerError(
-                    f"policy {self.agent!r}: row {s.sample_id} is of iteration {s.iteration}, "
-                    f"version {s.version}; step {self.version} trains on iteration "
-                    f"{self.version}'s rows of version {self.version} only")
-        self.pending += samples
-        return {"rows": float(len(samples))}
-
     def step(self) -> dict[str, float]:
         """Step k = `version`: PPO on exactly the held rows of iteration k; then version k+1
         (its observation statistics too). `trained_on`: which row each epoch used."""
-        if not self.pending:
-            raise LearnerError(f"policy {self.agent!r}: step {self.version} has no rows")
-        k = self.version
+        k = self._held()
         batch = self._batch(self.pending, k)
         mappo.compute_advantages(batch, self.vnorm, self.algo)
         audit: Audit = []
@@ -85,9 +74,7 @@ class PolicyLearner(CapturedRestartPoint):
                                self.algo, self.gen, on_epoch)
         live = batch.alive.bool()
         self.net.update_stats(batch.obs[live], batch.critic_x[live])
-        self.pending = []
-        self.version = k + 1
-        self.trained_on = audit
+        self._stepped(audit)
         return metrics
 
     def state_objects(self) -> list[Any]:
@@ -98,15 +85,6 @@ class PolicyLearner(CapturedRestartPoint):
         out = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
         out.update({f"vnorm.{k}": v.clone() for k, v in self.vnorm.state_dict().items()})
         return out
-
-    def save(self, directory: str) -> str:
-        from safetensors.torch import save_file
-
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        path = d / "model.safetensors"
-        save_file({k: v.contiguous() for k, v in self.weights().items()}, str(path))
-        return str(path)
 
     # --- batches -----------------------------------------------------------------------------
     def _batch(self, rows: list[MarlSample], k: int) -> mappo.PolicyBatch:

@@ -52,7 +52,7 @@ from flexmarl.store.replay import ReplayTable
 from flexmarl.training import state as st
 from flexmarl.training.algorithms import qmix, vdn
 from flexmarl.training.algorithms.vdn import VdnConfig
-from flexmarl.training.learner import Audit, CapturedRestartPoint
+from flexmarl.training.learner import Audit, NetworkLearner
 
 
 class QLearnerError(RuntimeError):
@@ -229,12 +229,15 @@ class QRollout:
                               transitions=transitions, epsilon=eps)
 
 
-class QLearner(CapturedRestartPoint):
+class QLearner(NetworkLearner):
     """The VDN / QMIX learner of the shared Q-network, one joint learner for its group of
     agents: the Q-network, its target copy, QMIX's mixer and its target, one Adam over both,
     the observation statistics, the replay table and its sampling generator. The `Learner`
     role as `PolicyLearner` plays it (the same `TrainHost` hosts either); only where the
     rows come from differs (the replay table's sampler, not iteration k's rows)."""
+
+    error = QLearnerError
+    rows_name = "transitions"
 
     def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
         assert isinstance(cfg.algorithm, VdnConfig)
@@ -260,23 +263,11 @@ class QLearner(CapturedRestartPoint):
         self.trained_on: Audit | None = None  # the last step's transitions
 
     # --- the pool's commands -----------------------------------------------------------------
-    def accumulate(self, samples: list[MarlSample]) -> dict[str, float]:
-        for s in samples:
-            if s.iteration != self.version or s.version != self.version:
-                raise QLearnerError(
-                    f"policy {self.agent!r}: transitions {s.sample_id} are of iteration "
-                    f"{s.iteration}, version {s.version}; step {self.version} adds iteration "
-                    f"{self.version}'s transitions of version {self.version} only")
-        self.pending += samples
-        return {"rows": float(len(samples))}
-
     def step(self) -> dict[str, float]:
         """Step k: iteration k's transitions into the replay table, vectorised step by step
         in rollout order (every worker's environments of step t, in worker order), each
         followed by `updates_per_step` updates once the table is ready; then version k+1."""
-        if not self.pending:
-            raise QLearnerError(f"policy {self.agent!r}: step {self.version} has no rows")
-        k = self.version
+        k = self._held()
         T = self.cfg.train.rollout_steps
         parts = sorted(self.pending, key=lambda s: s.agent_index)  # the rollout worker's
         E_all = sum(int(s.arrays["obs"].shape[1]) for s in parts)
@@ -297,10 +288,7 @@ class QLearner(CapturedRestartPoint):
         metrics = {key: v / n_learn for key, v in sums.items()}
         metrics["replay_size"] = float(len(self.replay))
         metrics["updates"] = float(n_learn)
-        audit: Audit = [(s.sample_id, k, k, 0) for s in parts]
-        self.pending = []
-        self.version = k + 1
-        self.trained_on = audit
+        self._stepped([(s.sample_id, k, k, 0) for s in parts])
         return metrics
 
     def state_objects(self) -> list[Any]:
@@ -352,20 +340,12 @@ class QLearner(CapturedRestartPoint):
             out.update({f"obs_norm.{k}": v.clone() for k, v in self.norm.state_dict().items()})
         return out
 
-    def save(self, directory: str) -> str:
-        from pathlib import Path
-
-        from safetensors.torch import save_file
-
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+    def save_tensors(self) -> dict[str, torch.Tensor]:
         state = self.weights()
         if self.mixer is not None:
             state.update({f"mixer.{k}": v.detach().clone()
                           for k, v in self.mixer.state_dict().items()})
-        path = d / "model.safetensors"
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-        return str(path)
+        return state
 
     # --- exact states ------------------------------------------------------------------------
     def _modules(self) -> dict[str, torch.nn.Module]:

@@ -174,7 +174,9 @@ class EpisodeRunner:
         self.graph = task.graph
         # text- and chat-level nodes: each agent's tokenizer and sampling defaults
         self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
-        self.executor = GraphExecutor(self.graph, self.renderer, cfg.agents.keys())
+        # agents hand their outputs on through the message bus, as served episodes do
+        self.executor = GraphExecutor(self.graph, self.renderer, cfg.agents.keys(),
+                                      handoff="bus")
         self.order = self.executor.order
         self.turns = self.graph.turn_of()
         self.level = graph_levels(self.graph, self.order)
@@ -268,6 +270,7 @@ class EpisodeRunner:
             await self.executor.run(ctx, call, skip=skipped,
                                     on_task=count_level if it.stage_open else None)
             rewards = self._score(ctx, rows)
+            labels = self.executor.node_labels(ctx, rows)
         except (TaskCodeError, EpisodeFailure) as exc:
             error = str(exc)
         except UserError:  # a contract violation (graph/contracts.py): the run stops, exit 2
@@ -278,7 +281,8 @@ class EpisodeRunner:
             self._failed(it, ctx, rows, error)
         else:
             for name, row in rows.items():
-                self.store.set_rewarded(row.agent, row.sample_id, rewards[name])
+                self.store.set_rewarded(row.agent, row.sample_id, rewards[name],
+                                        labels.get(name))
                 if it.original(input_id):
                     it.rewards[row.agent].append(rewards[name])
                 if row.agent not in self.trainable:  # no advantage will come: show it now
@@ -515,9 +519,15 @@ class EpisodeRunner:
             if not ids[agent]:
                 continue
             algo_cfg = self.cfg.agents[agent].algorithm
-            advs = algorithms.get(algo_cfg.name).normalized_advantages(
-                rewards[agent], pooled if self.normalize(agent) == "batch" else rewards[agent],
-                algo_cfg)
+            if getattr(algo_cfg, "balance_labels", False):
+                assert isinstance(algo_cfg, GRPOConfig)  # balance_labels is a GRPO option
+                table = self.store.table(agent)
+                labels = [table.get(s).data.get("label", "") for s in ids[agent]]
+                advs = grpo.label_balanced_advantages(rewards[agent], labels, algo_cfg)
+            else:
+                advs = algorithms.get(algo_cfg.name).normalized_advantages(
+                    rewards[agent],
+                    pooled if self.normalize(agent) == "batch" else rewards[agent], algo_cfg)
             for sid, adv in zip(ids[agent], advs, strict=True):
                 self._set_ready(it, agent, sid, adv)
         it.wide_ready = True

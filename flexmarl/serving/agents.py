@@ -22,6 +22,14 @@ import torch
 from flexmarl.config.schema import AgentConfig, ConfigError, RunConfig, load_config
 from flexmarl.errors import UserError
 from flexmarl.graph.task import Task, load_task
+from flexmarl.policy.adapters import adapter_name, adapter_tensors, add_adapter, load_adapter
+from flexmarl.serving.adapters import (
+    ADAPTER_FILE,
+    PEFT_ADAPTER_FILE,
+    light_copy,
+    read_adapter_file,
+    tenant_adapter,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -85,6 +93,11 @@ def weight_candidates(run_dir: Path, agent: str, acfg: AgentConfig) -> list[Weig
         latest = (ckpts / "LATEST").read_text().strip()
     except OSError:
         latest = ""
+    if acfg.lora is not None:  # served unmerged: the trainer's adapter (PEFT's format)
+        out = []
+        peft = ckpts / "final" / agent / "adapter" / PEFT_ADAPTER_FILE
+        if peft.is_file():
+            out.append(WeightSource("final", peft, _policy_version(peft.parent.parent)))
     # a LoRA agent's generation holds the adapter-wrapped module, not plain model weights
     gen = ckpts / latest / "agents" / agent / "model.safetensors" if latest else None
     if gen is not None and gen.is_file() and acfg.lora is None:
@@ -94,7 +107,8 @@ def weight_candidates(run_dir: Path, agent: str, acfg: AgentConfig) -> list[Weig
         promoted = (run_dir / "serving" / agent / "SHADOW").read_text().strip()
     except OSError:
         promoted = ""
-    snap = run_dir / "serving" / agent / promoted / "model.safetensors" if promoted else None
+    served = ADAPTER_FILE if acfg.lora is not None else "model.safetensors"
+    snap = run_dir / "serving" / agent / promoted / served if promoted else None
     if snap is not None and snap.is_file():
         out.append(WeightSource(f"promoted-{promoted}", snap, _policy_version(snap.parent)))
     return out
@@ -171,6 +185,29 @@ def load_weights_file(agent: str, source: WeightSource, model: torch.nn.Module) 
                            v.to(param.device) for k, v in tensors.items()}, strict=False)
 
 
+def load_adapter_file(agent: str, source: WeightSource, model: torch.nn.Module,
+                      adapter: str) -> None:
+    """Load a published adapter (`source`) into `adapter` of `model`, in place."""
+    assert source.file is not None
+    try:
+        load_adapter(model, adapter, read_adapter_file(source.file))
+    except ValueError as exc:
+        raise ServeError(f"agent {agent!r}: {source.file}: {exc}") from exc
+
+
+def wrap_adapter(agent: str, acfg: AgentConfig, model: torch.nn.Module, run_seed: int
+                 ) -> torch.nn.Module:
+    """`model` (the base) with the agent's adapter as training initialises it (the same seed,
+    so an adapter never trained serves exactly the base)."""
+    from flexmarl.policy.model import stable_seed  # transformers: loaded on first use
+    from flexmarl.training.lora import check_targets
+
+    assert acfg.lora is not None
+    check_targets(agent, model, acfg.lora)
+    return add_adapter(model, adapter_name(agent), acfg.lora,
+                       stable_seed(run_seed, agent, "lora"))
+
+
 @dataclass
 class AgentSpec:
     """One served agent: its config, model, tokenizer and current version."""
@@ -183,6 +220,49 @@ class AgentSpec:
     fingerprint: tuple
     lock: threading.Lock = field(default_factory=threading.Lock)
     issued: int = 0  # the highest version number handed out (shadow, canary or reload)
+    # a LoRA agent, served unmerged: its shadow's adapter in `model` (None: plain weights),
+    # and the adapter of each training tenant that learns its own (`serving.adapters`)
+    adapter: str | None = None
+    tenant_adapters: dict[str, str] = field(default_factory=dict)  # tenant -> adapter
+    tenant_versions: dict[str, Version] = field(default_factory=dict)  # tenant -> served
+
+    @property
+    def adapters(self) -> list[str] | None:
+        """The adapters the served model holds, the shadow's first (None: plain weights)."""
+        if self.adapter is None:
+            return None
+        return [self.adapter, *self.tenant_adapters.values()]
+
+    def carry_tenant_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` (a new shadow: a promotion, a rollback) with the training tenants' adapters
+        as served now: the shadow's version never changes what a tenant is served."""
+        for adapter in self.tenant_adapters.values():
+            load_adapter(model, adapter, adapter_tensors(self.model, adapter))
+        return model
+
+    def add_tenant_adapters(self, tenants: list[str], folder: Path) -> None:
+        """One adapter per training tenant beside the shadow's: the tenant's last published
+        adapter (`folder/<tenant>/adapter.safetensors`), else a copy of the shadow's."""
+        assert self.adapter is not None and self.cfg.lora is not None
+        shadow = adapter_tensors(self.model, self.adapter)
+        for i, tenant in enumerate(tenants):
+            name = tenant_adapter(i)
+            self.model = add_adapter(self.model, name, self.cfg.lora, 0)
+            saved = folder / tenant / ADAPTER_FILE
+            version = self.version
+            if saved.is_file():
+                load_adapter(self.model, name, read_adapter_file(saved))
+                number = _policy_version(saved.parent) or 0
+                version = Version(number, f"tenant-{tenant}-v{number}", None, time.time())
+                self.issued = max(self.issued, number)
+            else:
+                load_adapter(self.model, name, shadow)
+            self.tenant_adapters[tenant] = name
+            self.tenant_versions[tenant] = version
+        param = next(self.model.parameters())
+        self.model.to(device=param.device, dtype=param.dtype)
+        self.model.set_adapter(self.adapter)  # type: ignore[operator]  # peft's
+        self.model.eval()
 
     def next_number(self) -> int:
         """A fresh version number: reloads and canaries never share one."""
@@ -202,11 +282,24 @@ class AgentSpec:
     def next_model(self, source: WeightSource) -> torch.nn.Module:
         """A copy of the served model with `source`'s weights: built beside the running one,
         which keeps serving its in-flight requests."""
+        if self.adapter is not None:  # the adapter alone changes: the base is shared
+            model = light_copy(self.model)
+            if source.file is not None:
+                load_adapter_file(self.name, source, model, self.adapter)
+            return model.eval()
         model = copy.deepcopy(self.model)
         if source.file is not None:
             load_weights_file(self.name, source, model)
         model.eval()
         return model
+
+    def adapter_model(self, tensors: dict[str, torch.Tensor], adapter: str | None = None
+                      ) -> torch.nn.Module:
+        """A light copy of the served model whose adapter (the shadow's by default) holds
+        `tensors`: a new version of a LoRA agent."""
+        out = light_copy(self.model)
+        load_adapter(out, adapter or self.adapter or "", tensors)
+        return out.eval()
 
 
 @dataclass
@@ -250,9 +343,16 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
             raise ServeError(f"agent {name!r}: a random-init model needs the task's vocabulary, "
                              f"and the task did not load: {task_error}")
         source = resolve_source(rd, name, acfg)
-        model = build_model(name, acfg.model, vocab, max_seq_len, cfg.seed, dev,
-                            compute_dtype(acfg.model.dtype, dev))
-        if source.file is not None:
+        model: torch.nn.Module = build_model(name, acfg.model, vocab, max_seq_len, cfg.seed,
+                                             dev, compute_dtype(acfg.model.dtype, dev))
+        adapter = None
+        if acfg.lora is not None:
+            dtype = next(model.parameters()).dtype
+            model = wrap_adapter(name, acfg, model, cfg.seed).to(device=dev, dtype=dtype)
+            adapter = adapter_name(name)
+            if source.file is not None:
+                load_adapter_file(name, source, model, adapter)
+        elif source.file is not None:
             load_weights_file(name, source, model)
         model.eval()
         # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
@@ -261,5 +361,5 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
         out[name] = AgentSpec(
             name, acfg, model, load_tokenizer(name, acfg, source),
             Version(number, source.label, source.policy_version, time.time()),
-            source.fingerprint)
+            source.fingerprint, adapter=adapter)
     return ServedRun(rd, cfg, task, task_error, out, dev)

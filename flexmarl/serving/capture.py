@@ -142,11 +142,14 @@ class Capture:
                 "ORDER BY id", (rid, rid))]
 
     def claim(self, agent: str, n: int, step: int, min_temperature: float = 0.05,
-              tenants: list[str] | None = None) -> list[CapturedRow]:
+              tenants: list[str] | None = None, learner: str | None = None
+              ) -> list[CapturedRow]:
         """The oldest `n` rewarded rows of `agent` not yet consumed, marked consumed (outcome
         "claimed") in the same transaction: durable before any training on them. Rows decoded
         (nearly) greedily are not trainable (their log-probs say nothing about the policy).
-        `tenants`: only rows served to these tenants (None: every row)."""
+        `tenants`: only rows served to these tenants (None: every row). `learner`: whose claims
+        journal they go to (`release(learner, ...)`; default `agent`), e.g. a tenant's own
+        adapter's learner, which counts its own steps."""
         where, params = _tenant_filter(tenants)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -161,7 +164,8 @@ class Capture:
                     (agent, min_temperature, *params, n)).fetchall()
                 now = time.time()
                 self._db.executemany("INSERT INTO consumed VALUES (?,?,?,?,?)",
-                                     [(r[0], agent, step, "claimed", now) for r in rows])
+                                     [(r[0], learner or agent, step, "claimed", now)
+                                      for r in rows])
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")

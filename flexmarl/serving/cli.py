@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -137,6 +138,10 @@ def add_serve_learn_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - ar
     t.add_argument("--snapshot-url", default=None, metavar="URL",
                    help="fsspec URL of the trainer's snapshots (default RUN_DIR/serving/trainer)")
     t.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")
+    t.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the trainer as a Ray actor: on a private local cluster, or on "
+                        "the cluster at ADDRESS (on the server's node: the capture store is "
+                        "its local file)")
     t.set_defaults(fn=run_serve_learn)
     return t
 
@@ -162,8 +167,40 @@ def run_serve_learn(args: argparse.Namespace) -> int:
                         kl_max=args.kl_max, is_max=args.is_max, lr=args.online_lr,
                         update_every_s=args.update_every, snapshot_every_s=args.snapshot_every,
                         algorithm=args.online_algorithm)
+    api_key = args.api_key or os.environ.get("FLEXMARL_API_KEY")
+    if args.ray is not None:
+        return _serve_learn_on_ray(args, cfg, api_key)
     OnlineTrainer(args.run_dir, args.capture, args.agent, args.server, cfg, args.snapshot_url,
-                  args.api_key or os.environ.get("FLEXMARL_API_KEY")).run_forever()
+                  api_key).run_forever()
+    return 0
+
+
+def _serve_learn_on_ray(args: argparse.Namespace, cfg: Any, api_key: str | None) -> int:
+    """The online trainer as a Ray actor (trainer_actor.py) until Ctrl-C."""
+    import ray  # the Ray extra, imported only for --ray
+
+    from flexmarl.config.schema import ConfigError
+    from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
+    from flexmarl.serving.trainer_actor import start_trainer_actor
+
+    session = RaySession(None if args.ray == "local" else args.ray)
+    try:
+        session.start()
+    except RayRuntimeError as exc:  # it names runtime.address: say which flag it was
+        raise ConfigError(f"serve-learn: --ray {args.ray}: "
+                          f"{str(exc).split(': ', 1)[-1]}") from None
+    try:
+        actor = start_trainer_actor(args.run_dir, args.capture, args.agent, args.server, cfg,
+                                    args.snapshot_url, api_key, args.threads)
+        info = ray.get(actor.status.remote())
+        print(f"online trainer of {args.agent} in Ray actor (pid {info['pid']}, node "
+              f"{info['node'][:12]}) -> {args.server}", flush=True)
+        try:
+            ray.get(actor.run.remote())
+        except KeyboardInterrupt:
+            ray.get(actor.stop.remote())
+    finally:
+        session.stop()
     return 0
 
 

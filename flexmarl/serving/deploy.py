@@ -39,15 +39,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from flexmarl.config.schema import ConfigError
 from flexmarl.graph.meg import EpisodeContext
+from flexmarl.serving.adapters import save_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
 from flexmarl.serving.snapshots import SnapshotStore
+
+if TYPE_CHECKING:
+    from flexmarl.serving.tenant_learning import TenantLearner
 
 HEARTBEAT_S = 2.0  # the enterprise document: a heartbeat every 2 s,
 HEARTBEAT_MISSES = 3  # 3 missed ones mean the component is lost (reported; a dead engine
@@ -184,6 +188,7 @@ class AgentDeployment:
     def __init__(self, service: Any, name: str, cfg: DeployConfig, events: EventLog,
                  root: Path, store: SnapshotStore) -> None:
         from flexmarl.serving.online import OnlineLearner
+        from flexmarl.serving.tenant_learning import TenantLearner, training_base
 
         self.service = service
         self.name = name
@@ -201,6 +206,7 @@ class AgentDeployment:
         self.last_snapshot = time.monotonic()
         self.last_update = float("-inf")
         self.learner: OnlineLearner | None = None
+        self.tenant_learners: dict[str, TenantLearner] = {}
         if name in cfg.learn:
             run = service.run
             if service.capture is None:
@@ -209,6 +215,12 @@ class AgentDeployment:
             if run.task is None:
                 raise ServeError(f"--learn {name}: the run's task did not load: "
                                  f"{run.task_error}")
+            if self.spec.tenant_adapters:  # a LoRA agent behind training tenants: each
+                # tenant learns its own adapter, none learns the shared one (tenant_learning)
+                base = training_base(self)  # held once, whatever the number of tenants
+                self.tenant_learners = {t: TenantLearner(self, t, base)
+                                        for t in self.spec.tenant_adapters}
+                return
             self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,
                                          run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr,
                                          cfg.online_algorithm)
@@ -310,7 +322,10 @@ class AgentDeployment:
 
     def _promote(self, c: Canary, detail: dict[str, Any]) -> dict[str, Any]:
         old = self.spec.version.number
+        self.spec.carry_tenant_adapters(c.model)  # those published since the canary began
         self.worker.promote()
+        if self.spec.tenant_adapters:  # the canary's engine holds them as they were
+            self.worker.swap(c.model, c.version)
         with self.spec.lock:
             self.spec.model, self.spec.version = c.model, c.version
         self.canary = None
@@ -339,10 +354,13 @@ class AgentDeployment:
 
         folder = self.root / f"v{c.version.number}"
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in c.model.state_dict().items()}
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config: Any = c.model.config  # a transformers model's config
-        config.save_pretrained(str(folder))
+        if self.spec.adapter is not None:  # a LoRA agent: its adapter alone
+            save_adapter(folder, c.model, self.spec.adapter)
+        else:
+            tensors = {k: v.detach().contiguous().cpu() for k, v in c.model.state_dict().items()}
+            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            config: Any = c.model.config  # a transformers model's config
+            config.save_pretrained(str(folder))
         (folder / "flexmarl.json").write_text(json.dumps(
             {"agent": self.name, "version": c.version.number,
              "policy_version": c.version.policy_version, "source": c.version.source}))
@@ -353,6 +371,9 @@ class AgentDeployment:
 
     def snapshot_training(self) -> None:
         """The training policy's full state, to the snapshot store (atomic for readers)."""
+        for tl in self.tenant_learners.values():
+            tl.snapshot()
+            self.last_snapshot = time.monotonic()
         if self.learner is None:
             return
         arrays, meta = self.learner.state()
@@ -422,8 +443,10 @@ class AgentDeployment:
                                   f"online-step-{lr.steps}", lr.trainer.version, gate=True)
             if self.canary is not None:
                 self.decide()
-            if lr is not None and time.monotonic() - self.last_snapshot >= \
-                    self.cfg.snapshot_every_s:
+            for tl in self.tenant_learners.values():
+                tl.tick()
+            if (lr is not None or self.tenant_learners) and \
+                    time.monotonic() - self.last_snapshot >= self.cfg.snapshot_every_s:
                 self.snapshot_training()
 
     def describe(self) -> dict[str, Any]:
@@ -438,6 +461,11 @@ class AgentDeployment:
             out["training"] = {"steps": self.learner.steps, "applied": self.learner.applied,
                                "policy_version": self.learner.trainer.version,
                                "since_candidate": self.since_candidate}
+        if self.tenant_learners:
+            out["tenants"] = {t: {"adapter": tl.adapter, "steps": tl.learner.steps,
+                                  "applied": tl.learner.applied,
+                                  "served": self.spec.tenant_versions[t].describe()}
+                              for t, tl in self.tenant_learners.items()}
         return out
 
 
@@ -472,7 +500,7 @@ class Deployment:
         out: dict[str, dict[str, Any]] = {}
         for n, a in self.agents.items():
             beats = {"engine": now - a.worker.beat if a.worker.alive else float("inf")}
-            if a.learner is not None:
+            if a.learner is not None or a.tenant_learners:
                 beats["learner"] = now - a.beat
             if not a.worker.alive and not a.worker._stopped:
                 self.service.failover(n)  # a dead thread: replaced at once, no 3 beats wait
@@ -503,6 +531,7 @@ class Deployment:
 
     def close(self) -> None:
         for a in self.agents.values():
-            if a.learner is not None and a.learner.steps:
+            if (a.learner is not None and a.learner.steps) or any(
+                    tl.learner.steps for tl in a.tenant_learners.values()):
                 with a.lock:
                     a.snapshot_training()

@@ -152,6 +152,7 @@ class DriftMonitor:
         version = Version(spec.next_number(), f"drift-rollback-v{good.number}",
                           good.policy_version, time.time())
         dep = svc.deployment.agents.get(agent) if svc.deployment is not None else None
+        spec.carry_tenant_adapters(model)  # the tenants' own adapters are not rolled back
         if dep is not None:
             with dep.lock:
                 if dep.canary is not None:

@@ -60,8 +60,9 @@ async def run_episode(service: Any, body: dict, tenant: str | None = None
     graph = task.graph
     episode_id = uuid.uuid4().hex
     ctx = EpisodeContext(input_id=episode_id, trajectory_id=0, data=data)
+    # agents hand their outputs to the next through the message bus, not through HTTP
     executor = GraphExecutor(graph, PromptRenderer(run.cfg.agents, task.vocab_size),
-                             run.cfg.agents.keys())
+                             run.cfg.agents.keys(), handoff="bus")
     order = executor.order
     nodes: dict[str, dict[str, Any]] = {
         n: {"agent": graph.nodes[n].agent, "skipped": True} for n in order}

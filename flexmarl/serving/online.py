@@ -38,7 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from flexmarl.config.schema import GRPOConfig, PPOConfig
+from flexmarl.policy.adapters import adapter_tensors, load_adapter
 from flexmarl.policy.sampling import TokenBatch, make_token_batch, response_forward
+from flexmarl.serving.adapters import with_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError
 from flexmarl.serving.capture import Capture, CapturedRow
 
@@ -106,7 +108,13 @@ class OnlineLearner:
 
     def __init__(self, spec: AgentSpec, vocab: int, max_seq_len: int, run_seed: int,
                  device: str, kl_max: float, is_max: float, lr: float | None = None,
-                 algorithm: str = "auto") -> None:
+                 algorithm: str = "auto", adapter: str | None = None,
+                 shared_base: torch.nn.Module | None = None) -> None:
+        """`adapter`: a LoRA agent's adapter in the served model this learner trains (the
+        shadow's by default; a training tenant's own): only it is read, trained and
+        published, the base stays shared and frozen. `shared_base`: the agent's base built
+        once (float32, on `device`) for every tenant's learner, which wraps a tree over its
+        tensors instead of building a base of its own."""
         from flexmarl.training.trainer import AgentTrainer
 
         cfg = spec.cfg
@@ -121,15 +129,18 @@ class OnlineLearner:
                                              else PPOConfig()})
         else:
             raise ServeError(f"--online-algorithm {algorithm}: expected auto, grpo or ppo")
-        if cfg.lora is not None:
-            raise ServeError(f"--learn {spec.name}: LoRA agents are not trained online yet")
+        if (cfg.lora is None) != (spec.adapter is None):
+            raise ServeError(f"--learn {spec.name}: the served model and the agent's config "
+                             "disagree on LoRA (served unmerged adapters need agents."
+                             f"{spec.name}.lora)")
         self.spec = spec
+        self.adapter = adapter or spec.adapter  # None: full weights
         self.algorithm: GRPOConfig | PPOConfig = cfg.algorithm  # type: ignore[assignment]
         self.vocab = spec.vocab  # the model's (a path model may have more than the task)
         self.kl_max = kl_max
         self.is_max = is_max
         self.trainer = AgentTrainer(spec.name, cfg, vocab, max_seq_len, run_seed,
-                                    device=device)
+                                    device=device, shared_base=shared_base)
         if lr is not None:  # online updates often want a smaller step than offline training
             for group in self.trainer.optimizer.param_groups[:1]:
                 group["lr"] = group["base_lr"] = lr
@@ -141,20 +152,33 @@ class OnlineLearner:
 
     def reset(self, model: torch.nn.Module, version: int | None) -> None:
         """Start again from `model`'s weights (served `version`), with a fresh optimizer."""
-        params = next(self.trainer.model.parameters())
-        self.trainer.model.load_state_dict({k: v.detach().to(params.device, torch.float32)
-                                            if v.is_floating_point() else v
-                                            for k, v in model.state_dict().items()})
+        if self.adapter is not None:  # the served adapter into the trainer's own
+            load_adapter(self.trainer.model, "default", adapter_tensors(model, self.adapter))
+        else:
+            params = next(self.trainer.model.parameters())
+            self.trainer.model.load_state_dict({k: v.detach().to(params.device, torch.float32)
+                                                if v.is_floating_point() else v
+                                                for k, v in model.state_dict().items()})
         self.trainer.optimizer.state = collections.defaultdict(dict)
         self.same_version = version
 
     def snapshot_model(self, like: torch.nn.Module) -> torch.nn.Module:
-        """The training policy's current weights in a serving copy of `like`."""
+        """The training policy's current weights in a serving copy of `like` (a LoRA agent: a
+        light copy, the trained adapter in place of the served one, the base shared)."""
+        if self.adapter is not None:
+            return with_adapter(like, self.adapter, self.published())
         model = copy.deepcopy(like)
         p = next(model.parameters())
         model.load_state_dict({k: v.to(p.device, p.dtype) if v.is_floating_point() else v
                                for k, v in self.trainer.weights().items()}, strict=False)
         return model.eval()
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """What a new version of this policy publishes: a LoRA agent's adapter alone (its
+        A and B tensors), else every weight."""
+        if self.adapter is not None:
+            return adapter_tensors(self.trainer.model)
+        return {k: v.detach().cpu() for k, v in self.trainer.weights().items()}
 
     def _batch(self, rows: list[CapturedRow]) -> TokenBatch:
         return make_token_batch([r.prompt for r in rows], [r.response for r in rows],

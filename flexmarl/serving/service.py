@@ -70,10 +70,17 @@ class Service:
         self.workers: dict[str, AgentWorker] = {}
         rcfg = run.cfg.rollout
         for name, spec in run.agents.items():
+            if spec.adapter is not None and tenants is not None and tenants.trainers and \
+                    not spec.tenant_adapters:  # each training tenant learns its own adapter
+                spec.add_tenant_adapters(tenants.trainers, run.run_dir / "serving" / name /
+                                         "tenants")
             budget = kv_token_budget(rcfg.max_batch_tokens, spec.model,
                                      rcfg.kv_memory_fraction / max(len(run.agents), 1))
-            self.workers[name] = AgentWorker(name, spec.model, spec.version,
-                                             max_batch_seqs or rcfg.max_batch_seqs, budget)
+            worker = AgentWorker(name, spec.model, spec.version,
+                                 max_batch_seqs or rcfg.max_batch_seqs, budget, spec.adapters)
+            worker.tenant_versions = {spec.tenant_adapters[t]: v
+                                      for t, v in spec.tenant_versions.items()}
+            self.workers[name] = worker
         self.started = time.time()
         self._reload_lock = asyncio.Lock()
         self.deployment = Deployment(self, deploy) if deploy is not None else None
@@ -128,12 +135,14 @@ class Service:
             temperature=max(s.temperature, GREEDY_TEMPERATURE),
             noise_seed=(s.seed & ((1 << 63) - 1)) if s.seed is not None
             else uuid.uuid4().int & ((1 << 63) - 1),
-            top_p=s.top_p)
+            top_p=s.top_p, adapter=spec.tenant_adapters.get(s.tenant or ""))
         worker = self.workers[spec.name]
         if not worker.alive and not worker._stopped:
             worker = self.failover(spec.name)
+        # a training tenant's own adapter serves it: never the (shared) canary's share
+        pin = "shadow" if request.adapter is not None else s.pin
         worker.submit(Job(request, lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
-                          deltas=deltas, pin=s.pin))
+                          deltas=deltas, pin=pin))
         finished = False
         try:
             while True:
@@ -225,7 +234,9 @@ class Service:
         if old.alive:
             return old
         spec = self.run.agents[name]
-        new = AgentWorker(name, spec.model, spec.version, old.max_seqs, old.max_tokens)
+        new = AgentWorker(name, spec.model, spec.version, old.max_seqs, old.max_tokens,
+                          spec.adapters)
+        new.tenant_versions = dict(old.tenant_versions)
         dep = self.deployment.agents.get(name) if self.deployment is not None else None
         if dep is not None and dep.canary is not None:
             new.set_canary(dep.canary.model, dep.canary.version, old.canary_share)
@@ -287,7 +298,10 @@ class Service:
         for name, version in tc.versions.items():
             worker, spec = self.workers[name], self.run.agents[name]
             if verdict == "promote":
+                spec.carry_tenant_adapters(tc.models[name])
                 worker.promote()
+                if spec.tenant_adapters:  # the canary's engine holds them as they were
+                    worker.swap(tc.models[name], version)
                 with spec.lock:
                     spec.model, spec.version = tc.models[name], version
                 dep = self.deployment.agents.get(name) if self.deployment is not None else None

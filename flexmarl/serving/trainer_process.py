@@ -124,7 +124,9 @@ class OnlineTrainer:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"step-{self.learner.steps:08d}.fmw"
         t0 = time.perf_counter()
-        path.write_bytes(pack(model.state_dict()))
+        # a LoRA agent publishes its adapter alone (the server holds the base)
+        path.write_bytes(pack(self.learner.published() if self.learner.adapter is not None
+                              else model.state_dict()))
         out = self.server.call("/v1/admin/canary", {"agent": self.agent, "path": str(path)})
         version = int(out["event"]["version"])
         self.pending = (version, model)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmarl.rollout.engine import HFEngine
+from flexmarl.serving.adapters import light_copy
 from flexmarl.serving.agents import Version
 from flexmarl.types import GenerationRequest, GenerationResult
 
@@ -38,6 +39,7 @@ from flexmarl.types import GenerationRequest, GenerationResult
 @dataclass
 class ServeRequest(GenerationRequest):
     top_p: float = 1.0
+    adapter: str | None = None  # a LoRA agent: the adapter to decode with (None: the shadow's)
 
 
 class ServeEngine(HFEngine):
@@ -61,6 +63,16 @@ class ServeEngine(HFEngine):
             drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
             self.logits = self.logits.masked_fill(drop, float("-inf"))
         return super()._sample(start)
+
+    def _adapter_of(self, request: GenerationRequest) -> str | None:
+        """A LoRA agent's request decodes through its tenant's adapter when it names one."""
+        adapter = getattr(request, "adapter", None)
+        if adapter is not None and self.adapters is not None:
+            if adapter not in self.adapters.values():
+                raise ValueError(f"request {request.sample_id}: adapter {adapter!r} is not "
+                                 f"on this model")
+            return adapter
+        return super()._adapter_of(request)
 
 
 Sink = Callable[[tuple], object]  # its return value is ignored
@@ -93,11 +105,15 @@ class AgentWorker:
     HEARTBEAT_S = 2.0  # the engine thread beats at least this often, idle or busy
 
     def __init__(self, agent: str, model: torch.nn.Module, version: Version,
-                 max_seqs: int = 64, max_tokens: int = 65536) -> None:
+                 max_seqs: int = 64, max_tokens: int = 65536,
+                 adapters: list[str] | None = None) -> None:
+        """`adapters`: a LoRA agent served unmerged, the adapters of `model` (the shadow's
+        first, then the training tenants'); each engine decodes them in one batch."""
         self.agent = agent
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
-        self._current = _Slot(version, ServeEngine(model, max_seqs, max_tokens))
+        self.adapters = adapters
+        self._current = _Slot(version, self._engine(model))
         self._canary: _Slot | None = None
         self._draining: list[_Slot] = []
         self.canary_share = 0.0
@@ -106,6 +122,9 @@ class AgentWorker:
         self.version = version  # the version new requests get (updated by `swap`)
         self.canary_version: Version | None = None
         self.admitted: dict[int, int] = {}  # requests admitted per version number
+        # a LoRA agent's training tenants: the version each one's adapter serves, set with
+        # the swap that brings it (`swap(..., tenant_versions)`)
+        self.tenant_versions: dict[str, Version] = {}
         self.pending = 0  # jobs submitted and not yet done (read by the HTTP side)
         self.beat = time.monotonic()  # the engine thread's last heartbeat
         self.error: str | None = None  # why the engine thread died, if it did
@@ -114,6 +133,14 @@ class AgentWorker:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"serve-{agent}", daemon=True)
         self._thread.start()
+
+    def _engine(self, model: torch.nn.Module) -> ServeEngine:
+        """An engine over `model`; a LoRA agent's over a light copy (the base shared, the
+        adapters its own), since the engine hooks the adapted layers of the model it gets."""
+        if not self.adapters:
+            return ServeEngine(model, self.max_seqs, self.max_tokens)
+        names = {self.agent: self.adapters[0], **{a: a for a in self.adapters[1:]}}
+        return ServeEngine(light_copy(model), self.max_seqs, self.max_tokens, adapters=names)
 
     # --- called from other threads -----------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -125,17 +152,17 @@ class AgentWorker:
         """Stop decoding a job (a client gone, a stop string seen); it still gets its "done"."""
         self.inbox.put(("cancel", sample_id))
 
-    def swap(self, model: torch.nn.Module, version: Version) -> None:
-        """Serve `version` for every request admitted from now on (the canary keeps its share)."""
+    def swap(self, model: torch.nn.Module, version: Version,
+             tenant_versions: dict[str, Version] | None = None) -> None:
+        """Serve `version` for every request admitted from now on (the canary keeps its share);
+        a LoRA agent's tenant adapters in `model` serve `tenant_versions` (by adapter)."""
         self.version = version
-        self.inbox.put(("swap", _Slot(version, ServeEngine(model, self.max_seqs,
-                                                          self.max_tokens))))
+        self.inbox.put(("swap", (_Slot(version, self._engine(model)), tenant_versions)))
 
     def set_canary(self, model: torch.nn.Module, version: Version, share: float) -> None:
         """Send `share` of new admissions to `version` (replacing any canary, which drains)."""
         self.canary_version = version
-        self.inbox.put(("canary", (_Slot(version, ServeEngine(model, self.max_seqs,
-                                                              self.max_tokens)), share)))
+        self.inbox.put(("canary", (_Slot(version, self._engine(model)), share)))
 
     def promote(self) -> None:
         """The canary becomes the shadow: it takes every new admission; the old shadow drains."""
@@ -175,7 +202,9 @@ class AgentWorker:
             waiting.append(payload)
         elif kind == "swap":
             self._draining.append(self._current)
-            self._current = payload
+            self._current, tenant_versions = payload
+            if tenant_versions is not None:  # applied with the engine holding them
+                self.tenant_versions = {**self.tenant_versions, **tenant_versions}
         elif kind == "canary":
             if self._canary is not None:
                 self._draining.append(self._canary)
@@ -268,11 +297,13 @@ class AgentWorker:
                 waiting.pop(0)
                 sizes[id(slot)] = sizes.get(id(slot), 0) + len(job.request.prompt) + \
                     job.request.max_new_tokens
-                job.version = slot.version
-                job.request.version = slot.version.number
+                # a training tenant's adapter is its own version (`tenant_versions`)
+                version = self.tenant_versions.get(job.request.adapter or "", slot.version)
+                job.version = version
+                job.request.version = version.number
                 slot.jobs[job.request.sample_id] = job
                 take.append(job.request)
-                self.admitted[slot.version.number] = self.admitted.get(slot.version.number, 0) + 1
+                self.admitted[version.number] = self.admitted.get(version.number, 0) + 1
             slots = [*self._draining, self._current] + ([self._canary] if self._canary else [])
             for slot in slots:
                 self._advance(slot, takes.get(id(slot), []))
@@ -317,7 +348,7 @@ class AgentWorker:
             job = slot.jobs.pop(result.sample_id)
             if job.deltas and len(result.tokens) > job.emitted:
                 self._emit(job, result.tokens, result.logprobs)
-            self._finish(job, ("done", result, slot.version))
+            self._finish(job, ("done", result, job.version or slot.version))
 
     def _emit(self, job: Job, tokens: list[int], logprobs: list[float]) -> None:
         new = (tokens[job.emitted:], logprobs[job.emitted:])

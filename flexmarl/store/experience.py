@@ -237,9 +237,12 @@ class ExperienceStore:
         the demand the rollout balancer plans from (kept after rows are evicted)."""
         return {a: self._generation.get((a, iteration), GenerationStats()) for a in self.tables}
 
-    def set_rewarded(self, agent: str, sample_id: str, reward: float) -> Row:
+    def set_rewarded(self, agent: str, sample_id: str, reward: float,
+                     label: str | None = None) -> Row:
         row = self.table(agent).transition(sample_id, Status.REWARDED)
         row.data["reward"] = float(reward)
+        if label is not None:  # the node's true class (`MEG.node(label=...)`)
+            row.data["label"] = label
         return row
 
     def set_ready(self, agent: str, sample_id: str, advantage: float) -> Row:

@@ -31,7 +31,8 @@ def build_answer_judge(max_operand: int = 9, vocab_size: int = 0) -> Task:
 
     graph = (MEG()
              .node("ask", agent="answerer", prompt=ask, reward=lambda ctx: float(right(ctx)))
-             .node("judge", agent="judge", inputs=["ask"], prompt=judge, reward=verdict)
+             .node("judge", agent="judge", inputs=["ask"], prompt=judge, reward=verdict,
+                   label=right)
              .set_success(right))
     return Task(graph=graph, sample_inputs=inputs, vocab_size=vocab_size)
 
@@ -65,6 +66,7 @@ def build_token_answer_judge(num_objects: int = 8) -> Task:
                    prompt=lambda ctx: NodePrompt([bos, objects[ctx.data["object"]], sep], 1,
                                                  symbols),
                    reward=lambda ctx: float(right(ctx)))
-             .node("judge", agent="judge", inputs=["ask"], prompt=judge, reward=verdict)
+             .node("judge", agent="judge", inputs=["ask"], prompt=judge, reward=verdict,
+                   label=right)
              .set_success(right))
     return Task(graph=graph, sample_inputs=inputs, vocab_size=5 + 2 * num_objects)

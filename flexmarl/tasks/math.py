@@ -119,7 +119,7 @@ def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int =
         .node("solve", agent="solver", prompt=solve_prompt,
               reward=lambda ctx: float(is_correct(ctx, "solve")))
         .node("check", agent="checker", inputs=["solve"], prompt=check_prompt,
-              reward=check_reward)
+              reward=check_reward, label=lambda ctx: is_correct(ctx, "solve"))
         .set_success(lambda ctx: is_correct(ctx, "solve"))
     )
     return Task(graph=graph, vocab_size=TEXT_VOCAB, sample_inputs=_sampler(max_operand, ops),

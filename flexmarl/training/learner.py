@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from flexmarl.training.state import TrainingState, to_wire
 
@@ -74,6 +75,53 @@ class CapturedRestartPoint:
     def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in arrays.items()}
         self.restore(TrainingState(tensors, meta))
+
+
+class NetworkLearner(CapturedRestartPoint):
+    """What the classic-MARL learners (on-policy `PolicyLearner`, replay `QLearner`) share:
+    step k takes iteration k's rows of version k only (`accumulate`), ends by moving to
+    version k+1 with its audit (`_stepped`), and saves `save_tensors()` as safetensors."""
+
+    agent: str
+    version: int
+    pending: list[Any]
+    trained_on: Audit | None
+    error: type[Exception] = RuntimeError
+    rows_name: str = "row"  # how a message names one sample ("transitions" for replay)
+
+    def accumulate(self, samples: list[Any]) -> dict[str, float]:
+        for s in samples:
+            if s.iteration != self.version or s.version != self.version:
+                raise self.error(
+                    f"policy {self.agent!r}: {self.rows_name} {s.sample_id} of iteration "
+                    f"{s.iteration}, version {s.version}; step {self.version} trains on iteration "
+                    f"{self.version}'s rows of version {self.version} only")
+        self.pending += samples
+        return {"rows": float(len(samples))}
+
+    def _held(self) -> int:
+        """The step about to run (k = version); it needs rows."""
+        if not self.pending:
+            raise self.error(f"policy {self.agent!r}: step {self.version} has no rows")
+        return self.version
+
+    def _stepped(self, audit: Audit) -> None:
+        self.pending = []
+        self.version += 1
+        self.trained_on = audit
+
+    def save_tensors(self) -> dict[str, torch.Tensor]:
+        return self.weights()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def save(self, directory: str) -> str:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in self.save_tensors().items()}, str(path))
+        return str(path)
 
 
 def published_form(learner: Learner) -> Any:

@@ -206,12 +206,15 @@ def test_doctor_collapse_advice_names_the_option_that_fixes_it(tmp_path):
     found = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")]
     assert found and found[0].agent == "judge"
     remedy = found[0].remedy
-    assert remedy.startswith("agents.judge.algorithm.normalize: agent_previous or agent "
-                             "(with group_size 2")
+    assert remedy.startswith("agents.judge.algorithm.kl_coef: 0.1 (a KL to the frozen ")
+    assert "agents.judge.algorithm.balance_labels: true" in remedy
+    assert "agents.judge.algorithm.normalize: agent_previous or agent (with group_size 2" \
+        in remedy
     assert "agents.judge.algorithm.clip_eps_high: 0.28" in remedy
-    # already normalised per agent with clip-higher: the general advice only
+    # already on the team defaults with clip-higher: the general advice only
     shutil.rmtree(tmp_path / "run")
     run = load_run(_collapsed_run(tmp_path, {"name": "grpo", "normalize": "agent",
-                                             "clip_eps_high": 0.28}))
+                                             "clip_eps_high": 0.28, "kl_coef": 0.1,
+                                             "balance_labels": True}))
     remedy = [f for f in diagnose(run) if f.problem.startswith("entropy collapse")][0].remedy
     assert "normalize" not in remedy and remedy.startswith("agents.judge.algorithm.entropy_coef")

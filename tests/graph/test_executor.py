@@ -25,8 +25,9 @@ def _graph(cond=lambda ctx: ctx.data["go"]) -> MEG:
     return g
 
 
-def _run(graph: MEG, data: dict, call=None) -> tuple[dict[str, bool], EpisodeContext, list]:
-    ex = GraphExecutor(graph, PromptRenderer({}, 16), ["x", "y"])
+def _run(graph: MEG, data: dict, call=None, handoff: str = "direct"
+         ) -> tuple[dict[str, bool], EpisodeContext, list]:
+    ex = GraphExecutor(graph, PromptRenderer({}, 16), ["x", "y"], handoff=handoff)
     ctx = EpisodeContext(input_id="0", trajectory_id=0, data=data)
     started: list[str] = []
     gate = asyncio.Event()
@@ -78,3 +79,25 @@ def test_a_reward_reading_a_skipped_node_fails_the_episode_not_the_run():
     ex = GraphExecutor(g, PromptRenderer({}, 16), ["x", "y"])
     with pytest.raises(TaskCodeError, match="episode reward raised GraphError"):
         ex.team_reward(ctx)
+
+
+@pytest.mark.parametrize("go", [True, False])
+def test_bus_handoffs_deliver_each_input_and_end_branches_as_directly(go):
+    """`handoff="bus"`: every edge is one message (encoded as on the wire), the results and
+    outputs are those of direct hand-offs, a branch that ended included."""
+    direct = _run(_graph(), {"go": go})
+    bus = _run(_graph(), {"go": go}, handoff="bus")
+    assert bus[0] == direct[0] and bus[1].outputs == direct[1].outputs
+    ex = GraphExecutor(_graph(), PromptRenderer({}, 16), ["x", "y"], handoff="bus")
+    assert ex.readers == {"a": ["c"], "b": ["c"], "c": ["d"], "d": []}
+    seen: dict[str, list[int]] = {}
+
+    async def call(node: NodeCall) -> list[int]:
+        seen[node.name] = list(node.prompt.tokens)
+        return [7] if node.name == "a" else [8, 9]
+
+    ctx = EpisodeContext(input_id="0", trajectory_id=0, data={"go": True})
+    asyncio.run(ex.run(ctx, call))
+    assert ex.messages == 3 and seen["c"] == [7, 8, 9]  # a -> c, b -> c, c -> d
+    with pytest.raises(ValueError, match="handoff 'http'"):
+        GraphExecutor(_graph(), PromptRenderer({}, 16), ["x", "y"], handoff="http")

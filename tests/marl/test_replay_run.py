@@ -73,7 +73,7 @@ def test_the_replay_learners_state_round_trips_exactly() -> None:
     for x, y in zip(a.capture().tensors.items(), b.capture().tensors.items(), strict=True):
         assert x[0] == y[0] and torch.equal(x[1], y[1]), x[0]
     assert a.rng.bit_generator.state == b.rng.bit_generator.state
-    with pytest.raises(RuntimeError, match="adds iteration 6's transitions"):
+    with pytest.raises(RuntimeError, match="trains on iteration 6's rows"):
         a.accumulate([MarlSample("5-w0_0_0", 5, 5, 0, res.transitions)])
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from flexmarl.config.schema import ConfigError
 from flexmarl.serving.agents import load_run
@@ -66,9 +67,16 @@ def _crash(service: Service) -> None:
     service.capture.close()
 
 
-def test_recovery_restores_and_redelivers_exactly_the_lost_rows(toy_run, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-adapter"])
+def test_recovery_restores_and_redelivers_exactly_the_lost_rows(toy_run, tmp_path, lora):
+    """Through a `memory://` URL (an fsspec file system other than the local disk, built in),
+    for a full-weight agent and for a LoRA agent learning its adapter online."""
     run = tmp_path / "run"
     shutil.copytree(toy_run, run)
+    if lora:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg["agents"]["listener"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     db, url = tmp_path / "served.sqlite", f"memory://recovery-{tmp_path.name}"
     first = _service(run, db, url)
     assert first.deployment is not None and first.capture is not None
@@ -111,5 +119,10 @@ def test_recovery_restores_and_redelivers_exactly_the_lost_rows(toy_run, tmp_pat
                          for i in e["ids"]}
         assert lost <= trained_again and not trained_again & held
         assert {r[0] for r in con.execute("SELECT response_id FROM consumed")} == set(ids)
+        assert (dep2.spec.adapter is not None) == lora
+        if lora:  # only the adapter trained: the trainer's base is the served base
+            trained = {k for k, v in dep2.learner.trainer.model.named_parameters()
+                       if v.requires_grad}
+            assert trained and all(".lora_" in k for k in trained)
     finally:
         second.close()

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
+from flexmarl.serving.adapters import is_adapter_file
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.deploy import DeployConfig
 from flexmarl.serving.trainer_process import OnlineTrainer, TrainerConfig
@@ -29,9 +31,14 @@ def _traffic(url: str, n: int, base: int) -> None:
         post(f"{url}/feedback", {"id": ep["id"], "reward": float(ep["success"])})
 
 
-def test_trainer_publishes_a_canary_and_follows_the_verdict(toy_run, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-adapter"])
+def test_trainer_publishes_a_canary_and_follows_the_verdict(toy_run, tmp_path, lora):
     run = tmp_path / "run"
     shutil.copytree(toy_run, run)
+    if lora:  # a LoRA listener: the trainer publishes its adapter alone
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        cfg["agents"]["listener"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     db = tmp_path / "served.sqlite"
     running = start(run, capture=Capture(db),
                     deploy=DeployConfig(heldout=0, canary_min_feedback=10_000))
@@ -46,6 +53,9 @@ def test_trainer_publishes_a_canary_and_follows_the_verdict(toy_run, tmp_path):
         _, dep = post(f"{running.url}/admin/deployment", method="GET")
         canary = dep["agents"]["listener"]["canary"]
         assert canary["version"] == version and "published" in canary["source"]
+        published = Path(next(e["path"] for e in trainer.events.read()
+                              if e["event"] == "published"))
+        assert is_adapter_file(published) == lora
         status, body = post(f"{running.url}/admin/canary/decide", {"agent": "listener"})
         assert status == 200, body
         verdict = body["event"]["event"]

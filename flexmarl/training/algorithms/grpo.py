@@ -8,7 +8,9 @@ Read top to bottom:
    (Dr. MAS's agent-wise normalisation), with `batch` those of every trainable agent's rows;
    both wait for the iteration's last episode (`normalized_advantages`). `agent_previous`
    takes the agent's mean and std of the previous iteration (`baseline_advantages`): no
-   wait, and a signal even when a group's samples agree;
+   wait, and a signal even when a group's samples agree. `balance_labels` (with `agent`)
+   takes a baseline per true class of the rows and weighs the classes equally
+   (`label_balanced_advantages`);
 2. every response token of a row carries the row's advantage; with `kl_mode: reward` the
    per-token KL penalty to the reference is added to it;
 3. the loss of one row is the PPO clipped surrogate averaged over the row's tokens, plus the KL
@@ -25,8 +27,8 @@ import torch
 from flexmarl.config.schema import GRPOConfig
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef, policy_loss, reward_kl
 
-__all__ = ["baseline_advantages", "entropy_coef", "group_advantages", "loss",
-           "normalized_advantages", "reward_stats", "sequence_advantages"]
+__all__ = ["baseline_advantages", "entropy_coef", "group_advantages", "label_balanced_advantages",
+           "loss", "normalized_advantages", "reward_stats", "sequence_advantages"]
 
 
 def group_advantages(rewards: list[float], cfg: GRPOConfig) -> list[float]:
@@ -58,6 +60,27 @@ def baseline_advantages(rewards: list[float], mean: float, std: float,
     if cfg.scale_by_std:
         centered = centered / (std + cfg.adv_eps)
     return centered.tolist()
+
+
+def label_balanced_advantages(rewards: list[float], labels: list[str],
+                              cfg: GRPOConfig) -> list[float]:
+    """`balance_labels`: w_c * (r - mean_c) / (std + eps) for a row of class c, where mean_c is
+    the class's mean reward, std the pooled within-class std and w_c = n / (C * n_c) (C classes
+    among the n rows). The estimator of balanced accuracy's gradient: per-class baselines are
+    valid (a row's class does not depend on what the agent answered), the weights give every
+    class the same total."""
+    r = np.asarray(rewards, dtype=np.float64)
+    lab = np.asarray(labels, dtype=object)
+    classes = sorted(set(labels))
+    centered = np.empty_like(r)
+    weight = np.empty_like(r)
+    for c in classes:
+        rows = lab == c
+        centered[rows] = r[rows] - r[rows].mean()
+        weight[rows] = len(r) / (len(classes) * int(rows.sum()))
+    if cfg.scale_by_std:
+        centered = centered / (math.sqrt(float(np.mean(centered ** 2))) + cfg.adv_eps)
+    return (weight * centered).tolist()
 
 
 def reward_stats(rewards: list[float]) -> tuple[float, float]:

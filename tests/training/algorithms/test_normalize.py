@@ -12,7 +12,11 @@ from flexmarl.graph.task import load_task
 from flexmarl.orchestrator.joint import IterationState, JointOrchestrator
 from flexmarl.store.experience import Row, make_sample_id
 from flexmarl.telemetry.recorder import Telemetry
-from flexmarl.training.algorithms.grpo import group_advantages, normalized_advantages
+from flexmarl.training.algorithms.grpo import (
+    group_advantages,
+    label_balanced_advantages,
+    normalized_advantages,
+)
 
 EPS = 1e-6
 
@@ -49,13 +53,15 @@ def test_normalize_is_a_grpo_option_only():
         config_from_dict(base)
 
 
-@pytest.mark.parametrize("speaker_mode", ["group", "agent", "batch"])
+@pytest.mark.parametrize("speaker_mode", ["group", "agent", "batch", "balanced"])
 def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
-    """Two inputs x two trajectories of the referential game (speaker, listener): rewards set
-    by hand, advantages read back from the store."""
+    """Two inputs x two trajectories of the referential game (speaker, listener): rewards (and
+    the speaker's true classes) set by hand, advantages read back from the store."""
+    speaker_algo = ({"normalize": "agent", "balance_labels": True} if speaker_mode == "balanced"
+                    else {"normalize": speaker_mode})
     cfg = config_from_dict({
         "task": {"builder": "flexmarl.tasks.referential:build_referential_game"},
-        "agents": {"speaker": {"algorithm": {"name": "grpo", "normalize": speaker_mode}},
+        "agents": {"speaker": {"algorithm": {"name": "grpo", **speaker_algo}},
                    "listener": {"algorithm": {"name": "grpo", "normalize": "group"}}},
         "train": {"iterations": 1, "inputs_per_iteration": 2, "group_size": 2},
     })
@@ -78,7 +84,8 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
                                    orch.version_book.vector(0)))
                 orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
                                          {"logprobs": np.zeros(1, np.float32)})
-                orch.store.set_rewarded(agent, sid, rewards[(node, i, traj)])
+                orch.store.set_rewarded(agent, sid, rewards[(node, i, traj)],
+                                        ("y" if i == 0 else "n") if node == "speak" else None)
                 ids[node] = sid
             it.groups[f"0-{i}"].append(ids)
             orch.episodes._maybe_group_ready(it, f"0-{i}")
@@ -94,6 +101,9 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
     elif speaker_mode == "agent":  # the speaker's four rows: mean 0.25, std sqrt(3)/4
         std = math.sqrt(3) / 4
         expected = [0.75 / (std + EPS)] + [-0.25 / (std + EPS)] * 3
+    elif speaker_mode == "balanced":  # class y [1, 0] (mean 0.5), class n [0, 0]: weights 1
+        std = math.sqrt((0.25 + 0.25) / 4) + EPS
+        expected = [0.5 / std, -0.5 / std, 0.0, 0.0]
     else:  # every trainable agent's eight rows: mean 9/8
         pooled = np.array([1, 0, 0, 0, 2, 2, 4, 0], dtype=float)
         expected = [(r - pooled.mean()) / (pooled.std() + EPS) for r in (1, 0, 0, 0)]
@@ -155,3 +165,27 @@ def test_agent_previous_takes_the_previous_iterations_statistics(tmp_path):
     third = IterationState(index=2, episodes_total=2, n_inputs=1)
     orch.episodes.iterations[2] = third
     assert _group(orch, third, 2, [1.0, 1.0]) == pytest.approx([0.5 / (0.5 + EPS)] * 2)
+
+
+def test_label_balanced_advantages_by_hand():
+    # class n: rewards 1,1,1,0 (mean 0.75); class y: 1,0 (mean 0.5). Pooled within-class std
+    # sqrt((3 * 0.25^2 + 0.75^2 + 2 * 0.5^2) / 6); weights 6 / (2 * 4) and 6 / (2 * 2).
+    rewards, labels = [1, 1, 1, 0, 1, 0], ["n", "n", "n", "n", "y", "y"]
+    std = math.sqrt((3 * 0.0625 + 0.5625 + 0.5) / 6) + EPS
+    expect = [0.75 * 0.25 / std] * 3 + [0.75 * -0.75 / std, 1.5 * 0.5 / std, 1.5 * -0.5 / std]
+    got = label_balanced_advantages(rewards, labels, GRPOConfig(normalize="agent",
+                                                                balance_labels=True))
+    assert got == pytest.approx(expect)
+    # every class carries the same total weight: a constant answer earns nothing over chance
+    # (always "no": class n all right, class y all wrong; each class's baseline is its mean)
+    assert label_balanced_advantages([1, 1, 1, 0, 0], ["n", "n", "n", "y", "y"],
+                                     GRPOConfig(normalize="agent", balance_labels=True)) == \
+        pytest.approx([0.0] * 5)
+    # one class only: the agent-wide normalisation
+    assert label_balanced_advantages([1, 0], ["a", "a"], GRPOConfig()) == \
+        pytest.approx(normalized_advantages([1, 0], [1, 0], GRPOConfig()))
+
+
+def test_balance_labels_needs_the_agent_wide_baseline():
+    with pytest.raises(ValueError, match="balance_labels .* needs normalize: agent"):
+        GRPOConfig(balance_labels=True)

@@ -1,6 +1,5 @@
 """Agent-to-agent messages: the wire codec (msgpack, FP16 arrays, zstd where it pays) and the
-in-process bus's round trips, with the benchmark's own code path (10 agents, a one-token call
-through the serving engine) in a short run."""
+in-process bus's round trips (the benchmark's path: tests/serving/test_handoff.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from benchmarks.handoff import bus_block
-from flexmarl.serving.agents import load_run
-from flexmarl.serving.messages import RAW, ZSTD, MessageBus, decode, encode
-from flexmarl.serving.service import Service
+from flexmarl.graph.messages import RAW, ZSTD, MessageBus, decode, encode
 
 
 def test_codec_round_trip_fp16_and_zstd():
@@ -52,14 +48,3 @@ def test_bus_round_trips_and_unknown_receiver():
             bus.send("a", "c", {})
 
     asyncio.run(run())
-
-
-def test_handoff_benchmark_path_with_a_model_call(toy_run):
-    service = Service(load_run(toy_run, "cpu"))
-    try:
-        obs = np.ones(16, np.float32)
-        for model in (False, True):
-            times = asyncio.run(bus_block(service, 10, 20, model, obs, 0))
-            assert len(times) == 20 and all(t > 0 for t in times)
-    finally:
-        service.close()

@@ -1,6 +1,8 @@
-"""Agent-to-agent messages inside one served process: a mailbox per agent and a wire codec
-(msgpack; FP16 observations; zstd where it pays), after the enterprise document's message
-layer ("msgpack + zstd", its latency table of 10 agents and 1,000 round trips).
+"""Agent-to-agent messages: a mailbox per agent and a wire codec (msgpack; FP16 observations;
+zstd where it pays and the `zstandard` package is installed), after the enterprise document's
+message layer ("msgpack + zstd", its latency table of 10 agents and 1,000 round trips). The
+graph executor hands each node's output to the nodes that read it through a bus
+(`GraphExecutor(handoff="bus")`, what `flexmarl serve`'s episodes use).
 
 `encode` turns a message (dicts, lists, numbers, strings, bytes and numpy arrays) into bytes:
 msgpack, numpy arrays as an extension (dtype, shape, raw bytes; float32 cast to float16 when
@@ -22,7 +24,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import zstandard
+
+try:  # the serve and marl extras; without it messages are never compressed
+    import zstandard
+except ImportError:  # pragma: no cover - every extra that serves installs it
+    zstandard = None  # type: ignore[assignment]
 
 RAW, ZSTD = 0, 1
 ARRAY_EXT = 1
@@ -53,13 +59,13 @@ def _ext_hook(code: int, data: bytes) -> Any:
     return np.frombuffer(data[offset:], dtype=np.dtype(dtype)).reshape(shape)
 
 
-_compressor = zstandard.ZstdCompressor(level=3)
-_decompressor = zstandard.ZstdDecompressor()
+_compressor = zstandard.ZstdCompressor(level=3) if zstandard is not None else None
+_decompressor = zstandard.ZstdDecompressor() if zstandard is not None else None
 
 
 def encode(message: Any, fp16: bool = True, min_zstd: int = 1024) -> bytes:
     raw = msgpack.packb(message, default=lambda o: _default(o, fp16), use_bin_type=True)
-    if len(raw) >= min_zstd:
+    if _compressor is not None and len(raw) >= min_zstd:
         packed = _compressor.compress(raw)
         if len(packed) <= 0.9 * len(raw):
             return bytes([ZSTD]) + packed
@@ -69,6 +75,9 @@ def encode(message: Any, fp16: bool = True, min_zstd: int = 1024) -> bytes:
 def decode(data: bytes) -> Any:
     body = data[1:]
     if data[0] == ZSTD:
+        if _decompressor is None:
+            raise ValueError("message: zstd-compressed, and the zstandard package is not "
+                             "installed (pip install zstandard)")
         body = _decompressor.decompress(body)
     elif data[0] != RAW:
         raise ValueError(f"message: unknown header byte {data[0]}")
