@@ -273,7 +273,8 @@ def _drain(args: argparse.Namespace) -> int:
               f"it within {args.timeout:.0f} s (none had work there, or none is running)")
         return 0
     for r in reports:
-        moved = ", ".join(f"{m['worker']} -> node {str(m['to_node'])[:12]}" for m in r["moved"])
+        moved = ", ".join(f"{m['worker']} (pool shrunk)" if m.get("retired") else
+                          f"{m['worker']} -> node {str(m['to_node'])[:12]}" for m in r["moved"])
         print(f"drain: run {r['run']}: moved {moved or 'nothing'}")
         for why in r["failed"]:
             print(f"drain: run {r['run']}: could not move {why}")

@@ -377,6 +377,17 @@ class Balancer:
                                                             replicas.items()}, self.plan.demand)
         self.plans.append(self.plan)
 
+    def remove_replica(self, index: int) -> None:
+        """Replica `index` left the pool (an elastic pool shrank): those above it move down by
+        one, and the current iteration is planned again over the replicas left."""
+        if self.n_replicas <= 1:
+            raise ValueError("a rollout pool needs at least one replica")
+        self.n_replicas -= 1
+        self._home = OrderedDict((k, r if r < index else r - 1)
+                                 for k, r in self._home.items() if r != index)
+        demand = self.plan.demand if self.mode == "hierarchical" and self.plan.demand else None
+        self.plan = self._make_plan(self.plan.iteration, demand)
+
     # --- intra-agent -------------------------------------------------------------------------
     def expected_cost(self, agent: str, prompt_len: int, max_new_tokens: int) -> int:
         """Outstanding work a request adds: its prompt plus the agent's mean output so far

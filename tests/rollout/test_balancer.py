@@ -185,3 +185,21 @@ def test_affinity_gives_way_when_load_forces_otherwise():
     # static mode (the peers' baseline) keeps dealing round robin
     static = Balancer(["a"], 2, mode="static")
     assert [static.pick("a", [0.0, 0.0], "1-0_0_0") for _ in range(2)] == [0, 1]
+
+
+def test_a_replica_leaving_the_pool_replans_over_the_others():
+    """An elastic pool shrinking: the balancer plans the current iteration again over the
+    replicas left, the ones above the leaver move down an index, and affinities follow."""
+    bal = Balancer(["a", "b"], 3)
+    bal.replan(2, {"a": 30.0, "b": 10.0})
+    bal._home[("b", "k-left")] = 1
+    bal._home[("b", "k-moved")] = 2
+    bal.remove_replica(1)
+    assert bal.n_replicas == 2 and bal.plan.iteration == 2
+    assert all(r and all(0 <= i < 2 for i in r) for r in bal.plan.replicas.values())
+    assert bal.plan.demand == {"a": 30.0, "b": 10.0}
+    assert ("b", "k-left") not in bal._home and bal._home[("b", "k-moved")] == 1
+    assert bal.pick("b", [5, 0]) in bal.plan.replicas["b"]
+    bal.remove_replica(1)
+    with pytest.raises(ValueError, match="at least one replica"):
+        bal.remove_replica(0)

@@ -190,10 +190,13 @@ class Publisher:
 
     def __init__(self, train_workers: list[WorkerProxy], placements: dict[str, list[Placement]],
                  wait_slot: Any = None, pipe_weights: Any = None,
-                 on_refetch: Any = None) -> None:
+                 on_refetch: Any = None, timeout_s: float = 60.0) -> None:
         """`on_refetch(agent, version)`: told when a lost slot's version is published again
-        from its restored successor (an event in metrics.jsonl)."""
+        from its restored successor (an event in metrics.jsonl). `timeout_s`
+        (`runtime.publication_timeout_s`): how long a restarted replica waits for the
+        publication of a version its restored slot already trained (see `load_into`)."""
         self.train_workers = train_workers
+        self.timeout_s = timeout_s
         self.on_refetch = on_refetch
         self.placements = placements
         self.wait_slot = wait_slot
@@ -202,6 +205,9 @@ class Publisher:
         self.sent_bytes = 0
         self.fallbacks = 0
         self.published: dict[str, int] = {}  # per agent: the newest version sent
+        # per agent: the newest version whose publication began (the driver's `latest`)
+        self.announced: dict[str, int] = {}
+        self._news = asyncio.Event()  # set (and replaced) when a newer version is announced
 
     def _dest(self, ref: PublishedRef, replica: WorkerProxy) -> tuple[str, str]:
         key = pair_key(ref.slot, ref.generation, replica.index, replica.generation)
@@ -216,8 +222,10 @@ class Publisher:
         fetched from its restored successor (then delivered through the pipes)."""
         from flexmarl.api.runtime import WorkerError, WorkerLost
 
+        if not restart:
+            self._announce(ref.agent, ref.version)
         async with self.lock:
-            if restart and ref.version < self.published.get(ref.agent, -1):
+            if restart and ref.version < self.announced.get(ref.agent, -1):
                 return ref  # superseded while the restart waited (see `load_into`)
             slot = self.train_workers[ref.slot]
             live = [w for w in replicas if w.alive]
@@ -244,24 +252,54 @@ class Publisher:
                     raise sent
             elif slot.generation == ref.generation and slot.alive:
                 return ref
-        return await self._from_restored_slot(ref, replicas, WorkerError, WorkerLost)
+        return await self._from_restored_slot(ref, replicas, WorkerError, WorkerLost, restart)
+
+    def _announce(self, agent: str, version: int) -> None:
+        if version > self.announced.get(agent, -1):
+            self.announced[agent] = version
+            self._news.set()
+            self._news = asyncio.Event()
+
+    async def _announced_after(self, agent: str, version: int, error: type) -> None:
+        """Return once a version of `agent` newer than `version` is being published."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while self.announced.get(agent, -1) <= version:
+            news = self._news
+            try:
+                await asyncio.wait_for(news.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise error(
+                    f"agent {agent!r}: version {version} was lost with its training slot and "
+                    f"the restored slot's newer version was not published within "
+                    f"runtime.publication_timeout_s={self.timeout_s:g} s (a held publication, "
+                    "pipeline.mode: one_step_off?); runtime.publication: pipe keeps published "
+                    "weights in the driver") from None
 
     async def _from_restored_slot(self, ref: PublishedRef, replicas: list[WorkerProxy],
-                                  error: type, lost: type) -> Any:
+                                  error: type, lost: type, restart: bool = False) -> Any:
         """The slot holding the version was lost: its restored successor's weights, when
-        they are still that version, go through the pipes."""
+        they are still that version, go through the pipes. A restarted replica's load
+        (`restart`) may find the restored slot already a step further: its load was queued
+        behind that step, which made the version it asked for obsolete; it waits for the
+        newer version's publication (the step's caller publishes it at once), which its
+        `load_latest` loop then loads."""
         if self.wait_slot is None or self.pipe_weights is None:
             raise error(f"training slot {ref.slot} holding agent {ref.agent!r} version "
                         f"{ref.version} was lost before its publication")
         await self.wait_slot(ref.slot)
         wire = await self.pipe_weights(ref.agent)
         have = json.loads(wire[0])["meta"].get("version")
+        if restart and isinstance(have, int) and have > ref.version:
+            await self._announced_after(ref.agent, ref.version, error)
+            return ref
         if have != ref.version:
             raise error(
                 f"agent {ref.agent!r}: version {ref.version} was lost with training slot "
                 f"{ref.slot} before its publication (the restored trainer is at version "
                 f"{have}); runtime.publication: pipe keeps published weights in the driver")
         self.fallbacks += 1
+        self.published[ref.agent] = max(ref.version, self.published.get(ref.agent, -1))
         if self.on_refetch is not None:
             self.on_refetch(ref.agent, ref.version)
         results = await asyncio.gather(
@@ -274,6 +312,7 @@ class Publisher:
 
     async def load_into(self, replica: WorkerProxy, ref: PublishedRef) -> Any:
         """A restarted replica's load of the latest version (the slot still keeps it). One a
-        newer publication superseded meanwhile is skipped (the slot has dropped it; the
-        caller's `load_latest` loop loads the newer one)."""
+        newer publication superseded meanwhile is skipped (the slot may have dropped it; the
+        caller's `load_latest` loop loads the newer one), as is one its lost slot's restored
+        successor already trained past (`_from_restored_slot`)."""
         return await self.publish(ref, [replica], restart=True)

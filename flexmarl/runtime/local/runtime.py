@@ -405,6 +405,18 @@ class LocalRolloutPool(RolloutPool):
         self.n_workers = len(self.workers)
         self.balancer.n_replicas = len(self.workers)
 
+    def remove_replica(self, index: int) -> WorkerProxy:
+        """Replica `index` leaves the pool (an elastic pool shrinking): the replicas above it
+        move down one index, and the balancer plans again (the planner counts `n_workers`
+        from the next iteration on). Its requests in flight were re-dispatched when it was
+        lost."""
+        replica = self.workers.pop(index)
+        for w in self.workers[index:]:
+            w.index -= 1
+        self.n_workers = len(self.workers)
+        self.balancer.remove_replica(index)
+        return replica
+
     def follow_plan(self, plan: Plan) -> None:
         """The planner's replicas per agent (critical path), over the demand plan."""
         self.balancer.follow(plan.iteration, plan.replica_indices())
@@ -485,13 +497,16 @@ class LocalRuntime(Runtime):
                                             seconds=rt.publication_timeout_s))
             publication = (host, self._store.port, rt.publication_timeout_s)
 
+        rank_launcher = self._slot_rank_launcher()
+
         def spec(names: list[str], placement: Placement,
                  slot_ranks: tuple[Placement, ...] = ()) -> WorkerSpec:
             return WorkerSpec(config, vocab_size, max_seq_len, names, rt.torch_threads,
                               rt.deterministic, cfg.rollout.max_batch_seqs,
                               heartbeat_s=rt.heartbeat_interval_s, swap_dir=swap_dir,
                               placement=placement, publication=publication,
-                              slot_ranks=slot_ranks, shard_dir=shard_dir)
+                              slot_ranks=slot_ranks, shard_dir=shard_dir,
+                              rank_launcher=rank_launcher if slot_ranks else None)
 
         self.placements = {"rollout": rollout_at, "train": train_at}
         launcher = self._launcher()
@@ -539,7 +554,8 @@ class LocalRuntime(Runtime):
                 sink.fault("weights_refetched", agent=agent, version=version)
 
             self.rollout.publisher = Publisher(self.train_workers, self.placements,
-                                               wait_slot, pipe_weights, refetched)
+                                               wait_slot, pipe_weights, refetched,
+                                               rt.publication_timeout_s)
 
     # --- what a runtime that hosts the same workers elsewhere (Ray) changes ------------------
     def _launcher(self) -> Launcher:
@@ -552,6 +568,10 @@ class LocalRuntime(Runtime):
         process sees only its own GPU."""
         rollout, _ = plan_placements(self.cfg.runtime, n_rollout, 0)
         return rollout, slot_placements(self.cfg.runtime, slot_sizes)
+
+    def _slot_rank_launcher(self) -> Any:
+        """What starts ranks 1..K-1 of a sharded slot: None, rank 0's child processes."""
+        return None
 
     def _rendezvous_host(self) -> str:
         """The address the workers reach the driver's publication rendezvous at."""
@@ -655,6 +675,8 @@ class Supervisor:
         self._fatal: str | None = None
         self._monitor: asyncio.Task | None = None
         self._stopping = False
+        # a lost worker this returns True for is not restarted (an elastic pool shrinking)
+        self.retire: Callable[[WorkerProxy], bool] | None = None
 
     def _workers(self) -> list[WorkerProxy]:
         return self.rt.rollout_workers + self.rt.train_workers
@@ -716,6 +738,9 @@ class Supervisor:
                 "reason": proxy.lost_reason, "in_flight": proxy.lost_in_flight}
         self.failures.append(info)
         self._event("worker_failed", **info)
+        if self.retire is not None and self.retire(proxy):
+            self._changed.set()
+            return
         key = (proxy.pool, proxy.index)
         self._tasks[key] = asyncio.ensure_future(self._restart(proxy, died_at))
 
@@ -740,6 +765,14 @@ class Supervisor:
             except WorkerLost:
                 await new.stop(timeout=1)
                 continue
+            except Exception as exc:  # noqa: BLE001 - ends the run with why, never a silent wait
+                await new.stop(timeout=1)
+                self._fatal = (f"{old.pool} worker {old.index} lost ({old.lost_reason}) and its "
+                               f"restart failed: {type(exc).__name__}: {exc}")
+                self._event("worker_unrecoverable", pool=old.pool, worker=old.index,
+                            reason=self._fatal)
+                self._changed.set()
+                return
             new.on_death = self._on_death
             workers = self.rt.rollout_workers if old.pool == "rollout" else self.rt.train_workers
             workers[old.index] = new  # the pools share these lists

@@ -2,10 +2,12 @@
 group of K processes training one agent together (`training/sharded.py`).
 
 Rank 0 is the slot's worker the driver talks to (`train_worker_main`, the pipe protocol
-unchanged). It starts ranks 1..K-1 itself (`form_slot`), as child processes on this machine,
-and hands every command of the slot protocol to them through the group's TCPStore before it
-runs the command itself (`SlotLeader.forward`), so every rank calls the collective methods of
-`ShardedAgentTrainer` in the same order. Commands travel through the store rather than a
+unchanged). It starts ranks 1..K-1 itself (`form_slot`): locally as child processes on this
+machine; on Ray (`WorkerSpec.rank_launcher`, `runtime/ray/ranks.py`) as actors in the other
+bundles of the slot's placement group, on rank 0's node. It hands every command of the slot
+protocol to them through the group's TCPStore before it runs the command itself
+(`SlotLeader.forward`), so every rank calls the collective methods of `ShardedAgentTrainer` in
+the same order. Commands travel through the store rather than a
 collective so that followers may wait for the next one for as long as a rollout takes, while
 the collectives themselves keep a timeout.
 
@@ -58,9 +60,10 @@ def _watch(check: Any, why: str) -> None:
 
 
 class SlotLeader:
-    """Rank 0's side: the followers' processes and the command channel to them."""
+    """Rank 0's side: the followers (processes, or handles with the same `poll`, `wait` and
+    `kill`: Ray's rank actors) and the command channel to them."""
 
-    def __init__(self, store: dist.TCPStore, followers: list[subprocess.Popen]) -> None:
+    def __init__(self, store: dist.TCPStore, followers: list[Any]) -> None:
         self.store = store
         self.followers = followers
         self.sent = 0
@@ -115,44 +118,63 @@ class SlotLeader:
                 p.kill()
 
 
-def form_slot(spec: Any) -> SlotLeader:
-    """Rank 0: start ranks 1..K-1 (`spec.slot_ranks` are their placements) and join them in
-    the default process group (NCCL on GPUs, gloo on the CPU)."""
-    world = 1 + len(spec.slot_ranks)
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=timeout,
-                          wait_for_workers=False)
-    followers = []
-    # a host that set this process's GPUs itself (a Ray bundle of K GPUs): rank r takes the r-th
-    given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    for rank, placement in enumerate(spec.slot_ranks, start=1):
-        if placement.kind == "cuda" and not placement.visible and len(given) > rank:
-            placement = Placement("cuda", (int(given[rank]),))
-        child = dataclasses.replace(spec, placement=placement, slot_ranks=(), publication=None)
+class ChildRanks:
+    """Ranks as child processes of rank 0 (the local runtime's): each gets its arguments on
+    stdin and ends when rank 0 does."""
+
+    def start(self, rank: int, args: tuple) -> subprocess.Popen:
+        spec = args[0]
+        # a host that set this process's GPUs itself (several visible): rank r takes the r-th
+        given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if spec.placement.kind == "cuda" and not spec.placement.visible and len(given) > rank:
+            args = (dataclasses.replace(spec, placement=Placement("cuda", (int(given[rank]),))),
+                    *args[1:])
         proc = subprocess.Popen(
             [sys.executable, "-c",
              "from flexmarl.runtime.local.workers import slot_follower_main; "
              "slot_follower_main()"],
             stdin=subprocess.PIPE)
         assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps((child, rank, world, store.port, os.getpid())))
+        proc.stdin.write(pickle.dumps(args))
         proc.stdin.close()
-        followers.append(proc)
+        return proc
+
+
+def form_slot(spec: Any) -> SlotLeader:
+    """Rank 0: start ranks 1..K-1 (`spec.slot_ranks` are their placements) with
+    `spec.rank_launcher` (child processes by default) and join them in the default process
+    group (NCCL on GPUs, gloo on the CPU). Every rank is on this node (the store is on
+    loopback): a Ray slot's placement group packs its bundles on one node."""
+    world = 1 + len(spec.slot_ranks)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore(_HOST, 0, world, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    launcher = spec.rank_launcher or ChildRanks()
+    followers = []
+    for rank, placement in enumerate(spec.slot_ranks, start=1):
+        child = dataclasses.replace(spec, placement=placement, slot_ranks=(), publication=None,
+                                    rank_launcher=None)
+        followers.append(launcher.start(rank, (child, rank, world, store.port, os.getpid())))
     leader = SlotLeader(store, followers)
     dist.init_process_group(_backend(spec), store=store, rank=0, world_size=world,
                             timeout=timeout)
     return leader
 
 
-def follower_main(setup_torch: Callable[[Any], None]) -> None:
+def follower_main(setup_torch: Callable[[Any], None], args: tuple | None = None) -> None:
     """Rank r > 0 of a slot (its process's main, `workers.slot_follower_main`): build the
     same `TrainHost`, then run rank 0's commands in order until `stop` (or until rank 0 is
-    gone). `setup_torch(spec)`: the workers' device, threads and determinism settings."""
+    gone). `setup_torch(spec)`: the workers' device, threads and determinism settings.
+    `args`: given by a rank actor (Ray ends it with rank 0's actor, its owner); a child
+    process reads them from stdin and watches its parent."""
     from flexmarl.config.schema import RunConfig
     from flexmarl.training.host import TrainHost
 
-    spec, rank, world, port, leader_pid = pickle.loads(sys.stdin.buffer.read())
-    _watch(lambda: os.getppid() == leader_pid, "rank 0 is gone")
+    if args is None:
+        args = pickle.loads(sys.stdin.buffer.read())
+        leader_pid = args[4]
+        _watch(lambda: os.getppid() == leader_pid, "rank 0 is gone")
+    spec, rank, world, port, _ = args
     setup_torch(spec)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.TCPStore(_HOST, port, world, is_master=False, timeout=timeout)

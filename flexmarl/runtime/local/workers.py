@@ -45,6 +45,8 @@ class WorkerSpec:
     # them, `slot_ranks.form_slot`), and the folder its ranks swap and restart through
     slot_ranks: tuple[Placement, ...] = ()
     shard_dir: str | None = None
+    # what starts ranks 1..K-1 (`slot_ranks.form_slot`): None, child processes; Ray, actors
+    rank_launcher: Any = None
 
 
 HEARTBEAT = -3  # message id of a liveness beat: `(HEARTBEAT, True, time, [])`
@@ -289,12 +291,12 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
         leader.stop()
 
 
-def slot_follower_main() -> None:
+def slot_follower_main(args: tuple | None = None) -> None:
     """The main of ranks 1..K-1 of a sharded training slot (started by rank 0's
-    `slot_ranks.form_slot`, its spec on stdin)."""
+    `slot_ranks.form_slot`: its spec on stdin, or `args` from a Ray rank actor)."""
     from flexmarl.runtime.local.slot_ranks import follower_main
 
-    follower_main(_setup_torch)
+    follower_main(_setup_torch, args)
 
 
 def chaos_stall(pool: str, command: str) -> None:

@@ -9,6 +9,17 @@ weights, its requests go to the live replicas; a training slot is restored from 
 so no episode fails and no row is lost. The driver then reports what it moved under
 `drained/NODE/RUN` in the cluster's key-value store (namespace `flexmarl`), which the command
 prints.
+
+Why Ray's private `GcsClient` (`ray._raylet.GcsClient`): Ray 2.60 has no public API for any of
+the three things this needs. Draining a node is only the hidden `ray drain-node` CLI, which Ray
+documents as "not covered by Ray's public API stability guarantees" and which itself calls
+`GcsClient.drain_node`; the set of draining nodes is only `GcsClient.get_draining_nodes` (Ray's
+own users, Ray Train's preemption watcher and Serve, reach it through
+`ray._private.state`); `ray.nodes()` and `ray.util.state.list_nodes()` report a draining node as
+ALIVE. The cluster's key-value store is only `ray.experimental.internal_kv`, the same client.
+So every use of it is here, behind `gcs_client`, which checks that the installed Ray still has
+the methods and otherwise names the Ray version that was tested (`TESTED_RAY`);
+`tests/runtime/ray/test_ray_drain.py` checks the same on every `make test`.
 """
 
 from __future__ import annotations
@@ -23,9 +34,29 @@ from ray.core.generated import autoscaler_pb2
 from flexmarl.runtime.ray.session import RayRuntimeError
 
 NAMESPACE = b"flexmarl"
+TESTED_RAY = "2.60"  # the Ray whose private GcsClient methods this module was written against
+GCS_METHODS = ("drain_node", "get_draining_nodes", "internal_kv_put", "internal_kv_get",
+               "internal_kv_keys")
+
+
+def missing_gcs_methods() -> list[str]:
+    """What drain uses of Ray's private GCS client that the installed Ray lacks."""
+    raylet = getattr(ray, "_raylet", None)
+    if getattr(raylet, "GcsClient", None) is None:
+        return ["ray._raylet.GcsClient"]
+    # `GcsClient` forwards every method to its `InnerGcsClient` (Cython): look there
+    inner = getattr(raylet, "InnerGcsClient", None)
+    return [f"ray._raylet.GcsClient.{m}" for m in GCS_METHODS if not hasattr(inner, m)]
 
 
 def gcs_client(address: str) -> Any:
+    """Ray's private GCS client (see the module docstring for why), or a clear error when the
+    installed Ray no longer has what drain uses."""
+    missing = missing_gcs_methods()
+    if missing:
+        raise RayRuntimeError(
+            f"flexmarl drain: ray {ray.__version__} lacks {', '.join(missing)}, which draining "
+            f"uses (Ray has no public drain API; written against ray {TESTED_RAY})")
     return ray._raylet.GcsClient(address=address)  # type: ignore[attr-defined]
 
 

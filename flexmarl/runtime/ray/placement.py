@@ -46,8 +46,11 @@ class RayPools:
         self.scale = {"rollout": [1] * sizes["rollout"],
                       "train": list(slot_sizes or [1] * sizes["train"])}
         self.groups: dict[str, Any] = {}
-        # an elastic pool's workers beyond its first `sizes[pool]`: a one-bundle group each
+        # workers in a placement group of their own: an elastic pool's beyond its first
+        # `sizes[pool]` and moved ones (one bundle each), and every slot of a sharded pool
+        # (K bundles, one per rank, STRICT_PACK: `ranks.py`)
         self.grown: dict[tuple[str, int], Any] = {}
+        self.sharded = max(self.scale["train"], default=1) > 1
         self.avoid: set[str] = set()  # nodes being drained: no new bundle goes there
         custom: dict[str, float] = {}
         for pool, bundle in self.bundles.items():
@@ -71,6 +74,16 @@ class RayPools:
         `runtime.ray.placement_timeout_s`, naming its bundle setting."""
         self.session.start()
         for pool in POOLS:
+            if pool == "train" and self.sharded:
+                for i in range(self.sizes[pool]):
+                    if not await self._own_group(pool, i, self.rt.ray.placement_timeout_s,
+                                                 avoid=False):
+                        raise RayRuntimeError(
+                            f"runtime.ray.train_bundle: training slot {i}'s placement group "
+                            f"({self.scale[pool][i]} x {self.bundles[pool]} on one node) was "
+                            f"not placed within {self.rt.ray.placement_timeout_s:.0f} s; the "
+                            f"cluster has {ray.available_resources()} available")
+                continue
             bundles = [self.bundle(pool, i) for i in range(self.sizes[pool])]
             pg = placement_group(bundles, strategy=self.rt.ray.strategy,
                                  name=f"flexmarl-{self.run_name}-{pool}-{os.getpid()}")
@@ -94,12 +107,20 @@ class RayPools:
             return False
         return await self._own_group(pool, index, timeout)
 
-    async def _own_group(self, pool: str, index: int, timeout: float) -> bool:
-        """Worker `index` of `pool` in a one-bundle placement group of its own, off the
-        nodes in `avoid` (Ray's node-id label)."""
+    def _rank_bundles(self, pool: str, index: int) -> list[dict[str, float]]:
+        """Worker `index`'s own group: one bundle per rank of a sharded slot, else one."""
+        if pool == "train" and self.sharded:
+            return [self.bundles[pool]] * self.scale[pool][index]
+        return [self.bundle(pool, index)]
+
+    async def _own_group(self, pool: str, index: int, timeout: float,
+                         avoid: bool = True) -> bool:
+        """Worker `index` of `pool` in a placement group of its own (its ranks' bundles
+        packed on one node), off the nodes in `avoid` (Ray's node-id label)."""
+        bundles = self._rank_bundles(pool, index)
         selector = ([{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(self.avoid))})"}]
-                    if self.avoid else None)
-        pg = placement_group([self.bundle(pool, index)], bundle_label_selector=selector,
+                    * len(bundles) if self.avoid and avoid else None)
+        pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector,
                              name=f"flexmarl-{self.run_name}-{pool}{index}-{os.getpid()}")
         if not await asyncio.to_thread(pg.wait, timeout):
             remove_placement_group(pg)
@@ -119,6 +140,13 @@ class RayPools:
         if pg is not None:
             remove_placement_group(pg)
 
+    def remove(self, pool: str, index: int) -> None:
+        """Worker `index` of an elastic pool left it: its bundle is given back and the
+        workers above it, now one index lower, keep theirs."""
+        self.shrink(pool, index)
+        for i in sorted(i for p, i in self.grown if p == pool and i > index):
+            self.grown[(pool, i - 1)] = self.grown.pop((pool, i))
+
     def _group(self, pool: str, index: int) -> tuple[Any, int]:
         grown = self.grown.get((pool, index))
         return (grown, 0) if grown is not None else (self.groups[pool], index)
@@ -130,9 +158,16 @@ class RayPools:
         return {k: v * (scale[index] if index < len(scale) else 1)
                 for k, v in self.bundles[pool].items()}
 
+    def rank_options(self) -> dict[str, Any]:
+        """One rank of a sharded slot: a `train_bundle` (its placement: `ranks.RayRanks`)."""
+        bundle = self.bundles["train"]
+        return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
+                "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
+
     def options(self, pool: str, index: int) -> dict[str, Any]:
-        """Worker `index` of `pool`: its bundle; the supervisor restarts it, not Ray."""
-        bundle = self.bundle(pool, index)
+        """Worker `index` of `pool`: its bundle (rank 0's, bundle 0, for a sharded slot);
+        the supervisor restarts it, not Ray."""
+        bundle = self._rank_bundles(pool, index)[0]
         group, at = self._group(pool, index)
         return {
             "num_cpus": bundle.get("CPU", 0.0),
@@ -155,7 +190,7 @@ class RayPools:
                         "actor_id": where.get("actor_id"), "bundle": w.index,
                         "resources": self.bundle(pool, w.index),
                         "placement_group": self._group(pool, w.index)[0].id.hex()
-                        if pool in self.groups else None})
+                        if pool in self.groups or (pool, w.index) in self.grown else None})
         return out
 
     def release(self) -> None:

@@ -32,6 +32,8 @@ from flexmarl.policy.device import Placement
 from flexmarl.runtime.local.runtime import Launcher, LocalRuntime, WorkerProxy
 from flexmarl.runtime.ray.drain import draining_nodes, gcs_client, report_drained
 from flexmarl.runtime.ray.placement import RayPools
+from flexmarl.runtime.ray.ranks import RayRanks
+from flexmarl.runtime.ray.session import RayRuntimeError
 
 
 class RayRuntime(LocalRuntime):
@@ -56,10 +58,14 @@ class RayRuntime(LocalRuntime):
     def _launcher(self) -> Launcher:
         return self.ray.launcher()
 
+    def _slot_rank_launcher(self) -> Any:
+        """A slot of K ranks: ranks 1..K-1 are actors in its placement group (`ranks.py`)."""
+        return RayRanks(self.ray.rank_options()) if self.ray.sharded else None
+
     def _placements(self, n_rollout: int, slot_sizes: list[int]
                     ) -> tuple[list[Placement], list[list[Placement]]]:
-        """A slot of K ranks is one bundle of K x `train_bundle` (one node): rank 0 is the
-        actor, its followers processes it starts there (on GPUs, each on one of the bundle's)."""
+        """A slot of K ranks is a placement group of K `train_bundle`s on one node: rank 0
+        is the slot's actor, ranks 1..K-1 actors it starts in the other bundles."""
         train = self.ray.placement("train")
         return ([self.ray.placement("rollout")] * n_rollout,
                 [[train] * k for k in slot_sizes])
@@ -83,8 +89,13 @@ class RayRuntime(LocalRuntime):
             self.ray.release()
             raise
         self._report()
-        self._gcs = gcs_client(self.ray.session.gcs_address or "")
+        try:
+            self._gcs = gcs_client(self.ray.session.gcs_address or "")
+        except RayRuntimeError as exc:  # a Ray without the private drain API: runs, undrained
+            print(f"ray: draining nodes are not watched: {exc}", file=sys.stderr, flush=True)
         self.rollout.on_iteration_end = self._between_iterations
+        if self.supervisor is not None:
+            self.supervisor.retire = self._retire
 
     def _between_iterations(self, iteration: int) -> None:
         """As an iteration's rollout ends: move work off nodes Ray drains (`flexmarl
@@ -92,13 +103,38 @@ class RayRuntime(LocalRuntime):
         the background, one at a time."""
         if self._stopping:
             return
-        if self._draining is None or self._draining.done():
+        if self._gcs is not None and (self._draining is None or self._draining.done()):
             leaving = draining_nodes(self._gcs) - self._drained
             if leaving:
                 self._draining = asyncio.ensure_future(self._drain(sorted(leaving)))
         top = self.cfg.runtime.rollout_workers_max or 0
         if len(self.rollout_workers) < top and (self._growth is None or self._growth.done()):
             self._growth = asyncio.ensure_future(self._grow(iteration))
+
+    def _shrinkable(self, w: WorkerProxy) -> bool:
+        """A replica an elastic pool grew (its index is at or above the minimum, so the pool
+        stays at least `min`) that is still in the pool."""
+        growing = self._growth is not None and not self._growth.done()  # (indices move)
+        return (w.pool == "rollout" and not self._stopping and not growing
+                and w.index >= self.cfg.runtime.rollout_workers
+                and w.index < len(self.rollout_workers) and self.rollout_workers[w.index] is w)
+
+    def _retire(self, w: WorkerProxy) -> bool:
+        """The supervisor's hook for a lost worker: a replica the elastic pool grew is not
+        restarted; the pool shrinks by one (toward `min`; its bundle is given back) and the
+        balancer and planner plan over the replicas left. As each iteration ends the pool
+        grows again where the cluster has room (its node, if it is still there)."""
+        if not self._shrinkable(w):
+            return False
+        index = w.index
+        self.rollout.remove_replica(index)
+        self.placements["rollout"].pop(index)
+        self.ray.remove("rollout", index)
+        self.sink.fault("pool_shrunk", pool="rollout", worker=index,
+                        workers=len(self.rollout_workers), reason=w.lost_reason)
+        print(f"ray: rollout pool shrunk to {len(self.rollout_workers)} replicas: "
+              f"rollout[{index}] lost ({w.lost_reason})", file=sys.stderr, flush=True)
+        return True
 
     def _workers_on(self, node_id: str) -> list[WorkerProxy]:
         out = []
@@ -119,6 +155,12 @@ class RayRuntime(LocalRuntime):
             failed: list[str] = []
             for w in self._workers_on(node):
                 name = f"{w.pool}[{w.index}]"
+                if self.supervisor is not None and self._shrinkable(w):
+                    w.kill(f"drained: node {node[:12]} is leaving (flexmarl drain)")
+                    while w.alive:  # until its death is seen: the pool shrinks (`_retire`)
+                        await asyncio.sleep(0.05)
+                    moved.append({"worker": name, "to_node": None, "retired": True})
+                    continue
                 if self.supervisor is None:
                     failed.append(f"{name}: runtime.max_worker_restarts=0, nothing restarts it")
                     continue

@@ -12,9 +12,7 @@ from flexmarl.bench.chaos import bench_chaos
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "referential_game.yaml"
 SMALL = ["train.iterations=4", "train.inputs_per_iteration=4", "runtime.rollout_workers=2",
          "runtime.kind=ray", "runtime.ray.rollout_bundle.cpus=0.5",
-         "runtime.ray.train_bundle.cpus=0.5",
-         # collective publication can hang a replica restarted while the slot is too (docs/ray.md)
-         "runtime.publication=pipe"]
+         "runtime.ray.train_bundle.cpus=0.5"]  # publication: auto (collective)
 
 
 def assert_survived(report: dict, faults: int) -> None:
