@@ -14,7 +14,8 @@ pyyaml, rich and msgpack are needed. It prints:
    Llama-shaped random model of about 1.1B parameters at batch 64 and 256: tokens/s against
    `generate` and against the memory-bandwidth limit (weights read once per decode step, at
    the copy bandwidth measured on the device) (`llama`);
-2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW);
+2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW), and
+   the K=1 FSDP trainer (a sharded slot's code path on a one-rank mesh) against it (`fsdp`);
 3. swap MB/s of a full training state device <-> pinned host, and publication MB/s trainer ->
    replica (the wire form a worker pipe carries, loaded into the replica's model), then
    between processes: `runtime.publication` pipe against collective (NCCL with more GPUs than
@@ -353,6 +354,66 @@ def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer
     return trainer
 
 
+# --- 2b. the K=1 FSDP trainer (a sharded slot of one rank) vs the one-device trainer --------
+def bench_fsdp(device: torch.device, small: bool, vocab: int) -> None:
+    """The sharded slot's code path on one device: `ShardedAgentTrainer` (FSDP2 `fully_shard`
+    per block on a one-rank mesh, NCCL on a GPU, gloo on the CPU) against `AgentTrainer` on the
+    same rows, steps alternated. A one-GPU machine cannot check K >= 2 with NCCL; this is
+    FSDP's own overhead (hooks, DTensor parameters, the optimizer over shards)."""
+    section("training: K=1 FSDP trainer (one-rank mesh) vs the one-device trainer")
+    import torch.distributed as dist  # this section alone starts a process group
+
+    from flexmarl.training.sharded import ShardedAgentTrainer
+
+    cfg = AgentConfig.model_validate({"model": model_cfg(small).model_dump(),
+                                      "algorithm": {"name": "grpo"},
+                                      "optim": {"lr": 1e-5, "max_grad_norm": 1.0}})
+    rows, prompt, response = (8, 16, 16) if small else (16, 128, 384)
+    n_micro = 2 if small else 4
+    batches = _batches(vocab, n_micro, rows, prompt, response)
+    store = tempfile.mkdtemp(prefix="flexmarl-fsdp-")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1,
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        trainers = {
+            "fsdp": ShardedAgentTrainer("bench", cfg, vocab, 1024, run_seed=0, total_steps=100,
+                                        device=str(device)),
+            "plain": AgentTrainer("bench", cfg, vocab, 1024, run_seed=0, total_steps=100,
+                                  device=str(device))}
+        tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
+        times: dict[str, list[float]] = {"fsdp": [], "plain": []}
+        rounds = 2 if small else 4
+        for r in range(rounds + 1):
+            for who in (("fsdp", "plain") if r % 2 == 0 else ("plain", "fsdp")):
+                sync(device)
+                t0 = time.perf_counter()
+                for b in batches:
+                    trainers[who].accumulate([Sample(s.sample_id, s.prompt, s.response,
+                                                     s.old_logprobs, s.advantage, s.allowed,
+                                                     s.temperature, r) for s in b])
+                trainers[who].step()
+                sync(device)
+                if r > 0:
+                    times[who].append(time.perf_counter() - t0)
+        # the same rows and seed: the two trainers' weights stay equal (summation order aside)
+        full = trainers["fsdp"].full_weights()
+        plain_w = trainers["plain"].full_weights()
+        worst = max((full[k].float().cpu() - plain_w[k].float().cpu()).abs().max().item()
+                    for k in plain_w)
+    finally:
+        dist.destroy_process_group()
+    f, p = statistics.median(times["fsdp"]), statistics.median(times["plain"])
+    print(f"{n_micro} micro-batches x {rows} rows x {prompt}+{response} tokens, {backend}, "
+          f"{rounds} rounds alternated")
+    print(f"{'':<22}{'s/step':>8}{'tok/s':>10}")
+    print(f"{'K=1 FSDP trainer':<22}{f:>8.3f}{tokens / f:>10.0f}")
+    print(f"{'one-device trainer':<22}{p:>8.3f}{tokens / p:>10.0f}")
+    print(f"FSDP overhead: {100 * (f / p - 1):+.1f}%  (target <= +10%); "
+          f"max |weight difference| after {rounds + 1} steps: {worst:.1e}")
+    RESULTS["fsdp"] = {"fsdp_s": f, "plain_s": p, "overhead": f / p - 1, "max_diff": worst}
+
+
 # --- 3. swap and publication ----------------------------------------------------------------
 def bench_transfers(device: torch.device, small: bool, vocab: int, trainer: AgentTrainer
                     ) -> None:
@@ -503,7 +564,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--only",
-                        default="rollout,cases,llama,training,transfers,logprob,run")
+                        default="rollout,cases,llama,training,fsdp,transfers,logprob,run")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine's run")
     args = parser.parse_args()
@@ -523,6 +584,7 @@ def main() -> None:
     trainer_box: list[AgentTrainer] = []
     steps.append(("training", lambda: trainer_box.append(
         bench_trainer(device, args.small, vocab))))
+    steps.append(("fsdp", lambda: bench_fsdp(device, args.small, vocab)))
     steps.append(("transfers", lambda: trainer_box and bench_transfers(
         device, args.small, vocab, trainer_box[0])))
     steps.append(("logprob", lambda: bench_logprob_diff(device, args.small, vocab)))

@@ -32,22 +32,6 @@ class ConfigError(UserError, ValueError):
     """A configuration problem, with the file and the field at fault."""
 
 
-def sharding_refusal(agent: AgentConfig) -> str | None:
-    """Why the agent cannot train on a sharded slot (K > 1), or None: the critic, a KL
-    reference copy and LoRA adapters are not sharded yet (training/sharded.py)."""
-    if agent.algorithm.name == "ppo":
-        return "algorithm ppo (a critic) cannot be sharded yet"
-    if agent.algorithm.kl_coef > 0:
-        return f"algorithm.kl_coef={agent.algorithm.kl_coef} (a reference copy) cannot be " \
-            "sharded yet"
-    if agent.lora is not None:
-        return "a LoRA agent cannot be sharded yet"
-    epochs = getattr(agent.algorithm, "epochs", 1)
-    if epochs > 1:
-        return f"algorithm.epochs={epochs} (passes over kept rows) cannot be sharded yet"
-    return None
-
-
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -679,12 +663,6 @@ class RunConfig(Strict):
                 if agent.trainable:
                     raise ValueError(f"agents.{name}.backend: the openai backend serves frozen "
                                      f"agents only; set agents.{name}.trainable: false")
-            if agent.trainable and max(self.runtime.train_slot_sizes()) > 1:
-                why = sharding_refusal(agent)
-                if why:
-                    raise ValueError(f"agents.{name}: {why}, but a training slot has "
-                                     f"{max(self.runtime.train_slot_sizes())} ranks "
-                                     "(runtime.slot_size / slot_sizes); use slots of 1")
         for name, agent in self.agents.items():
             if getattr(agent.algorithm, "dynamic_sampling", False) and self.train.group_size < 2:
                 raise ValueError(f"agents.{name}.algorithm.dynamic_sampling: needs "

@@ -135,8 +135,8 @@ class Plan:
     node_s: dict[str, float] = field(default_factory=dict)
     # the replicas are interchangeable workers (real runtimes): the pool follows indices
     indexed: bool = False
-    # training slots of different sizes: their devices, and the slot each agent is bound to
-    # (`bind_slots`: the heaviest agent on the largest slot)
+    # training slots of different sizes, or of more than one device: their devices, and the
+    # slot each agent is bound to (`bind_slots`: the heaviest agent on the largest slot)
     slot_sizes: list[int] | None = None
     slot_of: dict[str, int] | None = None
 
@@ -261,6 +261,14 @@ class Planner:
         total = resources.total
         train_d = demand.train_seconds()
         mins = dict(demand.min_train)
+        if resources.slot_sizes is not None:
+            largest = max(resources.slot_sizes)
+            for agent in demand.trainable:
+                if mins.get(agent, 1) > largest:
+                    raise ValueError(
+                        f"{demand.name}: agent {agent!r} needs {mins[agent]} devices to train "
+                        f"(its weights, gradients and optimizer state), the largest training "
+                        f"slot has {largest} (slot_sizes {list(resources.slot_sizes)})")
         shared: tuple[tuple[str, ...], int, int] | None = None
         groups = None
         replicas: dict[str, int] | None
@@ -301,7 +309,8 @@ class Planner:
         path = max(remaining_path(demand.nodes, node_s).values(), default=0.0)
         plan = Plan(iteration, replicas, roll_acc, train_acc, train_alloc, order, shared,
                     groups, path, predicted, node_s, indexed=resources.rollout is not None)
-        if resources.slot_sizes is not None and len(set(resources.slot_sizes)) > 1:
+        if resources.slot_sizes is not None and (len(set(resources.slot_sizes)) > 1
+                                                 or max(resources.slot_sizes) > 1):
             sizes = list(resources.slot_sizes)
             plan.slot_sizes = sizes
             plan.slot_of = bind_slots({a: train_d.get(a, 0.0) for a in demand.trainable}, sizes)

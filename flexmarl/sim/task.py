@@ -190,5 +190,6 @@ def workload_config(wl: Workload, *, mode: str, schedule: str = "dependency",
         },
         "pipeline": {"mode": mode},
         "rollout": {"schedule": schedule},
-        "runtime": {"kind": "sim"},
+        "runtime": {"kind": "sim", **({"slot_sizes": list(wl.training.slot_sizes)}
+                                       if wl.training.slot_sizes else {})},
     }, f"workload {wl.name}")

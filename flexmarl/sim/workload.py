@@ -189,6 +189,10 @@ class TrainingSpec(_Strict):
     old_policy_forward: bool = True
     reference_forward: bool = True
     micro_batch_size: PositiveInt | None = None
+    # training slots of these many devices each, as the run's `runtime.slot_sizes`: the
+    # planner binds the agents to them (heaviest to the largest) and each agent trains
+    # sharded over its slot's devices; None: the planner sizes every agent's trainer
+    slot_sizes: list[PositiveInt] | None = None
 
     @property
     def forward_passes(self) -> int:

@@ -100,6 +100,7 @@ class TrainHost:
 
             self.rank = dist.get_rank()
         self.shard_dir = shard_dir
+        self.mesh: Any = None  # the slot's DeviceMesh (sharded slots), made at the first build
         self.cfg = cfg
         self.build_learner = build
         self.vocab_size = vocab_size
@@ -111,6 +112,9 @@ class TrainHost:
         # shared bases (`models:`), built once per process: the trainers of the agents on one
         # wrap trees over its tensors, so the slot holds it once and a swap moves the adapter
         self.bases: dict[str, torch.nn.Module] = {}
+        # a sharded slot's shared bases: one peft model per base with an adapter per agent,
+        # sharded once over the slot's ranks (`training.sharded.shard_shared_base`)
+        self.sharded_bases: dict[str, Any] = {}
         self.builds = 0  # trainers built (a swap never builds one)
         # runtime.publication collective (local runtime): keeps and sends published weights
         self.publisher: Any = None
@@ -129,6 +133,8 @@ class TrainHost:
                             f"(agents: {sorted(self.cfg.agents)})")
         acfg = self.cfg.agents[agent]
         shared = None
+        if self.world > 1:
+            return self._build_sharded(agent)
         if acfg.model.base is not None:
             name = acfg.model.base
             if name not in self.bases:
@@ -137,16 +143,41 @@ class TrainHost:
                                                process_device())
             shared = self.bases[name]
         self.builds += 1
-        if self.world > 1:
-            from flexmarl.training.sharded import ShardedAgentTrainer  # torch.distributed
-
-            return ShardedAgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
-                                       self.cfg.seed, total_steps=self.cfg.train.iterations,
-                                       max_staleness=self.cfg.pipeline.max_staleness,
-                                       device=str(process_device()), state_dir=self.shard_dir)
         return AgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
                             self.cfg.seed, total_steps=self.cfg.train.iterations,
                             max_staleness=self.cfg.pipeline.max_staleness, shared_base=shared)
+
+    def _build_sharded(self, agent: str) -> Learner:
+        """A `ShardedAgentTrainer` over this slot's ranks; an agent on a shared base trains
+        its adapter of the slot's one sharded peft model over that base (built at the first
+        such agent, with an adapter for every trainable agent on the base)."""
+        from flexmarl.policy import adapters
+        from flexmarl.policy.device import process_device
+        from flexmarl.policy.model import build_model
+        from flexmarl.training import sharded  # torch.distributed: only sharded slots
+
+        assert self.cfg is not None
+        acfg = self.cfg.agents[agent]
+        device = str(process_device())
+        if self.mesh is None:  # "cuda:0" -> "cuda"
+            self.mesh = sharded.init_device_mesh(device.split(":")[0], (self.world,))
+        policy = adapter = None
+        name = acfg.model.base
+        if name is not None and acfg.lora is not None:
+            if name not in self.sharded_bases:
+                base = build_model(f"models.{name}", acfg.model, self.vocab_size,
+                                   self.max_seq_len, self.cfg.seed, device)
+                on_base = {a: c for a, c in self.cfg.agents.items()
+                           if c.model.base == name and c.lora is not None}
+                self.sharded_bases[name] = sharded.shard_shared_base(
+                    base, on_base, self.cfg.seed, self.mesh)
+            policy, adapter = self.sharded_bases[name], adapters.adapter_name(agent)
+        self.builds += 1
+        return sharded.ShardedAgentTrainer(
+            agent, acfg, self.vocab_size, self.max_seq_len, self.cfg.seed,
+            total_steps=self.cfg.train.iterations, max_staleness=self.cfg.pipeline.max_staleness,
+            device=device, state_dir=self.shard_dir, mesh=self.mesh, policy=policy,
+            adapter=adapter)
 
     def resident_bytes(self, agents: list[str] | None = None) -> int:
         """Memory the slot holds: the kept trainers' (of `agents`, default all) weights,
@@ -154,7 +185,10 @@ class TrainHost:
         from flexmarl.policy import adapters
 
         if self.world > 1:  # this rank's shards (parameters, gradients, optimizer state)
-            total = 0
+            total = sum(  # the shared bases' frozen shards, once (adapters: the trainers')
+                t.numel() * t.element_size() for policy in self.sharded_bases.values()
+                for p in policy.parameters() if not p.requires_grad
+                for t in [p.to_local() if hasattr(p, "to_local") else p])
             for agent, trainer in self.kept.items():
                 if agents is None or agent in agents:
                     total += sum(trainer.local_nbytes().values())  # type: ignore[attr-defined]
@@ -231,7 +265,11 @@ class TrainHost:
         return ("disk", paths[self.rank])
 
     def _initial(self, agent: str) -> st.TrainingState:
-        """The agent's initial state (a trainer built from its config, then dropped)."""
+        """The agent's initial state (a trainer built from its config, then dropped; an
+        adapter of a sharded shared base: the shard its trainer captured when built)."""
+        initial = getattr(self.kept.get(agent), "initial", None)
+        if initial is not None:
+            return initial
         return self._build(agent).capture()
 
     # --- commands on the resident agent ------------------------------------------------------

@@ -14,6 +14,7 @@ ranks of one training slot do, driven by one host).
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -30,9 +32,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from flexmarl.config.schema import AgentConfig
+from flexmarl.policy import adapters
+from flexmarl.policy.model import stable_seed
+from flexmarl.policy.tokenizer import base_model_name
 from flexmarl.training import dcp as dcp_state
+from flexmarl.training import lora
 from flexmarl.training.state import TrainingState
-from flexmarl.training.trainer import AgentTrainer, TrainingError
+from flexmarl.training.trainer import (
+    EPOCH_CHUNK_ROWS,
+    AgentTrainer,
+    TrainingError,
+    enable_checkpointing,
+)
 from flexmarl.types import Sample
 
 # bytes per all-gather when the full weights are published (one bucket in flight at a time)
@@ -54,6 +65,46 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather when it is sharded). Collective."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def shard_model(model: Any, mesh: DeviceMesh,
+                mixed_precision: MixedPrecisionPolicy | None = None) -> None:
+    """FSDP2 over `mesh`, per transformer block and at the root. Frozen parameters (a LoRA
+    agent's base) are sharded like the trained ones; FSDP reduce-scatters only gradients."""
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = mixed_precision
+    for block in _blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def shard_shared_base(base: Any, agents: dict[str, AgentConfig], run_seed: int,
+                      mesh: DeviceMesh) -> Any:
+    """One peft model over a shared base with an adapter per agent (`adapters.adapter_name`,
+    each drawn from the same seed as on one device), sharded over `mesh`: the base once per
+    slot. Every adapter stays trainable; only the active one takes part in a forward, so the
+    others get no gradient, and each agent's optimizer holds its own adapter alone."""
+    model: Any = base
+    if any(acfg.model.gradient_checkpointing for acfg in agents.values()):
+        enable_checkpointing(base)
+    for name, acfg in agents.items():  # on the plain base (peft renames adapted layers)
+        assert acfg.lora is not None
+        lora.check_targets(name, base, acfg.lora)
+    for name, acfg in agents.items():
+        assert acfg.lora is not None
+        model = adapters.add_adapter(model, adapters.adapter_name(name), acfg.lora,
+                                     stable_seed(run_seed, name, "lora"))
+    for pname, p in model.named_parameters():  # peft froze all adapters but the first
+        p.requires_grad_("lora_" in pname)
+    model.train()
+    shard_model(model, mesh)
+    return model
+
+
 class ShardedAgentTrainer(AgentTrainer):
     """`AgentTrainer` whose state is sharded over `mesh` (default: the whole default group)."""
 
@@ -61,42 +112,64 @@ class ShardedAgentTrainer(AgentTrainer):
                  run_seed: int, total_steps: int | None = None, max_staleness: int = 0,
                  device: str | None = None, mesh: DeviceMesh | None = None,
                  mixed_precision: MixedPrecisionPolicy | None = None,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, policy: Any = None,
+                 adapter: str | None = None) -> None:
         """`mixed_precision`: FSDP2's policy (e.g. bf16 params, fp32 reduce); the master
         weights and optimizer state stay float32 either way. `state_dir`: a folder all ranks
-        share, where restart points (`get_state`) are written."""
+        share, where restart points (`get_state`) are written.
+
+        `policy` and `adapter`: an agent on a shared base trains adapter `adapter` of the
+        slot's one peft model `policy`, already sharded over `mesh` (`shard_shared_base`):
+        the frozen base is sharded once per slot, each agent's adapter is sharded with it, and
+        this trainer's optimizer, swaps, restart points and publication hold its adapter only."""
         if not dist.is_initialized():
             raise TrainingError(f"agent {agent!r}: a sharded trainer needs an initialised "
                                 "torch.distributed process group")
-        if cfg.algorithm.name == "ppo" or cfg.algorithm.kl_coef > 0:
-            # the value head / critic / reference copy would need their own sharding
-            raise TrainingError(f"agent {agent!r}: sharded training supports critic-free "
-                                "algorithms without a KL reference so far (got "
-                                f"{cfg.algorithm.name}, kl_coef={cfg.algorithm.kl_coef})")
-        if cfg.algorithm.epochs > 1:
-            raise TrainingError(f"agent {agent!r}: sharded training runs one pass per "
-                                f"iteration so far (got algorithm.epochs={cfg.algorithm.epochs})")
+        if (policy is None) != (adapter is None):
+            raise TrainingError(f"agent {agent!r}: a shared sharded policy needs its adapter "
+                                "name, and the reverse")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
-                         max_staleness, device)
+                         max_staleness, device, policy=policy)
         self.state_dir = state_dir
         self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.group = self.mesh.get_group()
         self.rank = self.mesh.get_local_rank()
         self.world = self.mesh.size()
-        kwargs: dict[str, Any] = {"mesh": self.mesh}
-        if mixed_precision is not None:
-            kwargs["mp_policy"] = mixed_precision
-        for block in _blocks(self.model):
-            fully_shard(block, **kwargs)
-        fully_shard(self.model, **kwargs)
-        # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet)
-        self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
-        self.params = list(self.actor_params)
-        opt = self.optimizer
+        # the peft adapter this trainer trains (LoRA agents; "default" unless on a shared base)
+        self.adapter = adapter or ("default" if cfg.lora is not None else None)
+        self.shared_policy = policy is not None
+        if policy is None:
+            shard_model(self.model, self.mesh, mixed_precision)
+        # the KL reference copy and a separate critic are sharded like the policy; PPO's
+        # value head (hidden -> 1) too, as one FSDP unit of its own
+        if self.ref_model is not None:
+            shard_model(self.ref_model, self.mesh, mixed_precision)
+        if self.critic_model is not None:
+            shard_model(self.critic_model, self.mesh, mixed_precision)
+        if self.value_head is not None:
+            fully_shard(self.value_head, mesh=self.mesh)
+        # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet),
+        # with AgentTrainer's groups and parameter order (actor, then critic, then value head)
+        self.named_trainable = [
+            (n, p) for n, p in self.model.named_parameters()
+            if p.requires_grad and (adapter is None or f".{adapter}." in n)]
+        self.actor_params = [p for _, p in self.named_trainable]
+        critic = [(f"{part}.{n}", p) for part, module in self._state_modules().items()
+                  if part != "model" for n, p in module.named_parameters()]
+        critic.sort(key=lambda item: not item[0].startswith("critic."))
+        self.named_trainable += critic
+        self.critic_params = [p for _, p in critic]
+        self.params = self.actor_params + self.critic_params
+        groups = [{**g, "params": params} for g, params in zip(
+            self.optimizer.param_groups, [self.actor_params, self.critic_params], strict=False)]
         self.optimizer = torch.optim.AdamW(
-            [{"params": self.actor_params, "lr": cfg.optim.lr, "base_lr": cfg.optim.lr}],
-            lr=cfg.optim.lr, betas=opt.defaults["betas"],
-            weight_decay=opt.defaults["weight_decay"])
+            groups, lr=cfg.optim.lr, betas=self.optimizer.defaults["betas"],
+            weight_decay=self.optimizer.defaults["weight_decay"])
+        # an adapter of a shared policy: its initial shard, as a fresh build has it (the
+        # policy is built once per slot, so a later build would see the trained adapter)
+        self.initial = self.capture_shard() if self.shared_policy else None
+        # a row every rank has, for a rank left without rows of a pass (`_zero_weight_pass`)
+        self._filler: Sample | None = None
 
     # --- training ------------------------------------------------------------------------------
     def accumulate(self, samples: list[Sample]) -> dict[str, float]:
@@ -113,19 +186,90 @@ class ShardedAgentTrainer(AgentTrainer):
             samples = [s for s in samples if not s.truncated]
             if not samples:
                 return {"rows": 0.0}
+        self._filler = samples[0]
         share = samples[self.rank::self.world]
         if share:
             super().accumulate(share)
             return {"rows": float(len(share))}
         saved = (self._rows, set(self._seen), dict(self._sums), self._nonfinite,
                  self.loss_scale, list(self._kept))
-        self.loss_scale = 0.0
+        self.loss_scale = self._share_weight = 0.0
         try:
             super().accumulate(samples[:1])
         finally:
             (self._rows, self._seen, self._sums, self._nonfinite, self.loss_scale,
              self._kept) = saved
+            self._share_weight = 1.0
         return {"rows": 0.0}
+
+    def _backward(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
+        """On a shared policy, this agent's adapter is the active one in the forward (set on
+        the layers directly: peft's `set_adapter` would freeze the other agents' adapters, and
+        FSDP fixes which parameters train when it first gathers them)."""
+        if self.shared_policy:
+            for _, layer in adapters._lora_layers(self.model):
+                layer._active_adapter = self.adapter
+        return super()._backward(samples, first_pass)
+
+    def _zero_weight_pass(self) -> None:
+        """A forward and backward of one row that adds nothing (loss scale 0): a rank without
+        rows of a pass still takes part in FSDP's all-gathers and reduce-scatters."""
+        assert self._filler is not None
+        saved = self.loss_scale, self._nonfinite
+        self.loss_scale = self._share_weight = 0.0
+        try:
+            self._backward([self._filler], first_pass=False)
+        finally:
+            self.loss_scale, self._nonfinite = saved
+            self._share_weight = 1.0
+
+    # 0 while a rank runs a row that is not its (a zero-weight pass): it adds nothing to sums
+    _share_weight = 1.0
+
+    def _batch_total(self, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """A sum over the micro-batch's rows on all ranks (`LossInputs.total`, e.g. PPO's
+        advantage whitening), differentiable; collective, in the same place on every rank."""
+        return dist_nn.all_reduce(t * self._share_weight, group=self.group)
+
+    def _later_epochs(self) -> dict[str, float]:
+        """`AgentTrainer._later_epochs` with each rank over its own share of the kept rows
+        (sample_id order, fixed chunks): every rank runs as many chunks as the rank with the
+        most (a zero-weight pass where it has none), each step normalises by the rows of all
+        ranks, and a pass poisoned on any rank moves nothing on every rank."""
+        rows = sorted(self._kept, key=lambda s: s.sample_id)
+        self._kept = []
+        total = torch.tensor([float(len(rows))], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        chunks = torch.tensor([-(-len(rows) // EPOCH_CHUNK_ROWS)], dtype=torch.int64)
+        dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=self.group)
+        done, last = 1, {}
+        for _ in range(1, self.cfg.algorithm.epochs):
+            sums: dict[str, float] = {}
+            for i in range(int(chunks.item())):
+                chunk = rows[i * EPOCH_CHUNK_ROWS:(i + 1) * EPOCH_CHUNK_ROWS]
+                if not chunk:
+                    self._zero_weight_pass()
+                    continue
+                for k, v in self._backward(chunk, False).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            poisoned = torch.tensor([float(self._nonfinite is not None)])
+            dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=self.group)
+            if poisoned.item() and self._nonfinite is None:
+                self._nonfinite = "non-finite loss on another rank"
+            self._optimizer_step(int(total.item()))
+            if self._nonfinite is not None:
+                self._nonfinite = None
+                break
+            done += 1
+            last = sums
+        out = {"epochs": float(done)}
+        if done > 1:  # every rank agrees (the poison flag was reduced)
+            vals = torch.tensor([last.get("loss/policy", 0.0), last.get("clip_frac", 0.0),
+                                 last.get("tokens", 0.0)], dtype=torch.float64)
+            dist.all_reduce(vals, group=self.group)
+            out["loss/policy_last_epoch"] = float(vals[0]) / float(total.item())
+            out["clip_frac_last_epoch"] = float(vals[1]) / max(float(vals[2]), 1.0)
+        return out
 
     def _reduce_counts(self) -> None:
         """Rows, metric sums and the skip flag of all ranks, on every rank."""
@@ -161,10 +305,12 @@ class ShardedAgentTrainer(AgentTrainer):
     # --- per-rank state: swapping ----------------------------------------------------------------
     def local_nbytes(self) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
-        params = sum(_local(p).numel() * _local(p).element_size()
-                     for p in self.model.parameters())
+        own = self.params if self.shared_policy else [
+            *self.model.parameters(), *self.critic_params]
+        held = own + ([] if self.ref_model is None else list(self.ref_model.parameters()))
+        params = sum(_local(p).numel() * _local(p).element_size() for p in held)
         grads = sum(_local(p.grad).numel() * _local(p.grad).element_size()
-                    for p in self.model.parameters() if p.grad is not None)
+                    for p in own if p.grad is not None)
         optim = sum(_local(v).numel() * _local(v).element_size()
                     for s in self.optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor))
@@ -172,9 +318,10 @@ class ShardedAgentTrainer(AgentTrainer):
 
     def capture_shard(self) -> TrainingState:
         """This rank's shard of weights and optimizer moments, copied to host memory (never
-        gathered): a `TrainingState`, so `state.swap_out` / `swap_in` move it to disk and back."""
+        gathered): a `TrainingState`, so `state.swap_out` / `swap_in` move it to disk and back.
+        The trained parameters only: a LoRA agent's frozen base stays where it is."""
         tensors: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.named_trainable:
             tensors[f"param/{name}"] = _local(p).detach().to("cpu", copy=True)
             if p.grad is not None:  # a swap between micro-batches of one step
                 tensors[f"grad/{name}"] = _local(p.grad).detach().to("cpu", copy=True)
@@ -198,7 +345,7 @@ class ShardedAgentTrainer(AgentTrainer):
                 f"agent {self.agent!r} rank {self.rank}/{self.world}: shard of agent "
                 f"{meta['agent']!r} rank {meta['rank']}/{meta['world']}")
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self.named_trainable:
                 _local(p).copy_(state.tensors[f"param/{name}"])
                 grad = state.tensors.get(f"grad/{name}")
                 if grad is None:
@@ -272,12 +419,40 @@ class ShardedAgentTrainer(AgentTrainer):
         if int(meta.get("world", 0)) == self.world:
             torch.set_rng_state(torch.tensor(meta["rng"][self.rank], dtype=torch.uint8))
 
+    def _canonical(self, key: str) -> str | None:
+        """A state key as a one-device trainer of the agent names it (a shared policy's
+        adapter is peft's "default" there), or None for what this trainer does not own: the
+        other agents' adapters. Restart points and checkpoints use these
+        names, so any K, and one device, read them."""
+        if not self.shared_policy:
+            return key
+        own = f".{self.adapter}."
+        if own in key:
+            return key.replace(own, ".default.")
+        # another agent's adapter is not this agent's state (the frozen base is not saved)
+        return None if ".lora_" in key else key
+
+    def _local_key(self, key: str) -> str:
+        return key.replace(".default.", f".{self.adapter}.") if self.shared_policy else key
+
     def _load_full(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """`AgentTrainer.get_state`'s full arrays (every rank has them), each rank keeping its
-        shard: the model by name, AdamW's state by parameter index (the same order here)."""
-        model: dict[str, Any] = {k[len("model."):]: torch.from_numpy(np.array(v, copy=True))
-                                 for k, v in arrays.items() if k.startswith("model.")}
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        shard: the model by name, AdamW's state by parameter index (the same order here). A
+        LoRA agent's frozen base is left as it is (a shared base holds no state of its own)."""
+        root = self.checkpoint_root()
+        prefix = "" if root is self.model else "model."  # a critic: parts by name
+        model: dict[str, Any] = {}
+        for key, value in arrays.items():
+            if key.startswith("model."):
+                key = prefix + self._local_key(key[len("model."):])
+            elif not key.startswith(("value_head.", "critic.")):
+                continue
+            model[key] = torch.from_numpy(np.array(value, copy=True))
+        n_actor = len(self.actor_params)
+        names = [prefix + n for n, _ in self.named_trainable[:n_actor]] + [
+            n for n, _ in self.named_trainable[n_actor:]]
+        if self.cfg.lora is not None:  # the adapters only
+            model = {k: v for k, v in model.items() if k in set(names)}
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in arrays.items():
             if key.startswith("optim."):
@@ -286,9 +461,10 @@ class ShardedAgentTrainer(AgentTrainer):
                     np.array(value, copy=True))
         groups = [{**g, "params": names} for g in meta["param_groups"]]
         optim: Any = {"state": state, "param_groups": groups}
-        set_state_dict(self.model, self.optimizer, model_state_dict=model,
+        set_state_dict(root, self.optimizer, model_state_dict=model,
                        optim_state_dict=optim,
-                       options=StateDictOptions(full_state_dict=True, strict=True))
+                       options=StateDictOptions(full_state_dict=True,
+                                                strict=self.cfg.lora is None))
         self.version = int(meta["version"])
         self.optimizer.zero_grad(set_to_none=True)
         self._rows = 0
@@ -302,12 +478,15 @@ class ShardedAgentTrainer(AgentTrainer):
                        ) -> Iterator[dict[str, torch.Tensor]]:
         """The full weights, one bucket at a time: each bucket is all-gathered, handed out on
         every rank, and dropped before the next (the consumer keeps what it needs). Buffers
-        (not sharded) come as they are."""
+        (not sharded) come as they are. A LoRA agent's are the base model's weights with its
+        adapter merged, under the base model's names."""
+        if self.cfg.lora is not None:
+            yield from self._merged_buckets(full=True, dtype=dtype, bucket_bytes=bucket_bytes)
+            return
         bucket: dict[str, torch.Tensor] = {}
         size = 0
         for name, v in self.model.state_dict().items():
-            full = v.full_tensor() if isinstance(v, DTensor) else v
-            full = full.detach()
+            full = _full(v)
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             bucket[name] = full.to("cpu", copy=True).contiguous()
@@ -318,14 +497,71 @@ class ShardedAgentTrainer(AgentTrainer):
         if bucket:
             yield bucket
 
+    def _merged_buckets(self, full: bool, dtype: torch.dtype | None = None,
+                        bucket_bytes: int = PUBLISH_BUCKET_BYTES
+                        ) -> Iterator[dict[str, torch.Tensor]]:
+        """`lora.merged_weights` of this agent's adapter on the sharded model, one adapted
+        layer (base weight, A and B gathered) at a time, then (`full`) the other weights.
+        The delta is peft's `get_delta_weight`: (B @ A) * scaling, transposed for
+        fan_in_fan_out layers."""
+        from peft.utils import transpose  # peft is LoRA's dependency
+
+        prefix = "base_model.model."
+        bucket: dict[str, torch.Tensor] = {}
+        size = 0
+
+        def put(key: str, value: torch.Tensor) -> bool:
+            nonlocal size
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            bucket[key] = value.to("cpu", copy=True).contiguous()
+            size += bucket[key].numel() * bucket[key].element_size()
+            return size >= bucket_bytes
+
+        for name, layer in adapters._lora_layers(self.model):
+            if not hasattr(layer, "base_layer") or self.adapter not in layer.lora_A:
+                continue
+            base = _full(layer.base_layer.weight)
+            delta = transpose(_full(layer.lora_B[self.adapter].weight)
+                              @ _full(layer.lora_A[self.adapter].weight),
+                              layer.fan_in_fan_out) * layer.scaling[self.adapter]
+            key = name[len(prefix):] if name.startswith(prefix) else name
+            if put(f"{key}.weight", base + delta):
+                yield bucket
+                bucket, size = {}, 0
+        if full:
+            for key, value in self.model.state_dict().items():
+                if "lora_" in key:
+                    continue
+                key = key[len(prefix):] if key.startswith(prefix) else key
+                key = key.replace(".base_layer.", ".")
+                if key not in bucket and put(key, _full(value)):
+                    yield bucket
+                    bucket, size = {}, 0
+        if bucket:
+            yield bucket
+
+    def _adapter_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """`adapters.adapter_tensors` of this agent, one layer's A and B at a time."""
+        for name, layer in adapters._lora_layers(self.model):
+            if self.adapter in layer.lora_A:
+                yield {f"{name}.lora_A": _full(layer.lora_A[self.adapter].weight).to(
+                           "cpu", copy=True),
+                       f"{name}.lora_B": _full(layer.lora_B[self.adapter].weight).to(
+                           "cpu", copy=True)}
+
     def weights(self) -> dict[str, torch.Tensor]:
         """What the rollout replicas need (the same tensors as `AgentTrainer.weights`), built
-        bucket by bucket; collective, every rank gets the result."""
-        if self.cfg.lora is not None:
-            raise TrainingError(f"agent {self.agent!r}: publication of sharded LoRA agents "
-                                "is not built yet")
+        bucket by bucket; collective, every rank gets the result. An agent on a shared base
+        publishes its adapter alone; any other LoRA agent its merged adapted layers."""
         out: dict[str, torch.Tensor] = {}
-        for bucket in self.weight_buckets(self.compute_dtype):
+        if self.cfg.model.base is not None and self.cfg.lora is not None:
+            for bucket in self._adapter_buckets():
+                out.update({k: v.to(self.compute_dtype) for k, v in bucket.items()})
+            return out
+        buckets = (self._merged_buckets(full=False, dtype=self.compute_dtype)
+                   if self.cfg.lora is not None else self.weight_buckets(self.compute_dtype))
+        for bucket in buckets:
             out.update(bucket)
         return out
 
@@ -336,26 +572,46 @@ class ShardedAgentTrainer(AgentTrainer):
         return out
 
     def save(self, directory: str | Path) -> Path:
-        """The Hugging Face safetensors export of the full model, written by rank 0."""
+        """The Hugging Face safetensors export of the full model (LoRA: merged), written by
+        rank 0; a LoRA agent's adapter also alone under `adapter/`, in PEFT's format."""
         directory = Path(directory)
         tensors = self.full_weights()
+        adapter = {} if self.cfg.lora is None else {  # PEFT's names: <layer>.lora_A.weight
+            f"{k}.weight": v for bucket in self._adapter_buckets() for k, v in bucket.items()}
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-            self.model.config.save_pretrained(str(directory))
+            inner = self.model.get_base_model() if self.cfg.lora else self.model
+            inner.config.save_pretrained(str(directory))
+            if self.cfg.lora is not None:
+                (directory / "adapter").mkdir(exist_ok=True)
+                save_file(adapter, str(directory / "adapter" / "adapter_model.safetensors"),
+                          metadata={"format": "pt"})
+                peft_cfg = self.model.peft_config[self.adapter]
+                peft_cfg.base_model_name_or_path = base_model_name(self.agent, self.cfg.model)
+                peft_cfg.save_pretrained(str(directory / "adapter"))
+            tokenizer = self._tokenizer()
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(directory))
+            (directory / "flexmarl.json").write_text(json.dumps(
+                {"agent": self.agent, "policy_version": self.version,
+                 "base_model": base_model_name(self.agent, self.cfg.model),
+                 "lora": self.cfg.lora is not None, "tokenizer": tokenizer is not None}) + "\n")
         dist.barrier(group=self.group)
         return directory
 
     # --- checkpoints (torch.distributed.checkpoint) ----------------------------------------
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its own shard of weights and optimizer state; any K can load it."""
-        dcp_state.save(self.model, self.optimizer, self.version, directory, self.group)
+        dcp_state.save(self.checkpoint_root(), self.optimizer, self.version, directory,
+                       self.group, names=self._canonical)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
-        self.version = dcp_state.load(self.model, self.optimizer, directory, self.group)
+        self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, directory,
+                                      self.group,
+                                      names=self._canonical)
         self._rows = 0
         self._seen.clear()
         self._sums = {}
         self._nonfinite = None
-

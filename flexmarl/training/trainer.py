@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,17 @@ class TrainingError(RuntimeError):
     pass
 
 
+def enable_checkpointing(base: Any) -> None:
+    """Activation (gradient) checkpointing of a transformers model, non-reentrant."""
+    # transformers renamed it (activation_) after 5.17, kwargs included
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def lr_factor(cfg: OptimConfig, step: int, total: int, n_actor: int, n_critic: int) -> float:
     """The multiplier of `optim.lr` at optimizer step `step` (0-based)."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
@@ -59,7 +71,7 @@ class AgentTrainer:
     def __init__(
         self, agent: str, cfg: AgentConfig, vocab_size: int, max_seq_len: int, run_seed: int,
         total_steps: int | None = None, max_staleness: int = 0, device: str | None = None,
-        shared_base: torch.nn.Module | None = None,
+        shared_base: torch.nn.Module | None = None, policy: Any = None,
     ) -> None:
         """`device`: where the trainer computes (None: this process's device, see
         `policy.device`). Weights and optimizer state stay float32 there; forward and backward
@@ -72,7 +84,10 @@ class AgentTrainer:
         one-step off-policy PPO/GRPO.
 
         `shared_base`: the built base of an agent on a shared base (`model.base`), on this
-        trainer's device in float32; the trainer wraps a tree over the same tensors (no copy)."""
+        trainer's device in float32; the trainer wraps a tree over the same tensors (no copy).
+
+        `policy`: a peft model the slot built and wrapped already, used as it is (a sharded
+        slot's one peft model over its sharded shared base, an adapter per agent)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.agent = agent
@@ -86,18 +101,14 @@ class AgentTrainer:
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
         base: Any  # a transformers causal LM
-        if shared_base is not None:
+        if policy is not None:
+            base = policy.get_base_model()
+        elif shared_base is not None:
             base = adapters.share_base(shared_base)
         else:
             base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
-        if cfg.model.gradient_checkpointing:
-            # transformers renamed it (activation_) after 5.17, kwargs included
-            if hasattr(base, "activation_checkpointing_enable"):
-                base.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                base.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.gradient_checkpointing and policy is None:  # a built policy has it set
+            enable_checkpointing(base)
         self.vocab = base.config.vocab_size
         self.ref_model: Any = None
         if cfg.algorithm.kl_coef > 0 and cfg.lora is None:
@@ -106,8 +117,9 @@ class AgentTrainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         # a transformers model, or peft's wrapper of one (both duck-typed)
-        self.model: Any = (lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
-                           if cfg.lora is not None else base)
+        self.model: Any = policy if policy is not None else (
+            lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
+            if cfg.lora is not None else base)
         self.model.train()
         self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
         self.critic_model = None
@@ -235,7 +247,7 @@ class AgentTrainer:
                 rewards=torch.tensor([s.reward for s in samples],
                                      dtype=torch.float32).to(self.device),
                 ref_logp=self._reference_logprobs(batch), entropy=entropy,
-                values=self._values(batch, hidden),
+                values=self._values(batch, hidden), total=self._batch_total,
             )
         if first_pass:
             self._logprob_diff(samples, logp.detach(), old, batch.response_mask)
@@ -247,6 +259,10 @@ class AgentTrainer:
             what = f"non-finite loss {float(loss.detach()):.4g}" if not bad else \
                 f"non-finite {', '.join(bad)}"
             self._nonfinite = self._nonfinite or what
+            if self.world_size > 1:
+                # the peers of a sharded slot run their backward: this rank's FSDP
+                # collectives must run too (every rank skips the step, `_reduce_counts`)
+                (loss * 0.0).backward()
         else:
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
         return metrics
@@ -279,6 +295,8 @@ class AgentTrainer:
 
     # ranks the gradients were averaged over (FSDP averages; a sharded trainer has K)
     world_size = 1
+    # sums over the whole micro-batch (`LossInputs.total`); a sharded trainer's reduce them
+    _batch_total: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _full_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over the whole model (a sharded trainer gathers its pieces)."""
@@ -339,7 +357,8 @@ class AgentTrainer:
         norm = self._optimizer_step(self._rows)
         if self._nonfinite is not None:
             return self._skip_step(self._nonfinite)
-        extra = self._later_epochs() if self._kept else {}
+        # (not `if self._kept`: a rank of a sharded slot may hold none of the rows)
+        extra = self._later_epochs() if self.cfg.algorithm.epochs > 1 else {}
         tokens = max(self._sums.pop("tokens", 0.0), 1.0)
         lpd_sum = self._sums.pop("logprob_diff_sum", None)
         lpd_tokens = self._sums.pop("logprob_diff_tokens", 0.0)
@@ -464,6 +483,12 @@ class AgentTrainer:
             out["critic"] = self.critic_model
         return out
 
+    def checkpoint_root(self) -> torch.nn.Module:
+        """The module tree a `torch.distributed.checkpoint` folder holds (`training.dcp`):
+        the policy, or with a critic every trained part under its `_state_modules` name."""
+        parts = self._state_modules()
+        return self.model if len(parts) == 1 else torch.nn.ModuleDict(parts)
+
     def _shared_keys(self, part: str, module: Any) -> set[str]:
         """The frozen base tensors of an agent on a shared base: the same in every trainer
         built from the config, and held once per slot, so restart points leave them out."""
@@ -505,7 +530,7 @@ class AgentTrainer:
         if meta.get("agent") != self.agent:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
         if "dcp" in meta:
-            self.version = dcp_state.load(self.model, self.optimizer, meta["dcp"])
+            self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, meta["dcp"])
             self._rows = 0
             self._seen.clear()
             self._sums = {}

@@ -1,6 +1,6 @@
 """Training slots of K ranks that cannot run here are refused before anything starts, with one
 line naming the field and the numbers (runtime.slot_size / slot_sizes): more GPUs than the
-training pool has, more CPU processes than 4x the CPUs, an agent that cannot be sharded."""
+training pool has, more CPU processes than 4x the CPUs. Every LLM algorithm and LoRA shard."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from flexmarl.config.schema import ConfigError, RuntimeConfig, load_config
+from flexmarl.config.schema import RuntimeConfig, load_config
 from flexmarl.policy.device import Placement, PlacementError, check_slots, slot_placements
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,10 +62,14 @@ def test_each_rank_of_a_slot_sees_its_own_gpu():
         [Placement("cpu"), Placement("cpu")]]
 
 
-def test_an_agent_that_cannot_be_sharded_is_named():
-    with pytest.raises(ConfigError, match=r"agents.relay: algorithm ppo \(a critic\) cannot be "
-                       r"sharded yet, but a training slot has 2 ranks"):
-        load_config(RELAY, ["runtime.slot_size=2", "agents.relay.algorithm={name: ppo}"])
+def test_every_llm_algorithm_and_lora_is_accepted_on_sharded_slots():
+    """PPO (a critic), a KL reference, several passes and LoRA adapters all shard (tests in
+    tests/training/test_sharded_algorithms.py and test_sharded_lora.py)."""
+    cfg = load_config(RELAY, ["runtime.slot_size=2", "agents.relay.algorithm={name: ppo, "
+                              "critic: separate, epochs: 2}",
+                              "agents.speaker.algorithm.kl_coef=0.1",
+                              "agents.listener.lora={r: 2}"])
+    assert cfg.runtime.train_slot_sizes() == [2] * cfg.runtime.train_workers
 
 
 def test_the_cli_refuses_too_many_cpu_processes_and_writes_nothing(tmp_path):

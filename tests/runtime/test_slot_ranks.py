@@ -133,3 +133,49 @@ def test_a_checkpoint_taken_at_one_slot_size_resumes_at_another(tmp_path):
             b = load_file(str(result.checkpoints[agent] / "model.safetensors"))
             worst = max(float((a[k] - b[k]).abs().max()) for k in a)
             assert worst <= 1e-4, (name, agent, worst)
+
+
+@pytest.mark.slow  # two short runs: about a minute on two cores
+def test_lora_agents_on_a_slot_of_two_end_with_the_weights_of_one_device(tmp_path):
+    """Two adapter agents on one shared base (the base sharded once per slot, adapters with
+    it) and an agent with its own base and adapter, time-sharing one slot of 2 ranks."""
+    from tests.training.test_shared_base import SHARED
+
+    lora = [*SHARED, "agents.relay.lora={r: 2, target_modules: [q_proj, down_proj]}"]
+    runs = {k: train(load_config(RELAY, [*COMMON, *lora, f"runtime.slot_size={k}"]),
+                     tmp_path / f"k{k}") for k in (1, 2)}
+    assert runs[2].placement["train_swaps"] >= 3
+    for agent in ("speaker", "relay", "listener"):
+        a = load_file(str(runs[1].checkpoints[agent] / "model.safetensors"))
+        b = load_file(str(runs[2].checkpoints[agent] / "model.safetensors"))
+        assert a.keys() == b.keys()
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst <= 1e-4, (agent, worst)
+        adapter_a = load_file(str(runs[1].checkpoints[agent] / "adapter" /
+                                  "adapter_model.safetensors"))
+        adapter_b = load_file(str(runs[2].checkpoints[agent] / "adapter" /
+                                  "adapter_model.safetensors"))
+        assert adapter_a.keys() == adapter_b.keys()
+        assert max((adapter_a[k] - adapter_b[k]).abs().max().item() for k in adapter_a) <= 1e-4
+    for record in _records(tmp_path / "k2"):
+        for agent in ("speaker", "relay", "listener"):
+            assert record[f"agent/{agent}/train_world_size"] == 2.0
+
+
+@pytest.mark.slow  # two short runs: about a minute on two cores
+def test_ppo_kl_and_several_passes_on_a_slot_of_two_end_with_the_weights_of_one_device(
+        tmp_path):
+    """PPO with a separate critic, a KL reference and two passes per iteration, time-sharing
+    one slot of 2 ranks (restart points and swaps carry the critic)."""
+    algos = ["agents.relay.algorithm={name: ppo, critic: separate, epochs: 2}",
+             "agents.speaker.algorithm.kl_coef=0.1", "agents.listener.algorithm.epochs=2"]
+    runs = {k: train(load_config(RELAY, [*COMMON, *algos, f"runtime.slot_size={k}"]),
+                     tmp_path / f"k{k}") for k in (1, 2)}
+    for agent in ("speaker", "relay", "listener"):
+        a = load_file(str(runs[1].checkpoints[agent] / "model.safetensors"))
+        b = load_file(str(runs[2].checkpoints[agent] / "model.safetensors"))
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst <= 1e-4, (agent, worst)
+    for record in _records(tmp_path / "k2"):
+        assert record["agent/relay/train_world_size"] == 2.0
+        assert record["agent/relay/epochs"] == 2.0

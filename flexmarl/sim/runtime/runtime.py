@@ -308,6 +308,7 @@ class SharedSlots:
     accelerators: int
     allocator: SlotAllocator
     in_flight: int = 0
+    lane: str = ""  # the slots' lanes are f"{lane}{slot}" (default: train/shared{g}/)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def done(self) -> None:
@@ -393,6 +394,18 @@ class SimRuntime(Runtime):
         self._prompts: dict[str, list[int]] = defaultdict(list)
         self.planner = Planner(mode, features)
         self.resources = Resources(self.total)  # one budget: the planner splits it
+        # `training.slot_sizes` (the run's runtime.slot_sizes): the training slots are given,
+        # the rollout pool is the rest; each slot is a pool of its own, one production
+        # allocator per slot over the agents the first plan bound to it (as the real
+        # runtime, whose binding is fixed at start)
+        self.slot_sizes = sorted(wl.training.slot_sizes or [], reverse=True)
+        self.slot_pools: dict[str, SharedSlots] = {}
+        if self.slot_sizes:
+            if sum(self.slot_sizes) >= self.total:
+                raise ValueError(f"{wl.name}: training.slot_sizes {self.slot_sizes} leave no "
+                                 f"rollout device of the cluster's {self.total}")
+            self.resources = Resources(self.total, self.total - sum(self.slot_sizes),
+                                       len(self.slot_sizes), tuple(self.slot_sizes))
         self.plan_resources()
 
     @property
@@ -419,6 +432,15 @@ class SimRuntime(Runtime):
         self._pool_plan = plan.shared_slots
         self.roll_acc, self.train_acc = plan.rollout_accelerators, plan.train_accelerators
         self.train_alloc = plan.train
+        if plan.slot_of is not None and plan.slot_sizes is not None:
+            self._pool_plan = None  # the slots are the pools
+            if not self.slot_pools:
+                for i, k in enumerate(plan.slot_sizes):
+                    members = tuple(a for a, s in plan.slot_of.items() if s == i)
+                    pool = SharedSlots(members, k, SlotAllocator(1), lane=f"train/slot{i}/")
+                    self.slot_pools.update({a: pool for a in members})
+            # the agents stay on the slots they were bound to first
+            self.train_alloc = {a: pool.accelerators for a, pool in self.slot_pools.items()}
         self._bind_slot_pool()
         self._resize_replicas(plan.replicas)
         self._lengths.clear()
@@ -574,11 +596,11 @@ class SimRuntime(Runtime):
                 await asyncio.sleep(self.cost.engine_sleep_time(spec.model, spec.tp))
                 self.spans.append(BusySpan(f"train/{agent}", "overhead", agent, "sleep", t0,
                                            loop.time(), 0))
-            pool = self.slot_pool
+            pool = self.slot_pools.get(agent) or self.slot_pool
             if pool is None or agent not in pool.members:
                 await self._compute(agent, kind, tokens, n, f"train/{agent}")
                 return
-            if self._handover is not None:
+            if self._handover is not None and agent not in self.slot_pools:
                 await self._handover.wait()
             g, alloc = pool.accelerators, pool.allocator
             pool.in_flight += 1
@@ -591,7 +613,7 @@ class SimRuntime(Runtime):
                 pool.done()
                 raise
             try:
-                lane = f"train/shared{g}/{lease.slot}"
+                lane = f"{pool.lane or f'train/shared{g}/'}{lease.slot}"
                 if lease.evict is not None:
                     try:
                         await self._swap(lease.evict, g, lane, "swap_out")

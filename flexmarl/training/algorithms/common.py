@@ -8,6 +8,7 @@ accumulation over any micro-batch split equals one big batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,9 @@ class LossInputs:
     ref_logp: torch.Tensor | None = None  # [B, R] under the frozen reference
     entropy: torch.Tensor | None = None  # [B, R]
     values: torch.Tensor | None = None  # [B, R] critic values (PPO), with grad
+    # a sum over the whole micro-batch when its rows are split over the ranks of a sharded
+    # slot (batch statistics: `whiten`); None: this batch is the whole micro-batch
+    total: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -61,11 +65,14 @@ def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return out
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise over all valid tokens of the batch (mean 0, std 1)."""
-    n = mask.sum().clamp(min=1.0)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) * mask) ** 2).sum() / n
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float,
+           total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Normalise over all valid tokens of the batch (mean 0, std 1); `total`: the sums over
+    the whole micro-batch when this is one rank's share of it (`LossInputs.total`)."""
+    total = total or (lambda t: t)
+    n = total(mask.sum()).clamp(min=1.0)
+    mean = total((x * mask).sum()) / n
+    var = total((((x - mean) * mask) ** 2).sum()) / n
     return (x - mean) / (var.sqrt() + eps) * mask
 
 

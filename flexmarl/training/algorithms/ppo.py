@@ -55,7 +55,7 @@ def loss(inp: LossInputs, cfg: PPOConfig, step: int = 0) -> tuple[torch.Tensor, 
     rewards = last_token_rewards(inp.rewards, inp.mask) + reward_kl(inp, cfg)
     adv, returns = gae(rewards, old_values, inp.mask, cfg.gamma, cfg.gae_lambda)
     if cfg.whiten_advantages:
-        adv = whiten(adv, inp.mask, cfg.adv_eps)
+        adv = whiten(adv, inp.mask, cfg.adv_eps, inp.total)
     total, metrics = policy_loss(inp, adv.detach(), cfg, step)
     v_row = row_mean(0.5 * (inp.values - returns.detach()) ** 2, inp.mask)
     total = total + cfg.value_coef * v_row.sum()

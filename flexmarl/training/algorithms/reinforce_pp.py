@@ -44,7 +44,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor,
 def advantages(inp: LossInputs, cfg: ReinforcePPConfig) -> torch.Tensor:
     rewards = last_token_rewards(inp.rewards, inp.mask) + reward_kl(inp, cfg)
     returns = discounted_returns(rewards, inp.mask, cfg.gamma)
-    return whiten(returns, inp.mask, cfg.adv_eps)
+    return whiten(returns, inp.mask, cfg.adv_eps, inp.total)
 
 
 def loss(
