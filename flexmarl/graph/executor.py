@@ -8,9 +8,8 @@ text of a text-level node, in the episode's context. Scoring reads the task's re
 through the same contracts. What the callers add stays theirs: training's store rows, version
 gates and stage barrier live inside its `call`; serving's request options inside its own.
 
-Hand-offs (`handoff=`): "direct", a node reads its inputs' outputs from the episode's
-context once they are set; "bus" (what training's and `flexmarl serve`'s episodes use), a
-finished node
+Hand-offs (`handoff=`): "direct" (training's default), a node reads its inputs' outputs from
+the episode's context once they are set; "bus" (`flexmarl serve`'s episodes), a finished node
 sends its output, encoded as on the wire (`graph.messages`: msgpack), to the mailbox of each
 node that reads it, and that node waits for one message per input and takes its inputs from
 the messages, an input that did not run included (which ends the branch, as directly).

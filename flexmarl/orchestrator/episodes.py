@@ -178,9 +178,7 @@ class EpisodeRunner:
         self.graph = task.graph
         # text- and chat-level nodes: each agent's tokenizer and sampling defaults
         self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
-        # agents hand their outputs on through the message bus, as served episodes do
-        self.executor = GraphExecutor(self.graph, self.renderer, cfg.agents.keys(),
-                                      handoff="bus")
+        self.executor = GraphExecutor(self.graph, self.renderer, cfg.agents.keys())
         self.order = self.executor.order
         self.turns = self.graph.turn_of()
         self.level = graph_levels(self.graph, self.order)
