@@ -136,9 +136,7 @@ class PolicyLearner(NetworkLearner):
         return st.TrainingState(tensors, meta)
 
     def restore(self, state: st.TrainingState) -> None:
-        if state.meta.get("agent") != self.agent:
-            raise ValueError(f"state of policy {state.meta.get('agent')!r} offered to "
-                             f"learner {self.agent!r}")
+        self._check_state(state)
         t = state.tensors
         self.net.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("w/net/")})
         self.vnorm.load_state_dict({k[8:]: v for k, v in t.items() if k.startswith("w/vnorm/")})

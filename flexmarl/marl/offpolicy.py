@@ -388,9 +388,7 @@ class QLearner(NetworkLearner):
         return st.TrainingState(tensors, meta)
 
     def restore(self, state: st.TrainingState) -> None:
-        if state.meta.get("agent") != self.agent:
-            raise ValueError(f"state of policy {state.meta.get('agent')!r} offered to "
-                             f"learner {self.agent!r}")
+        self._check_state(state)
         t, meta = state.tensors, state.meta
         for mname, mod in self._modules().items():
             prefix = f"w/{mname}/"

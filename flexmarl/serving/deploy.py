@@ -392,14 +392,7 @@ class AgentDeployment:
         assert self.learner is not None and self.service.capture is not None
         t0 = time.perf_counter()
         snap = self.store.read(self.name)
-        steps = 0
-        if snap is not None:
-            arrays, meta = snap
-            self.learner.trainer.set_state(arrays, meta)
-            steps = int(meta.get("steps", 0))
-            self.learner.steps = steps
-            self.learner.applied = int(meta.get("applied", 0))
-            self.learner.same_version = None
+        steps = self.learner.restore_snapshot(snap)
         t1 = time.perf_counter()
         ids = self.service.capture.release(self.name, steps)
         t2 = time.perf_counter()

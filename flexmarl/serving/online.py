@@ -162,6 +162,17 @@ class OnlineLearner:
         self.trainer.optimizer.state = collections.defaultdict(dict)
         self.same_version = version
 
+    def restore_snapshot(self, snap: tuple[Any, dict[str, Any]] | None) -> int:
+        """A snapshot's trainer state and step counters (None: nothing to restore); returns
+        the steps it holds, after which the claims journal re-delivers rows. The weights are
+        then no served version's."""
+        if snap is None:
+            return 0
+        self.trainer.set_state(*snap)
+        self.steps, self.applied = int(snap[1].get("steps", 0)), int(snap[1].get("applied", 0))
+        self.same_version = None
+        return self.steps
+
     def snapshot_model(self, like: torch.nn.Module) -> torch.nn.Module:
         """The training policy's current weights in a serving copy of `like` (a LoRA agent: a
         light copy, the trained adapter in place of the served one, the base shared)."""

@@ -71,12 +71,7 @@ class TenantLearner:
         capture = self.dep.service.capture
         t0 = time.perf_counter()
         snap = self.dep.store.read(self.key)
-        steps = 0
-        if snap is not None:
-            self.learner.trainer.set_state(*snap)
-            steps = int(snap[1].get("steps", 0))
-            self.learner.steps, self.learner.applied = steps, int(snap[1].get("applied", 0))
-            self.learner.same_version = None
+        steps = self.learner.restore_snapshot(snap)
         t1 = time.perf_counter()
         ids = capture.release(self.key, steps)
         if snap is not None or ids:

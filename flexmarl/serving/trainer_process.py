@@ -95,12 +95,7 @@ class OnlineTrainer:
     def resume(self) -> None:
         t0 = time.perf_counter()
         snap = self.store.read(self.agent)
-        steps = 0
-        if snap is not None:
-            self.learner.trainer.set_state(*snap)
-            steps = int(snap[1].get("steps", 0))
-            self.learner.steps, self.learner.applied = steps, int(snap[1].get("applied", 0))
-            self.learner.same_version = None
+        steps = self.learner.restore_snapshot(snap)
         t1 = time.perf_counter()
         ids = self.capture.release(self.agent, steps)
         t2 = time.perf_counter()

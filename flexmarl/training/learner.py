@@ -110,6 +110,12 @@ class NetworkLearner(CapturedRestartPoint):
         self.version += 1
         self.trained_on = audit
 
+    def _check_state(self, state: TrainingState) -> None:
+        """A state is restored only into the learner of the policy it was captured from."""
+        if state.meta.get("agent") != self.agent:
+            raise ValueError(f"state of policy {state.meta.get('agent')!r} offered to "
+                             f"learner {self.agent!r}")
+
     def save_tensors(self) -> dict[str, torch.Tensor]:
         return self.weights()
 
