@@ -57,6 +57,7 @@ def step_in_process(run, env, learners, k: int) -> None:
         env.load(name, k + 1, learner.weights())
 
 
+@pytest.mark.slow  # make test budget: the row rule and exact swaps have fast tests below
 def test_every_epoch_of_step_k_uses_only_iteration_k_rows(tmp_path) -> None:
     """Two policies time-share one training slot (swapped each iteration); the same run with
     a slot each gives bit-identical losses: a swap moves the whole learner state."""

@@ -131,6 +131,7 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
     assert event["version"] == 2 and event["agent"] in ("speaker", "listener")
 
 
+@pytest.mark.slow  # make test budget: covered in make test by the other fault tests
 def test_rollout_actor_sigkilled_mid_iteration_is_restarted(tmp_path, ray_head,
                                                             reference):  # noqa: F811
     cfg = _ray_config(ray_head)
