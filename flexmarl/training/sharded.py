@@ -231,45 +231,27 @@ class ShardedAgentTrainer(AgentTrainer):
         advantage whitening), differentiable; collective, in the same place on every rank."""
         return dist_nn.all_reduce(t * self._share_weight, group=self.group)
 
-    def _later_epochs(self) -> dict[str, float]:
-        """`AgentTrainer._later_epochs` with each rank over its own share of the kept rows
-        (sample_id order, fixed chunks): every rank runs as many chunks as the rank with the
-        most (a zero-weight pass where it has none), each step normalises by the rows of all
-        ranks, and a pass poisoned on any rank moves nothing on every rank."""
-        rows = sorted(self._kept, key=lambda s: s.sample_id)
-        self._kept = []
-        total = torch.tensor([float(len(rows))], dtype=torch.float64)
+    def _epoch_plan(self, n_rows: int) -> tuple[int, int]:
+        """Later passes (`AgentTrainer._later_epochs`), each rank over its own share of the
+        kept rows: they normalise by the rows of all ranks, and every rank runs as many chunks
+        as the rank with the most (zero-weight passes where it has none)."""
+        total = torch.tensor([float(n_rows)], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)
-        chunks = torch.tensor([-(-len(rows) // EPOCH_CHUNK_ROWS)], dtype=torch.int64)
+        chunks = torch.tensor([-(-n_rows // EPOCH_CHUNK_ROWS)], dtype=torch.int64)
         dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=self.group)
-        done, last = 1, {}
-        for _ in range(1, self.cfg.algorithm.epochs):
-            sums: dict[str, float] = {}
-            for i in range(int(chunks.item())):
-                chunk = rows[i * EPOCH_CHUNK_ROWS:(i + 1) * EPOCH_CHUNK_ROWS]
-                if not chunk:
-                    self._zero_weight_pass()
-                    continue
-                for k, v in self._backward(chunk, False).items():
-                    sums[k] = sums.get(k, 0.0) + v
-            poisoned = torch.tensor([float(self._nonfinite is not None)])
-            dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=self.group)
-            if poisoned.item() and self._nonfinite is None:
-                self._nonfinite = "non-finite loss on another rank"
-            self._optimizer_step(int(total.item()))
-            if self._nonfinite is not None:
-                self._nonfinite = None
-                break
-            done += 1
-            last = sums
-        out = {"epochs": float(done)}
-        if done > 1:  # every rank agrees (the poison flag was reduced)
-            vals = torch.tensor([last.get("loss/policy", 0.0), last.get("clip_frac", 0.0),
-                                 last.get("tokens", 0.0)], dtype=torch.float64)
-            dist.all_reduce(vals, group=self.group)
-            out["loss/policy_last_epoch"] = float(vals[0]) / float(total.item())
-            out["clip_frac_last_epoch"] = float(vals[1]) / max(float(vals[2]), 1.0)
-        return out
+        return int(total.item()), int(chunks.item())
+
+    def _agree_nonfinite(self) -> None:
+        """A pass poisoned on any rank moves nothing on every rank."""
+        poisoned = torch.tensor([float(self._nonfinite is not None)])
+        dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=self.group)
+        if poisoned.item() and self._nonfinite is None:
+            self._nonfinite = "non-finite loss on another rank"
+
+    def _sum_ranks(self, values: list[float]) -> list[float]:
+        vals = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(vals, group=self.group)
+        return [float(v) for v in vals]
 
     def _reduce_counts(self) -> None:
         """Rows, metric sums and the skip flag of all ranks, on every rank."""

@@ -322,27 +322,50 @@ class AgentTrainer:
 
     def _later_epochs(self) -> dict[str, float]:
         """Passes 2..epochs over the kept rows (sample_id order, fixed chunks), one optimizer
-        step each; a non-finite pass moves nothing and ends the passes."""
+        step each; a non-finite pass moves nothing and ends the passes. A sharded slot runs
+        the same passes over each rank's share (its `_epoch_plan`, `_zero_weight_pass`,
+        `_agree_nonfinite` and `_sum_ranks` make the ranks agree)."""
         rows = sorted(self._kept, key=lambda s: s.sample_id)
         self._kept = []
+        total, chunks = self._epoch_plan(len(rows))
         done, last = 1, {}
         for _ in range(1, self.cfg.algorithm.epochs):
             sums: dict[str, float] = {}
-            for i in range(0, len(rows), EPOCH_CHUNK_ROWS):
-                for k, v in self._backward(rows[i:i + EPOCH_CHUNK_ROWS], False).items():
+            for i in range(chunks):
+                chunk = rows[i * EPOCH_CHUNK_ROWS:(i + 1) * EPOCH_CHUNK_ROWS]
+                if not chunk:  # a rank with fewer rows than its peers
+                    self._zero_weight_pass()
+                    continue
+                for k, v in self._backward(chunk, False).items():
                     sums[k] = sums.get(k, 0.0) + v
-            self._optimizer_step(len(rows))
+            self._agree_nonfinite()
+            self._optimizer_step(total)
             if self._nonfinite is not None:
                 self._nonfinite = None
                 break
             done += 1
             last = sums
         out = {"epochs": float(done)}
-        if last:
-            out["loss/policy_last_epoch"] = last.get("loss/policy", 0.0) / len(rows)
-            out["clip_frac_last_epoch"] = last.get("clip_frac", 0.0) / max(
-                last.get("tokens", 0.0), 1.0)
+        if done > 1:
+            policy, clip, tokens = self._sum_ranks(
+                [last.get("loss/policy", 0.0), last.get("clip_frac", 0.0),
+                 last.get("tokens", 0.0)])
+            out["loss/policy_last_epoch"] = policy / total
+            out["clip_frac_last_epoch"] = clip / max(tokens, 1.0)
         return out
+
+    def _epoch_plan(self, n_rows: int) -> tuple[int, int]:
+        """(rows a later pass normalises by, chunks it runs): this trainer's own."""
+        return n_rows, -(-n_rows // EPOCH_CHUNK_ROWS)
+
+    def _zero_weight_pass(self) -> None:
+        """Nothing to do on one device (a sharded rank without rows still joins collectives)."""
+
+    def _agree_nonfinite(self) -> None:
+        """One device decides alone whether a pass was non-finite."""
+
+    def _sum_ranks(self, values: list[float]) -> list[float]:
+        return values
 
     def step(self) -> dict[str, float]:
         """Normalise the summed gradients by the rows seen, clip, step (then the later epochs'
