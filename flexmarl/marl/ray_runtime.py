@@ -47,9 +47,6 @@ class MarlRayRuntime(MarlRuntime):
         self.ray.release()
 
     def placement(self) -> dict[str, Any]:
-        out = super().placement()
-        for pool, workers in (("rollout", self.rollout_workers), ("train", self.train_workers)):
-            for entry, where in zip(out[pool], self.ray.describe(pool, workers), strict=True):
-                entry.update(where)
-        out["ray"] = self.ray.session.info()
+        out = self.ray.annotate(super().placement(), self.rollout_workers,
+                                self.train_workers)
         return out

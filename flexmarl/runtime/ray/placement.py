@@ -181,6 +181,15 @@ class RayPools:
     def launcher(self) -> RayLauncher:
         return RayLauncher(self.options)
 
+    def annotate(self, placement: dict[str, Any], rollout_workers: Any,
+                 train_workers: Any) -> dict[str, Any]:
+        """A runtime's `placement()` with each worker's node and bundle, and the session."""
+        for pool, workers in (("rollout", rollout_workers), ("train", train_workers)):
+            for entry, where in zip(placement[pool], self.describe(pool, workers), strict=True):
+                entry.update(where)
+        placement["ray"] = self.session.info()
+        return placement
+
     def describe(self, pool: str, workers: list[Any]) -> list[dict[str, Any]]:
         """Per worker: node, address, actor and bundle (merged into the runtime's placement)."""
         out = []

@@ -226,11 +226,8 @@ class RayRuntime(LocalRuntime):
         self.ray.release()
 
     def placement(self) -> dict[str, Any]:
-        out = super().placement()
-        for pool, workers in (("rollout", self.rollout_workers), ("train", self.train_workers)):
-            for entry, where in zip(out[pool], self.ray.describe(pool, workers), strict=True):
-                entry.update(where)
-        out["ray"] = self.ray.session.info()
+        out = self.ray.annotate(super().placement(), self.rollout_workers,
+                                self.train_workers)
         out["endpoints"] = {a: b.url for a, b in self.rollout.remote.items()}
         return out
 
