@@ -192,6 +192,17 @@ def engine_run(model: Any, reqs: list[Any], max_seqs: int, engine_cls: Any = Non
     return steps
 
 
+def _alternating(names: list[str], rounds: int,
+                 measure: Callable[[str], float]) -> dict[str, list[float]]:
+    """`measure(name)` for every name, `rounds` times, in alternating order (forward, then
+    backward): side by side on a noisy machine."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(measure(name))
+    return times
+
+
 def _sync(model: Any) -> None:
     dev = next(model.parameters()).device
     if dev.type == "cuda":
@@ -237,19 +248,17 @@ def decode_step_costs(model: Any, batch: int, vocab: int, steps: int = 16, round
         with count_host_costs() as hi:
             fn(base[name] + steps)
         counts[name] = (lo, hi)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            _sync(model)
-            t0 = CLOCK()
-            runs[name](base[name])
-            _sync(model)
-            t1 = CLOCK()
-            runs[name](base[name] + steps)
-            _sync(model)
-            t2 = CLOCK()
-            times[name].append(((t2 - t1) - (t1 - t0)) / steps)
+    def per_step(name: str) -> float:  # the longer run's extra time, per extra step
+        _sync(model)
+        t0 = CLOCK()
+        runs[name](base[name])
+        _sync(model)
+        t1 = CLOCK()
+        runs[name](base[name] + steps)
+        _sync(model)
+        return ((CLOCK() - t1) - (t1 - t0)) / steps
+
+    times = _alternating(list(runs), rounds, per_step)
     out: dict[str, dict[str, Any]] = {}
     for name, (lo, hi) in counts.items():
         out[name] = {"host_us": 1e6 * statistics.median(times[name]),
@@ -278,15 +287,14 @@ def long_tail_costs(model: Any, reqs: list[Any], max_seqs: int, rounds: int = 3,
             steps = fn()
         out[name] = {"steps": steps, "ops": c.ops / steps, "syncs": c.syncs / steps,
                      "h2d": c.h2d / steps}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            _sync(model)
-            t0 = CLOCK()
-            runs[name]()
-            _sync(model)
-            times[name].append(CLOCK() - t0)
+    def whole(name: str) -> float:
+        _sync(model)
+        t0 = CLOCK()
+        runs[name]()
+        _sync(model)
+        return CLOCK() - t0
+
+    times = _alternating(list(runs), rounds, whole)
     for name in runs:
         if times[name]:  # rounds=0: counts only
             out[name]["s"] = statistics.median(times[name])
