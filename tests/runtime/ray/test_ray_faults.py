@@ -91,6 +91,7 @@ def test_stop_at_a_boundary_then_resume_on_ray_equals_uninterrupted(tmp_path, ra
     assert_rows_exactly_once(result.audit, result.consumed, cfg)
 
 
+@pytest.mark.slow  # make test budget: Ray recovery stays in make test through the node-loss test
 def test_trainer_actor_sigkilled_mid_iteration_is_restarted_and_restored(tmp_path, ray_head,
                                                                          reference):  # noqa: F811
     cfg = _ray_config(ray_head)
@@ -131,7 +132,7 @@ def test_trainer_actor_sigkilled_between_step_and_publication(tmp_path, ray_head
     assert event["version"] == 2 and event["agent"] in ("speaker", "listener")
 
 
-@pytest.mark.slow  # make test budget: covered in make test by the other fault tests
+@pytest.mark.slow  # make test budget: Ray recovery stays in make test through the node-loss test
 def test_rollout_actor_sigkilled_mid_iteration_is_restarted(tmp_path, ray_head,
                                                             reference):  # noqa: F811
     cfg = _ray_config(ray_head)

@@ -50,7 +50,7 @@ def _frozen_listener_config(url: str, *runtime: str) -> dict:
     return raw
 
 
-@pytest.mark.slow  # make test budget: covered in make test by the other fault tests
+@pytest.mark.slow  # make test budget: Ray == local stays in test_ray_runtime, test_ray_marl
 def test_openai_agent_and_bf16_agent_on_ray_match_the_local_runtime(
         tmp_path, ray_head, served):  # noqa: F811
     url, _ = served
@@ -135,7 +135,7 @@ def _hung(out, pool: str) -> None:
     assert failed["pool"] == pool and "missed 6 heartbeats" in failed["reason"]
 
 
-@pytest.mark.slow  # make test budget: covered in make test by the other fault tests
+@pytest.mark.slow  # make test budget: Ray recovery stays in make test through the node-loss test
 def test_trainer_actor_hung_mid_iteration_is_killed_and_restored(tmp_path, ray_head,
                                                                  reference):  # noqa: F811
     """SIGSTOP: the process lives but never answers; the heartbeats find it, and it is
@@ -149,7 +149,7 @@ def test_trainer_actor_hung_mid_iteration_is_killed_and_restored(tmp_path, ray_h
     _hung(out, "train")
 
 
-@pytest.mark.slow  # 23 s; the hung trainer actor case stays in `make test`
+@pytest.mark.slow  # 23 s
 def test_rollout_actor_hung_mid_iteration_is_killed_and_restarted(tmp_path, ray_head,
                                                                   reference):  # noqa: F811
     cfg = _ray_config(ray_head, *HEARTBEAT)

@@ -34,7 +34,7 @@ def _max_diff(a: Path, b: Path) -> float:
     return max(float((x[k] - y[k]).abs().max()) for k in x)
 
 
-@pytest.mark.slow  # 17 s; Ray equals local bit for bit in the parity tests, which stay
+@pytest.mark.slow  # 17 s; Ray == local stays in make test (shared-base LoRA run, test_ray_marl)
 def test_referential_game_learns_on_ray(tmp_path, ray_head):
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
         "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=30",
@@ -87,6 +87,7 @@ def test_bf16_agents_train_and_publish_on_ray(tmp_path, ray_head):
             "torch.float32"}
 
 
+@pytest.mark.slow  # make test budget: the shared-base LoRA test below checks Ray == local
 def test_deterministic_local_and_ray_give_equal_checkpoints(tmp_path, ray_head):
     common = ["runtime.deterministic=true", "train.iterations=3", "train.group_size=4",
               "train.inputs_per_iteration=4", "train.micro_batch_size=8"]
