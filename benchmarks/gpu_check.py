@@ -29,6 +29,7 @@ With $OUT set, the figures are also written to $OUT/gpu_check.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -37,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -305,40 +307,61 @@ def bench_llama(device: torch.device, small: bool) -> None:
     RESULTS["llama"] = {"params": weight_bytes / dtype.itemsize, "bandwidth": bw, **out}
 
 
-# --- 2. trainer vs plain loop ---------------------------------------------------------------
-def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer:
-    section("training: AgentTrainer vs a plain PyTorch loop (same rows, autocast, AdamW)")
+# --- training sections' shared parts --------------------------------------------------------
+def _train_case(small: bool, vocab: int
+                ) -> tuple[AgentConfig, tuple[int, int, int, int], list[list[Sample]]]:
+    """The agent config and rows every training section compares trainers on:
+    (n_micro, rows, prompt, response) and the micro-batches."""
     cfg = AgentConfig.model_validate({"model": model_cfg(small).model_dump(),
                                       "algorithm": {"name": "grpo"},
                                       "optim": {"lr": 1e-5, "max_grad_norm": 1.0}})
     rows, prompt, response = (8, 16, 16) if small else (16, 128, 384)
     n_micro = 2 if small else 4
-    batches = _batches(vocab, n_micro, rows, prompt, response)
-    trainer = AgentTrainer("bench", cfg, vocab, 1024, run_seed=0, total_steps=100,
-                           device=str(device))
-    plain = build_model("bench", cfg.model, vocab, 1024, 0, device)
-    plain.train()
-    params = [p for p in plain.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
-    tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
-    times: dict[str, list[float]] = {"flexmarl": [], "plain": []}
-    rounds = 2 if small else 4
+    return cfg, (n_micro, rows, prompt, response), _batches(vocab, n_micro, rows, prompt,
+                                                            response)
+
+
+def _trainer_step(trainer: AgentTrainer, batches: list[list[Sample]], version: int) -> None:
+    """One iteration: every micro-batch (as rows of `version`), then the step."""
+    for b in batches:
+        trainer.accumulate([Sample(s.sample_id, s.prompt, s.response, s.old_logprobs,
+                                   s.advantage, s.allowed, s.temperature, version) for s in b])
+    trainer.step()
+
+
+def _alternated(device: torch.device, steps: dict[str, Callable[[int], None]],
+                rounds: int) -> dict[str, float]:
+    """Median seconds of each `steps[name](round)`: round 0 warms up, then `rounds` rounds in
+    alternating order (side by side on a noisy machine)."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + 1):
-        for who in (("flexmarl", "plain") if r % 2 == 0 else ("plain", "flexmarl")):
+        for who in (names if r % 2 == 0 else names[::-1]):
             sync(device)
             t0 = time.perf_counter()
-            if who == "flexmarl":
-                for b in batches:
-                    trainer.accumulate([Sample(s.sample_id, s.prompt, s.response,
-                                               s.old_logprobs, s.advantage, s.allowed,
-                                               s.temperature, r) for s in b])
-                trainer.step()
-            else:
-                _plain_iteration(plain, params, opt, batches, 1.0, device, trainer.compute_dtype)
+            steps[who](r)
             sync(device)
             if r > 0:
                 times[who].append(time.perf_counter() - t0)
-    f, p = statistics.median(times["flexmarl"]), statistics.median(times["plain"])
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+# --- 2. trainer vs plain loop ---------------------------------------------------------------
+def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer:
+    section("training: AgentTrainer vs a plain PyTorch loop (same rows, autocast, AdamW)")
+    cfg, (n_micro, rows, prompt, response), batches = _train_case(small, vocab)
+    trainer = AgentTrainer("bench", cfg, vocab, 1024, run_seed=0, total_steps=100,
+                           device=str(device))
+    model = build_model("bench", cfg.model, vocab, 1024, 0, device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
+    times = _alternated(device, {
+        "flexmarl": functools.partial(_trainer_step, trainer, batches),
+        "plain": lambda _r, m=model, o=opt: _plain_iteration(  # bound: deleted below
+            m, params, o, batches, 1.0, device, trainer.compute_dtype)}, 2 if small else 4)
+    f, p = times["flexmarl"], times["plain"]
     print(f"{n_micro} micro-batches x {rows} rows x {prompt}+{response} tokens, "
           f"compute {trainer.compute_dtype}, fp32 master weights")
     print(f"{'':<22}{'s/step':>8}{'tok/s':>10}")
@@ -349,7 +372,7 @@ def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer
         print(f"peak memory: {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB")
     RESULTS["training"] = {"flexmarl_tps": tokens / f, "plain_tps": tokens / p,
                            "overhead": f / p - 1}
-    del plain, opt
+    del model, opt
     gc.collect()
     return trainer
 
@@ -365,12 +388,7 @@ def bench_fsdp(device: torch.device, small: bool, vocab: int) -> None:
 
     from flexmarl.training.sharded import ShardedAgentTrainer
 
-    cfg = AgentConfig.model_validate({"model": model_cfg(small).model_dump(),
-                                      "algorithm": {"name": "grpo"},
-                                      "optim": {"lr": 1e-5, "max_grad_norm": 1.0}})
-    rows, prompt, response = (8, 16, 16) if small else (16, 128, 384)
-    n_micro = 2 if small else 4
-    batches = _batches(vocab, n_micro, rows, prompt, response)
+    cfg, (n_micro, rows, prompt, response), batches = _train_case(small, vocab)
     store = tempfile.mkdtemp(prefix="flexmarl-fsdp-")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1,
@@ -382,20 +400,10 @@ def bench_fsdp(device: torch.device, small: bool, vocab: int) -> None:
             "plain": AgentTrainer("bench", cfg, vocab, 1024, run_seed=0, total_steps=100,
                                   device=str(device))}
         tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
-        times: dict[str, list[float]] = {"fsdp": [], "plain": []}
         rounds = 2 if small else 4
-        for r in range(rounds + 1):
-            for who in (("fsdp", "plain") if r % 2 == 0 else ("plain", "fsdp")):
-                sync(device)
-                t0 = time.perf_counter()
-                for b in batches:
-                    trainers[who].accumulate([Sample(s.sample_id, s.prompt, s.response,
-                                                     s.old_logprobs, s.advantage, s.allowed,
-                                                     s.temperature, r) for s in b])
-                trainers[who].step()
-                sync(device)
-                if r > 0:
-                    times[who].append(time.perf_counter() - t0)
+        times = _alternated(device, {
+            who: functools.partial(_trainer_step, trainers[who], batches)
+            for who in ("fsdp", "plain")}, rounds)
         # the same rows and seed: the two trainers' weights stay equal (summation order aside)
         full = trainers["fsdp"].full_weights()
         plain_w = trainers["plain"].full_weights()
@@ -403,7 +411,7 @@ def bench_fsdp(device: torch.device, small: bool, vocab: int) -> None:
                     for k in plain_w)
     finally:
         dist.destroy_process_group()
-    f, p = statistics.median(times["fsdp"]), statistics.median(times["plain"])
+    f, p = times["fsdp"], times["plain"]
     print(f"{n_micro} micro-batches x {rows} rows x {prompt}+{response} tokens, {backend}, "
           f"{rounds} rounds alternated")
     print(f"{'':<22}{'s/step':>8}{'tok/s':>10}")
