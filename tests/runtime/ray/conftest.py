@@ -7,6 +7,7 @@ runs also when a test fails. Every test also leaves the driver disconnected.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +28,27 @@ except ImportError:
     collect_ignore_glob = ["test_*.py"]
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+@contextlib.contextmanager
+def local_cluster(worker_cpus: tuple[int, ...] = (), **head: Any) -> Iterator[tuple[Any, list]]:
+    """A multi-node `ray.cluster_utils.Cluster` on this machine: a head of 1 CPU (`head`: more
+    head node args) and a worker node per entry of `worker_cpus`; the driver disconnected and
+    the cluster shut down however the test ended."""
+    import ray  # imported here: without ray this conftest only tells pytest to skip
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    c = Cluster(initialize_head=True, shutdown_at_exit=False,
+                head_node_args={"num_cpus": 1, "include_dashboard": False, **head})
+    nodes = [c.add_node(num_cpus=n) for n in worker_cpus]
+    c.wait_for_nodes()
+    try:
+        yield c, nodes
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
 RAY = Path(sys.executable).with_name("ray")
 
 

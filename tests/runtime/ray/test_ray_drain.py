@@ -10,27 +10,17 @@ import sys
 import threading
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from flexmarl.orchestrator.run import train
 from flexmarl.runtime.ray.drain import missing_gcs_methods
 from tests.faults.conftest import ROOT, assert_rows_exactly_once, config, events
+from tests.runtime.ray.conftest import local_cluster
 
 
 @pytest.fixture
 def two_nodes():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    c = Cluster(initialize_head=True, shutdown_at_exit=False,
-                head_node_args={"num_cpus": 1, "include_dashboard": False})
-    node = c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    try:
-        yield c, node
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
+    with local_cluster((1,)) as (c, nodes):
+        yield c, nodes[0]
 
 
 def test_the_private_ray_api_drain_uses_is_there():

@@ -11,24 +11,16 @@ import sys
 import threading
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from flexmarl.orchestrator.run import train
 from tests.faults.conftest import ROOT, assert_rows_exactly_once, config, events
+from tests.runtime.ray.conftest import local_cluster
 
 
 @pytest.fixture
 def one_full_node():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.wait_for_nodes()
-    try:
+    with local_cluster() as (c, _):
         yield c
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
 
 
 @pytest.mark.slow  # a Ray cluster, a node started mid-run: ~1.5 min here

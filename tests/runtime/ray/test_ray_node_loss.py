@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from flexmarl.orchestrator.run import train
 from tests.faults.conftest import (
@@ -27,6 +26,7 @@ from tests.faults.conftest import (
     events,
     reference,  # noqa: F401 - the session fixture: the local fault-free run
 )
+from tests.runtime.ray.conftest import local_cluster
 
 
 def _node_pids(node) -> set[int]:
@@ -65,16 +65,8 @@ def two_nodes():
     # bundles is quick; still later than the heartbeat check (3 s) that this test times
     health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
               "health_check_failure_threshold": 6}
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "_system_config": health})
-    node = c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    try:
-        yield c, node
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
+    with local_cluster((1,), _system_config=health) as (c, nodes):
+        yield c, nodes[0]
 
 
 def test_a_silent_node_is_detected_in_time_and_survived(tmp_path, two_nodes):
@@ -125,16 +117,8 @@ def test_a_silent_node_is_detected_in_time_and_survived(tmp_path, two_nodes):
 
 @pytest.fixture
 def cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=2) for _ in range(2)]
-    c.wait_for_nodes()
-    try:
+    with local_cluster((2, 2)) as (c, nodes):
         yield c, nodes
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.shutdown()
 
 
 @pytest.mark.slow  # a 3-node cluster, a node lost and its workers restarted: ~2 min here
