@@ -131,14 +131,6 @@ def test_k2_ppo_restart_point_resumes_on_one_device(k2, one_device):
     assert slots == one_device["ppo_separate"]["optim_slots"] > 3 * len(tr.actor_params)
 
 
-@pytest.fixture()
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 def test_one_rank_ppo_and_kl_epochs_equal_one_device(one_rank):
     """The sharded path (FSDP over one rank) of PPO with a value head and 2 passes, and of a
     KL reference with 3 passes, one step each: equal to the one-device trainer."""

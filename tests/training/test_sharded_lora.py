@@ -168,15 +168,6 @@ def test_k2_lora_restart_point_resumes_on_one_device(k2, one_device):
         assert all(len(tr.optimizer.state[p]) == 3 for p in tr.actor_params)
 
 
-@pytest.fixture()
-def one_rank(tmp_path):
-    """A one-rank gloo group in this process (FSDP over a mesh of 1: the K=1 FSDP path)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 def test_one_rank_shared_base_adapter_trains_alone_and_publishes_only_itself(one_rank):
     """The sharded shared-base path in seconds: one FSDP rank, two adapters on one base; a
     step of one agent equals the one-device trainer's and leaves the other adapter and the
