@@ -285,6 +285,72 @@ class BackendConfig(Strict):
         return value
 
 
+class NetworkConfig(Strict):
+    # The name of an entry of the top-level `networks`: agents naming the same entry share
+    # that one network (their agent id in its input; Discrete action spaces of different
+    # sizes are padded and masked). Its fields come from the entry.
+    base: str | None = None
+    kind: Literal["mlp", "gru"] = "mlp"
+    hidden: list[int] = [64, 64]
+    activation: Literal["tanh", "relu"] = "relu"
+    gru_hidden: int = Field(64, gt=0)
+    # the on-policy MAPPO code's MLP: LayerNorm on the input and after each hidden layer
+    # ("use_feature_normalization"), orthogonal init with the activation's gain
+    layer_norm: bool = False
+    orthogonal: bool = False
+    obs_norm: bool = True  # running mean/std of observations and critic inputs
+
+
+class MappoConfig(Strict):
+    """MAPPO (centralised critic) or IPPO (decentralised critics): clipped PPO with GAE."""
+
+    name: Literal["mappo", "ippo"] = "mappo"
+    # MAPPO's critic input: the environment's global state() or the concatenated observations;
+    # IPPO's critic sees the agent's own observation (this field must stay unset)
+    critic_input: Literal["state", "concat_obs"] | None = None
+    lr: float = Field(7e-4, gt=0)
+    critic_lr: float = Field(7e-4, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    gamma: float = Field(0.99, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    clip_eps: float = Field(0.2, gt=0)
+    epochs: int = Field(10, gt=0)
+    minibatches: int = Field(1, gt=0)
+    entropy_coef: float = Field(0.01, ge=0)
+    value_coef: float = Field(1.0, ge=0)
+    value_norm: bool = True
+    clip_value: bool = True
+    huber_delta: float | None = Field(10.0, gt=0)  # None: squared error
+    normalize_advantages: bool = True
+    max_grad_norm: float | None = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _critic(self) -> MappoConfig:
+        if self.name == "ippo" and self.critic_input is not None:
+            raise ValueError("critic_input: IPPO's critics see each agent's own observation; "
+                             "leave critic_input unset or use name: mappo")
+        if self.name == "mappo" and self.critic_input is None:
+            self.critic_input = "state"
+        return self
+
+
+class NetworkSpaces(Strict):
+    """A network agent's sizes, as its task's environment gives them (`Task.network_spaces`):
+    filled in by the run before any worker starts; a config leaves them out."""
+
+    obs_dim: int = Field(gt=0)
+    critic_dim: int = Field(gt=0)
+    actions: int = Field(gt=1)  # a Discrete action space of this many actions
+
+
+class AgentNetworkConfig(NetworkConfig):
+    """An agent that is a network policy (hybrid graphs, docs/hybrid.md): its network and
+    how it learns (MAPPO / IPPO on the K-step segments its nodes act for)."""
+
+    algorithm: MappoConfig = MappoConfig()
+    spaces: NetworkSpaces | None = None  # from the task: leave out
+
+
 class AgentConfig(Strict):
     model: ModelConfig = ModelConfig()
     backend: BackendConfig = BackendConfig()
@@ -293,9 +359,33 @@ class AgentConfig(Strict):
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig | None = None
     trainable: bool = True
+    # a network policy instead of an LLM (hybrid graphs): its nodes act in the episode's
+    # environment (`EnvSegment`); `model`, `backend`, `algorithm`, `sampling`, `optim` and
+    # `lora` are the LLM's and stay unset
+    network: AgentNetworkConfig | None = None
+
+    @property
+    def is_network(self) -> bool:
+        return self.network is not None
 
     @model_validator(mode="after")
     def _applies(self) -> AgentConfig:
+        if self.network is not None:
+            # compared with the defaults, not `model_fields_set`: a dumped config (what workers
+            # get) sets every field
+            llm = [f for f in ("model", "backend", "algorithm", "sampling", "optim", "lora")
+                   if getattr(self, f) != type(self).model_fields[f].default]
+            if llm:
+                raise ValueError(f"{llm[0]}: an agent with a `network` is a network policy; "
+                                 f"{', '.join(llm)} belong to LLM agents (its algorithm is "
+                                 "network.algorithm)")
+            if self.network.base is not None:
+                raise ValueError("network.base: shared networks are classic MARL's "
+                                 "(`networks:`); a hybrid run's network agent has its own")
+            if self.network.kind != "mlp":
+                raise ValueError("network.kind: a hybrid run's network agents are MLPs (a GRU's "
+                                 "hidden state across segments is not carried yet)")
+            return self
         if self.optim.schedule == "critic_scaled" and self.algorithm.name != "ppo":
             raise ValueError(
                 f"optim.schedule: 'critic_scaled' scales by the critic's size and needs a critic "
@@ -668,6 +758,11 @@ class RunConfig(Strict):
                 raise ValueError(f"agents.{name}.algorithm.dynamic_sampling: needs "
                                  f"train.group_size >= 2 (got {self.train.group_size}): a group "
                                  "of one always agrees with itself")
+        networks = [n for n, a in self.agents.items() if a.network is not None]
+        if networks and self.pipeline.mode == "one_step_off":
+            raise ValueError(f"agents.{networks[0]}.network: a network agent's learner "
+                             "(MAPPO / IPPO) trains on rows of its own version only; use "
+                             "pipeline.mode sync or async")
         if self.pipeline.mode == "one_step_off" and self.train.checkpoint_every is not None:
             # a boundary of one_step_off has iteration k+1 in flight on version k weights, which
             # no trainer holds any more: a resume could not regenerate it

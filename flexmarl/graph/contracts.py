@@ -20,6 +20,7 @@ import numpy as np
 
 from flexmarl.errors import UserError
 from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.envs import EnvSegment
 from flexmarl.graph.meg import EpisodeContext, NodePrompt
 from flexmarl.policy.tokenizer import model_vocab
 
@@ -147,6 +148,8 @@ def dry_run(task: Any, builder: str, agents: Any) -> None:
         except UserError:
             raise
         except Exception:  # noqa: BLE001 - needs real outputs: the real run will tell
+            return
+        if isinstance(prompt, EnvSegment):  # a network agent: the real run steps its env
             return
         vocab = task.vocab_size
         if renderer is not None:

@@ -25,6 +25,7 @@ from typing import Any
 from flexmarl.errors import UserError
 from flexmarl.graph import contracts
 from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.envs import EnvSegment
 from flexmarl.graph.meg import MEG, EpisodeContext, NodePrompt
 from flexmarl.graph.messages import MessageBus
 
@@ -65,6 +66,8 @@ class NodeCall:
     agent: str
     prompt: NodePrompt
     is_text: bool
+    # a network agent's node: the environment segment it acts in (its prompt is empty)
+    segment: EnvSegment | None = None
 
 
 Call = Callable[[NodeCall], Awaitable[list[int]]]
@@ -117,6 +120,8 @@ class GraphExecutor:
                 name, _task_code(name, "condition (when=)", node.when, ctx)):
             return None
         value = _task_code(name, "prompt builder", node.prompt, ctx)
+        if isinstance(value, EnvSegment):  # a network agent acts in the episode's env
+            return NodeCall(name, node.agent, NodePrompt([], 0), False, segment=value)
         prompt, is_text = self.renderer.render(name, node.agent, value)
         return NodeCall(name, node.agent, prompt, is_text)
 

@@ -91,6 +91,9 @@ class EpisodeContext:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     # decoded responses of text-level nodes (cut before the first stop string)
     texts: dict[str, str] = field(default_factory=dict)
+    # the episode's environment session, for network-policy nodes (graph/envs.py): made by
+    # the task's prompt builders on first use
+    env: Any = None
 
     def output(self, node: str) -> list[int]:
         """The token ids node `node` sampled (exactly those that are trained on)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.config.schema import AgentConfig
+from flexmarl.config.schema import AgentConfig, NetworkSpaces
 from flexmarl.errors import UserError
 from flexmarl.graph.meg import MEG
 from flexmarl.policy.tokenizer import pretrained_sizes
@@ -42,6 +42,9 @@ class Task:
             smallest context of the agents' pretrained models, or 64 when some agent's model
             is random.
         info: anything the builder wants to keep with the task (shown nowhere).
+        network_spaces: the sizes of each network-policy agent (an agent with `network:`,
+            whose nodes act in an `EnvSegment`): observation, critic input, actions; the run
+            copies them into the agent's config (`Task.resolve_networks`).
 
     Example:
         ```python
@@ -62,6 +65,29 @@ class Task:
     vocab_size: int = 0
     max_seq_len: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    network_spaces: dict[str, NetworkSpaces] = field(default_factory=dict)
+
+    def resolve_networks(self, agents: Mapping[str, AgentConfig],
+                         builder: str = "task") -> None:
+        """Give each network agent (`agents.<name>.network`) the sizes its environment has
+        (`network_spaces`), so every process builds the same network; errors name the agent."""
+        for name, acfg in agents.items():
+            if acfg.network is None:
+                if name in self.network_spaces:
+                    raise TaskLoadError(f"agents.{name}: {builder} gives network sizes for it "
+                                        "(Task.network_spaces), so it acts in an environment; "
+                                        f"give agents.{name} a `network:` instead of a model")
+                continue
+            if name not in self.network_spaces:
+                raise TaskLoadError(f"agents.{name}.network: {builder} gives no sizes for it "
+                                    "(Task.network_spaces); a network agent acts in the "
+                                    "task's environment, whose spaces set its network's sizes")
+            given = acfg.network.spaces
+            spaces = self.network_spaces[name]
+            if given is not None and given != spaces:
+                raise TaskLoadError(f"agents.{name}.network.spaces: {given} differs from what "
+                                    f"{builder} gives ({spaces}); leave it out")
+            acfg.network.spaces = spaces
 
     def resolve_sizes(self, agents: Mapping[str, AgentConfig], builder: str = "task") -> None:
         """Fill `vocab_size` and `max_seq_len` left at 0 from the agents' models (see the

@@ -12,7 +12,7 @@ Unknown keys are errors, as everywhere in FlexMARL.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -20,6 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 from flexmarl.config.schema import (
     ConfigError,
     LoggingConfig,
+    NetworkConfig,
     RuntimeConfig,
     Strict,
     _format_errors,
@@ -46,22 +47,6 @@ class EnvConfig(Strict):
     # AEC-only (turn-based) games: agents played inside the environment, not trained
     # (agent -> "random": a uniform random legal move; flexmarl/envs/turns.py)
     opponents: dict[str, str] = {}
-
-
-class NetworkConfig(Strict):
-    # The name of an entry of the top-level `networks`: agents naming the same entry share
-    # that one network (their agent id in its input; Discrete action spaces of different
-    # sizes are padded and masked). Its fields come from the entry.
-    base: str | None = None
-    kind: Literal["mlp", "gru"] = "mlp"
-    hidden: list[int] = [64, 64]
-    activation: Literal["tanh", "relu"] = "relu"
-    gru_hidden: int = Field(64, gt=0)
-    # the on-policy MAPPO code's MLP: LayerNorm on the input and after each hidden layer
-    # ("use_feature_normalization"), orthogonal init with the activation's gain
-    layer_norm: bool = False
-    orthogonal: bool = False
-    obs_norm: bool = True  # running mean/std of observations and critic inputs
 
 
 class MarlAgentConfig(Strict):

@@ -1,160 +1,33 @@
-"""The MAPPO / IPPO learner of one policy, as a training slot hosts it.
-
-It speaks the training pool's commands (`runtime/local/workers.py`: bind, accumulate, step,
-weights, save, get_state, set_state), so the local runtime's `LocalTrainPool` drives it
-unchanged: its allocator binds policies to slots, and with fewer slots than policies their
-states are swapped out and in through `training/state.py` (wire bytes or a safetensors file).
-
-- `accumulate(rows)`: PPO's epochs need every row of the iteration before the first
-  gradient, so a micro-batch is *held* (its iteration and version checked against the
-  learner's), not differentiated; `step` then runs `epochs` x `minibatches` updates on exactly
-  the held rows and returns the audit of which row each epoch used.
-- A captured state is exact: weights, both Adam states, the value and observation
-  normalisers, the mini-batch generator and the held rows.
-"""
+"""Classic MARL's learners as training slots host them: MAPPO / IPPO's `PolicyLearner` (the
+one of training/policy_learner.py, built from a policy's layout) or VDN / QMIX's replay
+learner, behind the one `TrainHost`."""
 
 from __future__ import annotations
 
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from flexmarl.marl.config import MarlRunConfig
-from flexmarl.marl.policies import MarlSample, PolicyLayout, build_net
-from flexmarl.store.compression import Codec
-from flexmarl.training import state as st
-from flexmarl.training.algorithms import mappo
+from flexmarl.marl.policies import PolicyLayout, build_net
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.host import TrainHost
-from flexmarl.training.learner import Audit, NetworkLearner
+from flexmarl.training.policy_learner import LearnerError
+from flexmarl.training.policy_learner import PolicyLearner as NetPolicyLearner
+
+__all__ = ["LearnerError", "PolicyLearner", "learner_host", "make_learner", "slot_host"]
 
 if TYPE_CHECKING:
     from flexmarl.marl.offpolicy import QLearner
 
 
-class LearnerError(RuntimeError):
-    """A learner was handed rows it must not train on (another iteration or version)."""
-
-
-class PolicyLearner(NetworkLearner):
-    """MAPPO / IPPO's learner of one policy (the `Learner` role, training/learner.py)."""
-
-    error = LearnerError
+class PolicyLearner(NetPolicyLearner):
+    """MAPPO / IPPO's learner of one classic-MARL policy (one network, shared or not)."""
 
     def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
         assert isinstance(cfg.algorithm, MappoConfig)
-        self.cfg, self.algo, self.layout = cfg, cfg.algorithm, layout
-        self.agent = layout.name  # the training pool's key
-        self.net = build_net(cfg, layout)
-        self.actor_opt = torch.optim.Adam(self.net.actor.parameters(), lr=self.algo.lr,
-                                          eps=self.algo.adam_eps)
-        self.critic_opt = torch.optim.Adam(self.net.critic.parameters(),
-                                           lr=self.algo.critic_lr, eps=self.algo.adam_eps)
-        self.vnorm = mappo.ValueNorm()
-        self.gen = torch.Generator().manual_seed(cfg.seed * 1009 + layout.index + 7)
-        self.version = 0
-        self.pending: list[MarlSample] = []
-        self.trained_on: Audit | None = None  # the last step's rows, by epoch
-
-    # --- the pool's commands -----------------------------------------------------------------
-    def step(self) -> dict[str, float]:
-        """Step k = `version`: PPO on exactly the held rows of iteration k; then version k+1
-        (its observation statistics too). `trained_on`: which row each epoch used."""
-        k = self._held()
-        batch = self._batch(self.pending, k)
-        mappo.compute_advantages(batch, self.vnorm, self.algo)
-        audit: Audit = []
-
-        def on_epoch(epoch: int, ids: list[str]) -> None:
-            audit.extend((sid, k, k, epoch) for sid in ids)
-
-        metrics = mappo.update(self.net, self.actor_opt, self.critic_opt, batch, self.vnorm,
-                               self.algo, self.gen, on_epoch)
-        live = batch.alive.bool()
-        self.net.update_stats(batch.obs[live], batch.critic_x[live])
-        self._stepped(audit)
-        return metrics
-
-    def state_objects(self) -> list[Any]:
-        return [self.net, self.actor_opt, self.critic_opt]
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """What a rollout worker needs: the network (with its normalisers) and `vnorm.*`."""
-        out = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
-        out.update({f"vnorm.{k}": v.clone() for k, v in self.vnorm.state_dict().items()})
-        return out
-
-    # --- batches -----------------------------------------------------------------------------
-    def _batch(self, rows: list[MarlSample], k: int) -> mappo.PolicyBatch:
-        def f(row: MarlSample, name: str) -> np.ndarray:
-            header = row.codec.get(name)
-            array = row.arrays[name]
-            return Codec.decode(array, header) if header is not None else array
-
-        def stack(name: str, dtype=torch.float32) -> torch.Tensor:
-            return torch.from_numpy(np.stack([f(r, name) for r in rows], 1)).to(dtype)
-
-        gru = "h0" in rows[0].arrays
-        return mappo.PolicyBatch(
-            sample_ids=[r.sample_id for r in rows], iteration=k,
-            obs=stack("obs"), critic_x=stack("critic_x"),
-            agent_ids=torch.tensor([r.agent_index for r in rows]),
-            actions=stack("actions"), action_mask=stack("mask", torch.bool),
-            logp=stack("logp"), values=stack("values"), rewards=stack("rewards"),
-            dones=stack("dones"), alive=stack("alive"), starts=stack("starts", torch.bool),
-            h0=torch.from_numpy(np.stack([f(r, "h0") for r in rows])) if gru else None,
-            last_values=torch.from_numpy(
-                np.concatenate([f(r, "last_value").reshape(-1) for r in rows])),
-        )
-
-    # --- exact states ------------------------------------------------------------------------
-    def capture(self) -> st.TrainingState:
-        tensors: dict[str, torch.Tensor] = {}
-        for k, v in self.net.state_dict().items():
-            tensors[f"w/net/{k}"] = v.detach().clone()
-        for k, v in self.vnorm.state_dict().items():
-            tensors[f"w/vnorm/{k}"] = v.clone()
-        groups: dict[str, Any] = {}
-        for oname, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
-            sd = opt.state_dict()
-            for idx, slots in sd["state"].items():
-                for key, value in slots.items():
-                    tensors[f"o/{oname}/{idx}/{key}"] = torch.as_tensor(value).detach().clone()
-            groups[oname] = [dict(g) for g in sd["param_groups"]]
-        tensors["rng/gen"] = self.gen.get_state()
-        pending = []
-        for i, s in enumerate(self.pending):
-            for name, arr in s.arrays.items():
-                tensors[f"p/{i}/{name}"] = torch.from_numpy(np.array(arr, copy=True))
-            pending.append({"sample_id": s.sample_id, "iteration": s.iteration,
-                            "version": s.version, "agent_index": s.agent_index,
-                            "codec": s.codec, "names": list(s.arrays)})
-        meta = {"agent": self.agent, "version": self.version, "param_groups": groups,
-                "pending": pending}
-        return st.TrainingState(tensors, meta)
-
-    def restore(self, state: st.TrainingState) -> None:
-        self._check_state(state)
-        t = state.tensors
-        self.net.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("w/net/")})
-        self.vnorm.load_state_dict({k[8:]: v for k, v in t.items() if k.startswith("w/vnorm/")})
-        for oname, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
-            opt_state: dict[int, dict[str, torch.Tensor]] = {}
-            for k, v in t.items():
-                if k.startswith(f"o/{oname}/"):
-                    _, _, idx, key = k.split("/", 3)
-                    opt_state.setdefault(int(idx), {})[key] = v.clone()
-            groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
-                      for g in state.meta["param_groups"][oname]]
-            opt.load_state_dict({"state": opt_state, "param_groups": groups})
-        self.gen.set_state(t["rng/gen"].clone())
-        self.version = int(state.meta["version"])
-        self.pending = [
-            MarlSample(p["sample_id"], p["iteration"], p["version"], p["agent_index"],
-                       {n: t[f"p/{i}/{n}"].numpy() for n in p["names"]}, p["codec"])
-            for i, p in enumerate(state.meta["pending"])]
+        self.cfg, self.layout = cfg, layout
+        super().__init__(layout.name, cfg.algorithm, build_net(cfg, layout),
+                         cfg.seed * 1009 + layout.index + 7)
 
 
 if TYPE_CHECKING:

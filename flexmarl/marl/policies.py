@@ -8,8 +8,7 @@ Also the one definition of what the rollout records per step and what a learner 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from flexmarl.marl.config import MarlRunConfig
 from flexmarl.policy.nets import NetConfigView, NetPolicy
 from flexmarl.training.algorithms import ippo
 from flexmarl.training.algorithms.mappo import MappoConfig
+from flexmarl.training.policy_learner import MarlSample  # noqa: F401 - its home before
 
 COMPRESSED = ("obs", "critic_x")  # the continuous payloads `store.compress_obs` compresses
 
@@ -39,19 +39,6 @@ class PolicyLayout:
     obs_dim: int
     critic_dim: int
     spec: ActionSpec
-
-
-@dataclass
-class MarlSample:
-    """One store row on its way to a training slot: its arrays as the store holds them
-    (observations FP16 + zstd when `store.compress_obs`, decoded by the learner)."""
-
-    sample_id: str
-    iteration: int
-    version: int
-    agent_index: int  # within its policy
-    arrays: dict[str, np.ndarray]
-    codec: dict[str, Any] = field(default_factory=dict)
 
 
 def group_spec(agents: list[str], specs: dict[str, ActionSpec], env_id: str) -> ActionSpec:

@@ -25,6 +25,7 @@ from flexmarl.graph.chat import PromptRenderer
 from flexmarl.graph.executor import GraphExecutor, NodeCall, TaskCodeError
 from flexmarl.graph.meg import MEG, EpisodeContext, GraphError
 from flexmarl.graph.task import Task
+from flexmarl.orchestrator.networks import NetworkActors, NetworkAgentError
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.policy.model import stable_seed
 from flexmarl.policy.tokenizer import model_vocab
@@ -172,7 +173,8 @@ class EpisodeRunner:
 
     def __init__(self, cfg: RunConfig, task: Task, store: ExperienceStore, rollout: RolloutPool,
                  telemetry: Telemetry, versions: Versions, trainable: list[str],
-                 on_group_ready: Callable[[], None]) -> None:
+                 on_group_ready: Callable[[], None],
+                 networks: NetworkActors | None = None) -> None:
         self.cfg = cfg
         self.task = task
         self.graph = task.graph
@@ -189,6 +191,8 @@ class EpisodeRunner:
         self.versions = versions
         self.trainable = trainable
         self.on_group_ready = on_group_ready
+        # network-policy agents (hybrid graphs): their nodes act in the episode's environment
+        self.networks = networks
         self.iterations: dict[int, IterationState] = {}
         self._started: dict[int, asyncio.Event] = {}
         self.start_iteration = 0
@@ -220,6 +224,8 @@ class EpisodeRunner:
         episode_start = self.telemetry.now()
 
         async def call(node: NodeCall) -> list[int]:
+            if node.segment is not None or self.cfg.agents[node.agent].network is not None:
+                return await self._segment(it, ctx, node, vector, rows, step_rewards)
             name, agent, prompt = node.name, node.agent, node.prompt
             # wrong types, token ids outside the vocabulary, empty or over-long prompts, a zero
             # budget: a bug in the task, not a flaky episode: stop the run with the node named
@@ -260,6 +266,8 @@ class EpisodeRunner:
             )
             return result.tokens
 
+        step_rewards: dict[str, float] = {}
+
         def count_level(name: str, task: asyncio.Task) -> None:
             # ran, skipped, failed or cancelled with its episode: the stage barrier counts it
             task.add_done_callback(functools.partial(self._node_resolved, it, self.level[name]))
@@ -271,7 +279,7 @@ class EpisodeRunner:
         try:
             await self.executor.run(ctx, call, skip=skipped,
                                     on_task=count_level if it.stage_open else None)
-            rewards = self._score(ctx, rows)
+            rewards = self._score(ctx, rows, step_rewards)
             labels = self.executor.node_labels(ctx, rows)
         except (TaskCodeError, EpisodeFailure) as exc:
             error = str(exc)
@@ -300,6 +308,36 @@ class EpisodeRunner:
         it.episodes_done += 1
         if it.episodes_done == it.episodes_total:
             self._rollout_finished(it)
+
+    async def _segment(self, it: IterationState, ctx: EpisodeContext, node: NodeCall,
+                       vector: dict[str, int], rows: dict[str, Row],
+                       step_rewards: dict[str, float]) -> list[int]:
+        """A network agent's node: its segment of steps in the episode's environment, one
+        row of its table (the arrays its learner trains on)."""
+        name, agent = node.name, node.agent
+        if node.segment is None or self.networks is None or agent not in self.networks:
+            kind = "a network policy" if node.segment is None else "an LLM"
+            what = "a prompt" if node.segment is None else "an EnvSegment"
+            raise NetworkAgentError(f"node {name!r}: agent {agent!r} is {kind}, but the "
+                                    f"node's prompt builder returned {what}")
+        if it.stage_open:
+            await it.stage_open[self.level[name]].wait()
+        version = vector[agent]
+        await self.versions.gate(agent, version).wait()
+        sample_id = make_sample_id(ctx.input_id, self.turns[name], ctx.trajectory_id)
+        rows[name] = self.store.add(Row(
+            sample_id=sample_id, agent=agent, node=name, input_id=ctx.input_id,
+            turn=self.turns[name], trajectory_id=ctx.trajectory_id, iteration=it.index,
+            policy_version=version, version_vector=vector,
+        ))
+        started = self.telemetry.now()
+        seg = await self.networks.run_segment(agent, version, node.segment, sample_id)
+        it.node_latency[name].append(self.telemetry.now() - started)
+        step_rewards[name] = seg.reward_sum
+        self.store.set_generated(agent, sample_id,
+                                 {"prompt": [], "response": seg.actions,
+                                  "step_reward": seg.reward_sum}, seg.arrays)
+        return seg.actions
 
     def _failed(self, it: IterationState, ctx: EpisodeContext, rows: dict[str, Row],
                 error: str) -> None:
@@ -369,12 +407,17 @@ class EpisodeRunner:
             it.rollout_finished_at = self.telemetry.now()
             it.rollout_done.set()
 
-    def _score(self, ctx: EpisodeContext, rows: dict[str, Row]) -> dict[str, float]:
+    def _score(self, ctx: EpisodeContext, rows: dict[str, Row],
+               step_rewards: dict[str, float] | None = None) -> dict[str, float]:
         """Credit assignment across the graph (`train.credit`): each node that ran gets
         team * team reward + node * its own reward + a discounted share of the own rewards of
-        the nodes downstream of it (upstream_discount ** hops)."""
+        the nodes downstream of it (upstream_discount ** hops). A network node without a
+        `reward=` of its own has the sum of its step rewards as its own reward."""
         team = self.executor.team_reward(ctx)
         own = self.executor.node_rewards(ctx, rows)
+        for name, total in (step_rewards or {}).items():
+            if self.graph.nodes[name].reward is None:
+                own[name] = total
         out = assign_credit(team, own, self.downstream, self.cfg.train.credit)
         for name, value in out.items():
             if not np.isfinite(value):
@@ -402,6 +445,12 @@ class EpisodeRunner:
                 continue
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
+            if self.cfg.agents[agent].network is not None:
+                # per-step advantages come from GAE in the learner (they need its critic's
+                # value normaliser); the row's scalar is its credited reward
+                for sid, reward in zip(ids, rewards, strict=True):
+                    self._set_ready(it, agent, sid, reward)
+                continue
             algo_cfg = self.cfg.agents[agent].algorithm
             previous = (self.previous_stats(it.index, agent)
                         if self.normalize(agent) == "agent_previous" else None)
@@ -486,6 +535,8 @@ class EpisodeRunner:
     def normalize(self, agent: str) -> str:
         """`algorithm.normalize` of a GRPO agent (group, agent, batch or agent_previous);
         others: group."""
+        if self.cfg.agents[agent].network is not None:
+            return "group"
         return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
 
     def previous_stats(self, k: int, agent: str) -> tuple[float, float] | None:
@@ -521,7 +572,8 @@ class EpisodeRunner:
                     if agent in ids:
                         ids[agent].append(sid)
         rewards = {a: [self.store.table(a).get(s).data["reward"] for s in ids[a]] for a in ids}
-        pooled = [r for a in self.trainable for r in rewards[a]]
+        pooled = [r for a in self.trainable for r in rewards[a]
+                  if self.cfg.agents[a].network is None]  # LLM agents' rewards only
         for agent in wide:
             if not ids[agent]:
                 continue

@@ -50,6 +50,7 @@ from flexmarl.orchestrator.episodes import (
     assign_credit,
 )
 from flexmarl.orchestrator.metrics import FailureBudget, FailureBudgetExceeded, IterationMetrics
+from flexmarl.orchestrator.networks import NetworkActors, NetworkRollout, network_agents
 from flexmarl.orchestrator.schedules import schedule_for
 from flexmarl.orchestrator.training import MicroBatchTrainer, TrainingDiverged
 from flexmarl.orchestrator.versions import Versions
@@ -84,6 +85,10 @@ class JointOrchestrator:
         on `request_stop`; `resume` (a checkpoint.Checkpoint) continues a run where it left."""
         self.cfg = cfg
         self.task = task
+        # hybrid graphs: network agents act in the episodes, LLM agents on the replicas
+        self.networks = NetworkActors(cfg) if network_agents(cfg) else None
+        if self.networks is not None:
+            rollout = NetworkRollout(rollout, self.networks)
         self.rollout = rollout
         self.train = train
         self.telemetry = telemetry
@@ -99,7 +104,8 @@ class JointOrchestrator:
         self.records: list[dict[str, Any]] = []
         self.episodes = EpisodeRunner(cfg, task, self.store, rollout, telemetry,
                                       self.version_book, self.trainable,
-                                      on_group_ready=lambda: self.trainer.wake())
+                                      on_group_ready=lambda: self.trainer.wake(),
+                                      networks=self.networks)
         self.trainer = MicroBatchTrainer(cfg, self.episodes, self.store, train, telemetry,
                                          self.version_book, self.agents, self.trainable,
                                          step_allowed=asyncio.Event())
@@ -122,7 +128,8 @@ class JointOrchestrator:
             graph = self.episodes.graph
             self.plan_nodes = [(n, graph.nodes[n].agent, list(graph.nodes[n].inputs))
                                for n in self.episodes.order]
-            self.served = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"]
+            self.served = [a for a in self.agents if cfg.agents[a].backend.kind != "openai"
+                           and cfg.agents[a].network is None]
             self.planner = Planner(cfg.pipeline.mode, Policy(balance=cfg.rollout.balance))
             self._train_seen: dict[str, dict[str, float]] = {}
             self.episodes.plan_next = self._plan_next

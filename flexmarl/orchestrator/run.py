@@ -51,6 +51,7 @@ class RunResult:
 def prepare(cfg: RunConfig) -> Task:
     """Build and validate everything that can be checked before any worker starts."""
     task = load_task(cfg.task.builder, cfg.task.options, cfg.agents)
+    task.resolve_networks(cfg.agents, f"task.builder {cfg.task.builder}")
     task.graph.validate(cfg.agents.keys())
     used = set(task.graph.agents)
     for agent in cfg.agents:

@@ -15,6 +15,7 @@ from flexmarl.api.runtime import TrainPool
 from flexmarl.config.schema import RunConfig
 from flexmarl.errors import UserError
 from flexmarl.orchestrator.episodes import EpisodeRunner, IterationState
+from flexmarl.orchestrator.networks import network_samples
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.store.experience import ExperienceStore, Row, Status
 from flexmarl.telemetry.recorder import Telemetry
@@ -22,6 +23,10 @@ from flexmarl.telemetry.recorder import Telemetry
 
 class TrainingDiverged(UserError, RuntimeError):
     """More optimizer steps were skipped for NaN/inf than `train.max_skipped_steps` allows."""
+
+
+class EpisodesFailed(RuntimeError):
+    """An agent's iteration has no rows to train on: its episodes all failed."""
 
 
 class MicroBatchTrainer:
@@ -81,6 +86,10 @@ class MicroBatchTrainer:
         queued: list[asyncio.Future] = []
         try:
             await self._queue_micro_batches(agent, k, it, taken, queued)
+            if self.cfg.agents[agent].network is not None and not self.consumed[agent][k]:
+                # a network learner has nothing to step on: say why instead
+                raise EpisodesFailed(f"agent {agent!r}: no rows in iteration {k} (every episode "
+                                     f"failed; the first: {self.episodes.first_error})")
             await self.step_allowed.wait()  # a checkpoint is reading trainer states: no step
             step = asyncio.ensure_future(self.train.step(agent))
             queued.append(step)
@@ -156,8 +165,10 @@ class MicroBatchTrainer:
             for fut in queued:  # a failed micro-batch fails the iteration now
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise fut.exception()  # type: ignore[misc]
-            queued.append(asyncio.ensure_future(
-                self._accumulate(agent, rows, self.store.micro_batch(agent, rows))))
+            batch = (network_samples(self.store, rows)
+                     if self.cfg.agents[agent].network is not None
+                     else self.store.micro_batch(agent, rows))
+            queued.append(asyncio.ensure_future(self._accumulate(agent, rows, batch)))
 
     async def _accumulate(self, agent: str, rows: list[Row], batch: Any) -> None:
         await self.train.accumulate(agent, batch)

@@ -39,7 +39,8 @@ from flexmarl.api.runtime import TrainPool, WorkerLost
 from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training import state as st
 from flexmarl.training.allocator import Lease, SlotAllocator
-from flexmarl.training.learner import Learner, published_form
+from flexmarl.training.learner import Learner, NetworkLearner, published_form
+from flexmarl.training.policy_learner import agent_learner
 from flexmarl.training.state import state_to_numpy
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ def published(trainer: Learner, publisher: Any = None, rank: int = 0) -> Any:
     if rank > 0:
         trainer.weights()  # collective: each bucket is all-gathered on every rank
         return None
-    if publisher is not None:
+    # a network policy's weights are small and go to the driver, where its episodes act
+    if publisher is not None and not isinstance(trainer, NetworkLearner):
         return publisher.keep(trainer.agent, trainer.version, trainer.weights())
     return published_form(trainer)
 
@@ -132,6 +134,9 @@ class TrainHost:
             raise SlotError(f"agent {agent!r} is not in the run's config "
                             f"(agents: {sorted(self.cfg.agents)})")
         acfg = self.cfg.agents[agent]
+        if acfg.network is not None:  # a hybrid run's network agent: MAPPO / IPPO
+            self.builds += 1
+            return agent_learner(agent, acfg, self.cfg.seed)
         shared = None
         if self.world > 1:
             return self._build_sharded(agent)

@@ -469,8 +469,10 @@ class LocalRuntime(Runtime):
             self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
             swap_dir = self._swap_tmp.name
 
-        # agents served by an external endpoint need no model in the replicas
-        local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"]
+        # agents served by an external endpoint need no model in the replicas, nor network
+        # agents (hybrid graphs: they act in the episodes, orchestrator/networks.py)
+        local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"
+                        and cfg.agents[a].network is None]
         # the ranks (devices) of each training slot, largest first; rank 0 is the slot's worker
         self.slot_sizes = rt.train_slot_sizes(len(trainable))
         n_train = len(self.slot_sizes)

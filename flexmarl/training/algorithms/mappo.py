@@ -29,47 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 
-from flexmarl.config.schema import Strict
+# the config lives with the run config's other algorithm configs (agents with a `network`
+# name it); kept importable from here, beside the algorithm
+from flexmarl.config.schema import MappoConfig
 from flexmarl.policy.nets import NetPolicy
-
-
-class MappoConfig(Strict):
-    """MAPPO (centralised critic) or IPPO (decentralised critics): clipped PPO with GAE."""
-
-    name: Literal["mappo", "ippo"] = "mappo"
-    # MAPPO's critic input: the environment's global state() or the concatenated observations;
-    # IPPO's critic sees the agent's own observation (this field must stay unset)
-    critic_input: Literal["state", "concat_obs"] | None = None
-    lr: float = Field(7e-4, gt=0)
-    critic_lr: float = Field(7e-4, gt=0)
-    adam_eps: float = Field(1e-5, gt=0)
-    gamma: float = Field(0.99, ge=0, le=1)
-    gae_lambda: float = Field(0.95, ge=0, le=1)
-    clip_eps: float = Field(0.2, gt=0)
-    epochs: int = Field(10, gt=0)
-    minibatches: int = Field(1, gt=0)
-    entropy_coef: float = Field(0.01, ge=0)
-    value_coef: float = Field(1.0, ge=0)
-    value_norm: bool = True
-    clip_value: bool = True
-    huber_delta: float | None = Field(10.0, gt=0)  # None: squared error
-    normalize_advantages: bool = True
-    max_grad_norm: float | None = Field(10.0, gt=0)
-
-    @model_validator(mode="after")
-    def _critic(self) -> MappoConfig:
-        if self.name == "ippo" and self.critic_input is not None:
-            raise ValueError("critic_input: IPPO's critics see each agent's own observation; "
-                             "leave critic_input unset or use name: mappo")
-        if self.name == "mappo" and self.critic_input is None:
-            self.critic_input = "state"
-        return self
-
 
 METRICS = ("loss/policy", "loss/value", "entropy", "kl", "clip_frac", "grad_norm", "lr")
 
