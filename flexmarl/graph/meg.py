@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from flexmarl.errors import UserError
+
+if TYPE_CHECKING:
+    from flexmarl.graph.envs import EnvSegment
 
 
 class GraphError(UserError, ValueError):
@@ -113,7 +116,9 @@ class EpisodeContext:
         return self.texts[node]
 
 
-PromptValue = NodePrompt | TextPrompt | str | list[dict[str, str]]
+# a network-policy agent's node returns an `EnvSegment` (graph/envs.py, which builds on this
+# module: named here for the type checker only)
+PromptValue = Union[NodePrompt, TextPrompt, str, list[dict[str, str]], "EnvSegment"]  # noqa: UP007
 PromptBuilder = Callable[[EpisodeContext], PromptValue]
 RewardFn = Callable[[EpisodeContext], float]
 # The true class of a node's decision (a judge's "the answer was right"), for label-balanced

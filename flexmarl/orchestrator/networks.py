@@ -12,6 +12,7 @@ whatever the order its episodes interleave in.
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from flexmarl.graph.envs import EnvSegment
 from flexmarl.graph.meg import GraphError
 from flexmarl.planning.planner import Plan
 from flexmarl.policy.model import stable_seed
+from flexmarl.policy.nets import NetPolicy
 from flexmarl.store.experience import Row
 from flexmarl.training.policy_learner import MarlSample, agent_network
 from flexmarl.training.state import from_wire
@@ -57,6 +59,7 @@ class NetworkActors:
         # initial weights as the learner's (same seed): a frozen agent keeps them
         self.nets = {a: agent_network(a, cfg.agents[a], cfg.seed) for a in network_agents(cfg)}
         self.versions = dict.fromkeys(self.nets, 0)
+        self.batchers = {a: ForwardBatcher(net) for a, net in self.nets.items()}
 
     def __contains__(self, agent: str) -> bool:
         return agent in self.nets
@@ -84,7 +87,6 @@ class NetworkActors:
         n_actions = net.actor.spec.logits_dim
         gen = torch.Generator().manual_seed(
             stable_seed(self.seed, "network", sample_id, version) % (2 ** 63))
-        ids = torch.zeros(1, dtype=torch.long)
         first = env.t == 0
         buf: dict[str, list[Any]] = defaultdict(list)
         actions: list[int] = []
@@ -98,12 +100,7 @@ class NetworkActors:
             self._check_sizes(agent, obs, cx)
             mask = (torch.ones(1, n_actions, dtype=torch.bool) if o.mask is None
                     else torch.as_tensor(np.asarray(o.mask, bool)).reshape(1, -1))
-            with torch.no_grad():  # (a decorator would not cover an async body)
-                out, _ = net.actor.step(net.actor_input(obs, ids), None, None)
-                dist = net.actor.dist(out, mask)
-                act = dist.sample(gen)
-                logp = dist.log_prob(act)
-                value = net.value(cx, ids)
+            act, logp, value = await self.batchers[agent].act(obs, cx, mask, gen)
             action = int(act[0, 0])
             reward, done = await env.act(agent, action)
             actions.append(action)
@@ -122,7 +119,7 @@ class NetworkActors:
             o = env.observe(agent)
             cx = torch.as_tensor(np.asarray(o.critic, np.float32)).reshape(1, -1)
             with torch.no_grad():
-                last = np.float32(net.value(cx, ids)[0])
+                last = np.float32(net.value(cx, torch.zeros(1, dtype=torch.long))[0])
         arrays = {name: np.asarray(vals) for name, vals in buf.items()}
         pad = segment.steps - len(actions)
         if pad:  # the episode ended inside the segment: rows of one agent stack to K steps
@@ -138,6 +135,58 @@ class NetworkActors:
                 f"agent {agent!r}: the environment gives observations of {obs.shape[1]} and "
                 f"critic inputs of {cx.shape[1]} features; Task.network_spaces says "
                 f"{net.obs_dim} and {net.critic_dim}")
+
+
+class ForwardBatcher:
+    """One forward pass for every episode's pending step of one network agent: the steps
+    submitted while the event loop runs one round of ready episodes are batched (a policy
+    forward of batch 1 costs about as much as one of batch 64 on a CPU). Each step's action
+    is drawn with its own node's generator, so which steps share a batch decides nothing but
+    float rounding."""
+
+    def __init__(self, net: NetPolicy) -> None:
+        self.net = net
+        self.queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator,
+                               asyncio.Future]] = []
+        self.batches = 0  # forward passes run (steps / batches: the batching achieved)
+        self.steps = 0
+
+    async def act(self, obs: torch.Tensor, cx: torch.Tensor, mask: torch.Tensor,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(action [1, 1], log-prob [1], value [1]) of one step."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        if not self.queue:
+            loop.call_soon(self._flush)
+        self.queue.append((obs, cx, mask, gen, fut))
+        return await fut
+
+    def _flush(self) -> None:
+        batch, self.queue = self.queue, []
+        net = self.net
+        try:
+            with torch.no_grad():
+                obs = torch.cat([b[0] for b in batch])
+                cx = torch.cat([b[1] for b in batch])
+                mask = torch.cat([b[2] for b in batch])
+                ids = torch.zeros(len(batch), dtype=torch.long)
+                out, _ = net.actor.step(net.actor_input(obs, ids), None, None)
+                dist = net.actor.dist(out, mask)
+                probs = dist.cats[0].probs
+                act = torch.stack([torch.multinomial(probs[i], 1, generator=b[3])
+                                   for i, b in enumerate(batch)]).to(torch.float32)
+                logp = dist.log_prob(act)
+                value = net.value(cx, ids)
+        except Exception as exc:  # noqa: BLE001 - every waiting step fails with it
+            for b in batch:
+                if not b[4].done():
+                    b[4].set_exception(exc)
+            return
+        self.batches += 1
+        self.steps += len(batch)
+        for i, b in enumerate(batch):
+            if not b[4].done():  # (an episode cancelled meanwhile)
+                b[4].set_result((act[i:i + 1], logp[i:i + 1], value[i:i + 1]))
 
 
 def _padding(name: str, a: np.ndarray, n: int) -> np.ndarray:

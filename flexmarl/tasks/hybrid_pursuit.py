@@ -5,8 +5,8 @@ The environment is MPE's `simple_spread_v3` (mpe2) with `pursuers` agents and as
 landmarks; its own reward is not used. An episode is `segments` segments of `segment_steps`
 steps. Each segment has a goal landmark, hidden from the pursuers; the coordinator sees the
 goal's *colour* (colour c marks landmark (c + shift) mod L: a code it must learn) and names a
-landmark (one token); for the segment's steps the pursuers see the named landmark (one-hot
-after their MPE observation) and move.
+landmark (one token); for the segment's steps the pursuers see the named landmark (after their
+MPE observation: its one-hot and its position relative to the pursuer) and move.
 
 Rewards, combined by `train.credit` (team * team + node * own + downstream shares):
 - a pursuer's step reward: minus its distance to the *named* landmark (its own reward is the
@@ -78,8 +78,13 @@ class PursuitSession(EnvSession):
         return out
 
     def observe(self, agent: str) -> Observation:
-        target = self._onehot()
-        own = self.obs[self.names[self.agents.index(agent)]]
+        """MPE's observation, then the named landmark: one-hot and relative position."""
+        named = self.named()
+        i = self.agents.index(agent)
+        where = (self.world.landmarks[named].state.p_pos
+                 - self.world.agents[i].state.p_pos).astype(np.float32)
+        target = np.concatenate([self._onehot(), where])
+        own = self.obs[self.names[i]]
         every = np.concatenate([self.obs[n] for n in self.names])
         return Observation(np.concatenate([own, target]), np.concatenate([every, target]))
 
@@ -149,8 +154,8 @@ def build_hybrid_pursuit(pursuers: int = 3, segments: int = 5, segment_steps: in
                  "goals": [int(g) for g in rng.integers(pursuers, size=segments)]}
                 for _ in range(n)]
 
-    spaces = NetworkSpaces(obs_dim=_mpe_obs(pursuers) + pursuers,
-                           critic_dim=pursuers * _mpe_obs(pursuers) + pursuers,
+    spaces = NetworkSpaces(obs_dim=_mpe_obs(pursuers) + pursuers + 2,
+                           critic_dim=pursuers * _mpe_obs(pursuers) + pursuers + 2,
                            actions=MPE_ACTIONS)
     return Task(graph=graph, sample_inputs=sample_inputs, vocab_size=vocab.size,
                 max_seq_len=8, network_spaces=dict.fromkeys(names, spaces))
