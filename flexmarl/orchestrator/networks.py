@@ -59,7 +59,10 @@ class NetworkActors:
         # initial weights as the learner's (same seed): a frozen agent keeps them
         self.nets = {a: agent_network(a, cfg.agents[a], cfg.seed) for a in network_agents(cfg)}
         self.versions = dict.fromkeys(self.nets, 0)
-        self.batchers = {a: ForwardBatcher(net) for a, net in self.nets.items()}
+        # runtime.deterministic: one step per forward pass, so a step's float rounding never
+        # depends on which other steps shared its batch (sync == async bit for bit)
+        self.batchers = {a: ForwardBatcher(net, cfg.runtime.deterministic)
+                         for a, net in self.nets.items()}
 
     def __contains__(self, agent: str) -> bool:
         return agent in self.nets
@@ -142,10 +145,11 @@ class ForwardBatcher:
     submitted while the event loop runs one round of ready episodes are batched (a policy
     forward of batch 1 costs about as much as one of batch 64 on a CPU). Each step's action
     is drawn with its own node's generator, so which steps share a batch decides nothing but
-    float rounding."""
+    float rounding; `exact` (runtime.deterministic) runs each step alone, so not even that."""
 
-    def __init__(self, net: NetPolicy) -> None:
+    def __init__(self, net: NetPolicy, exact: bool = False) -> None:
         self.net = net
+        self.exact = exact
         self.queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator,
                                asyncio.Future]] = []
         self.batches = 0  # forward passes run (steps / batches: the batching achieved)
@@ -156,9 +160,11 @@ class ForwardBatcher:
         """(action [1, 1], log-prob [1], value [1]) of one step."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        if not self.queue:
+        if not self.queue and not self.exact:
             loop.call_soon(self._flush)
         self.queue.append((obs, cx, mask, gen, fut))
+        if self.exact:
+            self._flush()
         return await fut
 
     def _flush(self) -> None:

@@ -7,6 +7,7 @@ tiny random LLM on a rollout replica, the network learners in a training slot.""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,9 +16,13 @@ from flexmarl.config.schema import ConfigError, NetworkSpaces, config_from_dict
 from flexmarl.graph.envs import EnvSegment, EnvSession, Observation
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import TaskLoadError
+from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.networks import NetworkActors, network_samples
-from flexmarl.orchestrator.run import train
+from flexmarl.orchestrator.run import prepare, train
 from flexmarl.store.experience import ExperienceStore, Row
+from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.testing.fakes import FakeRolloutPool
+from flexmarl.training.host import SlotPool, TrainHost
 from tests.orchestrator.hybrid_tasks import CELLS, build_line
 
 NETWORK = {"hidden": [16], "algorithm": {"name": "mappo", "epochs": 2}}
@@ -136,6 +141,62 @@ def test_config_names_what_a_network_agent_cannot_have():
         task.resolve_networks(cfg.agents)
 
 
+class InProcessSlots(SlotPool):
+    """One training slot in this process: the real `TrainHost` of the run's config."""
+
+    def __init__(self, host: TrainHost) -> None:
+        super().__init__(1)
+        self.host = host
+
+    async def _run(self, slot: int, command: str, payload: Any) -> Any:
+        await asyncio.sleep(0)
+        return self.host.handle(command, payload)[0]  # (result, trace label)
+
+
+def _in_process(mode: str, **over: Any) -> tuple[JointOrchestrator, FakeRolloutPool]:
+    """The orchestrator over a model-free rollout pool for the (frozen) LLM caller and the
+    network learners in an in-process slot: the whole hybrid path but the worker processes."""
+    raw = _raw(pipeline={"mode": mode}, **over)
+    raw["agents"]["caller"]["trainable"] = False
+    cfg = config_from_dict(raw)
+    task = prepare(cfg)
+    rollout = FakeRolloutPool(cfg.seed)
+    slots = InProcessSlots(TrainHost(cfg, task.vocab_size, task.max_seq_len))
+
+    async def main() -> JointOrchestrator:
+        orch = JointOrchestrator(cfg, task, rollout, slots, Telemetry(None))
+        await asyncio.wait_for(orch.run(), timeout=60)
+        return orch
+
+    return asyncio.run(main()), rollout
+
+
+def test_network_agents_train_beside_an_llm_agent_and_sync_equals_async():
+    runtime = dict(_raw()["runtime"], deterministic=True)
+    runs = {mode: _in_process(mode, runtime=runtime) for mode in ("sync", "async")}
+    rows = 2 * 2 * 2  # inputs x group x segments
+    for orch, rollout in runs.values():
+        for walker in ("walker0", "walker1"):
+            audit = orch.audit[walker]
+            assert len(audit) == len({sid for sid, _, _ in audit}) == 2 * rows
+            assert all(version == step and sid.startswith(f"{step}-")
+                       for sid, version, step in audit)
+            # each step's weights reached the episodes' actors, not the replicas
+            assert orch.networks is not None and orch.networks.versions[walker] == 2
+        assert not any(agent.startswith("walker") for agent, _, _ in rollout.published)
+        assert {g.agent for g in rollout.generated} == {"caller"}
+        last = orch.records[-1]
+        assert last["episodes/failed"] == 0 and np.isfinite(last["agent/walker0/reward_mean"])
+        assert last["agent/walker1/loss/value"] > 0 and "agent/caller/reward_mean" in last
+    # deterministic mode: the pipelines' records agree bit for bit (one step per forward)
+    sync, asyn = (runs[m][0].records for m in ("sync", "async"))
+    keys = [k for k in sync[-1] if k.startswith("agent/walker") and not k.endswith("_s")
+            and "per_s" not in k and "swap" not in k and "wait" not in k]
+    assert "agent/walker0/loss/policy" in keys
+    assert [[r[k] for k in keys] for r in sync] == [[r[k] for k in keys] for r in asyn]
+
+
+@pytest.mark.slow  # real worker processes: about 15 s on 2 loaded cores
 def test_hybrid_run_trains_llm_and_network_agents_on_their_own_rows(tmp_path):
     cfg = config_from_dict(_raw())
     result = train(cfg, tmp_path / "run")
