@@ -112,7 +112,9 @@ def _train(args: argparse.Namespace) -> int:
     print(f"metrics:     {out / 'metrics.jsonl'}")
     print(f"trace:       {out / 'trace.json'}  (open in chrome://tracing or ui.perfetto.dev)")
     for agent, path in result.checkpoints.items():
-        print(f"checkpoint:  {path / 'model.safetensors'}  [{agent}]")
+        # an LLM agent's save is a model folder, a network agent's the safetensors file
+        shown = path if path.suffix == ".safetensors" else path / "model.safetensors"
+        print(f"checkpoint:  {shown}  [{agent}]")
     print(f"next:        flexmarl doctor {out}   |   flexmarl report {out}")
     return 0
 
