@@ -196,7 +196,10 @@ def check_oscillation(run: Run) -> list[Finding]:
         its, rewards = run.series(f"agent/{agent}/reward_mean")
         _, clip_frac = run.series(f"agent/{agent}/clip_frac")
         _, kl = run.series(f"agent/{agent}/kl")
-        lr = run.agent_cfg(agent, "optim", "lr", default=None)
+        # a network agent (hybrid graphs) learns at network.algorithm.lr
+        lr_key = ("network.algorithm.lr" if run.agent_cfg(agent, "network") is not None
+                  else "optim.lr")
+        lr = run.agent_cfg(agent, *lr_key.split("."), default=None)
         reasons, cited = [], []
         if len(rewards) >= 6:
             d = [b - a for a, b in zip(rewards, rewards[1:], strict=False)]
@@ -224,8 +227,10 @@ def check_oscillation(run: Run) -> list[Finding]:
                 "learning rate too high: oscillating reward / policy moving too fast", "error",
                 metric, cited, "; ".join(reasons) + (f"; kl median {_median(kl):.3g}"
                                                      if kl else ""),
-                f"lower agents.{agent}.optim.lr by 0.8x{new}, repeat until reward_mean climbs "
-                "steadily; optim.schedule: cosine or warmup_steps also help", agent))
+                f"lower agents.{agent}.{lr_key} by 0.8x{new}, repeat until reward_mean "
+                "climbs steadily" + ("" if lr_key != "optim.lr" else
+                                     "; optim.schedule: cosine or warmup_steps also help"),
+                agent))
     return out
 
 
