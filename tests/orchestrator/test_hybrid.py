@@ -7,6 +7,7 @@ tiny random LLM on a rollout replica, the network learners in a training slot.""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from flexmarl.config.schema import ConfigError, NetworkSpaces, config_from_dict
 from flexmarl.graph.envs import EnvSegment, EnvSession, Observation
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import TaskLoadError
+from flexmarl.orchestrator.checkpoint import Checkpoint
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.networks import NetworkActors, network_samples
 from flexmarl.orchestrator.run import prepare, train
@@ -153,7 +155,8 @@ class InProcessSlots(SlotPool):
         return self.host.handle(command, payload)[0]  # (result, trace label)
 
 
-def _in_process(mode: str, **over: Any) -> tuple[JointOrchestrator, FakeRolloutPool]:
+def _in_process(mode: str, orchestrator: dict[str, Any] | None = None, **over: Any
+                ) -> tuple[JointOrchestrator, FakeRolloutPool]:
     """The orchestrator over a model-free rollout pool for the (frozen) LLM caller and the
     network learners in an in-process slot: the whole hybrid path but the worker processes."""
     raw = _raw(pipeline={"mode": mode}, **over)
@@ -164,7 +167,8 @@ def _in_process(mode: str, **over: Any) -> tuple[JointOrchestrator, FakeRolloutP
     slots = InProcessSlots(TrainHost(cfg, task.vocab_size, task.max_seq_len))
 
     async def main() -> JointOrchestrator:
-        orch = JointOrchestrator(cfg, task, rollout, slots, Telemetry(None))
+        orch = JointOrchestrator(cfg, task, rollout, slots, Telemetry(None),
+                                 **(orchestrator or {}))
         await asyncio.wait_for(orch.run(), timeout=60)
         return orch
 
@@ -194,6 +198,25 @@ def test_network_agents_train_beside_an_llm_agent_and_sync_equals_async():
             and "per_s" not in k and "swap" not in k and "wait" not in k]
     assert "agent/walker0/loss/policy" in keys
     assert [[r[k] for k in keys] for r in sync] == [[r[k] for k in keys] for r in asyn]
+
+
+def test_a_resumed_hybrid_run_equals_the_uninterrupted_one():
+    runtime = dict(_raw()["runtime"], deterministic=True)
+    train_cfg = dict(_raw()["train"], iterations=4, checkpoint_every=2)
+    saved: dict[int, Checkpoint] = {}
+
+    def save(completed: int, position: dict, states: dict, rows: list) -> str:
+        saved[completed] = Checkpoint(Path(f"ckpt-{completed}"), position, states, rows)
+        return f"ckpt-{completed}"
+
+    full, _ = _in_process("async", {"save_checkpoint": save}, runtime=runtime, train=train_cfg)
+    assert sorted(saved) == [2, 4]
+    resumed, _ = _in_process("async", {"resume": saved[2]}, runtime=runtime, train=train_cfg)
+    for walker in ("walker0", "walker1"):
+        assert resumed.audit[walker] == full.audit[walker]
+        assert [r[f"agent/{walker}/loss/policy"] for r in resumed.records] == \
+            [r[f"agent/{walker}/loss/policy"] for r in full.records]
+        assert resumed.networks.versions[walker] == full.networks.versions[walker] == 4
 
 
 @pytest.mark.slow  # real worker processes: about 15 s on 2 loaded cores
