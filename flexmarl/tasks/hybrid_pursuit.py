@@ -23,6 +23,7 @@ per `segment_steps` environment steps, each pursuer at every step.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,9 @@ def build_hybrid_pursuit(pursuers: int = 3, segments: int = 5, segment_steps: in
                              ("segment_steps", segment_steps, 1)):
         if not isinstance(value, int) or value < low:
             raise GraphError(f"task.options.{name}: must be an integer >= {low}, got {value!r}")
+    if importlib.util.find_spec("mpe2") is None:
+        raise GraphError("task.builder: the hybrid pursuit steps MPE's simple_spread world, "
+                         "from the mpe2 package: pip install 'flexmarl[marl]'")
     vocab = Vocabulary(segments, pursuers)
     names = [f"pursuer{i}" for i in range(pursuers)]
 
