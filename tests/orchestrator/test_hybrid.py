@@ -239,3 +239,16 @@ def test_hybrid_run_trains_llm_and_network_agents_on_their_own_rows(tmp_path):
     assert "agent/caller/reward_mean" in last
     assert set(result.checkpoints) == {"caller", "walker0", "walker1"}
     assert CELLS  # the caller names cells (the task's tokens)
+
+
+@pytest.mark.slow  # a Ray cluster started for the run: about 20 s
+def test_hybrid_run_on_ray_hosts_the_network_learners_in_slot_actors(tmp_path):
+    pytest.importorskip("ray")
+    cfg = config_from_dict(_raw(runtime={"kind": "ray", "rollout_workers": 1,
+                                         "train_workers": 1, "torch_threads": 1}))
+    result = train(cfg, tmp_path / "run")
+    last = result.records[-1]
+    assert last["episodes/failed"] == 0
+    for agent in ("caller", "walker0", "walker1"):
+        assert last[f"agent/{agent}/policy_version"] == cfg.train.iterations
+        assert len(result.audit[agent]) == cfg.train.iterations * 2 * 2 * 2
