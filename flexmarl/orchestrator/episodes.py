@@ -61,6 +61,8 @@ class IterationState:
     # class, where one verdict for every input shows as 1 on one class and 0 on the other
     label_rewards: dict[str, dict[str, list[float]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    # per node: an agent acting at several nodes (a judge that recomputes, then compares)
+    node_rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     groups: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
     groups_done: set[int] = field(default_factory=set)
     trained: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -287,6 +289,7 @@ class EpisodeRunner:
                                         labels.get(name))
                 if it.original(input_id):
                     it.rewards[row.agent].append(rewards[name])
+                    it.node_rewards[name].append(rewards[name])
                     if name in labels:
                         it.label_rewards[row.agent][labels[name]].append(rewards[name])
                 if row.agent not in self.trainable:  # no advantage will come: show it now
@@ -354,6 +357,7 @@ class EpisodeRunner:
                     row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
             if it.original(ctx.input_id):
                 it.rewards[row.agent].append(float(d["data"]["reward"]))
+                it.node_rewards[row.node].append(float(d["data"]["reward"]))
                 if "label" in d["data"]:
                     it.label_rewards[row.agent][d["data"]["label"]].append(
                         float(d["data"]["reward"]))
