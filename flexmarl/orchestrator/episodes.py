@@ -511,36 +511,38 @@ class EpisodeRunner:
     def _normalize_wide(self, it: IterationState) -> None:
         """Every group of the iteration is in: advantages of the agents whose GRPO normalises
         over more than one group. `agent`: over all of the agent's rows of the iteration (its
-        own mean and std, Dr. MAS's agent-wise normalisation); `batch`: over the rows of every
-        trainable agent (one global baseline). Rows of failed episodes take no part."""
+        own mean and std, Dr. MAS's agent-wise normalisation; an agent acting at several nodes,
+        a different job at each, over its rows of each node apart); `batch`: over the rows of
+        every trainable agent (one global baseline). Rows of failed episodes take no part."""
         wide = [a for a in self.trainable if self.normalize(a) in ("agent", "batch")]
         if not wide or it.wide_ready:
             it.wide_ready = True
             return
-        ids: dict[str, list[str]] = {a: [] for a in self.trainable}
+        # per agent, per node: the rows' sample ids, in a fixed order (sync == async)
+        ids: dict[str, dict[str, list[str]]] = {a: {} for a in self.trainable}
         for i in range(it.n_inputs):
             for episode in (e for gid in it.slot_groups(i) for e in it.groups[gid]):
                 for name, sid in sorted(episode.items()):
                     agent = self.graph.nodes[name].agent
                     if agent in ids:
-                        ids[agent].append(sid)
-        rewards = {a: [self.store.table(a).get(s).data["reward"] for s in ids[a]] for a in ids}
-        pooled = [r for a in self.trainable for r in rewards[a]]
+                        ids[agent].setdefault(name, []).append(sid)
+        rewards = {a: {n: [self.store.table(a).get(s).data["reward"] for s in sids]
+                       for n, sids in by_node.items()} for a, by_node in ids.items()}
+        pooled = [r for a in self.trainable for rs in rewards[a].values() for r in rs]
         for agent in wide:
-            if not ids[agent]:
-                continue
             algo_cfg = self.cfg.agents[agent].algorithm
-            if getattr(algo_cfg, "balance_labels", False):
-                assert isinstance(algo_cfg, GRPOConfig)  # balance_labels is a GRPO option
-                table = self.store.table(agent)
-                labels = [table.get(s).data.get("label", "") for s in ids[agent]]
-                advs = grpo.label_balanced_advantages(rewards[agent], labels, algo_cfg)
-            else:
-                advs = algorithms.get(algo_cfg.name).normalized_advantages(
-                    rewards[agent],
-                    pooled if self.normalize(agent) == "batch" else rewards[agent], algo_cfg)
-            for sid, adv in zip(ids[agent], advs, strict=True):
-                self._set_ready(it, agent, sid, adv)
+            for node, sids in sorted(ids[agent].items()):
+                own = rewards[agent][node]
+                if getattr(algo_cfg, "balance_labels", False):
+                    assert isinstance(algo_cfg, GRPOConfig)  # balance_labels is a GRPO option
+                    table = self.store.table(agent)
+                    labels = [table.get(s).data.get("label", "") for s in sids]
+                    advs = grpo.label_balanced_advantages(own, labels, algo_cfg)
+                else:
+                    advs = algorithms.get(algo_cfg.name).normalized_advantages(
+                        own, pooled if self.normalize(agent) == "batch" else own, algo_cfg)
+                for sid, adv in zip(sids, advs, strict=True):
+                    self._set_ready(it, agent, sid, adv)
         it.wide_ready = True
         self.on_group_ready()  # the trainers of those agents were waiting for this
 
