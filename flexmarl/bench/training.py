@@ -202,8 +202,11 @@ def _trl_setup(cfg: AgentConfig, vocab: int, batches: list[list[Sample]]) -> Any
                       max_grad_norm=cfg.optim.max_grad_norm or 1e9, report_to="none",
                       weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
                       adam_beta2=cfg.optim.betas[1], bf16=False)
-    trl = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(
-        completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["t3"] * rows}),
+    def no_reward(completions: list[Any], **_: Any) -> list[float | None]:
+        return [0.0] * len(completions)  # never called: the benchmark does not generate
+
+    trl = GRPOTrainer(model=model, reward_funcs=no_reward, args=args,
+                      train_dataset=Dataset.from_dict({"prompt": ["t3"] * rows}),
                       processing_class=tok)
     trl.create_optimizer_and_scheduler(num_training_steps=1000)
     return trl
