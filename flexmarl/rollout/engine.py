@@ -56,6 +56,7 @@ class _Sequence:
     admitted_at: float
     adapter: str | None = None  # the LoRA adapter its rows run through (shared-base models)
     blocks: list[int] = field(default_factory=list)  # its block table in the paged cache
+    share_key: tuple = ()  # `HFEngine._share_key` at admission (budgets of shared prompts)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -232,6 +233,7 @@ class ContinuousBatcher:
         # running sequences per share key (`_share_key`), and one request of each key
         self._running_keys: dict[tuple, int] = {}
         self._key_request: dict[tuple, GenerationRequest] = {}
+        self._key_memo: dict[int, tuple[GenerationRequest, int, tuple]] = {}
         # The paged cache: the token budget (admission control, `fits`) keeps every running
         # sequence within its blocks; one partly filled block per sequence on top. On a GPU the
         # pool is reserved at once (the budget is sized from rollout.kv_memory_fraction); on a
@@ -362,9 +364,19 @@ class ContinuousBatcher:
 
     def _share_key(self, request: GenerationRequest) -> tuple:
         """Requests with equal keys share their prompt's full blocks (a GRPO group: the
-        leader's at admission, a running member's through the prefix cache)."""
+        leader's at admission, a running member's through the prefix cache). The prompt enters
+        by length and hash (a collision could only misjudge one admission's budget; sharing
+        itself compares the tokens), computed once per request (admission asks often)."""
+        hit = self._key_memo.get(id(request))
+        if hit is not None and hit[0] is request and hit[1] == request.version:
+            return hit[2]
         adapter = None if self.adapters is None else self.adapters.get(request.agent)
-        return (request.agent, adapter, request.version, tuple(request.prompt))
+        key = (request.agent, adapter, request.version, len(request.prompt),
+               hash(tuple(request.prompt)))
+        if len(self._key_memo) > 4 * self.max_seqs + 256:
+            self._key_memo.clear()
+        self._key_memo[id(request)] = (request, request.version, key)
+        return key
 
     def _shared_tokens(self, request: GenerationRequest) -> int:
         return shared_prompt_tokens(len(request.prompt), self.block_size)
@@ -373,11 +385,21 @@ class ContinuousBatcher:
                take: Sequence[GenerationRequest] = ()) -> int:
         """KV tokens `request` may come to hold (prompt + its output limit), less the prompt
         blocks it would share with a running sequence or with a newcomer in `take`."""
-        key = self._share_key(request)
-        shares = any(self._share_key(t) == key for t in take) or (
-            self.prefix is not None and self._running_keys.get(key, 0) > 0)
+        seen = self._shared_keys(take)
+        return self._added(request, seen)
+
+    def _shared_keys(self, take: Sequence[GenerationRequest]) -> set[tuple]:
+        """Keys whose prompt blocks a newcomer would share: the running sequences' (found
+        through the prefix cache) and those of the newcomers `take`."""
+        seen = set(self._running_keys) if self.prefix is not None else set()
+        seen.update(self._share_key(t) for t in take)
+        return seen
+
+    def _added(self, request: GenerationRequest, seen: set[tuple]) -> int:
         full = len(request.prompt) + request.max_new_tokens
-        return full - self._shared_tokens(request) if shares else full
+        if self._share_key(request) in seen:
+            return full - self._shared_tokens(request)
+        return full
 
     def kv_budget_used(self) -> int:
         """The running batch's budget, each group's shared prompt blocks counted once."""
@@ -400,10 +422,13 @@ class ContinuousBatcher:
         it? Shared prompt blocks count once (a group of 8 on a 256-token prompt holds it once)."""
         if self.active + len(take) >= self.max_seqs:
             return False
-        used = self.kv_budget_used() + sum(self.budget(t, take[:i]) for i, t in enumerate(take))
+        seen = set(self._running_keys) if self.prefix is not None else set()
+        used = self.kv_budget_used()
+        for r in (*take, request):  # linear: keys are computed once per request
+            used += self._added(r, seen)
+            seen.add(self._share_key(r))
         # an empty batch always takes one request, however long, so nothing starves
-        return used + self.budget(request, take) <= self.max_tokens or (
-            self.active + len(take)) == 0
+        return used <= self.max_tokens or (self.active + len(take)) == 0
 
     # --- admission: batched prefill, merged into the running cache ---------------------------
     @torch.no_grad()
@@ -518,7 +543,7 @@ class ContinuousBatcher:
         start = len(self.seqs)
         self._merge(new, table, logits, state, temps, banned, rows)
         for s in new:  # admission budgets count each group's shared prompt blocks once
-            key = self._share_key(s.request)
+            s.share_key = key = self._share_key(s.request)
             self._running_keys[key] = self._running_keys.get(key, 0) + 1
             self._key_request.setdefault(key, s.request)
         return self._sample(start)
@@ -643,7 +668,7 @@ class ContinuousBatcher:
 
     def _release(self, seqs: list[_Sequence]) -> None:
         for s in seqs:
-            key = self._share_key(s.request)
+            key = s.share_key
             self._running_keys[key] -= 1
             if not self._running_keys[key]:
                 del self._running_keys[key], self._key_request[key]
