@@ -407,7 +407,7 @@ class EpisodeRunner:
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
             algo_cfg = self.cfg.agents[agent].algorithm
-            previous = (self.previous_stats(it.index, agent)
+            previous = (self.previous_stats(it.index, agent, name)
                         if self.normalize(agent) == "agent_previous" else None)
             if previous is not None:
                 assert isinstance(algo_cfg, GRPOConfig)  # normalize is a GRPO option
@@ -492,21 +492,24 @@ class EpisodeRunner:
         others: group."""
         return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
 
-    def previous_stats(self, k: int, agent: str) -> tuple[float, float] | None:
-        """`normalize: agent_previous`: the mean and std of `agent`'s rewards in the iteration
-        whose step made the weights iteration k samples with (k - 1; k - 2 in one_step_off),
-        or None (the first iterations: group baselines). That iteration's rollout is over by
-        then: the agent's step on it preceded these weights. After a resume they come from
-        the checkpoint's records."""
+    def previous_stats(self, k: int, agent: str, node: str) -> tuple[float, float] | None:
+        """`normalize: agent_previous`: the mean and std of `agent`'s rewards (at `node` alone
+        when the agent acts at several nodes, as `normalize: agent`) in the iteration whose
+        step made the weights iteration k samples with (k - 1; k - 2 in one_step_off), or None
+        (the first iterations: group baselines). That iteration's rollout is over by then: the
+        agent's step on it preceded these weights. After a resume they come from the
+        checkpoint's records."""
         source = k - 1 - self.cfg.pipeline.max_staleness
         if source < 0:
             return None
+        per_node = sum(n.agent == agent for n in self.graph.nodes.values()) > 1
         if source in self.resumed_stats:
-            return self.resumed_stats[source].get(agent)
+            return self.resumed_stats[source].get(f"node/{node}" if per_node else agent)
         past = self.iterations.get(source)
-        if past is None or not past.rewards.get(agent):
+        values = past and (past.node_rewards.get(node) if per_node else past.rewards.get(agent))
+        if not values:
             return None
-        return grpo.reward_stats(past.rewards[agent])
+        return grpo.reward_stats(values)
 
     def _normalize_wide(self, it: IterationState) -> None:
         """Every group of the iteration is in: advantages of the agents whose GRPO normalises

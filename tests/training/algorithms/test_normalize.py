@@ -231,3 +231,31 @@ def test_an_agent_at_two_nodes_is_normalised_per_node(tmp_path):
     for node in ("recompute", "check"):  # each node: mean and std of its own four rows
         r = np.array(rewards[node])
         assert advantages(node) == pytest.approx(list((r - r.mean()) / (r.std() + EPS))), node
+
+
+def test_agent_previous_of_an_agent_at_two_nodes_is_per_node(tmp_path):
+    cfg = config_from_dict({
+        "task": {"builder": "flexmarl.tasks.math:build_math_pair",
+                 "options": {"judge": "recompute"}},
+        "agents": {"solver": {"algorithm": {"name": "grpo", "normalize": "agent_previous"}},
+                   "checker": {"algorithm": {"name": "grpo", "normalize": "agent_previous"}}},
+        "train": {"iterations": 2, "inputs_per_iteration": 2, "group_size": 2},
+    })
+    task = load_task(cfg.task.builder, cfg.task.options)
+    orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
+    past = IterationState(index=0, episodes_total=4, n_inputs=2)
+    past.node_rewards.update({"recompute": [1.0, 0.0, 0.0, 0.0], "check": [1.0, 1.0, 0.0, 1.0],
+                              "solve": [0.0, 1.0, 1.0, 1.0]})
+    past.rewards.update({"checker": past.node_rewards["recompute"] + past.node_rewards["check"],
+                         "solver": past.node_rewards["solve"]})
+    orch.episodes.iterations[0] = past
+    assert orch.episodes.previous_stats(1, "checker", "check") == pytest.approx(
+        (0.75, math.sqrt(3) / 4))
+    assert orch.episodes.previous_stats(1, "checker", "recompute") == pytest.approx(
+        (0.25, math.sqrt(3) / 4))
+    assert orch.episodes.previous_stats(1, "solver", "solve") == pytest.approx(
+        (0.75, math.sqrt(3) / 4))  # one node: the agent's rows, as before
+    # after a resume: from the records' per-node figures
+    orch.episodes.iterations.clear()
+    orch.episodes.resumed_stats[0] = {"node/check": (0.5, 0.5), "checker": (0.4, 0.1)}
+    assert orch.episodes.previous_stats(1, "checker", "check") == (0.5, 0.5)
