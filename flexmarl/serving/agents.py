@@ -333,6 +333,10 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
         if name not in cfg.agents:
             raise ConfigError(f"--agent {name}: the run has no such agent (agents: "
                               f"{', '.join(cfg.agents)})")
+        if cfg.agents[name].network is not None:  # hybrid graphs (docs/hybrid.md)
+            llm = [a for a in cfg.agents if cfg.agents[a].network is None]
+            raise ServeError(f"agent {name!r} is a network policy: flexmarl serve serves LLM "
+                             f"agents; pick them with --agent ({', '.join(llm) or 'none'})")
     dev = pick_device(device)
     vocab = task.vocab_size if task is not None else 0
     max_seq_len = task.max_seq_len if task is not None else 64
