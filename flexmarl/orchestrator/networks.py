@@ -47,6 +47,11 @@ class SegmentResult:
     reward_sum: float
 
 
+def _is_ippo(cfg: RunConfig, agent: str) -> bool:
+    network = cfg.agents[agent].network
+    return network is not None and network.algorithm.name == "ippo"
+
+
 def network_agents(cfg: RunConfig) -> list[str]:
     return [a for a, acfg in cfg.agents.items() if acfg.network is not None]
 
@@ -59,6 +64,8 @@ class NetworkActors:
         # initial weights as the learner's (same seed): a frozen agent keeps them
         self.nets = {a: agent_network(a, cfg.agents[a], cfg.seed) for a in network_agents(cfg)}
         self.versions = dict.fromkeys(self.nets, 0)
+        # IPPO: the critic reads the agent's own observation (MAPPO: the session's critic input)
+        self.own_critic = {a: _is_ippo(cfg, a) for a in self.nets}
         # runtime.deterministic: one step per forward pass, so a step's float rounding never
         # depends on which other steps shared its batch (sync == async bit for bit)
         self.batchers = {a: ForwardBatcher(net, cfg.runtime.deterministic)
@@ -99,7 +106,8 @@ class NetworkActors:
                 break
             o = env.observe(agent)
             obs = torch.as_tensor(np.asarray(o.obs, np.float32)).reshape(1, -1)
-            cx = torch.as_tensor(np.asarray(o.critic, np.float32)).reshape(1, -1)
+            cx = (obs if self.own_critic[agent]
+                  else torch.as_tensor(np.asarray(o.critic, np.float32)).reshape(1, -1))
             self._check_sizes(agent, obs, cx)
             mask = (torch.ones(1, n_actions, dtype=torch.bool) if o.mask is None
                     else torch.as_tensor(np.asarray(o.mask, bool)).reshape(1, -1))
@@ -120,7 +128,8 @@ class NetworkActors:
         last = np.float32(0.0)
         if not env.done:  # bootstrap from the state the segment ends in
             o = env.observe(agent)
-            cx = torch.as_tensor(np.asarray(o.critic, np.float32)).reshape(1, -1)
+            cx = torch.as_tensor(np.asarray(o.obs if self.own_critic[agent] else o.critic,
+                                            np.float32)).reshape(1, -1)
             with torch.no_grad():
                 last = np.float32(net.value(cx, torch.zeros(1, dtype=torch.long))[0])
         arrays = {name: np.asarray(vals) for name, vals in buf.items()}

@@ -60,7 +60,9 @@ def agent_network(agent: str, acfg: AgentConfig, seed: int) -> NetPolicy:
                          n.orthogonal)
     with torch.random.fork_rng():
         torch.manual_seed(network_seed(seed, agent))
-        return NetPolicy([agent], spaces.obs_dim, spaces.critic_dim,
+        # IPPO's critic sees the agent's own observation; MAPPO's the session's critic input
+        critic_dim = spaces.obs_dim if n.algorithm.name == "ippo" else spaces.critic_dim
+        return NetPolicy([agent], spaces.obs_dim, critic_dim,
                          ActionSpec("discrete", nvec=(spaces.actions,)), view, n.obs_norm)
 
 

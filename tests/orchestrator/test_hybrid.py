@@ -89,17 +89,13 @@ def _actors() -> NetworkActors:
 
 def test_segment_rows_pad_after_the_episode_ends_and_sample_by_sample_id():
     actors = _actors()
-    actors.nets["a"] = actors.nets["walker0"]
-    actors.nets["b"] = actors.nets["walker1"]
-    actors.batchers["a"] = actors.batchers["walker0"]
-    actors.batchers["b"] = actors.batchers["walker1"]
-    actors.versions.update(a=0, b=0)
 
     async def episode():
         env = Counter(horizon=3)
+        env.agents = ["walker0", "walker1"]
         return await asyncio.gather(
-            actors.run_segment("a", 0, EnvSegment(env, 5), "0-0_1_0"),
-            actors.run_segment("b", 0, EnvSegment(env, 5), "0-0_2_0"))
+            actors.run_segment("walker0", 0, EnvSegment(env, 5), "0-0_1_0"),
+            actors.run_segment("walker1", 0, EnvSegment(env, 5), "0-0_2_0"))
 
     seg, other = asyncio.run(episode())
     assert len(seg.actions) == 3 and seg.reward_sum == 3.0
@@ -112,6 +108,27 @@ def test_segment_rows_pad_after_the_episode_ends_and_sample_by_sample_id():
     # the same sample id and version draw the same actions, whatever else runs beside it
     again, _ = asyncio.run(episode())
     assert again.actions == seg.actions and np.array_equal(again.arrays["logp"], arrays["logp"])
+
+
+def test_an_ippo_agents_critic_reads_its_own_observation():
+    raw = _raw()
+    raw["agents"]["walker0"]["network"] = {**NETWORK, "algorithm": {"name": "ippo"}}
+    cfg = config_from_dict(raw)
+    for name in ("walker0", "walker1"):
+        cfg.agents[name].network.spaces = NetworkSpaces(obs_dim=2, critic_dim=3, actions=3)
+    actors = NetworkActors(cfg)
+    assert actors.nets["walker0"].critic_dim == 2 and actors.nets["walker1"].critic_dim == 3
+
+    async def episode():
+        env = Counter(horizon=4)
+        env.agents = ["walker0", "walker1"]
+        return await asyncio.gather(
+            actors.run_segment("walker0", 0, EnvSegment(env, 2), "0-0_1_0"),
+            actors.run_segment("walker1", 0, EnvSegment(env, 2), "0-0_2_0"))
+
+    ippo, mappo = asyncio.run(episode())
+    assert ippo.arrays["critic_x"].shape == (2, 2) and mappo.arrays["critic_x"].shape == (2, 3)
+    assert np.array_equal(ippo.arrays["critic_x"], ippo.arrays["obs"])
 
 
 def test_credit_beyond_the_step_rewards_lands_on_the_last_live_step():
