@@ -105,12 +105,13 @@ class NetworkActors:
             if env.done:
                 break
             o = env.observe(agent)
-            obs = torch.as_tensor(np.asarray(o.obs, np.float32)).reshape(1, -1)
+            # copies: a session may hand out buffers it updates in place
+            obs = torch.tensor(np.asarray(o.obs), dtype=torch.float32).reshape(1, -1)
             cx = (obs if self.own_critic[agent]
-                  else torch.as_tensor(np.asarray(o.critic, np.float32)).reshape(1, -1))
+                  else torch.tensor(np.asarray(o.critic), dtype=torch.float32).reshape(1, -1))
             self._check_sizes(agent, obs, cx)
             mask = (torch.ones(1, n_actions, dtype=torch.bool) if o.mask is None
-                    else torch.as_tensor(np.asarray(o.mask, bool)).reshape(1, -1))
+                    else torch.tensor(np.asarray(o.mask), dtype=torch.bool).reshape(1, -1))
             act, logp, value = await self.batchers[agent].act(obs, cx, mask, gen)
             action = int(act[0, 0])
             reward, done = await env.act(agent, action)
