@@ -27,6 +27,7 @@ from flexmarl.testing.fakes import FakeRolloutPool
 from flexmarl.training.host import SlotPool, TrainHost
 from tests.orchestrator.hybrid_tasks import CELLS, build_line
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NETWORK = {"hidden": [16], "algorithm": {"name": "mappo", "epochs": 2}}
 
 
