@@ -38,6 +38,7 @@ from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.local.publication import PublishedRef, Publisher
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
+    BeatingPipe,
     WorkerSpec,
     rollout_worker_main,
     train_worker_main,
@@ -62,8 +63,10 @@ class ProcessLauncher(Launcher):
     def launch(self, pool: str, index: int, target: Any, spec: Any) -> tuple[Any, Any]:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=target, args=(child, spec),
+        beat = ctx.Value("d", time.monotonic(), lock=False)  # the worker's heartbeat clock
+        process = ctx.Process(target=target, args=(BeatingPipe(child, beat), spec),
                               name=f"flexmarl-{pool}-{index}", daemon=True)
+        process.beat = beat  # type: ignore[attr-defined]
         return conn, process
 
 
@@ -712,7 +715,9 @@ class Supervisor:
 
     async def _watch(self) -> None:
         """Checked every quarter interval: a worker (or a whole Ray node) gone silent is
-        declared lost at most a quarter interval after `heartbeat_misses` intervals."""
+        declared lost at most a quarter interval after `heartbeat_misses` intervals. A local
+        worker's beats are also read from its shared clock (`BeatingPipe`), so one sending a
+        large message is not mistaken for a silent one."""
         interval = self.cfg.heartbeat_interval_s
         limit = interval * self.cfg.heartbeat_misses
         while True:
@@ -722,6 +727,9 @@ class Supervisor:
             for w in self._workers():
                 if not w.alive or w.stopping:
                     continue
+                clock = getattr(w.process, "beat", None)
+                if clock is not None:
+                    w.last_beat = max(w.last_beat, clock.value)
                 if now - w.last_beat > limit:
                     w.kill(f"missed {self.cfg.heartbeat_misses} heartbeats "
                            f"({now - w.last_beat:.1f} s silent)")

@@ -63,6 +63,14 @@ class LockedConnection:
         with self._lock:
             self._conn.send(msg)
 
+    def send_if_free(self, msg: Any) -> None:
+        """Send unless another send holds the pipe (whose message will count as a beat)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._conn.send(msg)
+            finally:
+                self._lock.release()
+
     def recv(self) -> Any:
         return self._conn.recv()
 
@@ -70,16 +78,37 @@ class LockedConnection:
         return self._conn.poll(timeout)
 
 
+class BeatingPipe:
+    """A local worker's end of its pipe, with a clock in shared memory (`beat`, seconds of
+    `time.monotonic`, one clock for every process of the machine) that its heartbeat thread
+    sets. A beat on the pipe waits behind whatever the worker is sending: a large message (a
+    model's published weights) on a loaded machine can take longer than the heartbeat limit
+    to cross, and the worker would be declared lost while it works. Everything else is the
+    pipe's (`send`, `recv`, `poll`, ...)."""
+
+    def __init__(self, conn: Connection, beat: Any) -> None:
+        self.conn, self.beat = conn, beat
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("conn", "beat"):  # not set yet: unpickling in the worker
+            raise AttributeError(name)
+        return getattr(self.conn, name)
+
+
 def start_heartbeat(conn: Connection, spec: WorkerSpec) -> LockedConnection:
     """Beat every `spec.heartbeat_s` from a daemon thread, so a worker stuck in a long
-    computation still shows it is alive and a hung or frozen one shows that it is not."""
+    computation still shows it is alive and a hung or frozen one shows that it is not: into
+    the shared clock of a `BeatingPipe` (local processes), and on the pipe (every transport)."""
     locked = LockedConnection(conn)
+    clock = getattr(conn, "beat", None)
 
     def beat() -> None:
         while True:
             time.sleep(spec.heartbeat_s)
-            try:
-                locked.send((HEARTBEAT, True, time.time(), []))
+            if clock is not None:
+                clock.value = time.monotonic()
+            try:  # never behind a long send: the shared clock must keep beating
+                locked.send_if_free((HEARTBEAT, True, time.time(), []))
             except (OSError, ValueError):
                 return
 
