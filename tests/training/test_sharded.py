@@ -70,7 +70,9 @@ def _init(rank: int, world: int, store: str) -> None:
 def _k2_job(rank: int, out: str, k1_ckpt: str) -> None:
     _init(rank, 2, f"{out}/store")
     tr = ShardedAgentTrainer("a", _cfg(), VOCAB, 16, run_seed=0, device="cpu")
-    res: dict = {"nbytes": tr.local_nbytes(), "wire0": publish_form(tr.weights(), "a", 0)}
+    # built on the meta device, each rank materialising its shard from rank 0's weights
+    res: dict = {"nbytes": tr.local_nbytes(), "wire0": publish_form(tr.weights(), "a", 0),
+                 "meta_init": tr.meta_init}
     s = _samples(0)
     tr.accumulate(s[:4])
     tr.accumulate(s[4:])
@@ -180,8 +182,10 @@ def test_k2_gradients_and_weights_equal_one_device(k2, reference):
 
 def test_k2_publication_is_byte_equal_to_one_device(k2, reference):
     _, ranks = k2
-    # the same weights (both built from the seed) publish the same bytes
+    # the same weights (one device built them from the seed; the K=2 ranks on the meta device,
+    # filled from rank 0's) publish the same bytes
     for r in ranks:
+        assert r["meta_init"]
         assert r["wire0"][0] == reference["wire0"][0]
         assert np.array_equal(r["wire0"][1], reference["wire0"][1])
     header, buf = ranks[0]["wire"]
