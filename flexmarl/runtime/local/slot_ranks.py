@@ -203,8 +203,8 @@ def follower_main(setup_torch: Callable[[Any], None], args: tuple | None = None)
     from flexmarl.config.schema import RunConfig
     from flexmarl.training.host import TrainHost
 
-    own_process = args is None
-    if own_process:
+    own_process = args is None  # a child process of rank 0's, not a Ray actor
+    if args is None:
         args = pickle.loads(sys.stdin.buffer.read())
         leader_pid = args[4]
         _watch(lambda: os.getppid() == leader_pid, "rank 0 is gone")
