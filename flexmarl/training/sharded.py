@@ -11,9 +11,9 @@ one step of one device up to summation order.
 The model is built on the meta device on every rank (`meta_init`): FSDP shards the empty
 skeleton, each rank allocates its shard alone (`to_empty`), and rank 0, which alone builds the
 agent's full initial weights (on the CPU, from the seed as one device does), broadcasts them
-tensor by tensor into the shards (`set_model_state_dict(..., broadcast_from_rank0=True)`). So
-ranks 1..K-1 never hold more than their shard and one tensor in flight, and the weights are
-bit for bit those every rank would have built.
+one tensor at a time into the shards, freeing each as it goes (`materialize`). So ranks
+1..K-1 never hold more than their shard and one tensor in flight, rank 0 not more than the
+full weights once, and the weights are bit for bit those every rank would have built.
 
 All methods are collective: every rank of the group must call them in the same order (as the
 ranks of one training slot do, driven by one host).
@@ -34,14 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from flexmarl.config.schema import AgentConfig, ModelConfig
 from flexmarl.policy import adapters
@@ -99,18 +95,32 @@ def materialize(module: torch.nn.Module, source: torch.nn.Module | None,
                 device: torch.device, group: Any) -> None:
     """Allocate the shards of `module` (sharded on the meta device) on `device` and fill them
     from `source`, the same module with its full weights, which rank 0 of the default group
-    alone holds (None elsewhere): parameters and persistent buffers through DCP's broadcast
-    from rank 0 (one tensor at a time), the buffers outside the state dict (the rotary
-    embedding's frequencies) broadcast here. Collective."""
+    alone holds (None elsewhere). One tensor at a time: rank 0 broadcasts it, every rank keeps
+    its shard (`distribute_tensor`, no further communication), and rank 0 frees its full copy
+    at once, so no rank holds more than its shards plus one tensor beyond what it had (rank 0:
+    the rest of the full weights). Buffers (the rotary frequencies too, which the state dict
+    leaves out) are broadcast whole. Collective."""
     module.to_empty(device=device)
-    full = {} if source is None else source.state_dict()
-    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
-    given = {} if source is None else dict(source.named_buffers())
+    given = dict(source.named_parameters()) if source is not None else {}
+    given_buffers = dict(source.named_buffers()) if source is not None else {}
     with torch.no_grad():
+        for name, param in module.named_parameters():
+            if source is not None:
+                held = given.pop(name)
+                full = held.detach().to(device, copy=True)
+                held.data = torch.empty(0, dtype=held.dtype)  # rank 0's full copy goes now
+            else:
+                full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            dist.broadcast(full, src=0, group=group)
+            if isinstance(param, DTensor):
+                param.copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                              src_data_rank=None))
+            else:
+                param.copy_(full)
+            del full
         for name, buffer in module.named_buffers():
             if source is not None:
-                buffer.copy_(given[name])
+                buffer.copy_(given_buffers[name])
             dist.broadcast(buffer, src=0, group=group)
 
 
