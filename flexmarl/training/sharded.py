@@ -21,6 +21,7 @@ ranks of one training slot do, driven by one host).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import shutil
@@ -124,6 +125,16 @@ def materialize(module: torch.nn.Module, source: torch.nn.Module | None,
             dist.broadcast(buffer, src=0, group=group)
 
 
+def _trim_heap() -> None:
+    """Give the allocator's free pages back to the OS (glibc's `malloc_trim`): rank 0's full
+    copy of the weights and the ranks' broadcast buffers, freed tensor by tensor, would
+    otherwise stay in their resident heaps."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the pages stay until reused
+        pass
+
+
 def shard_shared_base(base: Any, agents: dict[str, AgentConfig], run_seed: int,
                       mesh: DeviceMesh) -> Any:
     """One peft model over a shared base with an adapter per agent (`adapters.adapter_name`,
@@ -210,8 +221,10 @@ class ShardedAgentTrainer(AgentTrainer):
                 if module is not None:
                     materialize(module, getattr(source, part) if source else None,
                                 self.device, self.group)
+            # rank 0's full copy and every rank's broadcast buffers go before training
             del source
-            gc.collect()  # rank 0's full copy goes before training allocates
+            gc.collect()
+            _trim_heap()
         # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet),
         # with AgentTrainer's groups and parameter order (actor, then critic, then value head)
         self.named_trainable = [
