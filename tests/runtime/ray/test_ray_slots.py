@@ -58,7 +58,7 @@ def test_one_slot_of_two_on_ray_equals_the_local_slot(tmp_path, ray_head):
     assert [r["agent/relay/train_world_size"] for r in records] == [2.0, 2.0]
 
 
-@pytest.mark.slow  # two runs, one on a Ray head: about a minute and a half on two cores
+@pytest.mark.slow  # two runs, one on a Ray head: about a minute on two cores
 def test_lora_agents_on_a_ray_slot_of_two_equal_the_local_slot(tmp_path, ray_head):
     """Two adapter agents on one shared base (the slot's one peft model, its base sharded
     once over the two rank actors) and an agent with its own base and adapter, time-sharing
