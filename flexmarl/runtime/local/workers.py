@@ -302,7 +302,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     cfg = RunConfig.model_validate(spec.config)
     leader = None
     if spec.slot_ranks:  # a sharded slot: this is rank 0, the others follow its commands
-        from flexmarl.runtime.local.slot_ranks import form_slot
+        from flexmarl.runtime.local.slot_ranks import end_rank, form_slot
 
         leader = form_slot(spec)
     host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir,
@@ -318,6 +318,8 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     serve_slot(conn, handle, side)
     if leader is not None:
         leader.stop()
+        # a local worker process ends here (`end_rank`); on Ray this main is an actor's thread
+        end_rank(exit_process=threading.current_thread() is threading.main_thread())
 
 
 def slot_follower_main(args: tuple | None = None) -> None:
