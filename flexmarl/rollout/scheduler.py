@@ -278,6 +278,36 @@ class ReplicaScheduler:
             events.append(Reply(key, agent, True, result))
         return events
 
+    # --- colocation ----------------------------------------------------------------------
+    def sleep(self) -> dict[str, int]:
+        """Every engine releases its device for a colocated trainer (`HFEngine.sleep`); the
+        replica must be idle (nothing running, queued or waiting to load). Returns the bytes
+        released summed over the engines; engines that hold nothing (scripted) are skipped."""
+        if self.queued() or any(e.active for e in self.engines.values()) or self.deferred:
+            raise RuntimeError(f"cannot sleep: {self.queued()} requests queued, "
+                               f"{sum(e.active for e in self.engines.values())} running, "
+                               f"{len(self.deferred)} weight loads deferred")
+        return self._each("sleep")
+
+    def wake(self) -> dict[str, int]:
+        """Every engine takes its device back before a rollout (`HFEngine.wake`)."""
+        return self._each("wake")
+
+    def memory(self) -> dict[str, Any]:
+        """What each engine holds now (`HFEngine.memory`), by engine key."""
+        return {g: e.memory() for g, e in self.engines.items()  # type: ignore[attr-defined]
+                if hasattr(e, "memory")}
+
+    def _each(self, command: str) -> dict[str, int]:
+        total = {"kv_bytes": 0, "weight_bytes": 0}
+        for engine in self.engines.values():
+            act = getattr(engine, command, None)
+            if act is None:
+                continue
+            for key, n in act().items():
+                total[key] = total.get(key, 0) + n
+        return total
+
     # --- versions ------------------------------------------------------------------------
     def _stale(self, key: Any, r: GenerationRequest) -> Reply:
         return Reply(key, r.agent, False, f"agent {r.agent!r}: request {r.sample_id} wants "

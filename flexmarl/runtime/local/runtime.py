@@ -421,6 +421,34 @@ class LocalRolloutPool(RolloutPool):
         """The planner's replicas per agent (critical path), over the demand plan."""
         self.balancer.follow(plan.iteration, plan.replica_indices())
 
+    async def sleep(self) -> dict[str, float]:
+        """`runtime.colocate`: every live replica frees its KV cache and moves its weights to
+        host memory (`HFEngine.sleep`; on a CPU the weights stay, only the KV cache goes);
+        publications while asleep load into the host copy."""
+        return await self._every_replica("sleep")
+
+    async def wake(self) -> dict[str, float]:
+        """`runtime.colocate`: every live replica loads its weights back onto its device and
+        allocates its KV cache again, before the next rollout."""
+        return await self._every_replica("wake")
+
+    async def _every_replica(self, command: str) -> dict[str, float]:
+        """`command` on every live replica at once: the wall seconds until the last one is
+        done, and the bytes summed over them. A replica lost meanwhile is skipped (its
+        restart comes up awake, with the latest weights)."""
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(w.call(command, None) for w in self.workers if w.alive),
+                                       return_exceptions=True)
+        out = {"seconds": time.perf_counter() - t0, "kv_bytes": 0.0, "weight_bytes": 0.0}
+        for r in results:
+            if isinstance(r, WorkerLost):
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            for key, n in r.items():
+                out[key] = out.get(key, 0.0) + n
+        return out
+
 
 class LocalTrainPool(SlotPool):
     """Training slots as worker processes (`train_worker_main`, each a `TrainHost`), bound to

@@ -155,6 +155,14 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                                          receive_collective(groups, *payload))
                 except Exception as exc:  # noqa: BLE001 - the driver recovers the peer
                     conn.send((msg_id, False, _error(exc), []))
+            elif command in ("sleep", "wake", "memory"):  # runtime.colocate
+                t0 = time.time()
+                try:
+                    result = getattr(sched, command)()
+                    spans = [] if command == "memory" else [(t0, time.time(), f"{command}:")]
+                    conn.send((msg_id, True, result, spans))
+                except Exception as exc:  # noqa: BLE001 - reported to the driver
+                    conn.send((msg_id, False, _error(exc), []))
             elif command == "stop":
                 running = False
                 conn.send((msg_id, True, None, []))

@@ -377,7 +377,12 @@ class SimRolloutWorker(_Common):
         self.wake.set()
 
     async def call(self, command: str, payload: Any) -> Any:
-        """`load_weights`, the one command the rollout pool sends a replica."""
+        """`load_weights`, and under `runtime.colocate` `sleep` / `wake` (their message round
+        trip only: on a CPU a replica frees and re-zeroes its KV pool, nothing the profile
+        measures; the weights stay where they are)."""
+        if command in ("sleep", "wake"):
+            await asyncio.sleep(2 * self._ipc("ipc_call", bytes=0))
+            return {"kv_bytes": 0, "weight_bytes": 0}
         if command != "load_weights":
             raise ValueError(f"simulated rollout worker: unknown command {command!r}")
         agent, version, _ = payload
