@@ -201,9 +201,9 @@ class PagedKVCache:
             if shape is None:
                 continue
             dims, dtype = shape
-            self.keys[layer] = torch.zeros(dims, dtype=dtype, device=self.device)
-            self.values[layer] = torch.zeros(dims, dtype=dtype, device=self.device)
-            allocated += 2 * self.keys[layer].numel() * self.keys[layer].element_size()
+            keys = torch.zeros(dims, dtype=dtype, device=self.device)
+            self.keys[layer], self.values[layer] = keys, torch.zeros_like(keys)
+            allocated += 2 * keys.numel() * keys.element_size()
         self._shapes = []
         return allocated
 

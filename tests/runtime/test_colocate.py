@@ -1,0 +1,138 @@
+"""Colocated pools on the local runtime (`runtime.colocate`, the marti presets): real worker
+processes pinned to the same cores, replicas that really release their KV cache while the
+trainers compute (asked of the replica processes themselves), and a colocated sync run equal
+bit for bit to the same sync run on separate pools."""
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from flexmarl.config.schema import ConfigError, load_config
+from flexmarl.config.systems import system_overrides
+from flexmarl.orchestrator.run import train
+
+RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
+# two short deterministic sync iterations; the training slot pinned to core 0 in both runs
+COMMON = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=4",
+          "train.group_size=2", "train.micro_batch_size=4", "runtime.train_cpus=[0]"]
+
+
+def _instrument(seen: dict[str, list]):
+    """`on_runtime`: ask every replica process what it holds whenever a training call starts
+    and right after each wake; note each worker's CPU affinity."""
+
+    def hook(runtime) -> None:
+        workers = runtime.rollout_workers
+
+        async def held() -> list[dict]:
+            return list(await asyncio.gather(*(w.call("memory", None) for w in workers)))
+
+        accumulate, step, wake = runtime.train.accumulate, runtime.train.step, runtime.rollout.wake
+
+        async def accumulate_seen(agent, batch):
+            seen["training"].append(await held())
+            return await accumulate(agent, batch)
+
+        async def step_seen(agent):
+            seen["training"].append(await held())
+            return await step(agent)
+
+        async def wake_seen():
+            out = await wake()
+            seen["woken"].append(await held())
+            return out
+
+        runtime.train.accumulate, runtime.train.step = accumulate_seen, step_seen
+        runtime.rollout.wake = wake_seen
+        seen["affinity"] = [os.sched_getaffinity(w.process.pid)
+                            for w in workers + runtime.train_workers]
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The marti preset (sync, colocated) and the same settings on separate pools."""
+    out = tmp_path_factory.mktemp("colocate")
+    seen: dict[str, list] = {"training": [], "woken": []}
+    colocated = load_config(RELAY, [*system_overrides("marti"), *COMMON])
+    apart = load_config(RELAY, [*system_overrides("marti"), *COMMON, "runtime.colocate=false"])
+    return (train(colocated, out / "colocated", on_runtime=_instrument(seen)),
+            train(apart, out / "apart"), seen)
+
+
+def test_colocated_replicas_sleep_while_training_runs(runs):
+    colocated, _, seen = runs
+    # every worker process, replicas and training slot, pinned to the same core
+    assert seen["affinity"] and all(a == {0} for a in seen["affinity"])
+    # asked of the replica processes: while any training call runs, no engine holds a KV pool
+    assert len(seen["training"]) >= 2 * 3  # an accumulate and a step per agent and iteration
+    for replicas in seen["training"]:
+        for engines in replicas:
+            assert engines and all(e["asleep"] and e["kv_pool_bytes"] == 0
+                                   for e in engines.values()), engines
+    # and after each wake every engine has its KV pool again, before the next rollout
+    assert len(seen["woken"]) == 1
+    assert all(not e["asleep"] and e["kv_pool_bytes"] > 0
+               for engines in seen["woken"][0] for e in engines.values())
+    first, second = colocated.records
+    assert first["pool/rollout/sleep_kv_bytes"] > 0 and first["pool/rollout/sleep_s"] > 0
+    assert "pool/rollout/wake_s" not in first  # awake from the start
+    assert second["pool/rollout/wake_kv_bytes"] == first["pool/rollout/sleep_kv_bytes"]
+    assert second["pool/rollout/sleep_weight_bytes"] == 0  # a CPU: the weights stay in place
+    trace = (colocated.out_dir / "trace.json").read_text()
+    assert '"sleep:' in trace and '"wake:' in trace
+
+
+def test_colocated_sync_run_equals_the_run_on_separate_pools(runs):
+    colocated, apart, _ = runs
+    assert colocated.checkpoints.keys() == apart.checkpoints.keys()
+    for agent, path in colocated.checkpoints.items():
+        a = load_file(str(path / "model.safetensors"))
+        b = load_file(str(apart.checkpoints[agent] / "model.safetensors"))
+        assert a.keys() == b.keys()
+        assert all((a[k] == b[k]).all() for k in a), agent
+    for x, y in zip(colocated.records, apart.records, strict=True):
+        assert x["task/success_rate"] == y["task/success_rate"]
+        assert x["agent/relay/reward_mean"] == y["agent/relay/reward_mean"]
+    assert "pool/rollout/sleep_s" not in apart.records[0]
+    assert all(r["agent/relay/grad_norm"] > 0 for r in colocated.records)  # it trained
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["runtime.colocate=true"],  # the example is async
+     "runtime.colocate: colocated replicas sleep while training runs, so rollout cannot "
+     "overlap training; it needs pipeline.mode=sync \\(got 'async'\\)"),
+    (["pipeline.mode=one_step_off", "runtime.colocate=true"], "got 'one_step_off'"),
+    (["pipeline.mode=sync", "runtime.colocate=true", "runtime.kind=ray"],
+     "runtime.colocate: colocated pools run on the local runtime only"),
+    (["pipeline.mode=sync", "runtime.colocate=true", "runtime.rollout_cpus=[0]",
+      "runtime.train_cpus=[0,1]"],
+     r"runtime.colocate: both pools compute on the same cpus, but runtime.rollout_cpus is "
+     r"\[0\] and runtime.train_cpus is \[0, 1\]"),
+    (["pipeline.train_agents=one_at_a_time"],
+     "pipeline.train_agents: 'one_at_a_time' orders the synchronous pipeline's training"),
+])
+def test_colocated_settings_refused_with_the_field(overrides, message):
+    if any("train_cpus=[0,1]" in o for o in overrides) and (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs")
+    with pytest.raises(ConfigError, match=message):
+        load_config(RELAY, overrides)
+
+
+def test_the_colocated_presets_are_what_the_simulator_models():
+    cfgs = {s: load_config(RELAY, system_overrides(s))
+            for s in ("marti", "marti-2025-05", "mas-rl-like", "sync-disaggregated")}
+    got = {s: (c.pipeline.mode, c.rollout.schedule, c.rollout.balance, c.runtime.colocate,
+               c.pipeline.train_agents) for s, c in cfgs.items()}
+    assert got == {
+        "marti": ("sync", "dependency", "static", True, "together"),
+        "marti-2025-05": ("sync", "stage", "static", True, "one_at_a_time"),
+        "mas-rl-like": ("sync", "stage", "shared", True, "one_at_a_time"),
+        "sync-disaggregated": ("sync", "stage", "static", False, "together"),
+    }
+    # the cores both pools are pinned to: every CPU this process may use, unless named
+    assert cfgs["marti"].runtime.colocated_cpus() == sorted(os.sched_getaffinity(0))
