@@ -129,3 +129,32 @@ def test_sleep_releases_the_kv_pool_and_wake_gives_the_same_tokens(model):
     with pytest.raises(RuntimeError, match="cannot sleep with 1 sequences running"):
         engine.sleep()
     assert torch.equal(engine.model.lm_head.weight, fresh_model.lm_head.weight)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_sleep_on_a_gpu_moves_the_weights_to_host_and_frees_the_device(model):
+    """On a GPU a sleeping engine holds nothing on the device (weights in pinned host memory,
+    KV pool freed, allocator cache emptied) and generates the same tokens once awake."""
+    import copy
+
+    import torch
+
+    from flexmarl.rollout.engine import HFEngine
+
+    reqs = _requests(4, seed=3)
+    base = torch.cuda.memory_allocated()
+    engine = HFEngine(copy.deepcopy(model).cuda(), max_seqs=4)
+    before = engine.run_to_completion(reqs)
+    held = engine.memory()
+    assert held["weights_device_bytes"] > 0 and held["kv_pool_bytes"] > 0
+    released = engine.sleep()
+    assert released["weight_bytes"] == held["weights_device_bytes"]
+    asleep = engine.memory()
+    assert asleep["weights_device_bytes"] == 0 and asleep["kv_pool_bytes"] == 0
+    assert all(p.is_pinned() for p in engine.model.parameters())
+    # nothing of the engine's left on the device (a few KB: its empty per-batch tensors)
+    assert torch.cuda.memory_allocated() - base < 1 << 16
+    engine.wake()
+    assert engine.memory()["weights_device_bytes"] == held["weights_device_bytes"]
+    after = engine.run_to_completion(reqs)
+    assert [r.tokens for r in before] == [r.tokens for r in after]
