@@ -67,6 +67,9 @@ class SyncSchedule(Schedule):
         figures.update({f"pool/rollout/{command}_s": stats["seconds"],
                         f"pool/rollout/{command}_kv_bytes": stats["kv_bytes"],
                         f"pool/rollout/{command}_weight_bytes": stats["weight_bytes"]})
+        # anything else the pool counted (a time-shared pool: its turns' switches)
+        figures.update({f"pool/rollout/{key}": value for key, value in stats.items()
+                        if key not in ("seconds", "kv_bytes", "weight_bytes")})
 
     async def drive(self, first: int, iterations: int) -> None:
         # Time-shared training slots (fewer than agents): train agent after agent, so each

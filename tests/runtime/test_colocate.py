@@ -53,6 +53,24 @@ def _instrument(seen: dict[str, list]):
     return hook
 
 
+def _watch_turns(seen: dict[str, list]):
+    """`on_runtime`: before each request goes to a replica, ask the replica processes which
+    engines are awake."""
+
+    def hook(runtime) -> None:
+        dispatch, workers = runtime.rollout._dispatch, runtime.rollout_workers
+
+        async def dispatch_seen(request, priority):
+            held = await asyncio.gather(*(w.call("memory", None) for w in workers))
+            seen["turns"].append((request.agent, [{a for a, e in engines.items()
+                                                   if not e["asleep"]} for engines in held]))
+            return await dispatch(request, priority)
+
+        runtime.rollout._dispatch = dispatch_seen
+
+    return hook
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The marti preset (sync, colocated) and the same settings on separate pools."""
@@ -62,6 +80,15 @@ def runs(tmp_path_factory):
     apart = load_config(RELAY, [*system_overrides("marti"), *COMMON, "runtime.colocate=false"])
     return (train(colocated, out / "colocated", on_runtime=_instrument(seen)),
             train(apart, out / "apart"), seen)
+
+
+def _same_checkpoints(x, y) -> None:
+    assert x.checkpoints.keys() == y.checkpoints.keys()
+    for agent, path in x.checkpoints.items():
+        a = load_file(str(path / "model.safetensors"))
+        b = load_file(str(y.checkpoints[agent] / "model.safetensors"))
+        assert a.keys() == b.keys()
+        assert all((a[k] == b[k]).all() for k in a), agent
 
 
 def test_colocated_replicas_sleep_while_training_runs(runs):
@@ -89,17 +116,28 @@ def test_colocated_replicas_sleep_while_training_runs(runs):
 
 def test_colocated_sync_run_equals_the_run_on_separate_pools(runs):
     colocated, apart, _ = runs
-    assert colocated.checkpoints.keys() == apart.checkpoints.keys()
-    for agent, path in colocated.checkpoints.items():
-        a = load_file(str(path / "model.safetensors"))
-        b = load_file(str(apart.checkpoints[agent] / "model.safetensors"))
-        assert a.keys() == b.keys()
-        assert all((a[k] == b[k]).all() for k in a), agent
+    _same_checkpoints(colocated, apart)
     for x, y in zip(colocated.records, apart.records, strict=True):
         assert x["task/success_rate"] == y["task/success_rate"]
         assert x["agent/relay/reward_mean"] == y["agent/relay/reward_mean"]
     assert "pool/rollout/sleep_s" not in apart.records[0]
     assert all(r["agent/relay/grad_norm"] > 0 for r in colocated.records)  # it trained
+
+
+def test_time_shared_pool_serves_one_agent_at_a_time(runs, tmp_path):
+    """mas-rl-like: one agent's engines awake at a time (asked of the replica before each of
+    its requests), switches counted, and the same checkpoints as the marti runs: turns change
+    when a request runs, never what it generates."""
+    _, apart, _ = runs
+    seen: dict[str, list] = {"turns": []}
+    cfg = load_config(RELAY, [*system_overrides("mas-rl-like"), *COMMON])
+    shared = train(cfg, tmp_path / "shared", on_runtime=_watch_turns(seen))
+    assert len(seen["turns"]) == 2 * 4 * 2 * 3  # iterations x inputs x group x nodes
+    for agent, awake in seen["turns"]:
+        assert all(engines == {agent} for engines in awake), (agent, awake)
+    # speaker, relay, listener in turn: the first iteration starts with all three awake
+    assert [r["pool/rollout/switches"] for r in shared.records] == [3, 3]
+    _same_checkpoints(shared, apart)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -158,8 +158,12 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
             elif command in ("sleep", "wake", "memory"):  # runtime.colocate
                 t0 = time.time()
                 try:
-                    result = getattr(sched, command)()
-                    spans = [] if command == "memory" else [(t0, time.time(), f"{command}:")]
+                    if command == "memory":
+                        result, spans = sched.memory(), []
+                    else:  # payload: the agents whose engines sleep or wake (None: all)
+                        result = getattr(sched, command)(payload)
+                        who = "+".join(payload) if payload else ""
+                        spans = [(t0, time.time(), f"{command}:{who}")]
                     conn.send((msg_id, True, result, spans))
                 except Exception as exc:  # noqa: BLE001 - reported to the driver
                     conn.send((msg_id, False, _error(exc), []))

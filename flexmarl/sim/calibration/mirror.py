@@ -36,6 +36,7 @@ from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
+from flexmarl.runtime.local.turns import time_shared
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
 from flexmarl.sim.runtime.clock import run_virtual
@@ -587,6 +588,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         costs = {a: float(approx_params(cfg.agents[a].model, task.vocab_size)) for a in local}
         balancer = Balancer(local, rt.rollout_workers, cfg.rollout.balance, costs)
         rollout = LocalRolloutPool(rworkers, balancer)  # type: ignore[arg-type]
+        if time_shared(cfg):
+            rollout.take_turns(local)
         train = LocalTrainPool(tworkers)  # type: ignore[arg-type]
         try:
             if rt.max_worker_restarts > 0:  # the supervisor's restart points, as in the runtime
