@@ -372,8 +372,8 @@ class RolloutConfig(Strict):
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     # hierarchical: capacity follows measured demand, requests go to the least-loaded replica
     # (in tokens); static: equal split and round robin, the peers' baseline; shared: every
-    # agent on every replica, round robin (with schedule stage, each turn's agents have the
-    # whole pool: MAS-RL's time-shared cluster)
+    # agent on every replica, round robin; with runtime.colocate, one agent holds the pool at
+    # a time, the others' engines asleep (MAS-RL's time-shared cluster)
     balance: Literal["hierarchical", "static", "shared"] = "hierarchical"
     # dependency: a node runs the moment its own episode's inputs exist (dependency-parallel);
     # stage: every node of graph level L waits until level L-1 is done in *every* episode of
