@@ -174,3 +174,30 @@ def test_the_colocated_presets_are_what_the_simulator_models():
     }
     # the cores both pools are pinned to: every CPU this process may use, unless named
     assert cfgs["marti"].runtime.colocated_cpus() == sorted(os.sched_getaffinity(0))
+
+
+def test_colocated_placements_share_the_devices_and_the_cores():
+    """On GPUs (a 2-GPU machine, as `plan_placements` is told) both pools see the same
+    device ids, every visible one unless a list is given; every process is pinned to the
+    same cores."""
+    from flexmarl.policy.device import plan_placements, slot_placements
+
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    cfg = load_config(RELAY, [*system_overrides("marti"), "runtime.rollout_workers=2",
+                              "runtime.train_workers=2"]).runtime
+    rollout, train_ = plan_placements(cfg, 2, 2, gpu_count=2)
+    slots = slot_placements(cfg, [1, 1], gpu_count=2)
+    assert [p.visible for p in rollout] == [(0,), (1,)] == [p.visible for p in train_]
+    assert [s[0].visible for s in slots] == [(0,), (1,)]
+    assert {p.cpus for p in [*rollout, *train_, *(s[0] for s in slots)]} == {cores}
+    one = load_config(RELAY, [*system_overrides("marti"), "runtime.train_devices=[1]",
+                              "runtime.train_cpus=[0]"]).runtime
+    rollout, _ = plan_placements(one, 1, 1, gpu_count=2)
+    assert rollout[0].visible == (1,) and rollout[0].cpus == (0,)
+    assert slot_placements(one, [1], gpu_count=2)[0][0].visible == (1,)
+    # separate pools on two GPUs: split, rollout first, the training slot unpinned
+    apart = load_config(RELAY, ["runtime.rollout_workers=1"]).runtime
+    rollout, _ = plan_placements(apart, 1, 1, gpu_count=2)
+    assert rollout[0].visible == (0,) and slot_placements(apart, [1], gpu_count=2)[0][0] \
+        .visible == (1,)
+    assert slot_placements(apart, [1], gpu_count=2)[0][0].cpus == ()
