@@ -5,6 +5,7 @@ bit for bit to the same sync run on separate pools."""
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,17 @@ def _instrument(seen: dict[str, list]):
 
         accumulate, step, wake = runtime.train.accumulate, runtime.train.step, runtime.rollout.wake
 
+        # the training call goes to the pool first (the pool runs an agent's calls in the
+        # order they come), the question to the replicas while it runs
         async def accumulate_seen(agent, batch):
+            call = asyncio.ensure_future(accumulate(agent, batch))
             seen["training"].append(await held())
-            return await accumulate(agent, batch)
+            return await call
 
         async def step_seen(agent):
+            call = asyncio.ensure_future(step(agent))
             seen["training"].append(await held())
-            return await step(agent)
+            return await call
 
         async def wake_seen():
             out = await wake()
@@ -201,3 +206,37 @@ def test_colocated_placements_share_the_devices_and_the_cores():
     assert rollout[0].visible == (0,) and slot_placements(apart, [1], gpu_count=2)[0][0] \
         .visible == (1,)
     assert slot_placements(apart, [1], gpu_count=2)[0][0].cpus == ()
+
+
+@pytest.mark.slow
+def test_a_replica_restarted_while_the_pool_sleeps_sleeps_too(runs, tmp_path):
+    """A replica killed (SIGKILL) while training runs is restarted asleep, wakes with the
+    others, and the run ends as the uninterrupted one does."""
+    _, apart, _ = runs
+    seen: dict[str, list] = {"after": []}
+
+    def hook(runtime) -> None:
+        accumulate, step, workers = (runtime.train.accumulate, runtime.train.step,
+                                     runtime.rollout_workers)
+
+        async def step_later(agent):  # one hop later, as the accumulates: the order stays
+            return await asyncio.ensure_future(step(agent))
+
+        async def accumulate_killing(agent, batch):
+            call = asyncio.ensure_future(accumulate(agent, batch))  # in order, see _instrument
+            if not seen.get("killed"):
+                seen["killed"] = [workers[0].process.pid]
+                os.kill(workers[0].process.pid, signal.SIGKILL)
+                while workers[0].process.pid == seen["killed"][0] or not workers[0].alive:
+                    await asyncio.sleep(0.05)  # the supervisor's restart
+                seen["after"].append(await workers[0].call("memory", None))
+            return await call
+
+        runtime.train.accumulate, runtime.train.step = accumulate_killing, step_later
+
+    cfg = load_config(RELAY, [*system_overrides("marti"), *COMMON])
+    result = train(cfg, tmp_path / "run", on_runtime=hook)
+    assert seen["after"] and all(e["asleep"] and e["kv_pool_bytes"] == 0
+                                 for e in seen["after"][0].values())
+    assert result.faults["recoveries"] and result.records[1]["pool/rollout/wake_s"] > 0
+    _same_checkpoints(result, apart)

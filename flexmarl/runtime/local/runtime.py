@@ -325,10 +325,22 @@ class LocalRolloutPool(RolloutPool):
         self.publisher: Publisher | None = None
         # runtime.colocate with rollout.balance shared: one agent holds the pool at a time
         self.turns: AgentTurns | None = None
+        self.asleep = False  # runtime.colocate: between `sleep` and `wake`
 
     def take_turns(self, agents: list[str]) -> None:
         """Time-share the pool among `agents`, one at a time (`runtime.local.turns`)."""
         self.turns = AgentTurns(agents, self._switch_turn)
+
+    async def match_sleep(self, replica: WorkerProxy) -> None:
+        """A replica restarted in place (the supervisor's) starts awake: it sleeps what the
+        pool's replicas sleep now (all of it while training runs; under turns, every agent
+        but the holder)."""
+        if self.turns is not None:
+            asleep = sorted(set(self.turns.agents) - self.turns.awake)
+            if asleep:
+                await replica.call("sleep", asleep)
+        elif self.asleep:
+            await replica.call("sleep", None)
 
     async def _switch_turn(self, sleep: list[str], wake: list[str]) -> float:
         t0 = time.perf_counter()
@@ -448,6 +460,7 @@ class LocalRolloutPool(RolloutPool):
         host memory (`HFEngine.sleep`; on a CPU the weights stay, only the KV cache goes);
         publications while asleep load into the host copy. Time-shared by turns: also the
         turns' switches during the rollout just done (`switches`, `switch_s`)."""
+        self.asleep = True
         out = await self._every_replica("sleep")
         if self.turns is not None:
             self.turns.asleep()
@@ -458,6 +471,7 @@ class LocalRolloutPool(RolloutPool):
         """`runtime.colocate`: every live replica loads its weights back onto its device and
         allocates its KV cache again, before the next rollout. Time-shared by turns: nothing
         here; each agent's engines wake when its turn comes."""
+        self.asleep = False
         if self.turns is not None:
             return {"seconds": 0.0, "kv_bytes": 0.0, "weight_bytes": 0.0}
         return await self._every_replica("wake")
@@ -822,6 +836,9 @@ class Supervisor:
                 await new.start()
                 if old.pool == "rollout":
                     await self._load_latest(new)
+                    match_sleep = getattr(self.rt.rollout, "match_sleep", None)
+                    if match_sleep is not None:  # runtime.colocate: asleep as the others are
+                        await match_sleep(new)
                 else:
                     await self._restore_trainers(new)
             except WorkerLost:

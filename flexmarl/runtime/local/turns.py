@@ -30,6 +30,7 @@ class AgentTurns:
     def __init__(self, agents: list[str],
                  switch: Callable[[list[str], list[str]], Awaitable[float]]) -> None:
         self.switch = switch
+        self.agents = list(agents)
         self.awake: set[str] = set(agents)  # replicas start with every engine awake
         self.holder: str | None = None
         self.pending: dict[str, int] = defaultdict(int)  # requests in flight per agent
