@@ -22,8 +22,9 @@ COMMON = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_
 
 
 def _instrument(seen: dict[str, list]):
-    """`on_runtime`: ask every replica process what it holds whenever a training call starts
-    and right after each wake; note each worker's CPU affinity."""
+    """`on_runtime`: ask every replica process what it holds while each training call runs
+    and, before each request goes to a replica, which engines are awake; note each worker's
+    CPU affinity."""
 
     def hook(runtime) -> None:
         workers = runtime.rollout_workers
@@ -31,7 +32,8 @@ def _instrument(seen: dict[str, list]):
         async def held() -> list[dict]:
             return list(await asyncio.gather(*(w.call("memory", None) for w in workers)))
 
-        accumulate, step, wake = runtime.train.accumulate, runtime.train.step, runtime.rollout.wake
+        accumulate, step = runtime.train.accumulate, runtime.train.step
+        dispatch = runtime.rollout._dispatch
 
         # the training call goes to the pool first (the pool runs an agent's calls in the
         # order they come), the question to the replicas while it runs
@@ -45,43 +47,26 @@ def _instrument(seen: dict[str, list]):
             seen["training"].append(await held())
             return await call
 
-        async def wake_seen():
-            out = await wake()
-            seen["woken"].append(await held())
-            return out
+        async def dispatch_seen(request, priority):
+            seen["turns"].append((request.agent, await held()))
+            return await dispatch(request, priority)
 
         runtime.train.accumulate, runtime.train.step = accumulate_seen, step_seen
-        runtime.rollout.wake = wake_seen
+        runtime.rollout._dispatch = dispatch_seen
         seen["affinity"] = [os.sched_getaffinity(w.process.pid)
                             for w in workers + runtime.train_workers]
 
     return hook
 
 
-def _watch_turns(seen: dict[str, list]):
-    """`on_runtime`: before each request goes to a replica, ask the replica processes which
-    engines are awake."""
-
-    def hook(runtime) -> None:
-        dispatch, workers = runtime.rollout._dispatch, runtime.rollout_workers
-
-        async def dispatch_seen(request, priority):
-            held = await asyncio.gather(*(w.call("memory", None) for w in workers))
-            seen["turns"].append((request.agent, [{a for a, e in engines.items()
-                                                   if not e["asleep"]} for engines in held]))
-            return await dispatch(request, priority)
-
-        runtime.rollout._dispatch = dispatch_seen
-
-    return hook
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The marti preset (sync, colocated) and the same settings on separate pools."""
+    """The mas-rl-like preset (sync, colocated, the pool time-shared by one agent at a time),
+    and the marti preset's settings on separate pools. (`marti` itself, colocated without
+    turns, runs in tests/sim/calibration/test_compare.py.)"""
     out = tmp_path_factory.mktemp("colocate")
-    seen: dict[str, list] = {"training": [], "woken": []}
-    colocated = load_config(RELAY, [*system_overrides("marti"), *COMMON])
+    seen: dict[str, list] = {"training": [], "turns": []}
+    colocated = load_config(RELAY, [*system_overrides("mas-rl-like"), *COMMON])
     apart = load_config(RELAY, [*system_overrides("marti"), *COMMON, "runtime.colocate=false"])
     return (train(colocated, out / "colocated", on_runtime=_instrument(seen)),
             train(apart, out / "apart"), seen)
@@ -106,20 +91,32 @@ def test_colocated_replicas_sleep_while_training_runs(runs):
         for engines in replicas:
             assert engines and all(e["asleep"] and e["kv_pool_bytes"] == 0
                                    for e in engines.values()), engines
-    # and after each wake every engine has its KV pool again, before the next rollout
-    assert len(seen["woken"]) == 1
-    assert all(not e["asleep"] and e["kv_pool_bytes"] > 0
-               for engines in seen["woken"][0] for e in engines.values())
     first, second = colocated.records
     assert first["pool/rollout/sleep_kv_bytes"] > 0 and first["pool/rollout/sleep_s"] > 0
     assert "pool/rollout/wake_s" not in first  # awake from the start
-    assert second["pool/rollout/wake_kv_bytes"] == first["pool/rollout/sleep_kv_bytes"]
     assert second["pool/rollout/sleep_weight_bytes"] == 0  # a CPU: the weights stay in place
     trace = (colocated.out_dir / "trace.json").read_text()
     assert '"sleep:' in trace and '"wake:' in trace
 
 
+def test_time_shared_pool_serves_one_agent_at_a_time(runs):
+    """mas-rl-like: before each request, only its agent's engines are awake (asked of the
+    replica); the switches are counted."""
+    colocated, _, seen = runs
+    assert len(seen["turns"]) == 2 * 4 * 2 * 3  # iterations x inputs x group x nodes
+    for agent, replicas in seen["turns"]:
+        for engines in replicas:
+            awake = {a for a, e in engines.items() if not e["asleep"]}
+            assert awake == {agent}, (agent, engines)
+    # speaker, relay, listener in turn: the first iteration starts with all three awake
+    assert [r["pool/rollout/switches"] for r in colocated.records] == [3, 3]
+    assert all(r["pool/rollout/switch_s"] > 0 for r in colocated.records)
+
+
 def test_colocated_sync_run_equals_the_run_on_separate_pools(runs):
+    """Sleeping, waking and turns change when a request runs, never what it generates: the
+    colocated, time-shared, turn-by-turn run ends with the same weights, bit for bit, as the
+    run on separate pools."""
     colocated, apart, _ = runs
     _same_checkpoints(colocated, apart)
     for x, y in zip(colocated.records, apart.records, strict=True):
@@ -127,22 +124,6 @@ def test_colocated_sync_run_equals_the_run_on_separate_pools(runs):
         assert x["agent/relay/reward_mean"] == y["agent/relay/reward_mean"]
     assert "pool/rollout/sleep_s" not in apart.records[0]
     assert all(r["agent/relay/grad_norm"] > 0 for r in colocated.records)  # it trained
-
-
-def test_time_shared_pool_serves_one_agent_at_a_time(runs, tmp_path):
-    """mas-rl-like: one agent's engines awake at a time (asked of the replica before each of
-    its requests), switches counted, and the same checkpoints as the marti runs: turns change
-    when a request runs, never what it generates."""
-    _, apart, _ = runs
-    seen: dict[str, list] = {"turns": []}
-    cfg = load_config(RELAY, [*system_overrides("mas-rl-like"), *COMMON])
-    shared = train(cfg, tmp_path / "shared", on_runtime=_watch_turns(seen))
-    assert len(seen["turns"]) == 2 * 4 * 2 * 3  # iterations x inputs x group x nodes
-    for agent, awake in seen["turns"]:
-        assert all(engines == {agent} for engines in awake), (agent, awake)
-    # speaker, relay, listener in turn: the first iteration starts with all three awake
-    assert [r["pool/rollout/switches"] for r in shared.records] == [3, 3]
-    _same_checkpoints(shared, apart)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -64,8 +64,13 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     assert (marti.pipeline.mode, marti.rollout.balance, marti.runtime.colocate) == (
         "sync", "static", True)
     assert marti.runtime.rollout_cpus is None and marti.runtime.train_cpus is None
-    metrics = (tmp_path / "out" / "marti-0" / "metrics.jsonl").read_text()
-    assert '"pool/rollout/sleep_s"' in metrics
+    first, second = [json.loads(line) for line in
+                     (tmp_path / "out" / "marti-0" / "metrics.jsonl").read_text().splitlines()
+                     if line.startswith('{"iteration"')]
+    # the replica's KV pool freed after each rollout, allocated again (the same bytes, as the
+    # replica counted them) by the wake before the next
+    assert first["pool/rollout/sleep_kv_bytes"] > 0 and "pool/rollout/wake_s" not in first
+    assert second["pool/rollout/wake_kv_bytes"] == first["pool/rollout/sleep_kv_bytes"]
     run_cfg = load_config(tmp_path / "out" / "flexmarl-0" / "config.yaml")
     with pytest.raises(ConfigError, match="--pin: pools pinned apart need 2 CPUs or more"):
         pinned_overrides(1)
