@@ -8,7 +8,14 @@ import argparse
 
 import torch
 
-from flexmarl.bench.training import _agent, _batches, bench_overhead, bench_slots, bench_swap
+from flexmarl.bench.training import (
+    _agent,
+    _batches,
+    bench_overhead,
+    bench_slots,
+    bench_swap,
+    trl_same_step,
+)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
@@ -43,6 +50,18 @@ if __name__ == "__main__":
         print(f"    FlexMARL AgentTrainer: {r['flexmarl_tps']:.1f} tokens/s")
         print(f"    plain PyTorch loop:    {r['plain_tps']:.1f} tokens/s")
         print(f"    framework overhead:    {100 * r['overhead']:+.1f}%", flush=True)
+        same = trl_same_step(cfg, vocab, _batches(vocab, 1, 8, 48, 12, seed=1)[0]) \
+            if cfg.lora is None else None
+        if same is not None:
+            print(f"    same step as TRL's:    loss {same['loss']:.6f} vs {same['trl_loss']:.6f}, "
+                  f"grad norm {same['grad_norm']:.6f} vs {same['trl_grad_norm']:.6f}")
+        if "trl_tps" in r:
+            print(f"    TRL GRPOTrainer loss:  {r['trl_tps']:.1f} tokens/s (same batches, no "
+                  "generation)")
+            print(f"    FlexMARL step / TRL's: {r['vs_trl']:.2f}x time (goal <= 0.80)",
+                  flush=True)
+        else:
+            print("    (TRL: not installed; pip install 'flexmarl[bench]' to compare)")
     if "c" not in args.skip:
         rows = bench_slots(args.slots_config, ["train.iterations=5", "runtime.torch_threads=1"],
                            [1, 2, 3])

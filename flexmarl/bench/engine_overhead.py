@@ -364,7 +364,7 @@ def kv_footprint(model: Any, reqs: list[Any], max_seqs: int) -> dict[str, float]
     paged, padded, fraction = [], [], []
     while queue or engine.seqs:
         take: list[Any] = []
-        while queue and engine.fits(queue[0], len(take)):
+        while queue and engine.fits(queue[0], take):
             take.append(queue.pop(0))
         engine.admit(take)
         if engine.seqs:

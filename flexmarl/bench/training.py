@@ -3,7 +3,9 @@
 (a) swap-out + swap-in of a full training state (weights + AdamW moments + grads) between host
     memory and disk, and between two processes (torch.distributed, gloo), in MB/s;
 (b) tokens/s of one agent's micro-batch loop through `AgentTrainer` vs a plain PyTorch loop
-    doing the same forward / backward / AdamW step on the same batches (rounds alternating);
+    doing the same forward / backward / AdamW step on the same batches, and (with `trl`
+    installed, the `bench` extra) vs TRL's `GRPOTrainer` computing the same GRPO loss on the
+    same batches, without generation (rounds alternating);
 (c) three agents with 1, 2 and 3 training slots: training-pool busy fraction, swaps and wall
     time per iteration.
 """
@@ -178,12 +180,95 @@ def _plain_iteration(model, params, opt, batches: list[list[Sample]], clip: floa
     opt.zero_grad(set_to_none=True)
 
 
+def _trl_setup(cfg: AgentConfig, vocab: int, batches: list[list[Sample]]) -> Any:
+    """TRL's GRPOTrainer on the same model, optimizer settings and loss (`loss_type: grpo`:
+    each row's token mean, then the mean over rows; clip 0.2, no KL), or None without trl.
+    Its tokenizer and dataset are placeholders: the benchmark feeds token ids directly."""
+    try:  # optional: the `bench` extra
+        from datasets import Dataset
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        return None
+    model, _, _ = _plain_setup(cfg, vocab)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t2")
+    rows = len(batches[0])
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True,
+                      per_device_train_batch_size=rows, num_generations=rows,
+                      max_completion_length=max(len(s.response) for b in batches for s in b),
+                      beta=0.0, loss_type="grpo", epsilon=0.2, learning_rate=cfg.optim.lr,
+                      max_grad_norm=cfg.optim.max_grad_norm or 1e9, report_to="none",
+                      weight_decay=cfg.optim.weight_decay, adam_beta1=cfg.optim.betas[0],
+                      adam_beta2=cfg.optim.betas[1], bf16=False)
+    def no_reward(completions: list[Any], **_: Any) -> list[float | None]:
+        return [0.0] * len(completions)  # never called: the benchmark does not generate
+
+    trl = GRPOTrainer(model=model, reward_funcs=no_reward, args=args,
+                      train_dataset=Dataset.from_dict({"prompt": ["t3"] * rows}),
+                      processing_class=tok)
+    trl.create_optimizer_and_scheduler(num_training_steps=1000)
+    return trl
+
+
+def _trl_inputs(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """A batch as GRPOTrainer's loss reads it: prompts left-padded, completions right-padded,
+    the rollout's log-probs as `old_per_token_logps`."""
+    p = max(len(s.prompt) for s in samples)
+    c = max(len(s.response) for s in samples)
+    out = {k: torch.zeros((len(samples), n), dtype=torch.long) for k, n in (
+        ("prompt_ids", p), ("prompt_mask", p), ("completion_ids", c), ("completion_mask", c))}
+    old = torch.zeros((len(samples), c))
+    for i, s in enumerate(samples):
+        out["prompt_ids"][i, p - len(s.prompt):] = torch.tensor(s.prompt)
+        out["prompt_mask"][i, p - len(s.prompt):] = 1
+        out["completion_ids"][i, :len(s.response)] = torch.tensor(s.response)
+        out["completion_mask"][i, :len(s.response)] = 1
+        old[i, :len(s.response)] = torch.tensor(s.old_logprobs)
+    return {**out, "old_per_token_logps": old,
+            "advantages": torch.tensor([s.advantage for s in samples])}
+
+
+def trl_same_step(cfg: AgentConfig, vocab: int, batch: list[Sample]) -> dict[str, float] | None:
+    """The comparison's premise, checked: from the same initial weights, `AgentTrainer` and
+    TRL's GRPOTrainer compute the same loss and gradient norm on `batch` (None without trl)."""
+    trl = _trl_setup(cfg, vocab, [batch])
+    if trl is None:
+        return None
+    trainer = AgentTrainer("bench", cfg, vocab, 256, run_seed=0, total_steps=1)
+    trainer.accumulate(batch)
+    ours = trainer.step()
+    trl.model.train()
+    trl.current_gradient_accumulation_steps = 1
+    loss = trl.compute_loss(trl.model, _trl_inputs(batch))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(trl.model.parameters(), float("inf"))
+    return {"loss": ours["loss/policy"], "trl_loss": loss.item(),
+            "grad_norm": ours["grad_norm"], "trl_grad_norm": float(norm)}
+
+
+def _trl_iteration(trl: Any, batches: list[list[Sample]], clip: float) -> None:
+    """One optimizer step of TRL's GRPO over `batches` (gradient accumulation, as its
+    Trainer's loop: the loss over `current_gradient_accumulation_steps`, clip, step)."""
+    trl.model.train()
+    trl.current_gradient_accumulation_steps = len(batches)
+    for samples in batches:
+        trl.compute_loss(trl.model, _trl_inputs(samples)).backward()
+    torch.nn.utils.clip_grad_norm_(trl.model.parameters(), clip)
+    trl.optimizer.step()
+    trl.optimizer.zero_grad(set_to_none=True)
+
+
 def bench_overhead(cfg: AgentConfig, vocab: int, batches: list[list[Sample]],
                    rounds: int) -> dict[str, float]:
     trainer = AgentTrainer("bench", cfg, vocab, 256, run_seed=0, total_steps=rounds + 1)
     model, params, opt = _plain_setup(cfg, vocab)
+    trl = _trl_setup(cfg, vocab, batches) if cfg.lora is None else None
     tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
     times: dict[str, list[float]] = {"flexmarl": [], "plain": []}
+    if trl is not None:
+        times["trl"] = []
 
     def run_trainer(k: int) -> None:
         for b in batches:
@@ -191,19 +276,25 @@ def bench_overhead(cfg: AgentConfig, vocab: int, batches: list[list[Sample]],
                                        s.advantage, s.allowed, s.temperature, k) for s in b])
         trainer.step()
 
-    for r in range(rounds + 1):  # round 0 warms both up and is not counted
-        order = ("flexmarl", "plain") if r % 2 == 0 else ("plain", "flexmarl")
-        for who in order:
+    clip = cfg.optim.max_grad_norm or 1e9
+    for r in range(rounds + 1):  # round 0 warms them up and is not counted
+        names = list(times)
+        for who in names if r % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
             if who == "flexmarl":
                 run_trainer(r)
+            elif who == "plain":
+                _plain_iteration(model, params, opt, batches, clip)
             else:
-                _plain_iteration(model, params, opt, batches, cfg.optim.max_grad_norm or 1e9)
+                _trl_iteration(trl, batches, clip)
             if r > 0:
                 times[who].append(time.perf_counter() - t0)
-    f, p = statistics.median(times["flexmarl"]), statistics.median(times["plain"])
-    return {"tokens": tokens, "flexmarl_tps": tokens / f, "plain_tps": tokens / p,
-            "overhead": f / p - 1.0}
+    med = {who: statistics.median(t) for who, t in times.items()}
+    out = {"tokens": tokens, "flexmarl_tps": tokens / med["flexmarl"],
+           "plain_tps": tokens / med["plain"], "overhead": med["flexmarl"] / med["plain"] - 1.0}
+    if "trl" in med:  # the issue's goal: our step <= 0.8x TRL's
+        out |= {"trl_tps": tokens / med["trl"], "vs_trl": med["flexmarl"] / med["trl"]}
+    return out
 
 
 # --- (c) slots --------------------------------------------------------------------------------

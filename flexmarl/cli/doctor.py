@@ -336,11 +336,19 @@ def check_one_verdict(run: Run) -> list[Finding]:
             continue
         its = run.series(prefix + low[0])[0]
         per_class = ", ".join(f"{c} {means[c]:.2f}" for c in classes)
+        balanced = [v for v in run.series(f"agent/{agent}/balanced_reward_mean")[1] if v]
+        remedy = collapse_remedy(run, agent)
+        if balanced and max(balanced) <= 0.6:  # never better than chance on both classes
+            remedy = (f"{agent} never judged better than chance (balanced reward at most "
+                      f"{max(balanced):.2f}): its model may have no signal for this judgment "
+                      "to sharpen; measure it before training (benchmarks/judge_prior.py) and "
+                      "give the judge something it can check, e.g. its own answer first "
+                      "(tasks.math judge: recompute); then: " + remedy)
         out.append(Finding(
             "one verdict for every input: right on one true class, wrong on the other",
             "warning", prefix + low[0], its[-len(last[low[0]]):],
             f"reward by the node's true class over the last third of iterations: {per_class}",
-            collapse_remedy(run, agent), agent))
+            remedy, agent))
     return out
 
 

@@ -121,8 +121,9 @@ class GRPOConfig(_AlgorithmBase):
     scale_by_std: bool = True
     # The rewards an advantage is normalised against: group (the G trajectories of the same
     # input and node), agent (all of this agent's rows of the iteration: its own mean and std,
-    # Dr. MAS) or batch (every trainable agent's rows: one global baseline). agent and batch
-    # wait for the iteration's last episode before this agent's first micro-batch.
+    # Dr. MAS; an agent acting at several nodes, each node's rows apart) or batch (every
+    # trainable agent's rows: one global baseline). agent and batch wait for the iteration's
+    # last episode before this agent's first micro-batch.
     #
     # agent_previous: the mean and std of the agent's rows of the previous iteration (the
     # one before that in one_step_off): an agent-wise baseline like `agent` that needs nothing

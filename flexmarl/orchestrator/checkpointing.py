@@ -109,9 +109,12 @@ class CheckpointCoordinator:
         self.versions.current.update({a: int(v) for a, v in pos["versions"].items()})
         self.records[:] = list(pos["records"])
         for rec in self.records:  # normalize: agent_previous baselines of past iterations
-            self.episodes.resumed_stats[int(rec["iteration"])] = {
-                a: (float(rec[f"agent/{a}/reward_mean"]), float(rec[f"agent/{a}/reward_std"]))
-                for a in self.agents if f"agent/{a}/reward_std" in rec}
+            stats = {a: (float(rec[f"agent/{a}/reward_mean"]), float(rec[f"agent/{a}/reward_std"]))
+                     for a in self.agents if f"agent/{a}/reward_std" in rec}
+            stats |= {key[:-len("/reward_std")]: (float(rec[key[:-4] + "_mean"]), float(v))
+                      for key, v in rec.items()  # an agent acting at several nodes: per node
+                      if key.startswith("node/") and key.endswith("/reward_std")}
+            self.episodes.resumed_stats[int(rec["iteration"])] = stats
         for agent, per in pos["consumed"].items():
             for k, ids in per.items():
                 self.trainer.consumed[agent][int(k)] = list(ids)

@@ -61,6 +61,8 @@ class IterationState:
     # class, where one verdict for every input shows as 1 on one class and 0 on the other
     label_rewards: dict[str, dict[str, list[float]]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    # per node: an agent acting at several nodes (a judge that recomputes, then compares)
+    node_rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     groups: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
     groups_done: set[int] = field(default_factory=set)
     trained: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -289,6 +291,7 @@ class EpisodeRunner:
                                         labels.get(name))
                 if it.original(input_id):
                     it.rewards[row.agent].append(rewards[name])
+                    it.node_rewards[name].append(rewards[name])
                     if name in labels:
                         it.label_rewards[row.agent][labels[name]].append(rewards[name])
                 if row.agent not in self.trainable:  # no advantage will come: show it now
@@ -356,6 +359,7 @@ class EpisodeRunner:
                     row.agent, ctx.outputs[row.node], list(d["data"]["stop"]))
             if it.original(ctx.input_id):
                 it.rewards[row.agent].append(float(d["data"]["reward"]))
+                it.node_rewards[row.node].append(float(d["data"]["reward"]))
                 if "label" in d["data"]:
                     it.label_rewards[row.agent][d["data"]["label"]].append(
                         float(d["data"]["reward"]))
@@ -405,7 +409,7 @@ class EpisodeRunner:
             table = self.store.table(agent)
             rewards = [table.get(i).data["reward"] for i in ids]
             algo_cfg = self.cfg.agents[agent].algorithm
-            previous = (self.previous_stats(it.index, agent)
+            previous = (self.previous_stats(it.index, agent, name)
                         if self.normalize(agent) == "agent_previous" else None)
             if previous is not None:
                 assert isinstance(algo_cfg, GRPOConfig)  # normalize is a GRPO option
@@ -490,55 +494,60 @@ class EpisodeRunner:
         others: group."""
         return getattr(self.cfg.agents[agent].algorithm, "normalize", "group")
 
-    def previous_stats(self, k: int, agent: str) -> tuple[float, float] | None:
-        """`normalize: agent_previous`: the mean and std of `agent`'s rewards in the iteration
-        whose step made the weights iteration k samples with (k - 1; k - 2 in one_step_off),
-        or None (the first iterations: group baselines). That iteration's rollout is over by
-        then: the agent's step on it preceded these weights. After a resume they come from
-        the checkpoint's records."""
+    def previous_stats(self, k: int, agent: str, node: str) -> tuple[float, float] | None:
+        """`normalize: agent_previous`: the mean and std of `agent`'s rewards (at `node` alone
+        when the agent acts at several nodes, as `normalize: agent`) in the iteration whose
+        step made the weights iteration k samples with (k - 1; k - 2 in one_step_off), or None
+        (the first iterations: group baselines). That iteration's rollout is over by then: the
+        agent's step on it preceded these weights. After a resume they come from the
+        checkpoint's records."""
         source = k - 1 - self.cfg.pipeline.max_staleness
         if source < 0:
             return None
+        per_node = sum(n.agent == agent for n in self.graph.nodes.values()) > 1
         if source in self.resumed_stats:
-            return self.resumed_stats[source].get(agent)
+            return self.resumed_stats[source].get(f"node/{node}" if per_node else agent)
         past = self.iterations.get(source)
-        if past is None or not past.rewards.get(agent):
+        values = past and (past.node_rewards.get(node) if per_node else past.rewards.get(agent))
+        if not values:
             return None
-        return grpo.reward_stats(past.rewards[agent])
+        return grpo.reward_stats(values)
 
     def _normalize_wide(self, it: IterationState) -> None:
         """Every group of the iteration is in: advantages of the agents whose GRPO normalises
         over more than one group. `agent`: over all of the agent's rows of the iteration (its
-        own mean and std, Dr. MAS's agent-wise normalisation); `batch`: over the rows of every
-        trainable agent (one global baseline). Rows of failed episodes take no part."""
+        own mean and std, Dr. MAS's agent-wise normalisation; an agent acting at several nodes,
+        a different job at each, over its rows of each node apart); `batch`: over the rows of
+        every trainable agent (one global baseline). Rows of failed episodes take no part."""
         wide = [a for a in self.trainable if self.normalize(a) in ("agent", "batch")]
         if not wide or it.wide_ready:
             it.wide_ready = True
             return
-        ids: dict[str, list[str]] = {a: [] for a in self.trainable}
+        # per agent, per node: the rows' sample ids, in a fixed order (sync == async)
+        ids: dict[str, dict[str, list[str]]] = {a: {} for a in self.trainable}
         for i in range(it.n_inputs):
             for episode in (e for gid in it.slot_groups(i) for e in it.groups[gid]):
                 for name, sid in sorted(episode.items()):
                     agent = self.graph.nodes[name].agent
                     if agent in ids:
-                        ids[agent].append(sid)
-        rewards = {a: [self.store.table(a).get(s).data["reward"] for s in ids[a]] for a in ids}
-        pooled = [r for a in self.trainable for r in rewards[a]]
+                        ids[agent].setdefault(name, []).append(sid)
+        rewards = {a: {n: [self.store.table(a).get(s).data["reward"] for s in sids]
+                       for n, sids in by_node.items()} for a, by_node in ids.items()}
+        pooled = [r for a in self.trainable for rs in rewards[a].values() for r in rs]
         for agent in wide:
-            if not ids[agent]:
-                continue
             algo_cfg = self.cfg.agents[agent].algorithm
-            if getattr(algo_cfg, "balance_labels", False):
-                assert isinstance(algo_cfg, GRPOConfig)  # balance_labels is a GRPO option
-                table = self.store.table(agent)
-                labels = [table.get(s).data.get("label", "") for s in ids[agent]]
-                advs = grpo.label_balanced_advantages(rewards[agent], labels, algo_cfg)
-            else:
-                advs = algorithms.get(algo_cfg.name).normalized_advantages(
-                    rewards[agent],
-                    pooled if self.normalize(agent) == "batch" else rewards[agent], algo_cfg)
-            for sid, adv in zip(ids[agent], advs, strict=True):
-                self._set_ready(it, agent, sid, adv)
+            for node, sids in sorted(ids[agent].items()):
+                own = rewards[agent][node]
+                if getattr(algo_cfg, "balance_labels", False):
+                    assert isinstance(algo_cfg, GRPOConfig)  # balance_labels is a GRPO option
+                    table = self.store.table(agent)
+                    labels = [table.get(s).data.get("label", "") for s in sids]
+                    advs = grpo.label_balanced_advantages(own, labels, algo_cfg)
+                else:
+                    advs = algorithms.get(algo_cfg.name).normalized_advantages(
+                        own, pooled if self.normalize(agent) == "batch" else own, algo_cfg)
+                for sid, adv in zip(sids, advs, strict=True):
+                    self._set_ready(it, agent, sid, adv)
         it.wide_ready = True
         self.on_group_ready()  # the trainers of those agents were waiting for this
 

@@ -84,6 +84,9 @@ class IterationMetrics:
             out[f"agent/{agent}/top_response_frac"] = max(counts.values()) / n if n else 0.0
         for node, values in it.node_latency.items():
             out[f"node/{node}/latency_p50_s"] = quantile(values, 0.5)
+        for node, rewards in sorted(it.node_rewards.items()):
+            out[f"node/{node}/reward_mean"], out[f"node/{node}/reward_std"] = reward_stats(
+                rewards)
         if it.plan is not None:
             out["rollout/plan"] = it.plan
         return out

@@ -21,6 +21,7 @@ import inspect
 import logging
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ from flexmarl.rollout.paged import (
     PagedKVCache,
     PrefixCache,
     block_hashes,
+    shared_prompt_tokens,
 )
 
 
@@ -54,6 +56,7 @@ class _Sequence:
     admitted_at: float
     adapter: str | None = None  # the LoRA adapter its rows run through (shared-base models)
     blocks: list[int] = field(default_factory=list)  # its block table in the paged cache
+    share_key: tuple = ()  # `HFEngine._share_key` at admission (budgets of shared prompts)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -227,6 +230,10 @@ class ContinuousBatcher:
         self.vocab = model.config.vocab_size
         self.max_seqs = max_seqs
         self.seqs: list[_Sequence] = []
+        # running sequences per share key (`_share_key`), and one request of each key
+        self._running_keys: dict[tuple, int] = {}
+        self._key_request: dict[tuple, GenerationRequest] = {}
+        self._key_memo: dict[int, tuple[GenerationRequest, int, tuple]] = {}
         # The paged cache: the token budget (admission control, `fits`) keeps every running
         # sequence within its blocks; one partly filled block per sequence on top. On a GPU the
         # pool is reserved at once (the budget is sized from rollout.kv_memory_fraction); on a
@@ -358,30 +365,73 @@ class ContinuousBatcher:
             return len(self.seqs)
         return sum(1 for s in self.seqs if s.request.agent == agent)
 
-    def budget(self, request: GenerationRequest) -> int:
-        """KV tokens `request` may come to hold (prompt + its output limit)."""
-        return len(request.prompt) + request.max_new_tokens
+    def _share_key(self, request: GenerationRequest) -> tuple:
+        """Requests with equal keys share their prompt's full blocks (a GRPO group: the
+        leader's at admission, a running member's through the prefix cache). The prompt enters
+        by length and hash (a collision could only misjudge one admission's budget; sharing
+        itself compares the tokens), computed once per request (admission asks often)."""
+        hit = self._key_memo.get(id(request))
+        if hit is not None and hit[0] is request and hit[1] == request.version:
+            return hit[2]
+        adapter = None if self.adapters is None else self.adapters.get(request.agent)
+        key = (request.agent, adapter, request.version, len(request.prompt),
+               hash(tuple(request.prompt)))
+        if len(self._key_memo) > 4 * self.max_seqs + 256:
+            self._key_memo.clear()
+        self._key_memo[id(request)] = (request, request.version, key)
+        return key
+
+    def _shared_tokens(self, request: GenerationRequest) -> int:
+        return shared_prompt_tokens(len(request.prompt), self.block_size)
+
+    def budget(self, request: GenerationRequest,
+               take: Sequence[GenerationRequest] = ()) -> int:
+        """KV tokens `request` may come to hold (prompt + its output limit), less the prompt
+        blocks it would share with a running sequence or with a newcomer in `take`."""
+        seen = self._shared_keys(take)
+        return self._added(request, seen)
+
+    def _shared_keys(self, take: Sequence[GenerationRequest]) -> set[tuple]:
+        """Keys whose prompt blocks a newcomer would share: the running sequences' (found
+        through the prefix cache) and those of the newcomers `take`."""
+        seen = set(self._running_keys) if self.prefix is not None else set()
+        seen.update(self._share_key(t) for t in take)
+        return seen
+
+    def _added(self, request: GenerationRequest, seen: set[tuple]) -> int:
+        full = len(request.prompt) + request.max_new_tokens
+        if self._share_key(request) in seen:
+            return full - self._shared_tokens(request)
+        return full
 
     def kv_budget_used(self) -> int:
-        return sum(s.budget for s in self.seqs)
+        """The running batch's budget, each group's shared prompt blocks counted once."""
+        used = sum(s.budget for s in self.seqs)
+        for key, n in self._running_keys.items():
+            if n > 1:
+                used -= (n - 1) * self._shared_tokens(self._key_request[key])
+        return used
 
     def kv_stats(self) -> KVStats:
         """The paged cache now: blocks in use and held, KV bytes per held token."""
         stats = self.kv.stats(sum(s.kv for s in self.seqs))
         if self.prefix is not None:  # blocks only the prefix cache holds: kept, not in use
-            refs = self.allocator.refs
-            stats.cached_blocks = sum(1 for b in self.prefix.blocks.values() if refs[b] == 1)
+            stats.cached_blocks = len(self.prefix.idle)
             stats.blocks_in_use -= stats.cached_blocks
         return stats
 
-    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
-        """Would `request` fit next to the running batch and `already` other newcomers?"""
-        if self.active + already >= self.max_seqs:
+    def fits(self, request: GenerationRequest, take: Sequence[GenerationRequest] = ()) -> bool:
+        """Would `request` fit next to the running batch and the newcomers `take` chosen before
+        it? Shared prompt blocks count once (a group of 8 on a 256-token prompt holds it once)."""
+        if self.active + len(take) >= self.max_seqs:
             return False
-        need = len(request.prompt) + request.max_new_tokens
-        used = self.kv_budget_used() + extra_tokens
+        seen = set(self._running_keys) if self.prefix is not None else set()
+        used = self.kv_budget_used()
+        for r in (*take, request):  # linear: keys are computed once per request
+            used += self._added(r, seen)
+            seen.add(self._share_key(r))
         # an empty batch always takes one request, however long, so nothing starves
-        return used + need <= self.max_tokens or (self.active + already) == 0
+        return used <= self.max_tokens or (self.active + len(take)) == 0
 
     # --- admission: batched prefill, merged into the running cache ---------------------------
     @torch.no_grad()
@@ -498,6 +548,10 @@ class ContinuousBatcher:
             self.kv.copy_blocks(packed[n_lead:, at + 6], packed[n_lead:, at + 7])
         start = len(self.seqs)
         self._merge(new, table, logits, state, temps, banned, rows)
+        for s in new:  # admission budgets count each group's shared prompt blocks once
+            s.share_key = key = self._share_key(s.request)
+            self._running_keys[key] = self._running_keys.get(key, 0) + 1
+            self._key_request.setdefault(key, s.request)
         return self._sample(start)
 
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
@@ -620,7 +674,13 @@ class ContinuousBatcher:
 
     def _release(self, seqs: list[_Sequence]) -> None:
         for s in seqs:
-            for block in s.blocks:
+            key = s.share_key
+            self._running_keys[key] -= 1
+            if not self._running_keys[key]:
+                del self._running_keys[key], self._key_request[key]
+            # the chain's last block first: the prefix cache then evicts leaves before the
+            # prefixes other requests may still extend
+            for block in reversed(s.blocks):
                 self.allocator.release(block)
             s.blocks = []
 
@@ -802,9 +862,7 @@ class ContinuousBatcher:
         done: dict[str, GenerationResult] = {}
         while queue or self.seqs:
             take: list[GenerationRequest] = []
-            tokens = 0
-            while queue and self.fits(queue[0], len(take), tokens):
-                tokens += len(queue[0].prompt) + queue[0].max_new_tokens
+            while queue and self.fits(queue[0], take):
                 take.append(queue.pop(0))
             if self.seqs and take and len(take) < min_admit and queue:
                 queue[:0] = take  # too few for a prefill of their own yet

@@ -44,6 +44,10 @@ class BlockAllocator:
         self.free = list(range(self.capacity - 1, 0, -1))  # pop() hands out the lowest first
         # frees blocks held only by a prefix cache when the pool is at its limit (`PrefixCache`)
         self.reclaim: Callable[[int], int] | None = None
+        # told when a block goes down to one holder or up from one (the prefix cache keeps its
+        # evictable blocks, those only it holds, in a list of their own: eviction is O(1))
+        self.on_sole: Callable[[int], None] | None = None
+        self.on_shared: Callable[[int], None] | None = None
 
     @property
     def used(self) -> int:
@@ -72,12 +76,16 @@ class BlockAllocator:
         """One more sequence reads `block` (a shared prefix)."""
         assert self.refs[block] > 0, f"block {block} is free"
         self.refs[block] += 1
+        if self.refs[block] == 2 and self.on_shared is not None:
+            self.on_shared(block)
 
     def release(self, block: int) -> None:
         assert block != NULL_BLOCK and self.refs[block] > 0, f"block {block} released twice"
         self.refs[block] -= 1
         if self.refs[block] == 0:
             self.free.append(block)
+        elif self.refs[block] == 1 and self.on_sole is not None:
+            self.on_sole(block)
 
 
 @dataclass
@@ -102,6 +110,12 @@ class KVStats:
         block of each sequence is partly empty)."""
         held = self.blocks_in_use * self.block_size * self.bytes_per_token
         return held / max(1, self.held_tokens)
+
+
+def shared_prompt_tokens(prompt_len: int, block_size: int) -> int:
+    """Prompt tokens a request sharing its prompt with another (a GRPO group) does not hold on
+    its own: the full blocks before its last prompt token, which it always prefills itself."""
+    return (prompt_len - 1) // block_size * block_size
 
 
 class PagedKVCache:
@@ -246,23 +260,40 @@ class PrefixCache:
     fills room running sequences left), the chain's last blocks before its first ones. Keys
     carry the agent, adapter and weight version, and `flush` drops an agent's blocks when new
     weights load: keys computed under old weights are never read by the new ones.
+
+    The blocks only the cache holds are kept apart (`idle`, in the order their last reader
+    left, the allocator telling the cache), so eviction takes the oldest at once instead of
+    scanning a cache mostly read by running sequences.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator = allocator
         self.block_size = block_size
-        self.blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> block, oldest use first
+        self.blocks: dict[bytes, int] = {}  # hash -> block
+        self.hash_of: dict[int, bytes] = {}  # block -> hash
+        self.idle: OrderedDict[bytes, None] = OrderedDict()  # only the cache holds: LRU first
         self.agent_of: dict[bytes, str] = {}
         self.hits = 0  # blocks reused (prefill tokens saved = hits * block_size)
         self.lookups = 0  # full prompt blocks looked up
         allocator.reclaim = self.evict
+        allocator.on_sole, allocator.on_shared = self._sole, self._shared
+
+    def _sole(self, block: int) -> None:
+        h = self.hash_of.get(block)
+        if h is not None:
+            self.idle[h] = None  # its last reader left: evictable, the most recent
+
+    def _shared(self, block: int) -> None:
+        h = self.hash_of.get(block)
+        if h is not None:
+            self.idle.pop(h, None)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def match(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest cached prefix among `hashes`, each shared once more
-        (the caller now holds them) and marked as just used."""
+        (the caller now holds them: not evictable until it lets them go)."""
         found: list[int] = []
         for h in hashes:
             block = self.blocks.get(h)
@@ -272,7 +303,6 @@ class PrefixCache:
             self.allocator.share(block)
         self.lookups += len(hashes)
         self.hits += len(found)
-        self._touch(hashes[:len(found)])
         return found
 
     def insert(self, agent: str, hashes: list[bytes], blocks: list[int]) -> None:
@@ -280,30 +310,19 @@ class PrefixCache:
         other blocks keeps those (the caller's copies go back with the caller)."""
         for h, block in zip(hashes, blocks, strict=False):
             if h not in self.blocks:
-                self.allocator.share(block)
                 self.blocks[h] = block
+                self.hash_of[block] = h
                 self.agent_of[h] = agent
-        self._touch(hashes[:len(blocks)])
-
-    def _touch(self, hashes: list[bytes]) -> None:
-        # the chain's last block first: eviction (from the oldest) then takes leaves before the
-        # prefixes other chains may still extend
-        for h in reversed(hashes):
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
+                self.allocator.share(block)  # the caller still holds it: not idle
 
     def evict(self, wanted: int) -> int:
         """Hand back up to `wanted` blocks that only the cache holds, least recently used
         first; returns how many went back to the free list."""
-        gone: list[bytes] = []
-        for h, b in self.blocks.items():
-            if len(gone) == wanted:
-                break
-            if self.allocator.refs[b] == 1:
-                gone.append(h)
-        for h in gone:
-            self._drop(h)
-        return len(gone)
+        n = 0
+        while n < wanted and self.idle:
+            self._drop(next(iter(self.idle)))
+            n += 1
+        return n
 
     def flush(self, agent: str | None = None) -> None:
         """Drop the blocks of `agent` (None: of every agent): its weights changed."""
@@ -311,5 +330,7 @@ class PrefixCache:
             self._drop(h)
 
     def _drop(self, h: bytes) -> None:
-        self.allocator.release(self.blocks.pop(h))
-        del self.agent_of[h]
+        block = self.blocks.pop(h)
+        del self.agent_of[h], self.hash_of[block]
+        self.idle.pop(h, None)
+        self.allocator.release(block)

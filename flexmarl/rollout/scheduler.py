@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,13 +42,9 @@ class Engine(Protocol):
         """Running sequences of `agent` (its weights must not change under them)."""
         ...
 
-    def budget(self, request: GenerationRequest) -> int:
-        """KV tokens `request` may come to hold once admitted."""
-        ...
-
-    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
-        """Would `request` fit next to the running batch and `already` newcomers holding
-        `extra_tokens` budget? An empty batch always takes one request."""
+    def fits(self, request: GenerationRequest, take: Sequence[GenerationRequest] = ()) -> bool:
+        """Would `request` fit next to the running batch and the newcomers `take` chosen before
+        it? An empty batch always takes one request."""
         ...
 
     def admit(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -252,16 +248,14 @@ class ReplicaScheduler:
             item for q in queues for item in q)
         take: list[tuple[Any, GenerationRequest]] = []
         chosen: list[tuple[Any, int, Any, GenerationRequest]] = []
-        tokens = 0
         for item in ordered:
             if engine.active + len(take) >= self.max_seqs:
                 break
             r = item[3]
-            if r.version != self.versions[r.agent] or not engine.fits(r, len(take), tokens):
+            if r.version != self.versions[r.agent] or not engine.fits(r, [t for _, t in take]):
                 continue
             take.append((item[2], r))
             chosen.append(item)
-            tokens += engine.budget(r)
         if chosen:
             gone = {item[1] for item in chosen}
             for a in members:

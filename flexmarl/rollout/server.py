@@ -55,10 +55,8 @@ class BatchingServer:
                 except queue.Empty:
                     break
             take: list[GenerationRequest] = []
-            tokens = 0
-            while waiting and engine.fits(waiting[0][0], len(take), tokens):
+            while waiting and engine.fits(waiting[0][0], take):
                 req, fut = waiting.pop(0)
-                tokens += len(req.prompt) + req.max_new_tokens
                 take.append(req)
                 running[req.sample_id] = fut
             try:

@@ -281,7 +281,6 @@ class AgentWorker:
                 if not self._apply(kind, payload, waiting):
                     return
             takes: dict[int, list[GenerationRequest]] = {}
-            sizes: dict[int, int] = {}
             while waiting:
                 job = waiting[0]
                 if job.slot is None:  # routed once, at its first admission attempt
@@ -292,11 +291,9 @@ class AgentWorker:
                 if slot is not self._current and slot is not self._canary:
                     slot = job.slot = self._current  # its canary was rolled back meanwhile
                 take = takes.setdefault(id(slot), [])
-                if not slot.engine.fits(job.request, len(take), sizes.get(id(slot), 0)):
+                if not slot.engine.fits(job.request, take):
                     break
                 waiting.pop(0)
-                sizes[id(slot)] = sizes.get(id(slot), 0) + len(job.request.prompt) + \
-                    job.request.max_new_tokens
                 # a training tenant's adapter is its own version (`tenant_versions`)
                 version = self.tenant_versions.get(job.request.adapter or "", slot.version)
                 job.version = version

@@ -6,7 +6,13 @@ FlexMARL applies each agent's tokenizer and chat template and trains on the exac
 - solver: "Compute a op b." (or a one-line word problem) -> a short answer; reward 1 when the
   last integer it wrote is the right answer;
 - checker: sees the problem and the solver's answer, says Yes or No; reward 1 when its verdict
-  matches the truth (an answer that is neither Yes nor No earns 0).
+  matches the truth (an answer that is neither Yes nor No earns 0). With `judge="recompute"`
+  the checker acts twice: it first computes the result itself (`recompute`, reward 1 for the
+  right number), then compares the two numbers alone (`check`, the same verdict reward). A small
+  model has next to no prior for judging a sum it is shown (SmolLM2-135M: AUC 0.50-0.59 of
+  log P(Yes) - log P(No) against the truth, `benchmarks/judge_prior.py`) and a little more for
+  comparing two numbers (0.57-0.66), so RL has something to sharpen; a direct judge of that
+  size answers at chance and collapses onto one verdict.
 
 `build_math_team` (solver -> verifier -> reviser), every agent rewarded for its own number:
 - solver: answers the problem;
@@ -97,8 +103,10 @@ def verdict(text: str) -> str | None:
 
 
 def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int = 12,
-                    words: bool = False) -> Task:
+                    words: bool = False, judge: str = "direct") -> Task:
     _check_options(max_operand, ops)
+    if judge not in ("direct", "recompute"):
+        raise GraphError(f"task.options.judge: 'direct' or 'recompute', got {judge!r}")
 
     def solve_prompt(ctx: EpisodeContext) -> TextPrompt:
         return TextPrompt(chat(question(ctx.data, words) + " Reply with only the number."),
@@ -109,19 +117,33 @@ def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int =
                 f"Is the student's answer correct? Reply Yes or No.")
         return TextPrompt(chat(text), max_new_tokens=2)
 
+    def recompute_prompt(ctx: EpisodeContext) -> TextPrompt:
+        return TextPrompt(chat(question(ctx.data, words) + " Reply with only the number."),
+                          max_new_tokens=answer_tokens, stop=["\n"])
+
+    def compare_prompt(ctx: EpisodeContext) -> TextPrompt:
+        mine, theirs = last_int(ctx.text("recompute")), last_int(ctx.text("solve"))
+        text = (f"First number: {'none' if mine is None else mine}. Second number: "
+                f"{'none' if theirs is None else theirs}. Are the two numbers equal? "
+                "Reply Yes or No.")
+        return TextPrompt(chat(text), max_new_tokens=2)
+
     def check_reward(ctx: EpisodeContext) -> float:
         said = verdict(ctx.text("check"))
         truth = "yes" if is_correct(ctx, "solve") else "no"
         return 1.0 if said == truth else 0.0
 
-    graph = (
-        MEG()
-        .node("solve", agent="solver", prompt=solve_prompt,
-              reward=lambda ctx: float(is_correct(ctx, "solve")))
-        .node("check", agent="checker", inputs=["solve"], prompt=check_prompt,
-              reward=check_reward, label=lambda ctx: is_correct(ctx, "solve"))
-        .set_success(lambda ctx: is_correct(ctx, "solve"))
-    )
+    graph = MEG().node("solve", agent="solver", prompt=solve_prompt,
+                       reward=lambda ctx: float(is_correct(ctx, "solve")))
+    check_inputs = ["solve"]
+    if judge == "recompute":
+        graph.node("recompute", agent="checker", prompt=recompute_prompt,
+                   reward=lambda ctx: float(is_correct(ctx, "recompute")))
+        check_inputs.append("recompute")
+    graph.node("check", agent="checker", inputs=check_inputs,
+               prompt=compare_prompt if judge == "recompute" else check_prompt,
+               reward=check_reward, label=lambda ctx: is_correct(ctx, "solve"))
+    graph.set_success(lambda ctx: is_correct(ctx, "solve"))
     return Task(graph=graph, vocab_size=TEXT_VOCAB, sample_inputs=_sampler(max_operand, ops),
                 max_seq_len=256, info={"layout": "math"})
 

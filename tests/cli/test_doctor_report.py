@@ -237,6 +237,14 @@ def test_doctor_sees_one_verdict_for_every_input_through_the_true_classes(tmp_pa
     assert found[0].metric == "agent/judge/reward_mean/True"
     assert "False 1.00, True 0.00" in found[0].evidence
     assert found[0].remedy.startswith("agents.judge.algorithm.kl_coef: 0.1")
+    # a judge that was never better than chance on both classes: first, its model's signal
+    rows = [{**r, "agent/judge/balanced_reward_mean": 0.5} for r in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = [f for f in diagnose(load_run(run)) if f.problem.startswith("one verdict")]
+    assert found[0].remedy.startswith("judge never judged better than chance (balanced reward "
+                                      "at most 0.50)"), found[0].remedy
+    assert "benchmarks/judge_prior.py" in found[0].remedy
+    assert "agents.judge.algorithm.kl_coef: 0.1" in found[0].remedy
     # a judge right on both classes: nothing to say
     rows = [{**r, "agent/judge/reward_mean/True": 0.95} for r in rows]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

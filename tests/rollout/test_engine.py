@@ -79,7 +79,7 @@ def test_budgets_bound_the_batch(model):
     queue = list(reqs)
     while queue or done.active:
         take = []
-        while queue and done.fits(queue[0], len(take)):
+        while queue and done.fits(queue[0], take):
             take.append(queue.pop(0))
         done.admit(take)
         seen_max = max(seen_max, done.active)

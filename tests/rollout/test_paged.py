@@ -91,7 +91,7 @@ def test_cache_exhaustion_queues_instead_of_failing(model):
     queue, done = list(reqs), {}
     while queue or engine.active:
         take = []
-        while queue and engine.fits(queue[0], len(take), sum(engine.budget(r) for r in take)):
+        while queue and engine.fits(queue[0], take):
             take.append(queue.pop(0))
         for res in engine.admit(take) + engine.step():
             done[res.sample_id] = res
@@ -152,6 +152,37 @@ def test_shared_prefix_decodes_as_unshared(model, prompt_len):
         res = results[req.sample_id]
         assert res.tokens == alone.tokens, req.sample_id
         assert np.allclose(res.logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_admission_counts_a_group_prompt_once_and_the_pool_stays_in_budget(model):
+    # 2 groups of 4 on a 33-token prompt, 8 new tokens each: full budgets would be 8 x 41 =
+    # 328 tokens; shared, each group holds its 32 full prompt tokens once: 2 x 32 + 8 x 9 = 136
+    reqs = _groups(2, 4, seed=5, prompt_len=33)
+    for r in reqs:
+        r.max_new_tokens = 8
+    engine = ContinuousBatcher(model, max_seqs=8, max_tokens=140, block_size=4)
+    take = []
+    while len(take) < len(reqs) and engine.fits(reqs[len(take)], take):
+        take.append(reqs[len(take)])
+    assert len(take) == 8  # unshared budgets would have stopped at 3
+    engine.admit(take)
+    assert engine.kv_budget_used() == 136
+    assert engine.allocator.capacity <= engine.allocator.max_blocks
+    # a later member of a running group shares through the prefix cache: it is counted so
+    late = ContinuousBatcher(model, max_seqs=8, max_tokens=140, block_size=4)
+    late.admit(reqs[:1])
+    assert late.budget(reqs[1]) == 41 - 32 and late.budget(reqs[4]) == 41
+    res = late.admit(reqs[1:2])
+    assert not res and late.prefix is not None and late.prefix.hits == 8
+    assert late.kv_budget_used() == 41 + 9
+    while late.active:  # retiring releases the group's count: nothing left over
+        late.step()
+    assert late.kv_budget_used() == 0 and not late._running_keys
+    # without a prefix cache a later member shares nothing, and is counted in full
+    plain = ContinuousBatcher(model, max_seqs=8, max_tokens=140, block_size=4,
+                              prefix_cache=False)
+    plain.admit(reqs[:1])
+    assert plain.budget(reqs[1]) == 41
 
 
 def _request(sample_id, prompt, n, version=0):

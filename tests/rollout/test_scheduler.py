@@ -38,11 +38,11 @@ class FakeEngine:
     def budget(self, request: GenerationRequest) -> int:
         return len(request.prompt) + request.max_new_tokens
 
-    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
-        if self.active + already >= self.max_seqs:
+    def fits(self, request: GenerationRequest, take=()) -> bool:
+        if self.active + len(take) >= self.max_seqs:
             return False
-        used = sum(self.budget(r) for r, _ in self.seqs) + extra_tokens
-        return used + self.budget(request) <= self.max_tokens or self.active + already == 0
+        used = sum(self.budget(r) for r, _ in self.seqs) + sum(self.budget(r) for r in take)
+        return used + self.budget(request) <= self.max_tokens or self.active + len(take) == 0
 
     def _retire(self) -> list[GenerationResult]:
         done = [s for s in self.seqs if s[1] >= s[0].max_new_tokens]

@@ -34,6 +34,8 @@ from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
 from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.rollout.balancer import Balancer
+from flexmarl.rollout.engine import BLOCK_SIZE
+from flexmarl.rollout.paged import shared_prompt_tokens
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
 from flexmarl.runtime.local.turns import time_shared
@@ -258,15 +260,25 @@ class ProfiledEngine:
     def active_for(self, agent: str) -> int:
         return len(self.seqs)
 
-    def budget(self, request: GenerationRequest) -> int:
-        return len(request.prompt) + request.max_new_tokens
+    @staticmethod
+    def _budget(request: GenerationRequest, seen: set[tuple]) -> int:
+        """As `HFEngine.budget`: a prompt shared with a request already `seen` (running ones
+        and earlier newcomers) holds its full blocks once."""
+        key = (request.agent, request.version, tuple(request.prompt))
+        full = len(request.prompt) + request.max_new_tokens
+        if key in seen:
+            return full - shared_prompt_tokens(len(request.prompt), BLOCK_SIZE)
+        seen.add(key)
+        return full
 
-    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
+    def fits(self, request: GenerationRequest, take: Sequence[GenerationRequest] = ()) -> bool:
         active = len(self.seqs)
-        if active + already >= self.max_seqs:
+        if active + len(take) >= self.max_seqs:
             return False
-        used = sum(s.budget for s in self.seqs) + extra_tokens
-        return used + self.budget(request) <= self.max_tokens or (active + already) == 0
+        seen: set[tuple] = set()
+        used = sum(self._budget(r, seen) for r in [*(s.request for s in self.seqs), *take])
+        return used + self._budget(request, seen) <= self.max_tokens or (
+            active + len(take)) == 0
 
     def _out_len(self, request: GenerationRequest) -> int:
         p = self.p

@@ -12,7 +12,7 @@ segment short (a newcomer for an under-filled batch joins at the next decode ste
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexmarl.sim.cost import CostModel
@@ -53,11 +53,12 @@ class CostModelEngine:
     def budget(self, request: GenerationRequest) -> int:
         return len(request.prompt) + self.out_len(request)
 
-    def fits(self, request: GenerationRequest, already: int = 0, extra_tokens: int = 0) -> bool:
-        n = len(self.running) + already
+    def fits(self, request: GenerationRequest, take: Sequence[GenerationRequest] = ()) -> bool:
+        n = len(self.running) + len(take)
         if n >= self.max_seqs:
             return False
-        return self.reserved + extra_tokens + self.budget(request) <= self.kv_cap or n == 0
+        extra = sum(self.budget(t) for t in take)  # a modelled engine without prefix sharing
+        return self.reserved + extra + self.budget(request) <= self.kv_cap or n == 0
 
     def admit(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Newcomers join after one prefill of their prompts (no token sampled yet)."""

@@ -189,3 +189,73 @@ def test_label_balanced_advantages_by_hand():
 def test_balance_labels_needs_the_agent_wide_baseline():
     with pytest.raises(ValueError, match="balance_labels .* needs normalize: agent"):
         GRPOConfig(balance_labels=True)
+
+
+def test_an_agent_at_two_nodes_is_normalised_per_node(tmp_path):
+    """The math pair's recompute judge (the checker computes, then compares): its two nodes do
+    different jobs with different reward levels, so each node's rows get their own baseline."""
+    cfg = config_from_dict({
+        "task": {"builder": "flexmarl.tasks.math:build_math_pair",
+                 "options": {"judge": "recompute"}},
+        "agents": {"solver": {"algorithm": {"name": "grpo"}},
+                   "checker": {"algorithm": {"name": "grpo", "normalize": "agent"}}},
+        "train": {"iterations": 1, "inputs_per_iteration": 2, "group_size": 2},
+    })
+    task = load_task(cfg.task.builder, cfg.task.options)
+    orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
+    it = IterationState(index=0, episodes_total=4, n_inputs=2)
+    orch.episodes.iterations[0] = it
+    agent_of = {"solve": "solver", "recompute": "checker", "check": "checker"}
+    rewards = {"recompute": [1.0, 0.0, 0.0, 0.0], "check": [1.0, 1.0, 0.0, 1.0],
+               "solve": [0.0] * 4}
+    for i in range(2):
+        for traj in range(2):
+            ids = {}
+            for node, agent in agent_of.items():
+                turn = orch.episodes.turns[node]
+                sid = make_sample_id(f"0-{i}", turn, traj)
+                orch.store.add(Row(sid, agent, node, f"0-{i}", turn, traj, 0, 0,
+                                   orch.version_book.vector(0)))
+                orch.store.set_generated(agent, sid, {"prompt": [1], "response": [3]},
+                                         {"logprobs": np.zeros(1, np.float32)})
+                orch.store.set_rewarded(agent, sid, rewards[node][2 * i + traj])
+                ids[node] = sid
+            it.groups[f"0-{i}"].append(ids)
+            orch.episodes._maybe_group_ready(it, f"0-{i}")
+
+    def advantages(node):
+        return [orch.store.table("checker").get(make_sample_id(
+            f"0-{i}", orch.episodes.turns[node], t)).data["advantage"]
+            for i in range(2) for t in range(2)]
+
+    for node in ("recompute", "check"):  # each node: mean and std of its own four rows
+        r = np.array(rewards[node])
+        assert advantages(node) == pytest.approx(list((r - r.mean()) / (r.std() + EPS))), node
+
+
+def test_agent_previous_of_an_agent_at_two_nodes_is_per_node(tmp_path):
+    cfg = config_from_dict({
+        "task": {"builder": "flexmarl.tasks.math:build_math_pair",
+                 "options": {"judge": "recompute"}},
+        "agents": {"solver": {"algorithm": {"name": "grpo", "normalize": "agent_previous"}},
+                   "checker": {"algorithm": {"name": "grpo", "normalize": "agent_previous"}}},
+        "train": {"iterations": 2, "inputs_per_iteration": 2, "group_size": 2},
+    })
+    task = load_task(cfg.task.builder, cfg.task.options)
+    orch = JointOrchestrator(cfg, task, rollout=None, train=None, telemetry=Telemetry(tmp_path))
+    past = IterationState(index=0, episodes_total=4, n_inputs=2)
+    past.node_rewards.update({"recompute": [1.0, 0.0, 0.0, 0.0], "check": [1.0, 1.0, 0.0, 1.0],
+                              "solve": [0.0, 1.0, 1.0, 1.0]})
+    past.rewards.update({"checker": past.node_rewards["recompute"] + past.node_rewards["check"],
+                         "solver": past.node_rewards["solve"]})
+    orch.episodes.iterations[0] = past
+    assert orch.episodes.previous_stats(1, "checker", "check") == pytest.approx(
+        (0.75, math.sqrt(3) / 4))
+    assert orch.episodes.previous_stats(1, "checker", "recompute") == pytest.approx(
+        (0.25, math.sqrt(3) / 4))
+    assert orch.episodes.previous_stats(1, "solver", "solve") == pytest.approx(
+        (0.75, math.sqrt(3) / 4))  # one node: the agent's rows, as before
+    # after a resume: from the records' per-node figures
+    orch.episodes.iterations.clear()
+    orch.episodes.resumed_stats[0] = {"node/check": (0.5, 0.5), "checker": (0.4, 0.1)}
+    assert orch.episodes.previous_stats(1, "checker", "check") == (0.5, 0.5)
