@@ -147,6 +147,13 @@ def test_colocated_settings_refused_with_the_field(overrides, message):
         load_config(RELAY, overrides)
 
 
+def test_a_classic_marl_run_refuses_colocate_by_name():
+    from flexmarl.marl.config import load_marl_config
+
+    with pytest.raises(ConfigError, match="runtime.colocate: places, pins or publishes LLM"):
+        load_marl_config(RELAY.parent / "mpe_spread.yaml", ["runtime.colocate=true"])
+
+
 def test_the_colocated_presets_are_what_the_simulator_models():
     cfgs = {s: load_config(RELAY, system_overrides(s))
             for s in ("marti", "marti-2025-05", "mas-rl-like", "sync-disaggregated")}
