@@ -147,6 +147,18 @@ def test_colocated_settings_refused_with_the_field(overrides, message):
         load_config(RELAY, overrides)
 
 
+def test_one_at_a_time_trains_agent_after_agent_even_with_a_slot_each():
+    """`pipeline.train_agents` (marti-2025-05, mas-rl-like) on the in-memory fake pools: with
+    a trainer per agent, `together` trains the three at once, `one_at_a_time` never two; the
+    steps are the same."""
+    from tests.orchestrator.test_logic_fakes import config, final_weights, run
+
+    _, _, together = run(config("pipeline.mode=sync"))
+    _, _, alone = run(config("pipeline.mode=sync", "pipeline.train_agents=one_at_a_time"))
+    assert together.max_active == 3 and alone.max_active == 1
+    assert final_weights(together) == final_weights(alone)
+
+
 def test_a_classic_marl_run_refuses_colocate_by_name():
     from flexmarl.marl.config import load_marl_config
 
