@@ -128,8 +128,13 @@ def compare(config: str | Path, overrides: list[str] | None = None,
 def print_table(name: str, rows: list[SystemRow], rounds: int, iterations: int,
                 pin: bool) -> None:
     ref = next((r.measured_s for r in rows if r.system == "flexmarl"), None)
+    apart = ""
+    if pin:
+        shared = [r.system for r in rows if colocated(r.system)]
+        apart = ", pools pinned apart" + (f" (colocated: {', '.join(shared)}, every core)"
+                                          if shared else "")
     print(f"\n{name}: {len(rows)} systems x {rounds} rounds of {iterations} iterations "
-          f"({os.cpu_count()} CPUs{', pools pinned apart' if pin else ''})")
+          f"({os.cpu_count()} CPUs{apart})")
     print(f"{'system':<24}{'s/iteration':>12}{'flexmarl x':>11}{'rollout busy':>13}"
           f"{'train busy':>11}{'swaps/it':>9}{'success':>9}{'simulated':>11}{'error':>8}")
     for r in rows:

@@ -57,6 +57,8 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     assert all(r.measured_s > 0 and r.simulated_s > 0 for r in rows)
     table = capsys.readouterr().out
     assert "marti" in table and "flexmarl x" in table
+    if pin:
+        assert "pools pinned apart (colocated: marti, every core)" in table
     saved = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert len(saved["rows"]) == 2
     # the colocated preset ran colocated (never pinned apart), and its replicas slept
