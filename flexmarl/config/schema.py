@@ -466,6 +466,11 @@ class RuntimeConfig(Strict):
     # Slots of different sizes, e.g. [4, 2, 2]: replaces train_workers (set to its length, the
     # number of slots) and slot_size; the planner binds the heaviest agent to the largest slot.
     slot_sizes: list[int] | None = None
+    # on_demand: a trainable agent takes whichever training slot frees first (agent-centric);
+    # fixed: each agent has its own slot for the whole run, agents dealt to the slots in turn
+    # (the static allocation baseline, `flexmarl-static-alloc`; slots of different sizes:
+    # the heaviest agent on the largest, as on demand)
+    train_binding: Literal["on_demand", "fixed"] = "on_demand"
     swap_to: Literal["host", "disk"] = "host"
     # How published weights reach the rollout replicas (local and Ray): `pipe` through the
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the

@@ -18,6 +18,7 @@ SYSTEM_SETTINGS: dict[str, list[str]] = {
     "flexmarl-sync": ["pipeline.mode=sync"],
     "flexmarl-stage": ["rollout.schedule=stage"],
     "flexmarl-static-balance": ["rollout.balance=static"],
+    "flexmarl-static-alloc": ["runtime.train_binding=fixed"],
     # separate rollout and training pools, synchronous, turn by turn, static splits
     "sync-disaggregated": ["pipeline.mode=sync", "rollout.schedule=stage",
                            "rollout.balance=static"],
@@ -39,9 +40,7 @@ SYSTEM_SETTINGS: dict[str, list[str]] = {
                     "runtime.colocate=true", "pipeline.train_agents=one_at_a_time"],
 }
 
-NOT_YET: dict[str, str] = {
-    "flexmarl-static-alloc": "a fixed agent-to-slot binding in the training pool",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def system_overrides(name: str) -> list[str]:

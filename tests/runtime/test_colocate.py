@@ -159,6 +159,36 @@ def test_one_at_a_time_trains_agent_after_agent_even_with_a_slot_each():
     assert final_weights(together) == final_weights(alone)
 
 
+def test_a_fixed_binding_keeps_every_agent_on_its_own_slot():
+    """`runtime.train_binding: fixed` (flexmarl-static-alloc) on fake slots: three agents on
+    two slots, each agent's every command on its own slot (dealt in turn), and the same steps
+    as the on-demand binding."""
+    from flexmarl.runtime.local.runtime import fixed_binding
+    from flexmarl.testing.fakes import FakeSlotPool
+    from tests.orchestrator.test_logic_fakes import config, run
+
+    cfg = config(*system_overrides("flexmarl-static-alloc"), "runtime.deterministic=true",
+                 "runtime.train_workers=2")
+    assert cfg.runtime.train_binding == "fixed"
+    agents = list(cfg.agents)
+    binding = fixed_binding(agents, [1, 1], {})
+    assert binding == {"speaker": 0, "relay": 1, "listener": 0}
+    fixed = FakeSlotPool(2)
+    fixed.fix_slots(binding)
+    _, published, _ = run(cfg, train=fixed)
+    for slot, host in enumerate(fixed.hosts):
+        assert host.commands and {a for _, a in host.commands} == {
+            a for a, s in binding.items() if s == slot}
+    free = FakeSlotPool(2)
+    _, on_demand, _ = run(config("runtime.deterministic=true", "runtime.train_workers=2"),
+                          train=free)
+    # on demand, agents go wherever a slot is free: every agent on both slots here
+    assert all({a for _, a in host.commands} == set(agents) for host in free.hosts)
+    # every version of every agent the same weights (digests), however the slots were bound
+    assert sorted(published.published) == sorted(on_demand.published)
+    assert len(published.published) == len(agents) * (cfg.train.iterations + 1)
+
+
 def test_a_classic_marl_run_refuses_colocate_by_name():
     from flexmarl.marl.config import load_marl_config
 

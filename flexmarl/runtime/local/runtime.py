@@ -496,6 +496,15 @@ class LocalRolloutPool(RolloutPool):
         return out
 
 
+def fixed_binding(trainable: list[str], slot_sizes: list[int],
+                  slot_of: dict[str, int]) -> dict[str, int]:
+    """`runtime.train_binding: fixed`: agents dealt to the slots in turn (config order); slots
+    of different sizes keep the planner's binding (`slot_of`, heaviest on the largest)."""
+    if len(set(slot_sizes)) > 1:
+        return dict(slot_of)
+    return {a: i % len(slot_sizes) for i, a in enumerate(trainable)}
+
+
 class LocalTrainPool(SlotPool):
     """Training slots as worker processes (`train_worker_main`, each a `TrainHost`), bound to
     agents on demand by the shared `SlotPool`. A slot lost meanwhile is restarted by the
@@ -612,6 +621,8 @@ class LocalRuntime(Runtime):
         self.slot_of = bind_slots({a: costs.get(a, float(approx_params(
             cfg.agents[a].model, vocab_size))) for a in trainable}, self.slot_sizes)
         self.train.bind_slots(self.slot_of)
+        if rt.train_binding == "fixed":
+            self.train.fix_slots(fixed_binding(trainable, self.slot_sizes, self.slot_of))
         self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
         if publication is not None:
             sup = self.supervisor

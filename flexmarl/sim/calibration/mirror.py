@@ -37,7 +37,7 @@ from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import BLOCK_SIZE
 from flexmarl.rollout.paged import shared_prompt_tokens
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
-from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
+from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, fixed_binding
 from flexmarl.runtime.local.turns import time_shared
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
@@ -603,6 +603,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         if time_shared(cfg):
             rollout.take_turns(local)
         train = LocalTrainPool(tworkers)  # type: ignore[arg-type]
+        if rt.train_binding == "fixed":
+            train.fix_slots(fixed_binding(trainable, [1] * len(tworkers), {}))
         try:
             if rt.max_worker_restarts > 0:  # the supervisor's restart points, as in the runtime
 

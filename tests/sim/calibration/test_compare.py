@@ -19,9 +19,7 @@ from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
 
 def test_every_real_preset_and_every_refusal_is_a_simulated_system():
     assert set(SYSTEM_SETTINGS) | set(NOT_YET) == set(SYSTEMS)
-    with pytest.raises(ConfigError, match=r"--system flexmarl-static-alloc: the real runtime "
-                                          r"cannot run it yet \(it needs a fixed agent-to-slot"):
-        system_overrides("flexmarl-static-alloc")
+    assert not NOT_YET  # every simulated system is a preset of the real runtime now
     with pytest.raises(ConfigError, match="--system fast: unknown system"):
         system_overrides("fast")
 
