@@ -184,6 +184,18 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                                          receive_collective(groups, *payload))
                 except Exception as exc:  # noqa: BLE001 - the driver recovers the peer
                     conn.send((msg_id, False, _error(exc), []))
+            elif command in ("sleep", "wake", "memory"):  # runtime.colocate
+                t0 = time.time()
+                try:
+                    if command == "memory":
+                        result, spans = sched.memory(), []
+                    else:  # payload: the agents whose engines sleep or wake (None: all)
+                        result = getattr(sched, command)(payload)
+                        who = "+".join(payload) if payload else ""
+                        spans = [(t0, time.time(), f"{command}:{who}")]
+                    conn.send((msg_id, True, result, spans))
+                except Exception as exc:  # noqa: BLE001 - reported to the driver
+                    conn.send((msg_id, False, _error(exc), []))
             elif command == "stop":
                 running = False
                 conn.send((msg_id, True, None, []))
