@@ -96,6 +96,16 @@ class RolloutPool(Protocol):
         (`plan.replica_indices()`). Default: the pool keeps its own plan."""
         return None
 
+    async def sleep(self) -> dict[str, float]:
+        """`runtime.colocate`: every replica releases its device for the trainers (KV cache
+        freed, weights to host memory) until `wake`; returns `seconds`, `kv_bytes`,
+        `weight_bytes`. Default: a pool that cannot release anything refuses."""
+        raise Unsupported(f"{type(self).__name__}: replicas that sleep (runtime.colocate)")
+
+    async def wake(self) -> dict[str, float]:
+        """`runtime.colocate`: every replica takes its device back before a rollout."""
+        raise Unsupported(f"{type(self).__name__}: replicas that sleep (runtime.colocate)")
+
 
 class TrainPool(Protocol):
     """One trainer per trainable agent."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flexmarl.config.schema import AgentConfig
+from flexmarl.runtime.local.slot_ranks import end_rank
 from flexmarl.training.sharded import ShardedAgentTrainer
 from flexmarl.training.state import swap_in, swap_out
 from flexmarl.types import Sample
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int, store: str, out: str, hidden: int, layers: int,
            "publish_mb": sum(v.numel() * v.element_size() for v in weights.values()) / MB,
            "n_params": sum(p.numel() for p in tr.model.parameters())}
     Path(f"{out}/K{world}-rank{rank}.json").write_text(json.dumps(row))
-    dist.destroy_process_group()
+    end_rank(exit_process=True)  # as a slot's rank ends (no finalization: see end_rank)
 
 
 def measure(ks: list[int], hidden: int, layers: int, steps: int, rows: int, rounds: int,

@@ -443,6 +443,10 @@ class PipelineConfig(Strict):
     # one_step_off: iteration k is generated with the weights of step k-2 (version k-1), so
     # iteration k+1's rollout overlaps step k (verl's / AReaL's one-step off-policy async)
     mode: Literal["sync", "async", "one_step_off"] = "async"
+    # sync only: `together` trains every agent on iteration k at once (each on its slot, agents
+    # time-sharing slots take turns); `one_at_a_time` trains agent after agent even when each
+    # has a slot of its own (MARTI before its async workflows, MAS-RL)
+    train_agents: Literal["together", "one_at_a_time"] = "together"
 
     @property
     def max_staleness(self) -> int:
@@ -458,8 +462,10 @@ class RolloutConfig(Strict):
     max_batch_tokens: int | None = Field(None, gt=0)
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     # hierarchical: capacity follows measured demand, requests go to the least-loaded replica
-    # (in tokens); static: equal split and round robin, the peers' baseline
-    balance: Literal["hierarchical", "static"] = "hierarchical"
+    # (in tokens); static: equal split and round robin, the peers' baseline; shared: every
+    # agent on every replica, round robin; with runtime.colocate, one agent holds the pool at
+    # a time, the others' engines asleep (MAS-RL's time-shared cluster)
+    balance: Literal["hierarchical", "static", "shared"] = "hierarchical"
     # dependency: a node runs the moment its own episode's inputs exist (dependency-parallel);
     # stage: every node of graph level L waits until level L-1 is done in *every* episode of
     # the iteration, the turn-by-turn batch generation of the peers' baseline
@@ -526,6 +532,14 @@ class RuntimeConfig(Strict):
     # apart on a CPU machine, the same list colocates them. None: anywhere.
     rollout_cpus: list[int] | None = None
     train_cpus: list[int] | None = None
+    # Colocated pools (MARTI's and verl's way): rollout replicas and training slots compute on
+    # the same devices (GPU: the same device ids; CPU: every worker pinned to the same cores,
+    # all of them unless rollout_cpus / train_cpus name them), and between a rollout and the
+    # next the replicas sleep: they release their KV cache and move their weights to host
+    # memory (on a CPU the weights already are in host memory and stay; only the KV cache is
+    # freed), and wake before the next rollout (docs/pipelines.md, "Colocated pools").
+    # pipeline.mode sync only; local runtime only.
+    colocate: bool = False
     # Rollout replicas: a count, or {min: M, max: N} for an elastic pool (runtime.kind=ray):
     # the run starts with M and, each iteration, grows by one replica while the cluster has
     # room for another rollout bundle (a node that joined), up to N. Read back as
@@ -542,6 +556,11 @@ class RuntimeConfig(Strict):
     # Slots of different sizes, e.g. [4, 2, 2]: replaces train_workers (set to its length, the
     # number of slots) and slot_size; the planner binds the heaviest agent to the largest slot.
     slot_sizes: list[int] | None = None
+    # on_demand: a trainable agent takes whichever training slot frees first (agent-centric);
+    # fixed: each agent has its own slot for the whole run, agents dealt to the slots in turn
+    # (the static allocation baseline, `flexmarl-static-alloc`; slots of different sizes:
+    # the heaviest agent on the largest, as on demand)
+    train_binding: Literal["on_demand", "fixed"] = "on_demand"
     swap_to: Literal["host", "disk"] = "host"
     # How published weights reach the rollout replicas (local and Ray): `pipe` through the
     # driver (the slot's pipe, then one pipe per replica); `collective` straight from the
@@ -676,6 +695,8 @@ class RuntimeConfig(Strict):
             raise ValueError("runtime.rollout_devices / train_devices: GPU indices, but "
                              "runtime.devices is 'cpu'")
         r, t = self.rollout_devices, self.train_devices
+        if self.colocate:
+            self._check_colocated()
         if isinstance(r, list) and isinstance(t, list) and not self.share_devices:
             both = sorted(set(r) & set(t))
             if both:
@@ -684,6 +705,26 @@ class RuntimeConfig(Strict):
                     f"device(s) {both}: the pools are physically separate; give them disjoint "
                     f"devices or set runtime.share_devices: true to colocate them")
         return self
+
+    def _check_colocated(self) -> None:
+        """`colocate`: one set of devices (cores) for both pools, on the local runtime."""
+        if self.kind != "local":
+            raise ValueError(f"runtime.colocate: colocated pools run on the local runtime "
+                             f"only (runtime.kind is {self.kind!r})")
+        for field, a, b in (("cpus", self.rollout_cpus, self.train_cpus),
+                            ("devices", self.rollout_devices, self.train_devices)):
+            if a is not None and b is not None and a != b:
+                raise ValueError(f"runtime.colocate: both pools compute on the same {field}, "
+                                 f"but runtime.rollout_{field} is {a} and runtime.train_"
+                                 f"{field} is {b}; give one of them (or the same list)")
+        self.share_devices = True
+
+    def colocated_cpus(self) -> list[int] | None:
+        """`colocate`: the cores both pools are pinned to (the one list given, else every CPU
+        this process may run on); None when the pools are not colocated."""
+        if not self.colocate:
+            return None
+        return self.rollout_cpus or self.train_cpus or sorted(os.sched_getaffinity(0))
 
 
 class WandbConfig(Strict):
@@ -764,6 +805,16 @@ class RunConfig(Strict):
             raise ValueError(f"agents.{networks[0]}.network: a network agent's learner "
                              "(MAPPO / IPPO) trains on rows of its own version only; use "
                              "pipeline.mode sync or async")
+        if self.runtime.colocate and self.pipeline.mode != "sync":
+            # the replicas sleep while training runs: a pipeline that overlaps rollout with
+            # training would have nothing awake to generate with
+            raise ValueError(f"runtime.colocate: colocated replicas sleep while training runs, "
+                             f"so rollout cannot overlap training; it needs pipeline.mode=sync "
+                             f"(got {self.pipeline.mode!r})")
+        if self.pipeline.train_agents != "together" and self.pipeline.mode != "sync":
+            raise ValueError(f"pipeline.train_agents: {self.pipeline.train_agents!r} orders the "
+                             f"synchronous pipeline's training; it needs pipeline.mode=sync "
+                             f"(got {self.pipeline.mode!r})")
         if self.pipeline.mode == "one_step_off" and self.train.checkpoint_every is not None:
             # a boundary of one_step_off has iteration k+1 in flight on version k weights, which
             # no trainer holds any more: a resume could not regenerate it

@@ -18,21 +18,29 @@ SYSTEM_SETTINGS: dict[str, list[str]] = {
     "flexmarl-sync": ["pipeline.mode=sync"],
     "flexmarl-stage": ["rollout.schedule=stage"],
     "flexmarl-static-balance": ["rollout.balance=static"],
+    "flexmarl-static-alloc": ["runtime.train_binding=fixed"],
     # separate rollout and training pools, synchronous, turn by turn, static splits
     "sync-disaggregated": ["pipeline.mode=sync", "rollout.schedule=stage",
                            "rollout.balance=static"],
     # single-agent async applied per agent (verl's / AReaL's one-step off-policy)
     "one-step-off": ["pipeline.mode=one_step_off", "rollout.schedule=stage",
                      "rollout.balance=static"],
+    # colocated (runtime.colocate): replicas and trainers on the same devices, the replicas
+    # asleep (KV cache freed, weights in host memory) while training runs; synchronous.
+    # MARTI today: per-episode workflows (dependency), each agent its equal share of the
+    # replicas (static), every agent trained at once
+    "marti": ["pipeline.mode=sync", "rollout.schedule=dependency", "rollout.balance=static",
+              "runtime.colocate=true"],
+    # MARTI until mid-2025: turn by turn, agents trained one at a time
+    "marti-2025-05": ["pipeline.mode=sync", "rollout.schedule=stage", "rollout.balance=static",
+                      "runtime.colocate=true", "pipeline.train_agents=one_at_a_time"],
+    # MAS-RL as the paper describes it: turn by turn, each turn's agent on the whole pool
+    # (shared), agents trained one at a time on the same devices
+    "mas-rl-like": ["pipeline.mode=sync", "rollout.schedule=stage", "rollout.balance=shared",
+                    "runtime.colocate=true", "pipeline.train_agents=one_at_a_time"],
 }
 
-NOT_YET: dict[str, str] = {
-    "marti": "colocated rollout engines that release their weights and KV cache to host "
-             "memory while training runs on the same devices",
-    "marti-2025-05": "colocated engines (as marti), agents trained one at a time",
-    "mas-rl-like": "the whole machine time-shared by one agent's engines at a time",
-    "flexmarl-static-alloc": "a fixed agent-to-slot binding in the training pool",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def system_overrides(name: str) -> list[str]:

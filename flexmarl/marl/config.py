@@ -33,7 +33,7 @@ from flexmarl.training.algorithms.vdn import VdnConfig
 # RuntimeConfig's fields that place, pin and publish LLM workers (and grow their pool: an
 # elastic rollout pool is the Ray LLM runtime's); a classic run's networks are
 # small, live on the CPU and are published through the pipes (its workers are not pinned yet)
-_LLM_ONLY_RUNTIME = ("devices", "rollout_devices", "train_devices", "share_devices",
+_LLM_ONLY_RUNTIME = ("colocate", "devices", "rollout_devices", "train_devices", "share_devices",
                      "rollout_cpus", "train_cpus", "publication", "publication_timeout_s",
                      "deterministic", "slot_size", "slot_sizes", "rollout_workers_max")
 

@@ -82,6 +82,8 @@ class IterationState:
     # rows of those agents are normalised over the whole iteration (and ready)
     wide_ready: bool = False
     plan: dict[str, Any] | None = None
+    # pool figures of the iteration beside the trace's (runtime.colocate: sleep and wake)
+    pool_stats: dict[str, float] = field(default_factory=dict)
     # rollout.schedule=stage: node tasks still unresolved per graph level, and one event per
     # level that opens when every lower level is resolved in every episode
     stage_left: list[int] = field(default_factory=list)

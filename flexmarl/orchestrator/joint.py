@@ -133,9 +133,12 @@ class JointOrchestrator:
             self.planner = Planner(cfg.pipeline.mode, Policy(balance=cfg.rollout.balance))
             self._train_seen: dict[str, dict[str, float]] = {}
             self.episodes.plan_next = self._plan_next
-        self.schedule = schedule_for(cfg.pipeline.mode, self.episodes, self.trainer,
-                                     self.version_book, train, self.trainable,
-                                     self._finish_iteration, self._maybe_finish)
+        self.schedule = schedule_for(
+            cfg.pipeline.mode, self.episodes, self.trainer, self.version_book, train,
+            self.trainable, self._finish_iteration, self._maybe_finish,
+            colocated=rollout if cfg.runtime.colocate else None,
+            record=lambda k, stats: self.episodes.iterations[k].pool_stats.update(stats),
+            one_at_a_time=cfg.pipeline.train_agents == "one_at_a_time")
         self._last_done = 0.0
         self._start = 0.0
 

@@ -109,6 +109,7 @@ class IterationMetrics:
             "rollout/makespan_s": it.rollout_finished_at - it.started_at,
         }
         record.update(self.rollout_metrics(it))
+        record.update(it.pool_stats)
         for source in self.sources:
             record.update(source())
         diffs = [it.trained[a] for a in self.trainable

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flexmarl.api.runtime import TrainPool
+from flexmarl.api.runtime import RolloutPool, TrainPool
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
@@ -46,19 +46,45 @@ class Schedule(Protocol):
 
 @dataclass
 class SyncSchedule(Schedule):
+    """`colocated` (`runtime.colocate`): the rollout pool whose replicas share the trainers'
+    devices: they sleep once iteration k is rolled out (weights and KV cache released while
+    training runs; the new versions load into their host copies) and wake before iteration
+    k+1's rollout; `record(k, stats)` gets what each sleep and wake took. `one_at_a_time`
+    (`pipeline.train_agents`): agents train one after another even with a slot each."""
+
     episodes: IterationRollout
     trainer: IterationTrainer
     train: TrainPool
     trainable: list[str]
     finish: Callable[[int], None]
+    colocated: RolloutPool | None = None
+    record: Callable[[int, dict[str, float]], None] | None = None
+    one_at_a_time: bool = False
+
+    async def _switch(self, command: str, figures: dict[str, float]) -> None:
+        assert self.colocated is not None
+        stats = await (self.colocated.sleep() if command == "sleep" else self.colocated.wake())
+        figures.update({f"pool/rollout/{command}_s": stats["seconds"],
+                        f"pool/rollout/{command}_kv_bytes": stats["kv_bytes"],
+                        f"pool/rollout/{command}_weight_bytes": stats["weight_bytes"]})
+        # anything else the pool counted (a time-shared pool: its turns' switches)
+        figures.update({f"pool/rollout/{key}": value for key, value in stats.items()
+                        if key not in ("seconds", "kv_bytes", "weight_bytes")})
 
     async def drive(self, first: int, iterations: int) -> None:
         # Time-shared training slots (fewer than agents): train agent after agent, so each
         # state is swapped in once per iteration instead of on every micro-batch.
         slots = self.train.training_slots()
-        one_by_one = slots is not None and slots < len(self.trainable)
+        one_by_one = self.one_at_a_time or (slots is not None and slots < len(self.trainable))
         for k in range(first, iterations):
+            figures: dict[str, float] = {}
+            if self.colocated is not None and k > first:
+                await self._switch("wake", figures)  # asleep since iteration k-1's training
             await self.episodes.rollout_iteration(k)
+            if self.colocated is not None:
+                await self._switch("sleep", figures)
+                if self.record is not None:
+                    self.record(k, figures)
             if one_by_one:
                 for a in self.trainable:
                     await self.trainer.train_iteration(a, k)
@@ -137,10 +163,15 @@ class OneStepOffSchedule(AsyncSchedule):
 def schedule_for(mode: str, episodes: EpisodeRunner, trainer: MicroBatchTrainer,
                  versions: Versions, train: TrainPool, trainable: list[str],
                  finish: Callable[[int], None],
-                 maybe_finish: Callable[[int], None]) -> Schedule:
-    """The schedule of `pipeline.mode`."""
+                 maybe_finish: Callable[[int], None], *,
+                 colocated: RolloutPool | None = None,
+                 record: Callable[[int, dict[str, float]], None] | None = None,
+                 one_at_a_time: bool = False) -> Schedule:
+    """The schedule of `pipeline.mode` (`colocated`, `one_at_a_time`: sync only, see
+    `SyncSchedule`; the config refuses them with the other modes)."""
     if mode == "sync":
-        return SyncSchedule(episodes, trainer, train, trainable, finish)
+        return SyncSchedule(episodes, trainer, train, trainable, finish, colocated, record,
+                            one_at_a_time)
     if mode == "one_step_off":
         return OneStepOffSchedule(episodes, trainer, versions, trainable, maybe_finish)
     return AsyncSchedule(episodes, trainer, versions, trainable, maybe_finish)

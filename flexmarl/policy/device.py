@@ -122,6 +122,20 @@ def pool_devices(rollout: int | list[int] | None, train: int | list[int] | None,
     return r, t
 
 
+def runtime_pools(runtime_cfg, gpu_count: int) -> tuple[list[int], list[int]]:
+    """The GPU indices of both pools from `runtime.*`: `pool_devices`, or with
+    `runtime.colocate` one list for both (the one given, else every visible GPU)."""
+    if getattr(runtime_cfg, "colocate", False):
+        given = runtime_cfg.rollout_devices if runtime_cfg.rollout_devices is not None \
+            else runtime_cfg.train_devices
+        field = "rollout_devices" if runtime_cfg.rollout_devices is not None else "train_devices"
+        both = _pool_list(field, given, 0, gpu_count) if given is not None \
+            else list(range(gpu_count))
+        return both, list(both)
+    return pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, gpu_count,
+                        runtime_cfg.share_devices)
+
+
 def worker_placements(kind: str, devices: list[int], n_workers: int) -> list[Placement]:
     """One placement per worker of a pool: worker i on device devices[i % len(devices)]."""
     if kind != "cuda":
@@ -138,12 +152,12 @@ def plan_placements(runtime_cfg, n_rollout: int, n_train: int, gpu_count: int | 
         rollout, train = worker_placements("cpu", [], n_rollout), worker_placements(
             "cpu", [], n_train)
     else:
-        r, t = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
-                            runtime_cfg.share_devices)
+        r, t = runtime_pools(runtime_cfg, n)
         rollout, train = worker_placements("cuda", r, n_rollout), worker_placements(
             "cuda", t, n_train)
-    return (_pinned(rollout, getattr(runtime_cfg, "rollout_cpus", None)),
-            _pinned(train, getattr(runtime_cfg, "train_cpus", None)))
+    colocated = runtime_cfg.colocated_cpus() if hasattr(runtime_cfg, "colocated_cpus") else None
+    return (_pinned(rollout, colocated or getattr(runtime_cfg, "rollout_cpus", None)),
+            _pinned(train, colocated or getattr(runtime_cfg, "train_cpus", None)))
 
 
 def _pinned(placements: list[Placement], cpus: list[int] | None) -> list[Placement]:
@@ -228,8 +242,7 @@ def check_slots(runtime_cfg, sizes: list[int], gpu_count: int | None = None,
     kind = resolve_kind(runtime_cfg.devices, n)
     field = _slot_field(runtime_cfg)
     if kind == "cuda":
-        _, train = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
-                                runtime_cfg.share_devices)
+        _, train = runtime_pools(runtime_cfg, n)
         if max(sizes) > len(train):
             raise PlacementError(f"{field}: a slot of {max(sizes)} ranks needs {max(sizes)} "
                                  f"GPUs, but the training pool has {len(train)} ({train})")
@@ -253,15 +266,19 @@ def slot_placements(runtime_cfg, sizes: list[int], gpu_count: int | None = None
                     ) -> list[list[Placement]]:
     """The placement of every rank of every training slot: slot i's ranks take the training
     pool's GPUs in order from where slot i-1's ended (wrapping around: slots may share GPUs,
-    as single-device slots do; the ranks of one slot never do), each rank seeing its own."""
+    as single-device slots do; the ranks of one slot never do), each rank seeing its own.
+    Every rank is pinned to the training pool's cores (`train_cpus`, or with `colocate` the
+    cores both pools share)."""
     n = torch.cuda.device_count() if gpu_count is None else gpu_count
+    cpus = (runtime_cfg.colocated_cpus() if hasattr(runtime_cfg, "colocated_cpus") else None) \
+        or getattr(runtime_cfg, "train_cpus", None)
     if resolve_kind(runtime_cfg.devices, n) == "cpu":
-        return [[Placement("cpu")] * k for k in sizes]
-    _, train = pool_devices(runtime_cfg.rollout_devices, runtime_cfg.train_devices, n,
-                            runtime_cfg.share_devices)
+        return [_pinned([Placement("cpu")] * k, cpus) for k in sizes]
+    _, train = runtime_pools(runtime_cfg, n)
     out: list[list[Placement]] = []
     start = 0
     for k in sizes:  # slots of 1: slot i on device i, as `worker_placements`
-        out.append([Placement("cuda", (train[(start + j) % len(train)],)) for j in range(k)])
+        out.append(_pinned([Placement("cuda", (train[(start + j) % len(train)],))
+                            for j in range(k)], cpus))
         start += k
     return out

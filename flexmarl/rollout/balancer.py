@@ -10,7 +10,9 @@ Two levels, as in the paper:
   a conversation, which that replica's prefix cache holds) unless it carries clearly more
   work than the least loaded one.
 `static` is the peers' behaviour (MARTI-like): replicas split equally between agents, requests
-dealt round robin whatever their length.
+dealt round robin whatever their length. `shared` (MAS-RL-like) gives every agent every
+replica, requests dealt round robin: under a turn-by-turn schedule each turn's agents hold the
+whole pool.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-BalanceMode = Literal["hierarchical", "static"]
+BalanceMode = Literal["hierarchical", "static", "shared"]
 
 # Prefill processes a prompt in one batched forward pass, decode one token per pass over the
 # weights: on memory-bound engines a prompt token costs roughly a tenth of a generated one.
@@ -350,6 +352,8 @@ class Balancer:
             assert demand is not None
             replicas = share_replicas({a: max(demand[a], 1e-9) for a in self.agents},
                                       self.n_replicas)
+        elif self.mode == "shared":  # the whole pool is every agent's
+            replicas = {a: list(range(self.n_replicas)) for a in self.agents}
         else:  # static, or nothing measured yet: every agent weighs the same
             replicas = equal_split(self.agents, self.n_replicas)
         plan = RolloutPlan(iteration, self.mode, replicas,
@@ -409,7 +413,7 @@ class Balancer:
         (within `affinity_slack_tokens` or `affinity_slack_ratio` of the least loaded): its
         prompt prefix is cached there. An overloaded home hands the key to the least loaded."""
         candidates = self.plan.replicas[agent]
-        if self.mode == "static":
+        if self.mode in ("static", "shared"):
             return candidates[next(self._round_robin[agent]) % len(candidates)]
         best = min(candidates, key=lambda r: (outstanding[r], r))
         key = None if sample_id is None else affinity_key(sample_id)

@@ -277,6 +277,9 @@ class ContinuousBatcher:
                              f"{self.device}")
         self.decode_mode: str = decode
         self._runner = DecodeRunner(decode)
+        # a colocated replica's engine sleeps while a trainer computes on its device
+        # (`HFEngine.sleep`): nothing is admitted then
+        self.asleep = False
 
     @property
     def max_tokens(self) -> int:
@@ -436,6 +439,9 @@ class ContinuousBatcher:
         """Prefill `requests` and join them to the batch; returns any that finish at once."""
         if not requests:
             return []
+        if self.asleep:
+            raise RuntimeError(f"request {requests[0].sample_id}: this engine is asleep (a "
+                               "colocated trainer holds its device); wake it first")
         now = time.time()
         for r in requests:
             if not r.prompt:
@@ -891,6 +897,81 @@ class HFEngine(ContinuousBatcher):
             self.prefix.flush()
         # a version may carry only the tensors that changed (LoRA: the adapted layers)
         self.model.load_state_dict(weights, strict=False)
+
+    # --- colocation: sleep while a trainer computes on this device, wake before rollout -----
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the model this engine computes with: parameters, buffers (rotary
+        frequencies) and a shared base's stacked adapters."""
+        seen: dict[int, torch.Tensor] = {}
+        stacked = [t for _, a, b in self._stack.layers for t in (a, b)] if self._stack else []
+        for t in [*self.model.parameters(), *self.model.buffers(), *stacked]:
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def memory(self) -> dict[str, int | bool]:
+        """What this engine holds now, read off its tensors: the KV pool's bytes, and the
+        bytes of its weights on the accelerator and in host memory."""
+        on_device = on_host = 0
+        for t in self._weight_tensors():
+            n = t.numel() * t.element_size()
+            if t.device.type == "cpu":
+                on_host += n
+            else:
+                on_device += n
+        kv = sum(int(k.numel() * k.element_size()) * 2 for k in self.kv.keys if k is not None)
+        return {"asleep": self.asleep, "kv_pool_bytes": kv, "weights_device_bytes": on_device,
+                "weights_host_bytes": on_host}
+
+    def sleep(self) -> dict[str, int]:
+        """Release the device for a colocated trainer (verl's and MARTI's `sleep`): the KV
+        pool is freed (its blocks and the prefix cache with it) and, on a GPU, the weights
+        move to pinned host memory and the allocator's cache is emptied. On a CPU the weights
+        already are host memory and stay as they are: only the KV cache is freed. A load
+        while asleep goes into the host copy. Returns the bytes released (`kv_bytes`) and
+        moved to the host (`weight_bytes`)."""
+        if self.active:
+            raise RuntimeError(f"cannot sleep with {self.active} sequences running")
+        if self.asleep:
+            return {"kv_bytes": 0, "weight_bytes": 0}
+        self.reset()  # prefix cache and per-batch state: every block back on the free list
+        kv = self.kv.release()
+        self._runner.graphs.clear()  # captured on the addresses about to be freed
+        self._runner.pool = 0
+        moved = 0
+        if self.device.type == "cuda":
+            tensors = self._weight_tensors()
+            hosts = []
+            for t in tensors:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                host.copy_(t.data, non_blocking=True)
+                hosts.append(host)
+                moved += t.numel() * t.element_size()
+            torch.cuda.synchronize(self.device)
+            for t, host in zip(tensors, hosts, strict=True):
+                t.data = host
+            self._choice, self._state = self._choice.cpu(), self._state.cpu()
+            self._temps = self._temps.cpu()
+            torch.cuda.empty_cache()
+        self.asleep = True
+        return {"kv_bytes": kv, "weight_bytes": moved}
+
+    def wake(self) -> dict[str, int]:
+        """Take the device back before a rollout: the weights (with any version loaded while
+        asleep) back onto it, the KV pool allocated again at its former size. Returns the
+        bytes moved (`weight_bytes`) and allocated (`kv_bytes`)."""
+        if not self.asleep:
+            return {"kv_bytes": 0, "weight_bytes": 0}
+        moved = 0
+        if self.device.type == "cuda":
+            for t in self._weight_tensors():
+                t.data = t.data.to(self.device, non_blocking=True)
+                moved += t.numel() * t.element_size()
+            self._choice, self._state = self._choice.to(self.device), self._state.to(self.device)
+            self._temps = self._temps.to(self.device)
+            torch.cuda.synchronize(self.device)
+        kv = self.kv.restore()
+        self.asleep = False
+        return {"kv_bytes": kv, "weight_bytes": moved}
 
     def reset(self) -> None:
         """Drop the running batch (after a failure); the model stays loaded. The prefix cache

@@ -140,6 +140,8 @@ class PagedKVCache:
         self.slots: torch.Tensor | None = None
         self.columns: torch.Tensor | None = None
         self.token_bytes = 0
+        # per layer, the (shape, dtype) of the pool `release` freed (None: it had none)
+        self._shapes: list[tuple[tuple[int, ...], torch.dtype] | None] = []
 
     def _pool(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pool, grown to the allocator's capacity (a copy only when it grows)."""
@@ -188,6 +190,36 @@ class PagedKVCache:
             if keys is not None and values is not None:
                 keys.index_copy_(0, d, keys[s])
                 values.index_copy_(0, d, values[s])
+
+    def release(self) -> int:
+        """Free every layer's pool (a colocated replica going to sleep; no block may be in
+        use): its tensors are dropped, their shapes kept for `restore`. Returns the bytes freed."""
+        freed = 0
+        self._shapes = []
+        for keys, values in zip(self.keys, self.values, strict=True):
+            if keys is None or values is None:
+                self._shapes.append(None)
+                continue
+            freed += int(keys.numel() * keys.element_size()) * 2
+            self._shapes.append((tuple(keys.shape), keys.dtype))
+        self.keys = [None] * self.n_layers
+        self.values = [None] * self.n_layers
+        self.slots = self.columns = None
+        return freed
+
+    def restore(self) -> int:
+        """Allocate again the pools `release` freed, at their former size (zeros: no block
+        holds anything after a sleep). Returns the bytes allocated."""
+        allocated = 0
+        for layer, shape in enumerate(self._shapes):
+            if shape is None:
+                continue
+            dims, dtype = shape
+            keys = torch.zeros(dims, dtype=dtype, device=self.device)
+            self.keys[layer], self.values[layer] = keys, torch.zeros_like(keys)
+            allocated += 2 * keys.numel() * keys.element_size()
+        self._shapes = []
+        return allocated
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.columns is None else int(self.columns.shape[1])

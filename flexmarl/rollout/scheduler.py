@@ -272,6 +272,46 @@ class ReplicaScheduler:
             events.append(Reply(key, agent, True, result))
         return events
 
+    # --- colocation ----------------------------------------------------------------------
+    def sleep(self, agents: list[str] | None = None) -> dict[str, int]:
+        """The engines of `agents` (None: every engine; an engine shared by several agents
+        only when all of them are named) release their device for a colocated trainer or
+        the next agent's turn (`HFEngine.sleep`); they must be idle (nothing running, queued
+        or waiting to load). Returns the bytes released summed over the engines; engines that
+        hold nothing (scripted) are skipped."""
+        named = set(self.agents if agents is None else agents)
+        groups = [g for g, members in self.groups.items() if set(members) <= named]
+        members = [a for g in groups for a in self.groups[g]]
+        queued = sum(self.queued(a) for a in members)
+        running = sum(self.engines[g].active for g in groups)
+        deferred = [a for a in members if a in self.deferred]
+        if queued or running or deferred:
+            raise RuntimeError(f"cannot sleep {sorted(members)}: {queued} requests queued, "
+                               f"{running} running, {len(deferred)} weight loads deferred")
+        return self._each("sleep", groups)
+
+    def wake(self, agents: list[str] | None = None) -> dict[str, int]:
+        """The engines of `agents` (None: every engine) take their device back
+        (`HFEngine.wake`)."""
+        named = set(self.agents if agents is None else agents)
+        return self._each("wake", [g for g, members in self.groups.items()
+                                   if named & set(members)])
+
+    def memory(self) -> dict[str, Any]:
+        """What each engine holds now (`HFEngine.memory`), by engine key."""
+        return {g: e.memory() for g, e in self.engines.items()  # type: ignore[attr-defined]
+                if hasattr(e, "memory")}
+
+    def _each(self, command: str, groups: list[str]) -> dict[str, int]:
+        total = {"kv_bytes": 0, "weight_bytes": 0}
+        for group in groups:
+            act = getattr(self.engines[group], command, None)
+            if act is None:
+                continue
+            for key, n in act().items():
+                total[key] = total.get(key, 0) + n
+        return total
+
     # --- versions ------------------------------------------------------------------------
     def _stale(self, key: Any, r: GenerationRequest) -> Reply:
         return Reply(key, r.agent, False, f"agent {r.agent!r}: request {r.sample_id} wants "

@@ -69,6 +69,9 @@ class SlotAllocator:
     # its size, so it is given no other
     sizes: list[int] | None = None
     size_of: dict[str, int] = field(default_factory=dict)
+    # a fixed agent -> slot binding (`runtime.train_binding: fixed`, the static allocation
+    # baseline): an agent runs on its own slot only, whatever the other slots' load
+    fixed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = [SlotInfo(i) for i in range(self.n_slots)]
@@ -79,6 +82,8 @@ class SlotAllocator:
         self.size_of = {a: self.sizes[i] for a, i in slot_of.items()}
 
     def _fits(self, agent: str, slot: SlotInfo) -> bool:
+        if agent in self.fixed:
+            return slot.index == self.fixed[agent]
         return (self.sizes is None or agent not in self.size_of
                 or self.sizes[slot.index] == self.size_of[agent])
 

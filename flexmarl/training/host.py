@@ -450,6 +450,11 @@ class SlotPool(TrainPool):
         its state is sharded over that many ranks.)"""
         self.rank = {a: i for i, a in enumerate(plan.train_order)}
 
+    def fix_slots(self, slot_of: dict[str, int]) -> None:
+        """`runtime.train_binding: fixed`: each agent trains on its slot in `slot_of` only
+        (agents bound to one slot time-share it; no agent moves to a free slot)."""
+        self.allocator.fixed = dict(slot_of)
+
     def bind_slots(self, slot_of: dict[str, int]) -> None:
         """Slots of different sizes: bind each agent to the size of its slot in `slot_of`
         before it trains (the runtime's initial `planning.bind_slots`)."""

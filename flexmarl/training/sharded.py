@@ -8,12 +8,21 @@ runs its share of every micro-batch (rows `rank::K`), FSDP reduce-scatters the g
 `step` normalises by the rows seen on *all* ranks, which makes one step of K ranks equal to
 one step of one device up to summation order.
 
+The model is built on the meta device on every rank (`meta_init`): FSDP shards the empty
+skeleton, each rank allocates its shard alone (`to_empty`), and rank 0, which alone builds the
+agent's full initial weights (on the CPU, from the seed as one device does), broadcasts them
+one tensor at a time into the shards, freeing each as it goes (`materialize`). So ranks
+1..K-1 never hold more than their shard and one tensor in flight, rank 0 not more than the
+full weights once, and the weights are bit for bit those every rank would have built.
+
 All methods are collective: every rank of the group must call them in the same order (as the
 ranks of one training slot do, driven by one host).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import shutil
 import uuid
@@ -29,11 +38,12 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from flexmarl.config.schema import AgentConfig
+from flexmarl.config.schema import AgentConfig, ModelConfig
 from flexmarl.policy import adapters
-from flexmarl.policy.model import stable_seed
+from flexmarl.policy.device import process_device
+from flexmarl.policy.model import skeleton, stable_seed
 from flexmarl.policy.tokenizer import base_model_name
 from flexmarl.training import dcp as dcp_state
 from flexmarl.training import lora
@@ -82,6 +92,49 @@ def shard_model(model: Any, mesh: DeviceMesh,
     fully_shard(model, **kwargs)
 
 
+def materialize(module: torch.nn.Module, source: torch.nn.Module | None,
+                device: torch.device, group: Any) -> None:
+    """Allocate the shards of `module` (sharded on the meta device) on `device` and fill them
+    from `source`, the same module with its full weights, which rank 0 of the default group
+    alone holds (None elsewhere). One tensor at a time: rank 0 broadcasts it, every rank keeps
+    its shard (`distribute_tensor`, no further communication), and rank 0 frees its full copy
+    at once, so no rank holds more than its shards plus one tensor beyond what it had (rank 0:
+    the rest of the full weights). Buffers (the rotary frequencies too, which the state dict
+    leaves out) are broadcast whole. Collective."""
+    module.to_empty(device=device)
+    given = dict(source.named_parameters()) if source is not None else {}
+    given_buffers = dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if source is not None:
+                held = given.pop(name)
+                full = held.detach().to(device, copy=True)
+                held.data = torch.empty(0, dtype=held.dtype)  # rank 0's full copy goes now
+            else:
+                full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            dist.broadcast(full, src=0, group=group)
+            if isinstance(param, DTensor):
+                param.copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                              src_data_rank=None))
+            else:
+                param.copy_(full)
+            del full
+        for name, buffer in module.named_buffers():
+            if source is not None:
+                buffer.copy_(given_buffers[name])
+            dist.broadcast(buffer, src=0, group=group)
+
+
+def _trim_heap() -> None:
+    """Give the allocator's free pages back to the OS (glibc's `malloc_trim`): rank 0's full
+    copy of the weights and the ranks' broadcast buffers, freed tensor by tensor, would
+    otherwise stay in their resident heaps."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the pages stay until reused
+        pass
+
+
 def shard_shared_base(base: Any, agents: dict[str, AgentConfig], run_seed: int,
                       mesh: DeviceMesh) -> Any:
     """One peft model over a shared base with an adapter per agent (`adapters.adapter_name`,
@@ -113,7 +166,7 @@ class ShardedAgentTrainer(AgentTrainer):
                  device: str | None = None, mesh: DeviceMesh | None = None,
                  mixed_precision: MixedPrecisionPolicy | None = None,
                  state_dir: str | None = None, policy: Any = None,
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None, meta_init: bool = True) -> None:
         """`mixed_precision`: FSDP2's policy (e.g. bf16 params, fp32 reduce); the master
         weights and optimizer state stay float32 either way. `state_dir`: a folder all ranks
         share, where restart points (`get_state`) are written.
@@ -121,17 +174,31 @@ class ShardedAgentTrainer(AgentTrainer):
         `policy` and `adapter`: an agent on a shared base trains adapter `adapter` of the
         slot's one peft model `policy`, already sharded over `mesh` (`shard_shared_base`):
         the frozen base is sharded once per slot, each agent's adapter is sharded with it, and
-        this trainer's optimizer, swaps, restart points and publication hold its adapter only."""
+        this trainer's optimizer, swaps, restart points and publication hold its adapter only.
+
+        `meta_init` (a policy of its own, on a mesh over the whole group): every rank builds
+        the model on the meta device and materialises its shard alone (see the module); False
+        builds the full model on every rank first (the peak memory baseline)."""
         if not dist.is_initialized():
             raise TrainingError(f"agent {agent!r}: a sharded trainer needs an initialised "
                                 "torch.distributed process group")
         if (policy is None) != (adapter is None):
             raise TrainingError(f"agent {agent!r}: a shared sharded policy needs its adapter "
                                 "name, and the reverse")
+        target = torch.device(device or process_device())
+        mesh = mesh or init_device_mesh(target.type, (dist.get_world_size(),))
+        # rank 0 of the default group broadcasts the initial weights: the mesh must span it
+        self.meta_init = (meta_init and policy is None
+                          and mesh.size() == dist.get_world_size())
+        source = None
+        if self.meta_init and dist.get_rank() == 0:
+            with torch.random.fork_rng(devices=[]):  # the process's RNG as if not built
+                source = AgentTrainer(agent, cfg, vocab_size, max_seq_len, run_seed,
+                                      total_steps, max_staleness, device="cpu")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device, policy=policy)
         self.state_dir = state_dir
-        self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
+        self.mesh = mesh
         self.group = self.mesh.get_group()
         self.rank = self.mesh.get_local_rank()
         self.world = self.mesh.size()
@@ -148,6 +215,16 @@ class ShardedAgentTrainer(AgentTrainer):
             shard_model(self.critic_model, self.mesh, mixed_precision)
         if self.value_head is not None:
             fully_shard(self.value_head, mesh=self.mesh)
+        if self.meta_init:
+            for part in ("model", "ref_model", "critic_model"):
+                module = getattr(self, part)
+                if module is not None:
+                    materialize(module, getattr(source, part) if source else None,
+                                self.device, self.group)
+            # rank 0's full copy and every rank's broadcast buffers go before training
+            del source
+            gc.collect()
+            _trim_heap()
         # the parameters are DTensors now: the optimizer is rebuilt over them (no state yet),
         # with AgentTrainer's groups and parameter order (actor, then critic, then value head)
         self.named_trainable = [
@@ -276,6 +353,13 @@ class ShardedAgentTrainer(AgentTrainer):
         K ranks, so they are scaled by K / rows (`world_size`)."""
         self._reduce_counts()
         return super().step()
+
+    def _build_model(self, name: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int,
+                     run_seed: int) -> Any:
+        """On the meta device when `meta_init` (weights come from rank 0, `materialize`)."""
+        if self.meta_init:
+            return skeleton(name, cfg, vocab_size, max_seq_len)
+        return super()._build_model(name, cfg, vocab_size, max_seq_len, run_seed)
 
     @property
     def world_size(self) -> int:  # type: ignore[override]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from flexmarl.config.schema import AgentConfig, OptimConfig
+from flexmarl.config.schema import AgentConfig, ModelConfig, OptimConfig
 from flexmarl.policy import adapters
 from flexmarl.policy.device import compute_dtype, memory_stats, process_device
 from flexmarl.policy.model import build_model, stable_seed, weights_of
@@ -106,7 +106,7 @@ class AgentTrainer:
         elif shared_base is not None:
             base = adapters.share_base(shared_base)
         else:
-            base = build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed, self.device)
+            base = self._build_model(agent, cfg.model, vocab_size, max_seq_len, run_seed)
         if cfg.model.gradient_checkpointing and policy is None:  # a built policy has it set
             enable_checkpointing(base)
         self.vocab = base.config.vocab_size
@@ -134,8 +134,8 @@ class AgentTrainer:
                 torch.nn.init.zeros_(self.value_head.bias)
             self.value_head.to(self.device)
             if cfg.algorithm.critic == "separate":
-                self.critic_model = build_model(f"{agent}.critic", cfg.model, vocab_size,
-                                                max_seq_len, run_seed, self.device)
+                self.critic_model = self._build_model(f"{agent}.critic", cfg.model,
+                                                      vocab_size, max_seq_len, run_seed)
                 self.critic_model.train()
                 critic_params += list(self.critic_model.parameters())
             critic_params += list(self.value_head.parameters())
@@ -160,6 +160,12 @@ class AgentTrainer:
         self._nonfinite: str | None = None  # why this step must be skipped (NaN/inf seen)
         # algorithm.epochs > 1: the iteration's rows, for the passes after the first
         self._kept: list[Sample] = []
+
+    def _build_model(self, name: str, cfg: ModelConfig, vocab_size: int, max_seq_len: int,
+                     run_seed: int) -> Any:
+        """A model the trainer owns, with its initial weights (`policy.model.build_model`); a
+        sharded trainer builds it on the meta device instead and loads its shard later."""
+        return build_model(name, cfg, vocab_size, max_seq_len, run_seed, self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Forward passes in the compute dtype over float32 master weights."""

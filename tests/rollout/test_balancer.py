@@ -203,3 +203,12 @@ def test_a_replica_leaving_the_pool_replans_over_the_others():
     bal.remove_replica(1)
     with pytest.raises(ValueError, match="at least one replica"):
         bal.remove_replica(0)
+
+
+def test_shared_gives_every_agent_the_whole_pool_round_robin():
+    """`rollout.balance: shared` (mas-rl-like): every agent on every replica, whatever the
+    demand, requests dealt in turn over all of them."""
+    b = Balancer(["a", "b"], 3, "shared")
+    assert b.plan.replicas == {"a": [0, 1, 2], "b": [0, 1, 2]}
+    assert [b.pick("a", [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    assert b.replan(1, {"a": 100.0, "b": 1.0}).replicas == {"a": [0, 1, 2], "b": [0, 1, 2]}

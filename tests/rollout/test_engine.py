@@ -85,3 +85,76 @@ def test_budgets_bound_the_batch(model):
         seen_max = max(seen_max, done.active)
         done.step()
     assert seen_max == 3
+
+
+def test_sleep_releases_the_kv_pool_and_wake_gives_the_same_tokens(model):
+    """A colocated replica's engine (runtime.colocate): asleep it holds no KV pool and admits
+    nothing; a version loaded while asleep is the one it generates with once awake; and
+    what it generates after a wake is what a fresh engine generates (CPU: the weights stay in
+    host memory, only the KV cache is released)."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    from flexmarl.rollout.engine import HFEngine
+
+    reqs = [dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, 6))
+            for r in _requests(4, seed=3)]
+    engine = HFEngine(copy.deepcopy(model), max_seqs=4)
+    before = engine.run_to_completion(reqs)
+    held = engine.memory()
+    assert held["kv_pool_bytes"] > 0 and not held["asleep"]
+    assert held["weights_device_bytes"] == 0 and held["weights_host_bytes"] > 0  # a CPU
+    released = engine.sleep()
+    assert released == {"kv_bytes": held["kv_pool_bytes"], "weight_bytes": 0}
+    asleep = engine.memory()
+    assert asleep["asleep"] and asleep["kv_pool_bytes"] == 0
+    assert engine.sleep() == {"kv_bytes": 0, "weight_bytes": 0}  # already asleep
+    with pytest.raises(RuntimeError, match="this engine is asleep"):
+        engine.admit(reqs[:1])
+    # a new version published while asleep: it loads into the host copy
+    new = {k: v + 0.01 for k, v in model.state_dict().items() if k.endswith("weight")}
+    engine.load_weights(new)
+    assert engine.wake()["kv_bytes"] == held["kv_pool_bytes"]
+    assert engine.memory()["kv_pool_bytes"] == held["kv_pool_bytes"]
+    fresh_model = copy.deepcopy(model)
+    fresh_model.load_state_dict(new, strict=False)
+    fresh = HFEngine(fresh_model, max_seqs=4).run_to_completion(reqs)
+    woken = engine.run_to_completion(reqs)
+    for a, b in zip(fresh, woken, strict=True):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+    assert any(a.tokens != b.tokens for a, b in zip(before, woken, strict=True))
+    engine.admit(reqs[:1])
+    with pytest.raises(RuntimeError, match="cannot sleep with 1 sequences running"):
+        engine.sleep()
+    assert torch.equal(engine.model.lm_head.weight, fresh_model.lm_head.weight)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_sleep_on_a_gpu_moves_the_weights_to_host_and_frees_the_device(model):
+    """On a GPU a sleeping engine holds nothing on the device (weights in pinned host memory,
+    KV pool freed, allocator cache emptied) and generates the same tokens once awake."""
+    import copy
+
+    import torch
+
+    from flexmarl.rollout.engine import HFEngine
+
+    reqs = _requests(4, seed=3)
+    base = torch.cuda.memory_allocated()
+    engine = HFEngine(copy.deepcopy(model).cuda(), max_seqs=4)
+    before = engine.run_to_completion(reqs)
+    held = engine.memory()
+    assert held["weights_device_bytes"] > 0 and held["kv_pool_bytes"] > 0
+    released = engine.sleep()
+    assert released["weight_bytes"] == held["weights_device_bytes"]
+    asleep = engine.memory()
+    assert asleep["weights_device_bytes"] == 0 and asleep["kv_pool_bytes"] == 0
+    assert all(p.is_pinned() for p in engine.model.parameters())
+    # nothing of the engine's left on the device (a few KB: its empty per-batch tensors)
+    assert torch.cuda.memory_allocated() - base < 1 << 16
+    engine.wake()
+    assert engine.memory()["weights_device_bytes"] == held["weights_device_bytes"]
+    after = engine.run_to_completion(reqs)
+    assert [r.tokens for r in before] == [r.tokens for r in after]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flexmarl.config.schema import AgentConfig
+from flexmarl.runtime.local.slot_ranks import end_rank
 from flexmarl.training.sharded import ShardedAgentTrainer
 from flexmarl.training.trainer import AgentTrainer
 from tests.training.test_sharded import STEPS, VOCAB, _samples, _train
@@ -79,7 +80,7 @@ def _k2_job(rank: int, out: str) -> None:
                              device="cpu")
     res["poisoned"] = _poisoned(tr)
     torch.save(res, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    end_rank(exit_process=True)  # as a slot's rank ends (no finalization: see end_rank)
 
 
 @pytest.fixture(scope="module")

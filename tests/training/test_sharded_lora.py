@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from flexmarl.config.schema import AgentConfig
 from flexmarl.policy.adapters import adapter_name
 from flexmarl.policy.model import build_model
+from flexmarl.runtime.local.slot_ranks import end_rank
 from flexmarl.training.sharded import ShardedAgentTrainer, shard_shared_base
 from flexmarl.training.state import swap_in, swap_out
 from flexmarl.training.trainer import AgentTrainer
@@ -82,7 +83,7 @@ def _k2_job(rank: int, out: str) -> None:
     res["swap_bytes"] = before.nbytes
     res["swap_keys"] = sorted(before.tensors)
     torch.save(res, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    end_rank(exit_process=True)  # as a slot's rank ends (no finalization: see end_rank)
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,10 @@ from flexmarl.policy.model import approx_params
 from flexmarl.rollout.backends.openai import OpenAIBackend
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.runtime.local.publication import PublishedRef, Publisher
+from flexmarl.runtime.local.turns import AgentTurns, time_shared
 from flexmarl.runtime.local.workers import (
     HEARTBEAT,
+    BeatingPipe,
     WorkerSpec,
     rollout_worker_main,
     train_worker_main,
@@ -62,8 +64,10 @@ class ProcessLauncher(Launcher):
     def launch(self, pool: str, index: int, target: Any, spec: Any) -> tuple[Any, Any]:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=target, args=(child, spec),
+        beat = ctx.Value("d", time.monotonic(), lock=False)  # the worker's heartbeat clock
+        process = ctx.Process(target=target, args=(BeatingPipe(child, beat), spec),
                               name=f"flexmarl-{pool}-{index}", daemon=True)
+        process.beat = beat  # type: ignore[attr-defined]
         return conn, process
 
 
@@ -322,6 +326,32 @@ class LocalRolloutPool(RolloutPool):
         # runtime.publication collective: weights arrive as `PublishedRef`s and go from the
         # training slot to the replicas directly
         self.publisher: Publisher | None = None
+        # runtime.colocate with rollout.balance shared: one agent holds the pool at a time
+        self.turns: AgentTurns | None = None
+        self.asleep = False  # runtime.colocate: between `sleep` and `wake`
+
+    def take_turns(self, agents: list[str]) -> None:
+        """Time-share the pool among `agents`, one at a time (`runtime.local.turns`)."""
+        self.turns = AgentTurns(agents, self._switch_turn)
+
+    async def match_sleep(self, replica: WorkerProxy) -> None:
+        """A replica restarted in place (the supervisor's) starts awake: it sleeps what the
+        pool's replicas sleep now (all of it while training runs; under turns, every agent
+        but the holder)."""
+        if self.turns is not None:
+            asleep = sorted(set(self.turns.agents) - self.turns.awake)
+            if asleep:
+                await replica.call("sleep", asleep)
+        elif self.asleep:
+            await replica.call("sleep", None)
+
+    async def _switch_turn(self, sleep: list[str], wake: list[str]) -> float:
+        t0 = time.perf_counter()
+        if sleep:
+            await self._every_replica("sleep", sleep)
+        if wake:
+            await self._every_replica("wake", wake)
+        return time.perf_counter() - t0
 
     async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         """Dispatch; a request whose replica is lost goes again to a live one (sampling is keyed
@@ -329,13 +359,20 @@ class LocalRolloutPool(RolloutPool):
         remote = self.remote.get(request.agent)
         if remote is not None:
             return await remote.generate(request)
-        while True:
-            try:
-                return await self._dispatch(request, priority)
-            except WorkerLost:
-                if self.on_lost is None:
-                    raise
-                await self.on_lost()
+        turns = self.turns
+        if turns is not None:
+            await turns.enter(request.agent)
+        try:
+            while True:
+                try:
+                    return await self._dispatch(request, priority)
+                except WorkerLost:
+                    if self.on_lost is None:
+                        raise
+                    await self.on_lost()
+        finally:
+            if turns is not None:
+                turns.leave(request.agent)
 
     async def _dispatch(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         cost = self.balancer.expected_cost(request.agent, len(request.prompt),
@@ -420,6 +457,55 @@ class LocalRolloutPool(RolloutPool):
     def follow_plan(self, plan: Plan) -> None:
         """The planner's replicas per agent (critical path), over the demand plan."""
         self.balancer.follow(plan.iteration, plan.replica_indices())
+
+    async def sleep(self) -> dict[str, float]:
+        """`runtime.colocate`: every live replica frees its KV cache and moves its weights to
+        host memory (`HFEngine.sleep`; on a CPU the weights stay, only the KV cache goes);
+        publications while asleep load into the host copy. Time-shared by turns: also the
+        turns' switches during the rollout just done (`switches`, `switch_s`)."""
+        self.asleep = True
+        out = await self._every_replica("sleep")
+        if self.turns is not None:
+            self.turns.asleep()
+            out.update(self.turns.take_counts())
+        return out
+
+    async def wake(self) -> dict[str, float]:
+        """`runtime.colocate`: every live replica loads its weights back onto its device and
+        allocates its KV cache again, before the next rollout. Time-shared by turns: nothing
+        here; each agent's engines wake when its turn comes."""
+        self.asleep = False
+        if self.turns is not None:
+            return {"seconds": 0.0, "kv_bytes": 0.0, "weight_bytes": 0.0}
+        return await self._every_replica("wake")
+
+    async def _every_replica(self, command: str,
+                             agents: list[str] | None = None) -> dict[str, float]:
+        """`command` on every live replica at once, for the engines of `agents` (None: all):
+        the wall seconds until the last one is done, and the bytes summed over them. A
+        replica lost meanwhile is skipped (its restart comes up awake, with the latest
+        weights)."""
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(w.call(command, agents) for w in self.workers
+                                         if w.alive), return_exceptions=True)
+        out = {"seconds": time.perf_counter() - t0, "kv_bytes": 0.0, "weight_bytes": 0.0}
+        for r in results:
+            if isinstance(r, WorkerLost):
+                continue
+            if isinstance(r, BaseException):
+                raise r
+            for key, n in r.items():
+                out[key] = out.get(key, 0.0) + n
+        return out
+
+
+def fixed_binding(trainable: list[str], slot_sizes: list[int],
+                  slot_of: dict[str, int]) -> dict[str, int]:
+    """`runtime.train_binding: fixed`: agents dealt to the slots in turn (config order); slots
+    of different sizes keep the planner's binding (`slot_of`, heaviest on the largest)."""
+    if len(set(slot_sizes)) > 1:
+        return dict(slot_of)
+    return {a: i % len(slot_sizes) for i, a in enumerate(trainable)}
 
 
 class LocalTrainPool(SlotPool):
@@ -532,12 +618,16 @@ class LocalRuntime(Runtime):
         remote = {a: OpenAIBackend(a, cfg.agents[a].backend)
                   for a in agents if cfg.agents[a].backend.kind == "openai"}
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
+        if time_shared(cfg):
+            self.rollout.take_turns(local_agents)
         self.train = LocalTrainPool(self.train_workers, self.slot_sizes)
         # slots of different sizes: the heaviest agent (parameters) on the largest slot, until
         # the planner measured their training (an agent keeps the size it first trained at)
         self.slot_of = bind_slots({a: costs.get(a, float(approx_params(
             cfg.agents[a].model, vocab_size))) for a in trainable}, self.slot_sizes)
         self.train.bind_slots(self.slot_of)
+        if rt.train_binding == "fixed":
+            self.train.fix_slots(fixed_binding(trainable, self.slot_sizes, self.slot_of))
         self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
         if publication is not None:
             sup = self.supervisor
@@ -714,7 +804,9 @@ class Supervisor:
 
     async def _watch(self) -> None:
         """Checked every quarter interval: a worker (or a whole Ray node) gone silent is
-        declared lost at most a quarter interval after `heartbeat_misses` intervals."""
+        declared lost at most a quarter interval after `heartbeat_misses` intervals. A local
+        worker's beats are also read from its shared clock (`BeatingPipe`), so one sending a
+        large message is not mistaken for a silent one."""
         interval = self.cfg.heartbeat_interval_s
         limit = interval * self.cfg.heartbeat_misses
         while True:
@@ -724,6 +816,9 @@ class Supervisor:
             for w in self._workers():
                 if not w.alive or w.stopping:
                     continue
+                clock = getattr(w.process, "beat", None)
+                if clock is not None:
+                    w.last_beat = max(w.last_beat, clock.value)
                 if now - w.last_beat > limit:
                     w.kill(f"missed {self.cfg.heartbeat_misses} heartbeats "
                            f"({now - w.last_beat:.1f} s silent)")
@@ -762,6 +857,9 @@ class Supervisor:
                 await new.start()
                 if old.pool == "rollout":
                     await self._load_latest(new)
+                    match_sleep = getattr(self.rt.rollout, "match_sleep", None)
+                    if match_sleep is not None:  # runtime.colocate: asleep as the others are
+                        await match_sleep(new)
                 else:
                     await self._restore_trainers(new)
             except WorkerLost:

@@ -15,6 +15,9 @@ A slot fails as a whole, promptly: rank 0 exits when a follower dies (it watches
 processes) or a collective fails (a hung peer: the group's timeout); a follower exits when rank
 0 is gone. The supervisor then restarts rank 0, which forms the slot again, and the slot is
 restored from the agent's restart point (`SlotPool.restore_slot`).
+
+A rank that ends normally leaves through `end_rank`: its process exits without Python's
+interpreter finalization (see there why).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -57,6 +60,36 @@ def _watch(check: Any, why: str) -> None:
         os._exit(1)
 
     threading.Thread(target=loop, name="slot-watch", daemon=True).start()
+
+
+def end_rank(exit_process: bool) -> None:
+    """Leave the slot's process group once this rank's last collective returned; with
+    `exit_process` (the rank's process is the slot's own: a child process, a local worker),
+    end the process here, without interpreter finalization.
+
+    Why: gloo's worker threads (and NCCL's) outlive `destroy_process_group` while anything
+    still references the group (FSDP's state, device meshes, DTensor caches do), and a worker
+    drops its last reference to a finished collective *after* `wait()` returned. When that
+    collective's tensors were made in Python, the drop needs the GIL; if the main thread has
+    begun finalizing by then (which load makes likely: the last collective of a checkpoint is
+    immediately followed by the exit), Python ends the worker thread inside a C++ destructor
+    and the process aborts (SIGABRT, "terminate called without an active exception"). No
+    finalization, no race. A Ray rank actor (`exit_process` False) is ended by Ray, which
+    exits its process without finalization too."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if exit_process:
+        _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Flush what this process printed, then exit without finalization."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to flush
+            pass
+    os._exit(code)
 
 
 class SlotLeader:
@@ -170,6 +203,7 @@ def follower_main(setup_torch: Callable[[Any], None], args: tuple | None = None)
     from flexmarl.config.schema import RunConfig
     from flexmarl.training.host import TrainHost
 
+    own_process = args is None  # a child process of rank 0's, not a Ray actor
     if args is None:
         args = pickle.loads(sys.stdin.buffer.read())
         leader_pid = args[4]
@@ -205,4 +239,4 @@ def follower_main(setup_torch: Callable[[Any], None], args: tuple | None = None)
             raise  # a peer failed: this rank fails with the slot
         except Exception:  # noqa: BLE001, S110 - rank 0 ran the same command and reports it
             pass
-    dist.destroy_process_group()
+    end_rank(exit_process=own_process)

@@ -63,6 +63,14 @@ class LockedConnection:
         with self._lock:
             self._conn.send(msg)
 
+    def send_if_free(self, msg: Any) -> None:
+        """Send unless another send holds the pipe (whose message will count as a beat)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._conn.send(msg)
+            finally:
+                self._lock.release()
+
     def recv(self) -> Any:
         return self._conn.recv()
 
@@ -70,16 +78,37 @@ class LockedConnection:
         return self._conn.poll(timeout)
 
 
+class BeatingPipe:
+    """A local worker's end of its pipe, with a clock in shared memory (`beat`, seconds of
+    `time.monotonic`, one clock for every process of the machine) that its heartbeat thread
+    sets. A beat on the pipe waits behind whatever the worker is sending: a large message (a
+    model's published weights) on a loaded machine can take longer than the heartbeat limit
+    to cross, and the worker would be declared lost while it works. Everything else is the
+    pipe's (`send`, `recv`, `poll`, ...)."""
+
+    def __init__(self, conn: Connection, beat: Any) -> None:
+        self.conn, self.beat = conn, beat
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("conn", "beat"):  # not set yet: unpickling in the worker
+            raise AttributeError(name)
+        return getattr(self.conn, name)
+
+
 def start_heartbeat(conn: Connection, spec: WorkerSpec) -> LockedConnection:
     """Beat every `spec.heartbeat_s` from a daemon thread, so a worker stuck in a long
-    computation still shows it is alive and a hung or frozen one shows that it is not."""
+    computation still shows it is alive and a hung or frozen one shows that it is not: into
+    the shared clock of a `BeatingPipe` (local processes), and on the pipe (every transport)."""
     locked = LockedConnection(conn)
+    clock = getattr(conn, "beat", None)
 
     def beat() -> None:
         while True:
             time.sleep(spec.heartbeat_s)
-            try:
-                locked.send((HEARTBEAT, True, time.time(), []))
+            if clock is not None:
+                clock.value = time.monotonic()
+            try:  # never behind a long send: the shared clock must keep beating
+                locked.send_if_free((HEARTBEAT, True, time.time(), []))
             except (OSError, ValueError):
                 return
 
@@ -154,6 +183,18 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                     events += sched.load(msg_id, payload[0].agent, payload[0].version,
                                          receive_collective(groups, *payload))
                 except Exception as exc:  # noqa: BLE001 - the driver recovers the peer
+                    conn.send((msg_id, False, _error(exc), []))
+            elif command in ("sleep", "wake", "memory"):  # runtime.colocate
+                t0 = time.time()
+                try:
+                    if command == "memory":
+                        result, spans = sched.memory(), []
+                    else:  # payload: the agents whose engines sleep or wake (None: all)
+                        result = getattr(sched, command)(payload)
+                        who = "+".join(payload) if payload else ""
+                        spans = [(t0, time.time(), f"{command}:{who}")]
+                    conn.send((msg_id, True, result, spans))
+                except Exception as exc:  # noqa: BLE001 - reported to the driver
                     conn.send((msg_id, False, _error(exc), []))
             elif command == "stop":
                 running = False
@@ -273,7 +314,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     cfg = RunConfig.model_validate(spec.config)
     leader = None
     if spec.slot_ranks:  # a sharded slot: this is rank 0, the others follow its commands
-        from flexmarl.runtime.local.slot_ranks import form_slot
+        from flexmarl.runtime.local.slot_ranks import end_rank, form_slot
 
         leader = form_slot(spec)
     host = TrainHost(cfg, spec.vocab_size, spec.max_seq_len, spec.swap_dir,
@@ -289,6 +330,8 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     serve_slot(conn, handle, side)
     if leader is not None:
         leader.stop()
+        # a local worker process ends here (`end_rank`); on Ray this main is an actor's thread
+        end_rank(exit_process=threading.current_thread() is threading.main_thread())
 
 
 def slot_follower_main(args: tuple | None = None) -> None:

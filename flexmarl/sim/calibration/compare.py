@@ -11,8 +11,9 @@ FlexMARL's (`flexmarl` must be among the systems for it).
 
 With `pin`, every run pins its rollout workers to the first half of the CPUs and its training
 workers to the second half (`runtime.rollout_cpus` / `train_cpus`): disaggregated pools on
-separate cores. The mirror models the CPUs as shared, so with pinning its error says how much
-the separation itself costs or gains.
+separate cores; the colocated systems (`marti`, `marti-2025-05`, `mas-rl-like`) pin both pools
+to every core, pinned or not. The mirror models the CPUs as shared, so with pinning its error
+says how much the separation itself costs or gains.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def pinned_overrides(cpus: int | None = None) -> list[str]:
             f"runtime.train_cpus=[{','.join(map(str, range(half, n)))}]"]
 
 
+def colocated(system: str) -> bool:
+    """Whether `system` runs its pools on the same cores (`runtime.colocate`)."""
+    return "runtime.colocate=true" in system_overrides(system)
+
+
 def compare(config: str | Path, overrides: list[str] | None = None,
             systems: tuple[str, ...] | list[str] = DEFAULT_SYSTEMS, rounds: int = 2,
             iterations: int | None = None, out: str | Path | None = None,
@@ -74,8 +80,10 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     """Run `systems` on `config` in alternating rounds, simulate each, print the table."""
     overrides = list(overrides or [])
     systems = list(dict.fromkeys(systems))
+    # colocated systems (runtime.colocate) pin both pools to the same cores: never apart
     settings = {s: [*system_overrides(s), "runtime.kind=local",
-                    *(pinned_overrides() if pin else []), *overrides] for s in systems}
+                    *(pinned_overrides() if pin and not colocated(s) else []), *overrides]
+                for s in systems}
     if iterations is not None:
         settings = {s: [*o, f"train.iterations={iterations}"] for s, o in settings.items()}
     cfgs = {s: load_config(config, o) for s, o in settings.items()}  # every error up front
@@ -120,8 +128,13 @@ def compare(config: str | Path, overrides: list[str] | None = None,
 def print_table(name: str, rows: list[SystemRow], rounds: int, iterations: int,
                 pin: bool) -> None:
     ref = next((r.measured_s for r in rows if r.system == "flexmarl"), None)
+    apart = ""
+    if pin:
+        shared = [r.system for r in rows if colocated(r.system)]
+        apart = ", pools pinned apart" + (f" (colocated: {', '.join(shared)}, every core)"
+                                          if shared else "")
     print(f"\n{name}: {len(rows)} systems x {rounds} rounds of {iterations} iterations "
-          f"({os.cpu_count()} CPUs{', pools pinned apart' if pin else ''})")
+          f"({os.cpu_count()} CPUs{apart})")
     print(f"{'system':<24}{'s/iteration':>12}{'flexmarl x':>11}{'rollout busy':>13}"
           f"{'train busy':>11}{'swaps/it':>9}{'success':>9}{'simulated':>11}{'error':>8}")
     for r in rows:

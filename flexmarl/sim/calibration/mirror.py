@@ -37,7 +37,8 @@ from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import BLOCK_SIZE
 from flexmarl.rollout.paged import shared_prompt_tokens
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
-from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool
+from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, fixed_binding
+from flexmarl.runtime.local.turns import time_shared
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
 from flexmarl.sim.runtime.clock import run_virtual
@@ -389,7 +390,12 @@ class SimRolloutWorker(_Common):
         self.wake.set()
 
     async def call(self, command: str, payload: Any) -> Any:
-        """`load_weights`, the one command the rollout pool sends a replica."""
+        """`load_weights`, and under `runtime.colocate` `sleep` / `wake` (their message round
+        trip only: on a CPU a replica frees and re-zeroes its KV pool, nothing the profile
+        measures; the weights stay where they are)."""
+        if command in ("sleep", "wake"):
+            await asyncio.sleep(2 * self._ipc("ipc_call", bytes=0))
+            return {"kv_bytes": 0, "weight_bytes": 0}
         if command != "load_weights":
             raise ValueError(f"simulated rollout worker: unknown command {command!r}")
         agent, version, _ = payload
@@ -594,7 +600,11 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         costs = {a: float(approx_params(cfg.agents[a].model, task.vocab_size)) for a in local}
         balancer = Balancer(local, rt.rollout_workers, cfg.rollout.balance, costs)
         rollout = LocalRolloutPool(rworkers, balancer)  # type: ignore[arg-type]
+        if time_shared(cfg):
+            rollout.take_turns(local)
         train = LocalTrainPool(tworkers)  # type: ignore[arg-type]
+        if rt.train_binding == "fixed":
+            train.fix_slots(fixed_binding(trainable, [1] * len(tworkers), {}))
         try:
             if rt.max_worker_restarts > 0:  # the supervisor's restart points, as in the runtime
 

@@ -1,6 +1,7 @@
 """A sharded training slot on Ray: one slot of 2 ranks (a placement group of 2 train_bundles
 packed on one node; rank 0 the slot's actor, rank 1 an actor in the other bundle) trains three
-time-sharing agents and ends with exactly the weights of the same slot on the local runtime."""
+time-sharing agents and ends with exactly the weights of the same slot on the local runtime,
+full-model agents and LoRA agents (on a shared base, and on a base of their own) alike."""
 
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from flexmarl.config.schema import load_config
 from flexmarl.orchestrator.run import train
 from tests.faults.conftest import assert_final_equal, assert_rows_exactly_once, config, events
+from tests.training.test_shared_base import SHARED
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 COMMON = ["runtime.deterministic=true", "train.iterations=2", "train.inputs_per_iteration=8",
@@ -54,6 +56,31 @@ def test_one_slot_of_two_on_ray_equals_the_local_slot(tmp_path, ray_head):
     lines = (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()
     records = [r for r in map(json.loads, lines) if "iteration" in r and "event" not in r]
     assert [r["agent/relay/train_world_size"] for r in records] == [2.0, 2.0]
+
+
+@pytest.mark.slow  # two runs, one on a Ray head: about a minute on two cores
+def test_lora_agents_on_a_ray_slot_of_two_equal_the_local_slot(tmp_path, ray_head):
+    """Two adapter agents on one shared base (the slot's one peft model, its base sharded
+    once over the two rank actors) and an agent with its own base and adapter, time-sharing
+    one Ray slot of 2: the merged weights and the adapters of the same local slot."""
+    lora = [*SHARED, "agents.relay.lora={r: 2, target_modules: [q_proj, down_proj]}"]
+    on_ray = train(load_config(EXAMPLES / "relay_chain.yaml", [
+        *COMMON, *lora, "runtime.kind=ray", f"runtime.address={ray_head}",
+        "runtime.ray.train_bundle.cpus=0.5", "runtime.ray.rollout_bundle.cpus=0.5"]),
+        tmp_path / "ray")
+    assert on_ray.placement["train_swaps"] >= 3  # three agents on one slot
+    local = train(load_config(EXAMPLES / "relay_chain.yaml", [*COMMON, *lora]),
+                  tmp_path / "local")
+    for agent in ("speaker", "relay", "listener"):
+        for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+            a = load_file(str(local.checkpoints[agent] / name))
+            b = load_file(str(on_ray.checkpoints[agent] / name))
+            assert a.keys() == b.keys(), (agent, name)
+            assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6, (agent, name)
+    lines = (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "iteration" in r and "event" not in r]
+    for agent in ("speaker", "relay", "listener"):
+        assert [r[f"agent/{agent}/train_world_size"] for r in records] == [2.0, 2.0]
 
 
 @pytest.mark.slow  # a local reference and a Ray run whose slot is re-formed: ~1.5 min here

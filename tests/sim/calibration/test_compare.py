@@ -19,9 +19,7 @@ from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
 
 def test_every_real_preset_and_every_refusal_is_a_simulated_system():
     assert set(SYSTEM_SETTINGS) | set(NOT_YET) == set(SYSTEMS)
-    with pytest.raises(ConfigError, match=r"--system marti: the real runtime cannot run it yet "
-                                          r"\(it needs colocated"):
-        system_overrides("marti")
+    assert not NOT_YET  # every simulated system is a preset of the real runtime now
     with pytest.raises(ConfigError, match="--system fast: unknown system"):
         system_overrides("fast")
 
@@ -50,17 +48,30 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny_config().model_dump(mode="json", exclude_none=True)))
     profile = _synthetic_profile().save(tmp_path / "profile.json")
-    rows = compare(path, systems=["flexmarl", "sync-disaggregated"], rounds=1, iterations=2,
-                   out=tmp_path / "out", profile=profile, pin=(os.cpu_count() or 1) >= 2)
-    assert [r.system for r in rows] == ["flexmarl", "sync-disaggregated"]
+    pin = (os.cpu_count() or 1) >= 2
+    rows = compare(path, systems=["flexmarl", "marti"], rounds=1, iterations=2,
+                   out=tmp_path / "out", profile=profile, pin=pin)
+    assert [r.system for r in rows] == ["flexmarl", "marti"]
     assert all(r.measured_s > 0 and r.simulated_s > 0 for r in rows)
     table = capsys.readouterr().out
-    assert "sync-disaggregated" in table and "flexmarl x" in table
+    assert "marti" in table and "flexmarl x" in table
+    if pin:
+        assert "pools pinned apart (colocated: marti, every core)" in table
     saved = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert len(saved["rows"]) == 2
-    run_cfg = load_config(tmp_path / "out" / "sync-disaggregated-0" / "config.yaml")
-    assert (run_cfg.pipeline.mode, run_cfg.rollout.schedule, run_cfg.rollout.balance) == (
-        "sync", "stage", "static")
+    # the colocated preset ran colocated (never pinned apart), and its replicas slept
+    marti = load_config(tmp_path / "out" / "marti-0" / "config.yaml")
+    assert (marti.pipeline.mode, marti.rollout.balance, marti.runtime.colocate) == (
+        "sync", "static", True)
+    assert marti.runtime.rollout_cpus is None and marti.runtime.train_cpus is None
+    first, second = [json.loads(line) for line in
+                     (tmp_path / "out" / "marti-0" / "metrics.jsonl").read_text().splitlines()
+                     if line.startswith('{"iteration"')]
+    # the replica's KV pool freed after each rollout, allocated again (the same bytes, as the
+    # replica counted them) by the wake before the next
+    assert first["pool/rollout/sleep_kv_bytes"] > 0 and "pool/rollout/wake_s" not in first
+    assert second["pool/rollout/wake_kv_bytes"] == first["pool/rollout/sleep_kv_bytes"]
+    run_cfg = load_config(tmp_path / "out" / "flexmarl-0" / "config.yaml")
     with pytest.raises(ConfigError, match="--pin: pools pinned apart need 2 CPUs or more"):
         pinned_overrides(1)
     if os.cpu_count() and os.cpu_count() >= 2:
