@@ -230,9 +230,8 @@ class ContinuousBatcher:
         self.vocab = model.config.vocab_size
         self.max_seqs = max_seqs
         self.seqs: list[_Sequence] = []
-        # running sequences per share key (`_share_key`), and one request of each key
+        # running sequences per share key (`_share_key`: its prompt length is key[3])
         self._running_keys: dict[tuple, int] = {}
-        self._key_request: dict[tuple, GenerationRequest] = {}
         self._key_memo: dict[int, tuple[GenerationRequest, int, tuple]] = {}
         # The paged cache: the token budget (admission control, `fits`) keeps every running
         # sequence within its blocks; one partly filled block per sequence on top. On a GPU the
@@ -409,7 +408,7 @@ class ContinuousBatcher:
         used = sum(s.budget for s in self.seqs)
         for key, n in self._running_keys.items():
             if n > 1:
-                used -= (n - 1) * self._shared_tokens(self._key_request[key])
+                used -= (n - 1) * shared_prompt_tokens(key[3], self.block_size)  # key[3]: length
         return used
 
     def kv_stats(self) -> KVStats:
@@ -551,7 +550,6 @@ class ContinuousBatcher:
         for s in new:  # admission budgets count each group's shared prompt blocks once
             s.share_key = key = self._share_key(s.request)
             self._running_keys[key] = self._running_keys.get(key, 0) + 1
-            self._key_request.setdefault(key, s.request)
         return self._sample(start)
 
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
@@ -677,7 +675,7 @@ class ContinuousBatcher:
             key = s.share_key
             self._running_keys[key] -= 1
             if not self._running_keys[key]:
-                del self._running_keys[key], self._key_request[key]
+                del self._running_keys[key]
             # the chain's last block first: the prefix cache then evicts leaves before the
             # prefixes other requests may still extend
             for block in reversed(s.blocks):
