@@ -1,17 +1,19 @@
 """Batched generation with per-token log-probs, and the trainer's matching log-prob computation.
 
-Sampling is Gumbel-max with noise that is a pure function of (the request's noise seed, the
-token's position in the response, the vocabulary index): the seed is keyed by (run seed,
-sample_id, policy version), so a sequence's tokens do not depend on which other requests shared
-its batch, on when the scheduler ran it, or on the device (the noise is computed on the device
-by a counter-based hash, with no per-sequence generator to copy from the host). Log-probs are
-those of the (masked, tempered) distribution sampled.
+Sampling is an inverse-CDF draw with one uniform per sequence and step that is a pure function
+of (the sequence's key, the token's position in the response): the key comes from the request's
+noise seed, keyed by (run seed, sample_id, policy version), so a sequence's tokens do not depend
+on which other requests shared its batch, on when the scheduler ran it, or on the device (the
+uniform is computed on the device by a counter-based hash, with no per-sequence generator to
+copy from the host). One hash per row, not per vocabulary entry: a step costs an `exp`, a
+`cumsum` and a `searchsorted` over the vocabulary besides the log-softmax it needs anyway.
+Log-probs are those of the (masked, tempered) distribution sampled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -39,18 +41,20 @@ def mask_row(vocab: int, allowed: list[int] | None,
     return mask
 
 
-# --- counter-based Gumbel noise --------------------------------------------------------------
+# --- counter-based keyed uniforms ------------------------------------------------------------
 _M32 = 0xFFFFFFFF
+_Int = TypeVar("_Int", int, torch.Tensor)
 
 
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """(x * m) mod 2**32 for int64 x in [0, 2**32): the int64 product wraps modulo 2**64 (two's
-    complement, on every torch backend), which keeps its low 32 bits exact. Two kernels, not
-    the six of a split 16-bit product (`tests/policy/test_sampling.py` checks they agree)."""
+def _mul32(x: _Int, m: int) -> _Int:
+    """(x * m) mod 2**32 for x in [0, 2**32) (a Python int, or int64 tensor): the int64 product
+    wraps modulo 2**64 (two's complement, on every torch backend), which keeps its low 32 bits
+    exact. Two kernels, not the six of a split 16-bit product (`tests/policy/test_sampling.py`
+    checks they agree)."""
     return (x * m) & _M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: _Int) -> _Int:
     """A 32-bit integer finaliser (lowbias32): every input bit flips about half the output bits."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
@@ -59,27 +63,33 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-_VOCAB_KEYS: dict[tuple[int, str], torch.Tensor] = {}
+def sampling_key(noise_seed: int) -> int:
+    """The 32-bit key of a sequence's sampling stream, from its 63-bit noise seed: mixed once on
+    the host at admission, so a decode step hashes only (key, step)."""
+    return _mix32((noise_seed & _M32) ^ _mix32(((noise_seed >> 32) & _M32) ^ 0x85EBCA6B))
 
 
-def _vocab_keys(vocab: int, device: torch.device) -> torch.Tensor:
-    key = (vocab, str(device))
-    if key not in _VOCAB_KEYS:
-        idx = torch.arange(vocab, dtype=torch.int64, device=device)
-        _VOCAB_KEYS[key] = _mix32(idx ^ 0x85EBCA6B)
-    return _VOCAB_KEYS[key]
+def keyed_uniform(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Uniforms [B] in [0, 1 - 2**-24] (multiples of 2**-24, float32) for sequences with
+    `sampling_key` keys [B] at response positions `steps` [B] (int64, >= 0): a pure function of
+    (key, step), computed where the tensors are, the same for a row alone or in any batch."""
+    h = _mix32(_mul32(steps, 0x9E3779B1) ^ keys)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] for sequences with 63-bit noise `seeds` [B] at response
-    positions `steps` [B]: a pure function of (seed, step, token index), computed where the
-    tensors are, identical for a sequence alone or in any batch."""
-    s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
-    k = _mix32(_mul32(steps & _M32, 0x9E3779B1) ^ s_lo)
-    k = _mix32(k ^ s_hi)
-    h = _mix32(k.unsqueeze(1) ^ _vocab_keys(vocab, seeds.device).unsqueeze(0))
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
+def sample_keyed(logp: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row of `logp` [B, V] (log-probabilities; -inf: masked) by inverting
+    its CDF at the row's `keyed_uniform`; `keep` [B, V] (False: excluded, a nucleus cut)
+    restricts the draw. Returns int64 [B]. Never picks a token of probability 0: the point
+    drawn is `u * total` with u < 1, so it lies below the row's total mass, and the first CDF
+    entry above it is one that a positive probability raised."""
+    probs = logp.exp()
+    if keep is not None:
+        probs = probs.masked_fill(~keep, 0.0)
+    cdf = probs.cumsum(-1)
+    point = keyed_uniform(keys, steps).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, point, right=True).squeeze(1)
 
 
 def top_p_mask(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ are prefilled together into blocks of their own, a sequence that finishes leaves
 once and its blocks go back to the free list; neither copies the cache, so the batch stays full
 while long-tail generations run. Its full blocks stay in a prefix cache, so a later request that
 starts with the same tokens (the conversation's next turn) prefills only the rest.
-Per-sequence state (position, Gumbel stream keyed by (seed, sample_id, version), token mask,
+Per-sequence state (position, sampling key from (seed, sample_id, version), token mask,
 temperature) lives with the sequence, so a sequence decodes to the same tokens and log-probs
 whether alone or inside any batch (up to float rounding).
 
@@ -34,8 +34,9 @@ from flexmarl.policy.sampling import (
     PAD,
     GenerationRequest,
     GenerationResult,
-    gumbel_noise,
     noise_seed_of,
+    sample_keyed,
+    sampling_key,
     top_p_mask,
 )
 from flexmarl.rollout.paged import (
@@ -257,7 +258,7 @@ class ContinuousBatcher:
         self._only: int | None = None  # the one slot every row shares, if they do
         self.logits: torch.Tensor | None = None  # next-token logits not yet sampled from
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)  # not yet fed
-        # per running sequence, on the device (no host copies per step): noise seed, tokens
+        # per running sequence, on the device (no host copies per step): sampling key, tokens
         # sampled so far, position of the next fed token; and the temperature
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
@@ -488,7 +489,7 @@ class ContinuousBatcher:
         n_blocks = max(len(s.blocks) for s in new)
         width = max(len(s.request.prompt) - c for s, c in zip(new, cached, strict=False))
         # one host->device copy: left-padded ids not cached yet, each input token's slot
-        # (padding: the null block), the block tables, then the state (noise seed, tokens
+        # (padding: the null block), the block tables, then the state (sampling key, tokens
         # sampled, next position), the temperature's float64 bits, the offset of the logical
         # positions (padding - cached tokens), the row of its leader, and the blocks to copy
         # on write (null to null where none); followers feed nothing
@@ -503,8 +504,8 @@ class ContinuousBatcher:
             src, dst = cow.get(i, (NULL_BLOCK, NULL_BLOCK))
             host.append([PAD] * pad + fed + [NULL_BLOCK] * pad + slots
                         + s.blocks + [NULL_BLOCK] * (n_blocks - len(s.blocks))
-                        + [noise_seed_of(r), 0, len(r.prompt), temp, pad - c, lead_of[i], src,
-                           dst])
+                        + [sampling_key(noise_seed_of(r)), 0, len(r.prompt), temp, pad - c,
+                           lead_of[i], src, dst])
         packed = _host_to(self.device, host)
         shared = n_lead < len(new)
         input_ids = packed[:n_lead, :width]
@@ -630,12 +631,11 @@ class ContinuousBatcher:
             logits = logits.masked_fill(self._banned[start:], float("-inf"))
         logp = F.log_softmax(logits, dim=-1)
         state = self._state[start:]
-        scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
         top_p = [s.request.top_p for s in seqs]
+        nucleus = None
         if any(p < 1.0 for p in top_p):  # sample inside the nucleus; log-probs stay untruncated
             nucleus = top_p_mask(logp, torch.tensor(top_p, dtype=logp.dtype, device=dev))
-            scores = scores.masked_fill(~nucleus, float("-inf"))
-        choice = torch.argmax(scores, dim=-1)
+        choice = sample_keyed(logp, state[:, 0], state[:, 1], nucleus)
         self._state[start:, 1] += 1  # one more token sampled
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
@@ -828,8 +828,7 @@ class ContinuousBatcher:
         allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
         logits = self._decode_logits(None, None, choice, pos, self._mask(allowed))
         logp = F.log_softmax(logits.float() / temps, dim=-1)
-        scores = logp + gumbel_noise(state[:, 0], state[:, 1], self.vocab)
-        nxt = torch.argmax(scores, dim=-1)
+        nxt = sample_keyed(logp, state[:, 0], state[:, 1])
         chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
         new = state.clone()  # one more token sampled, the next position (no host constant:
         new[:, 1:] += 1  # a host-to-device copy cannot be captured)

@@ -69,25 +69,41 @@ def test_stop_token_ends_sequence():
     assert 10 not in res.tokens[:-1]
 
 
-def test_gumbel_noise_is_a_pure_function_of_seed_step_and_token():
-    from flexmarl.policy.sampling import gumbel_noise
+def test_keyed_uniform_is_a_pure_function_of_key_and_step():
+    from flexmarl.policy.sampling import keyed_uniform, sampling_key
 
-    seeds = torch.tensor([7, (1 << 62) + 12345, 7], dtype=torch.int64)
+    keys = torch.tensor([sampling_key(7), sampling_key((1 << 62) + 12345), sampling_key(7)])
     steps = torch.tensor([0, 3, 1], dtype=torch.int64)
-    batch = gumbel_noise(seeds, steps, 5000)
+    batch = keyed_uniform(keys, steps)
     for i in range(3):  # the same row alone as in the batch
-        assert torch.equal(gumbel_noise(seeds[i:i + 1], steps[i:i + 1], 5000)[0], batch[i])
-    assert not torch.equal(batch[0], batch[2])  # another step of the same sequence
-    flat = gumbel_noise(torch.arange(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64),
-                        5000).flatten().double()
-    # Gumbel(0, 1): mean is the Euler-Mascheroni constant, variance pi^2 / 6
-    assert abs(flat.mean().item() - 0.5772) < 0.01
-    assert abs(flat.var().item() - 1.6449) < 0.03
-    # the argmax is uniform over tokens (Gumbel-max of equal logits)
-    counts = torch.bincount(gumbel_noise(torch.arange(20000, dtype=torch.int64),
-                                         torch.zeros(20000, dtype=torch.int64), 8).argmax(1),
-                            minlength=8)
-    assert counts.min() > 2300 and counts.max() < 2700
+        assert torch.equal(keyed_uniform(keys[i:i + 1], steps[i:i + 1])[0], batch[i])
+    assert batch[0] != batch[2]  # another step of the same sequence
+    assert sampling_key(7) != sampling_key(8) and 0 <= sampling_key(1 << 62) < 1 << 32
+    flat = keyed_uniform(torch.tensor([sampling_key(i) for i in range(200)]).repeat_interleave(
+        500), torch.arange(500).repeat(200)).double()
+    assert float(flat.min()) >= 0.0 and float(flat.max()) <= 1.0 - 2.0 ** -24
+    assert abs(flat.mean().item() - 0.5) < 0.005 and abs(flat.var().item() - 1 / 12) < 0.002
+
+
+def test_keyed_draw_follows_the_distribution_and_never_picks_a_masked_token():
+    from flexmarl.policy.sampling import sample_keyed, sampling_key
+
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.0, 0.125])
+    n = 40000
+    logp = probs.log().expand(n, -1)
+    keys = torch.tensor([sampling_key(i) for i in range(n)])
+    tokens = sample_keyed(logp, keys, torch.zeros(n, dtype=torch.int64))
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    assert freq[1] == 0 and freq[4] == 0  # probability 0: never drawn
+    assert torch.allclose(freq, probs.double(), atol=0.01), freq
+    keep = torch.tensor([False, True, True, True, True, True]).expand(n, -1)  # a nucleus cut
+    cut = torch.bincount(sample_keyed(logp, keys, torch.ones(n, dtype=torch.int64), keep),
+                         minlength=6).double() / n
+    assert cut[0] == 0 and abs(float(cut[2]) - 0.5) < 0.015
+    # a row whose whole mass sits on the last token (the drawn point stays below the total)
+    last = torch.full((64, 6), float("-inf"))
+    last[:, 5] = 0.0
+    assert (sample_keyed(last, keys[:64], torch.zeros(64, dtype=torch.int64)) == 5).all()
 
 
 def test_mul32_wrapping_product_equals_the_split_one():
