@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from flexmarl.policy.sampling import (
     PAD,
@@ -102,6 +102,38 @@ def _host_to(device: torch.device, rows: list[list[int]] | list[int]) -> torch.T
 
 log = logging.getLogger(__name__)
 
+
+def _plain(module: Any, kind: type) -> bool:
+    """Is `module` exactly a `kind` with no hooks (so its forward may be called inline)?"""
+    return type(module) is kind and not module._forward_hooks \
+        and not module._forward_pre_hooks
+
+
+def _linear(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `nn.Linear` as `F.linear` without the module call around it
+    (LoRA layers, stacked adapters and hooked modules go through their own forward)."""
+    if _plain(module, torch.nn.Linear):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `LlamaRMSNorm` inline, its very ops (bit-identical)."""
+    if not _plain(module, LlamaRMSNorm):
+        return module(x)
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return module.weight * x.to(dtype)
+
+
+def _mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `LlamaMLP` inline (its projections through `_linear`)."""
+    if not _plain(module, LlamaMLP):
+        return module(x)
+    return _linear(module.down_proj,
+                   module.act_fn(_linear(module.gate_proj, x)) * _linear(module.up_proj, x))
+
 BLOCK_SIZE = 16  # tokens per KV block
 
 DecodeMode = Literal["auto", "eager", "static", "compile", "cuda_graph"]
@@ -125,7 +157,8 @@ class DecodeRunner:
         self.mode = mode
         self.graphs: dict[tuple[int, int], tuple[Any, list[torch.Tensor], tuple]] = {}
         self.compiled: Any = None
-        self.pool = 0  # address of the KV pool the graphs were captured on
+        # addresses of the KV pool and the engine's kept index tables the graphs read
+        self.pool: tuple[int, ...] = ()
         self.captures = 0  # CUDA graphs captured (one per bucket met)
 
     def run(self, engine: ContinuousBatcher, rows: int, width: int, choice: torch.Tensor,
@@ -149,8 +182,9 @@ class DecodeRunner:
                 inputs: tuple[torch.Tensor, ...],
                 n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # a graph bakes in the pool's addresses: a pool that grew (not reserved) since its
-        # captures invalidates them (a reserved pool, as on a GPU replica, never grows)
-        pool = engine.kv.ensure_capacity()
+        # captures invalidates them (a reserved pool, as on a GPU replica, never grows), and
+        # so does a kept table that grew (the column range, the rotary table)
+        pool = (engine.kv.ensure_capacity(), *engine.kept_addresses())
         if pool != self.pool:
             self.graphs.clear()
             self.pool = pool
@@ -262,6 +296,9 @@ class ContinuousBatcher:
         # sampled so far, position of the next fed token; and the temperature
         self._state = torch.zeros((0, 3), dtype=torch.long, device=self.device)
         self._temps = torch.zeros((0, 1), dtype=torch.float32, device=self.device)
+        self._advance = torch.tensor([0, 1, 1], device=self.device)  # a step's state change
+        self._arange = torch.arange(max(64, block_size), device=self.device)  # `_column_range`
+        self._rope: torch.Tensor | None = None  # `_rope_for`
         self._tokenizer = tokenizer
         # Llama-shaped models (random ones, SmolLM2) decode through `_llama_decode`
         cfg = model.config
@@ -556,8 +593,20 @@ class ContinuousBatcher:
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
         """[B, blocks * block_size] the flat slot of each row's logical token, in order."""
         bs = self.block_size
-        offsets = torch.arange(bs, device=table.device)
+        offsets = self._column_range(bs)
         return (table.unsqueeze(-1) * bs + offsets).reshape(table.shape[0], -1)
+
+    def kept_addresses(self) -> tuple[int, ...]:
+        """Where the tensors a decode step reads besides its inputs live (a captured step
+        bakes them in): the column range and the rotary table."""
+        return (self._arange.data_ptr(), 0 if self._rope is None else self._rope.data_ptr())
+
+    def _column_range(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, a view of one kept arange (grown by doubling): a step
+        builds no index tensor of its own."""
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[:n]
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         if self._bool_mask:
@@ -615,11 +664,12 @@ class ContinuousBatcher:
         return slots.pop() if len(slots) == 1 else None
 
     # --- decoding ----------------------------------------------------------------------------
-    def _sample(self, start: int = 0) -> list[GenerationResult]:
+    def _sample(self, start: int = 0, fed: bool = False) -> list[GenerationResult]:
         """Pick the next token of sequences `start:` from their logits; retire finished ones.
 
         Every running sequence holds one sampled token not yet fed to the model (`_choice`):
-        `step` feeds them all, newcomers get theirs here right after their prefill.
+        `step` feeds them all (`fed`: their positions advance too), newcomers get theirs here
+        right after their prefill.
         """
         assert self.logits is not None
         seqs = self.seqs[start:]
@@ -636,7 +686,10 @@ class ContinuousBatcher:
         if any(p < 1.0 for p in top_p):  # sample inside the nucleus; log-probs stay untruncated
             nucleus = top_p_mask(logp, torch.tensor(top_p, dtype=logp.dtype, device=dev))
         choice = sample_keyed(logp, state[:, 0], state[:, 1], nucleus)
-        self._state[start:, 1] += 1  # one more token sampled
+        if fed:  # one more token sampled, one more fed
+            self._state[:, 1:] += 1
+        else:
+            self._state[start:, 1] += 1
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
         self.logits = None
@@ -750,15 +803,15 @@ class ContinuousBatcher:
                 log.warning("decode steps cannot be captured as CUDA graphs (%s); decoding "
                             "eagerly", exc)
                 self.decode_mode = "eager"
-        pos = self._state[:, 2:3].clone()
-        self._state[:, 2] += 1
-        self.kv.slots = self._table.gather(1, pos // bs) * bs + pos % bs
+        # the fed token's position: its slot is its column's, it sees the columns up to it;
+        # `_sample` advances it with the sampled count (one op for both)
+        pos = self._state[:, 2:3]
+        self.kv.slots = self._columns.gather(1, pos)
         self.kv.columns = self._columns
-        cols = torch.arange(self._columns.shape[1], device=self.device)
-        allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
+        allowed = (self._column_range(self._columns.shape[1]) <= pos)[:, None, None, :]
         self.logits = self._decode_logits(self._rows, self._only, self._choice, pos,
                                           self._mask(allowed)).float()
-        return self._sample()
+        return self._sample(fed=True)
 
     def _decode_logits(self, rows: torch.Tensor | None, only: int | None, choice: torch.Tensor,
                        pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -783,25 +836,59 @@ class ContinuousBatcher:
         records cost more host time per step than a tiny model's whole compute. The same ops
         as `LlamaForCausalLM.forward` with an SDPA mask (tests compare the two)."""
         net = self._net.model
-        h = net.embed_tokens(choice.unsqueeze(1))  # [B, 1, hidden]
-        cos, sin = net.rotary_emb(h, pos)
-        shape = (h.shape[0], 1, -1, self._head_dim)
+        # one token per row: the hidden states stay [B, hidden] (a linear on 2D inputs is one
+        # matmul, without the reshapes around a 3D one; stacked adapters' batched matmuls take
+        # [B, 1, hidden]), the heads [B, H, 1, D]
+        h = net.embed_tokens(choice if self._stack is None else choice.unsqueeze(1))
+        b, dim = h.shape[0], self._head_dim
+        table = self._rope_for(mask.shape[-1])
+        if table is not None:  # [B, 1, 1, D] each, broadcast over the heads
+            rope = table[pos]  # [B, 1, 2, D]
+            cos, sin = rope[:, :, 0].unsqueeze(1), rope[:, :, 1].unsqueeze(1)
+        else:
+            cos, sin = net.rotary_emb(h.unsqueeze(1), pos)
         for layer in net.layers:
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(shape).transpose(1, 2)
-            k = attn.k_proj(x).view(shape).transpose(1, 2)
-            v = attn.v_proj(x).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            x = _norm(layer.input_layernorm, h)
+            q = _linear(attn.q_proj, x).view(b, -1, 1, dim)
+            k = _linear(attn.k_proj, x).view(b, -1, 1, dim)
+            v = _linear(attn.v_proj, x).view(b, -1, 1, dim)
+            if table is not None:  # the queries and keys rotated together
+                heads = q.shape[1]
+                qk = torch.cat([q, k], 1)
+                qk = qk * cos + qk.roll(dim // 2, -1) * sin
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k, v = self.kv.update(k, v, attn.layer_idx)
             # grouped-query attention with one query token: the query heads of a key/value
             # head become its query rows (head i reads key/value head i // groups, as
             # transformers' `pack_gqa`), so the keys and values are never repeated
-            q = q.reshape(q.shape[0], k.shape[1], -1, self._head_dim)
+            q = q.reshape(b, k.shape[1], -1, dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-            h = h + attn.o_proj(o.reshape(h.shape[0], 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self._net.lm_head(net.norm(h))[:, -1, :]
+            h = h + _linear(attn.o_proj, o.reshape(*h.shape[:-1], -1))
+            h = h + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, h))
+        return _linear(self._net.lm_head, _norm(net.norm, h)).reshape(b, -1)
+
+    def _rope_for(self, positions: int) -> torch.Tensor | None:
+        """[P, 2, D] the rotary cos and sign-folded sin of positions 0..P-1 (P >= `positions`),
+        computed once by the model's own rotary module (grown by doubling): a step indexes it
+        instead of recomputing them. The sin's first half is negated, so that `x * cos +
+        x.roll(D/2) * sin` is transformers' `x * cos + rotate_half(x) * sin` to the bit. None
+        for rotary kinds whose frequencies change with the sequence length (dynamic, longrope).
+        """
+        rotary = self._net.model.rotary_emb
+        kind = getattr(rotary, "rope_type", "default")
+        if "dynamic" in kind or "longrope" in kind:
+            return None
+        if self._rope is None or self._rope.shape[0] < positions:
+            size = max(positions, 256, 0 if self._rope is None else 2 * self._rope.shape[0])
+            like = torch.empty(0, dtype=self._dtype, device=self.device)
+            cos, sin = rotary(like, torch.arange(size, device=self.device).unsqueeze(0))
+            half = self._head_dim // 2
+            sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+            self._rope = torch.stack([cos[0], sin[0]], 1)
+        return self._rope
 
     # --- static-shape decode steps (captured on CUDA, optionally compiled on a CPU) ----------
     def _static_ok(self) -> bool:
@@ -820,19 +907,17 @@ class ContinuousBatcher:
         sample the next tokens. Returns (next tokens [B], their log-probs [B], the new state
         [B, 3]). A padding row (null block table, position 0) writes into the null block and
         reads only it."""
-        bs = self.block_size
         pos = state[:, 2:3]
-        self.kv.slots = table.gather(1, pos // bs) * bs + pos % bs
         self.kv.columns = self._columns_of(table)
-        cols = torch.arange(self.kv.columns.shape[1], device=table.device)
-        allowed = (cols.unsqueeze(0) <= pos)[:, None, None, :]
+        self.kv.slots = self.kv.columns.gather(1, pos)
+        allowed = (self._column_range(self.kv.columns.shape[1]) <= pos)[:, None, None, :]
         logits = self._decode_logits(None, None, choice, pos, self._mask(allowed))
         logp = F.log_softmax(logits.float() / temps, dim=-1)
         nxt = sample_keyed(logp, state[:, 0], state[:, 1])
         chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
-        new = state.clone()  # one more token sampled, the next position (no host constant:
-        new[:, 1:] += 1  # a host-to-device copy cannot be captured)
-        return nxt, chosen, new
+        # one more token sampled, the next position (a device constant: a host-to-device
+        # copy cannot be captured)
+        return nxt, chosen, state + self._advance
 
     def _step_static(self) -> list[GenerationResult]:
         """The decode step on a bucketed batch (rows padded to a power of two, the block table
@@ -841,6 +926,9 @@ class ContinuousBatcher:
         assert self._table is not None
         n = len(self.seqs)
         rows, width = _bucket(n), _bucket(self._table.shape[1])
+        self._column_range(width * self.block_size)  # grown here, never inside a capture
+        if self._lean:
+            self._rope_for(width * self.block_size)
         nxt, chosen, state = self._runner.run(self, rows, width, self._choice, self._state,
                                               self._temps, self._table)
         self._choice, self._state = nxt, state
@@ -933,7 +1021,7 @@ class HFEngine(ContinuousBatcher):
         self.reset()  # prefix cache and per-batch state: every block back on the free list
         kv = self.kv.release()
         self._runner.graphs.clear()  # captured on the addresses about to be freed
-        self._runner.pool = 0
+        self._runner.pool = ()
         moved = 0
         if self.device.type == "cuda":
             tensors = self._weight_tensors()
