@@ -268,6 +268,10 @@ class ContinuousBatcher:
         # running sequences per share key (`_share_key`: its prompt length is key[3])
         self._running_keys: dict[tuple, int] = {}
         self._key_memo: dict[int, tuple[GenerationRequest, int, tuple]] = {}
+        # `_budget_with`'s last sum: (take list, batch version, its length, its last request,
+        # budget used, share keys held); the version changes whenever the running batch does
+        self._fits_memo: tuple | None = None
+        self._batch_version = 0
         # The paged cache: the token budget (admission control, `fits`) keeps every running
         # sequence within its blocks; one partly filled block per sequence on top. On a GPU the
         # pool is reserved at once (the budget is sized from rollout.kv_memory_fraction); on a
@@ -462,13 +466,32 @@ class ContinuousBatcher:
         it? Shared prompt blocks count once (a group of 8 on a 256-token prompt holds it once)."""
         if self.active + len(take) >= self.max_seqs:
             return False
-        seen = set(self._running_keys) if self.prefix is not None else set()
-        used = self.kv_budget_used()
-        for r in (*take, request):  # linear: keys are computed once per request
-            used += self._added(r, seen)
-            seen.add(self._share_key(r))
+        used, seen = self._budget_with(take)
+        used += self._added(request, seen)
         # an empty batch always takes one request, however long, so nothing starves
         return used <= self.max_tokens or (self.active + len(take)) == 0
+
+    def _budget_with(self, take: Sequence[GenerationRequest]) -> tuple[int, set[tuple]]:
+        """The budget used by the running batch and the newcomers `take`, and the share keys
+        they hold. An admission loop asks `fits` once per candidate with its `take` list grown
+        by one: when `take` is the list of the last call, unchanged but for appends, and the
+        batch is unchanged too, the sum carries on from there (linear, not quadratic, in the
+        requests taken)."""
+        n = len(take)
+        memo = self._fits_memo
+        if (memo is not None and memo[0] is take and memo[1] == self._batch_version
+                and memo[2] <= n and (memo[2] == 0 or take[memo[2] - 1] is memo[3])):
+            done, used, seen = memo[2], memo[4], memo[5]
+        else:
+            done, used = 0, self.kv_budget_used()
+            seen = set(self._running_keys) if self.prefix is not None else set()
+        for r in take[done:]:  # keys are computed once per request
+            used += self._added(r, seen)
+            seen.add(self._share_key(r))
+        if isinstance(take, list):
+            self._fits_memo = (take, self._batch_version, n, take[-1] if n else None, used,
+                               seen)
+        return used, seen
 
     # --- admission: batched prefill, merged into the running cache ---------------------------
     @torch.no_grad()
@@ -588,6 +611,7 @@ class ContinuousBatcher:
         for s in new:  # admission budgets count each group's shared prompt blocks once
             s.share_key = key = self._share_key(s.request)
             self._running_keys[key] = self._running_keys.get(key, 0) + 1
+        self._batch_version += 1
         return self._sample(start)
 
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
@@ -724,6 +748,7 @@ class ContinuousBatcher:
                                 admitted_at=s.admitted_at, finished_at=time.time())
 
     def _release(self, seqs: list[_Sequence]) -> None:
+        self._batch_version += 1  # the budget `_budget_with` carries on from changed
         for s in seqs:
             key = s.share_key
             self._running_keys[key] -= 1

@@ -185,6 +185,34 @@ def test_admission_counts_a_group_prompt_once_and_the_pool_stays_in_budget(model
     assert plain.budget(reqs[1]) == 41
 
 
+def test_admission_budget_carried_on_between_fits_calls_equals_a_fresh_sum(model):
+    """`fits` carries its sum over `take` on from the last call (an admission loop appends one
+    request at a time); every answer equals a fresh sum's, also for another list and after
+    the running batch changed."""
+    reqs = _groups(3, 3, seed=2, prompt_len=13) + _long_tailed(6, seed=3)
+    engine = ContinuousBatcher(model, max_seqs=16, max_tokens=150, block_size=4)
+    engine.admit(reqs[:2])
+
+    def fresh(take):
+        engine._fits_memo = None
+        return engine._budget_with(list(take))[0]
+
+    take: list = []
+    answers = []
+    for r in reqs[2:]:
+        answers.append(engine.fits(r, take))
+        assert engine._budget_with(take)[0] == fresh(take)
+        engine._budget_with(take)  # the memo of this very list again, as the loop leaves it
+        take.append(r)
+    assert answers[0] and not answers[-1]  # the budget runs out on the way
+    assert engine._budget_with(take)[0] == fresh(take)
+    assert engine._budget_with(take[:3])[0] == fresh(take[:3])  # another list
+    engine._budget_with(take)
+    while engine.active == 2:  # the batch changes (a retirement), its version with it
+        engine.step()
+    assert engine._budget_with(take)[0] == fresh(take)
+
+
 def _request(sample_id, prompt, n, version=0):
     return GenerationRequest(sample_id, "a", version, prompt, n, None, [], 1.0, 11)
 
