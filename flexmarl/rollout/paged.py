@@ -178,8 +178,12 @@ class PagedKVCache:
         b, h, t, d = key_states.shape
         keys.index_copy_(0, flat, key_states.transpose(1, 2).reshape(b * t, h, d))
         values.index_copy_(0, flat, value_states.transpose(1, 2).reshape(b * t, h, d))
-        cols = self.columns
-        return keys[cols].transpose(1, 2), values[cols].transpose(1, 2)
+        # one index_select per pool over the flattened columns (advanced indexing with a 2D
+        # index costs more host time for the same gather)
+        cols = self.columns.reshape(-1)
+        shape = (b, self.columns.shape[1], h, d)
+        return (keys.index_select(0, cols).view(shape).transpose(1, 2),
+                values.index_select(0, cols).view(shape).transpose(1, 2))
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy blocks `src` onto `dst` in every layer (copy on write of a shared block)."""
