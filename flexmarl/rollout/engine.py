@@ -21,7 +21,7 @@ import inspect
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -105,34 +105,61 @@ log = logging.getLogger(__name__)
 
 def _plain(module: Any, kind: type) -> bool:
     """Is `module` exactly a `kind` with no hooks (so its forward may be called inline)?"""
-    return type(module) is kind and not module._forward_hooks \
-        and not module._forward_pre_hooks
+    return type(module) is kind and not getattr(module, "_forward_hooks", None) \
+        and not getattr(module, "_forward_pre_hooks", None)
 
 
-def _linear(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`; a plain `nn.Linear` as `F.linear` without the module call around it
-    (LoRA layers, stacked adapters and hooked modules go through their own forward)."""
+def _resolved(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What calling `module` computes, resolved once: a plain `nn.Linear` as `F.linear` on its
+    parameters, a plain `LlamaRMSNorm` and `LlamaMLP` as their very ops (bit-identical), all
+    without the module calls and attribute look-ups around them, which cost a tiny model's
+    decode step more host time than its compute. Anything else (LoRA layers, stacked
+    adapters, hooked modules) is called as it is. The parameters are held, not their data,
+    so loaded weights (copied in place, or swapped in by a wake-up) are the ones used."""
     if _plain(module, torch.nn.Linear):
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    if _plain(module, LlamaRMSNorm):
+        weight, eps = module.weight, module.variance_epsilon
+
+        def rms_norm(x: torch.Tensor) -> torch.Tensor:
+            dtype = x.dtype
+            if dtype != torch.float32:
+                x = x.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            return weight * (x if dtype == torch.float32 else x.to(dtype))
+        return rms_norm
+    if _plain(module, LlamaMLP):
+        gate, up, down = (_resolved(m) for m in (module.gate_proj, module.up_proj,
+                                                  module.down_proj))
+        act = module.act_fn
+        return lambda x: down(act(gate(x)) * up(x))
+    return module  # type: ignore[no-any-return]
 
 
-def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`; a plain `LlamaRMSNorm` inline, its very ops (bit-identical)."""
-    if not _plain(module, LlamaRMSNorm):
-        return module(x)
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return module.weight * x.to(dtype)
+@dataclass
+class _LlamaLayer:
+    """One decoder layer's parts as a decode step calls them (`_resolved`)."""
+
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    q: Callable[[torch.Tensor], torch.Tensor]
+    k: Callable[[torch.Tensor], torch.Tensor]
+    v: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+    index: int
+    scaling: float
 
 
-def _mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`; a plain `LlamaMLP` inline (its projections through `_linear`)."""
-    if not _plain(module, LlamaMLP):
-        return module(x)
-    return _linear(module.down_proj,
-                   module.act_fn(_linear(module.gate_proj, x)) * _linear(module.up_proj, x))
+def _llama_layers(net: Any) -> list[_LlamaLayer]:
+    return [_LlamaLayer(_resolved(layer.input_layernorm), _resolved(layer.self_attn.q_proj),
+                        _resolved(layer.self_attn.k_proj), _resolved(layer.self_attn.v_proj),
+                        _resolved(layer.self_attn.o_proj),
+                        _resolved(layer.post_attention_layernorm), _resolved(layer.mlp),
+                        layer.self_attn.layer_idx, layer.self_attn.scaling)
+            for layer in net.model.layers]
+
 
 BLOCK_SIZE = 16  # tokens per KV block
 
@@ -307,6 +334,13 @@ class ContinuousBatcher:
         # Llama-shaped models (random ones, SmolLM2) decode through `_llama_decode`
         cfg = model.config
         self._lean = type(self._net) is LlamaForCausalLM and self._bool_mask
+        # its layers, final norm and head as a decode step calls them (`_resolved`)
+        self._layers = _llama_layers(self._net) if self._lean else []
+        self._final_norm: Callable[[torch.Tensor], torch.Tensor] = torch.nn.Identity()
+        self._head: Callable[[torch.Tensor], torch.Tensor] = torch.nn.Identity()
+        if self._lean:
+            self._final_norm = _resolved(self._net.model.norm)
+            self._head = _resolved(self._net.lm_head)
         self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // \
             cfg.num_attention_heads
         self._kv_groups = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None)
@@ -872,12 +906,11 @@ class ContinuousBatcher:
             cos, sin = rope[:, :, 0].unsqueeze(1), rope[:, :, 1].unsqueeze(1)
         else:
             cos, sin = net.rotary_emb(h.unsqueeze(1), pos)
-        for layer in net.layers:
-            attn = layer.self_attn
-            x = _norm(layer.input_layernorm, h)
-            q = _linear(attn.q_proj, x).view(b, -1, 1, dim)
-            k = _linear(attn.k_proj, x).view(b, -1, 1, dim)
-            v = _linear(attn.v_proj, x).view(b, -1, 1, dim)
+        for layer in self._layers:
+            x = layer.input_norm(h)
+            q = layer.q(x).view(b, -1, 1, dim)
+            k = layer.k(x).view(b, -1, 1, dim)
+            v = layer.v(x).view(b, -1, 1, dim)
             if table is not None:  # the queries and keys rotated together
                 heads = q.shape[1]
                 qk = torch.cat([q, k], 1)
@@ -885,15 +918,15 @@ class ContinuousBatcher:
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
                 q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = self.kv.update(k, v, attn.layer_idx)
+            k, v = self.kv.update(k, v, layer.index)
             # grouped-query attention with one query token: the query heads of a key/value
             # head become its query rows (head i reads key/value head i // groups, as
             # transformers' `pack_gqa`), so the keys and values are never repeated
             q = q.reshape(b, k.shape[1], -1, dim)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-            h = h + _linear(attn.o_proj, o.reshape(*h.shape[:-1], -1))
-            h = h + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, h))
-        return _linear(self._net.lm_head, _norm(net.norm, h)).reshape(b, -1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
+            h = h + layer.o(o.reshape(*h.shape[:-1], -1))
+            h = h + layer.mlp(layer.post_norm(h))
+        return self._head(self._final_norm(h)).reshape(b, -1)
 
     def _rope_for(self, positions: int) -> torch.Tensor | None:
         """[P, 2, D] the rotary cos and sign-folded sin of positions 0..P-1 (P >= `positions`),
