@@ -331,7 +331,8 @@ class ContinuousBatcher:
         self._arange = torch.arange(max(64, block_size), device=self.device)  # `_column_range`
         self._rope: torch.Tensor | None = None  # `_rope_for`
         self._tokenizer = tokenizer
-        # Llama-shaped models (random ones, SmolLM2) decode through `_llama_decode`
+        # Llama-shaped models (random ones, SmolLM2) prefill and decode through
+        # `_llama_forward`
         cfg = model.config
         self._lean = type(self._net) is LlamaForCausalLM and self._bool_mask
         # its layers, final norm and head as a decode step calls them (`_resolved`)
@@ -629,11 +630,8 @@ class ContinuousBatcher:
             rows, only = _host_to(self.device, slots), (slots[0] if len(set(slots)) == 1
                                                           else None)
         self.kv.slots, self.kv.columns = slots_t, columns
-        out = self._forward(None if rows is None else rows[:n_lead], only, input_ids=input_ids,
-                            attention_mask=self._mask(allowed.unsqueeze(1)),
-                            position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                            **{self._cache_arg: self.kv})
-        logits = out.logits[:, -1, :].float()
+        logits = self._decode_logits(None if rows is None else rows[:n_lead], only, input_ids,
+                                     position_ids, self._mask(allowed.unsqueeze(1))).float()
         if self.prefix is not None:  # the leaders' full prompt blocks, now written
             for s, h in zip(new, hashes, strict=False):
                 self.prefix.insert(s.request.agent, h, s.blocks)
@@ -872,45 +870,50 @@ class ContinuousBatcher:
                                           self._mask(allowed)).float()
         return self._sample(fed=True)
 
-    def _decode_logits(self, rows: torch.Tensor | None, only: int | None, choice: torch.Tensor,
+    def _decode_logits(self, rows: torch.Tensor | None, only: int | None, ids: torch.Tensor,
                        pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[B, V] logits of one decode step (one token per row, its KV written in place)."""
+        """[B, V] next-token logits of one decode step (`ids` [B]: one token per row) or a
+        prefill (`ids` [B, T], left-padded: the last position's), the keys and values written
+        into the paged cache in place."""
         if not self._lean:
-            out = self._forward(rows, only, input_ids=choice.unsqueeze(1), attention_mask=mask,
-                                position_ids=pos, use_cache=True, **{self._cache_arg: self.kv})
+            out = self._forward(rows, only, input_ids=ids.unsqueeze(1) if ids.dim() == 1
+                                else ids, attention_mask=mask, position_ids=pos,
+                                use_cache=True, logits_to_keep=1,
+                                **{self._cache_arg: self.kv})
             return out.logits[:, -1, :]
         if self._stack is None:
-            return self._llama_decode(choice, pos, mask)
+            return self._llama_forward(ids, pos, mask)
         self._stack.use_rows(rows, only)
         try:
-            return self._llama_decode(choice, pos, mask)
+            return self._llama_forward(ids, pos, mask)
         finally:
             self._stack.clear()
 
-    def _llama_decode(self, choice: torch.Tensor, pos: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
-        """A Llama decode step through the model's own modules (so LoRA layers and their
-        stacked adapters still apply) and PyTorch's `scaled_dot_product_attention`, without
-        the transformers wrappers around them: argument processing, mask building and output
-        records cost more host time per step than a tiny model's whole compute. The same ops
-        as `LlamaForCausalLM.forward` with an SDPA mask (tests compare the two)."""
+    def _llama_forward(self, ids: torch.Tensor, pos: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """A Llama decode step or prefill through the model's own modules (so LoRA layers and
+        their stacked adapters still apply) and PyTorch's `scaled_dot_product_attention`,
+        without the transformers wrappers around them: argument processing, mask building and
+        output records cost more host time per step than a tiny model's whole compute. The
+        same ops as `LlamaForCausalLM.forward` with an SDPA mask (tests compare the two)."""
         net = self._net.model
-        # one token per row: the hidden states stay [B, hidden] (a linear on 2D inputs is one
-        # matmul, without the reshapes around a 3D one; stacked adapters' batched matmuls take
-        # [B, 1, hidden]), the heads [B, H, 1, D]
-        h = net.embed_tokens(choice if self._stack is None else choice.unsqueeze(1))
-        b, dim = h.shape[0], self._head_dim
+        prefill = ids.dim() == 2
+        # a decode step's hidden states stay [B, hidden] (a linear on 2D inputs is one matmul,
+        # without the reshapes around a 3D one; stacked adapters' batched matmuls take
+        # [B, 1, hidden]); a prefill's are [B, T, hidden]; the heads [B, H, T, D]
+        h = net.embed_tokens(ids if prefill or self._stack is None else ids.unsqueeze(1))
+        b, t, dim = ids.shape[0], ids.shape[-1] if prefill else 1, self._head_dim
         table = self._rope_for(mask.shape[-1])
-        if table is not None:  # [B, 1, 1, D] each, broadcast over the heads
-            rope = table[pos]  # [B, 1, 2, D]
+        if table is not None:  # [B, 1, T, D] each, broadcast over the heads
+            rope = table[pos]  # [B, T, 2, D]
             cos, sin = rope[:, :, 0].unsqueeze(1), rope[:, :, 1].unsqueeze(1)
         else:
-            cos, sin = net.rotary_emb(h.unsqueeze(1), pos)
+            cos, sin = net.rotary_emb(h, pos)
         for layer in self._layers:
             x = layer.input_norm(h)
-            q = layer.q(x).view(b, -1, 1, dim)
-            k = layer.k(x).view(b, -1, 1, dim)
-            v = layer.v(x).view(b, -1, 1, dim)
+            q = layer.q(x).view(b, t, -1, dim).transpose(1, 2)
+            k = layer.k(x).view(b, t, -1, dim).transpose(1, 2)
+            v = layer.v(x).view(b, t, -1, dim).transpose(1, 2)
             if table is not None:  # the queries and keys rotated together
                 heads = q.shape[1]
                 qk = torch.cat([q, k], 1)
@@ -919,13 +922,23 @@ class ContinuousBatcher:
             else:
                 q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k, v = self.kv.update(k, v, layer.index)
-            # grouped-query attention with one query token: the query heads of a key/value
-            # head become its query rows (head i reads key/value head i // groups, as
-            # transformers' `pack_gqa`), so the keys and values are never repeated
-            q = q.reshape(b, k.shape[1], -1, dim)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
-            h = h + layer.o(o.reshape(*h.shape[:-1], -1))
+            if prefill:  # each query head reads key/value head i // groups (transformers'
+                if self._kv_groups > 1:  # `repeat_kv`)
+                    k = k.repeat_interleave(self._kv_groups, 1)
+                    v = v.repeat_interleave(self._kv_groups, 1)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
+                o = o.transpose(1, 2).reshape(b, t, -1)
+            else:
+                # grouped-query attention with one query token: the query heads of a
+                # key/value head become its query rows (head i reads key/value head
+                # i // groups, as transformers' `pack_gqa`): keys and values never repeated
+                q = q.reshape(b, k.shape[1], -1, dim)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
+                o = o.reshape(*h.shape[:-1], -1)
+            h = h + layer.o(o)
             h = h + layer.mlp(layer.post_norm(h))
+        if prefill:
+            h = h[:, -1]  # left-padded: every row's last prompt token
         return self._head(self._final_norm(h)).reshape(b, -1)
 
     def _rope_for(self, positions: int) -> torch.Tensor | None:
