@@ -751,22 +751,23 @@ class ContinuousBatcher:
         self.logits = None
         # one device-to-host copy per step (token ids < 2**24 are exact in float32)
         picked = torch.stack([choice.to(chosen.dtype), chosen]).cpu().tolist()
-        return self._finish(list(range(start, len(self.seqs))), picked[0], picked[1])
+        return self._finish(start, picked[0], picked[1])
 
-    def _finish(self, index: list[int], tokens_host: list[float],
+    def _finish(self, start: int, tokens_host: list[float],
                 logps_host: list[float]) -> list[GenerationResult]:
-        """Append the sampled tokens (host copies) of sequences `index`; retire finished ones."""
+        """Append the sampled tokens (host copies) of sequences `start:`; retire finished ones."""
         finished = []
-        for j, i in enumerate(index):
-            s = self.seqs[i]
-            if s.request.max_new_tokens <= 0:
+        for i, (s, tok_f, logp) in enumerate(zip(self.seqs[start:], tokens_host, logps_host,
+                                                 strict=True), start):
+            r = s.request
+            if r.max_new_tokens <= 0:
                 finished.append(i)
                 continue
-            tok = int(tokens_host[j])
+            tok = int(tok_f)
             s.tokens.append(tok)
-            s.logprobs.append(logps_host[j])
-            if len(s.tokens) >= s.request.max_new_tokens or tok in s.request.stop_tokens or (
-                    s.request.stop and self._stopped_by_string(s)):
+            s.logprobs.append(logp)
+            if len(s.tokens) >= r.max_new_tokens or (r.stop_tokens and tok in r.stop_tokens) \
+                    or (r.stop and self._stopped_by_string(s)):
                 finished.append(i)
         results = [self._result(self.seqs[i]) for i in finished]
         if finished:
@@ -1004,7 +1005,7 @@ class ContinuousBatcher:
                                               self._temps, self._table)
         self._choice, self._state = nxt, state
         picked = torch.stack([nxt.to(chosen.dtype), chosen]).cpu().tolist()
-        return self._finish(list(range(n)), picked[0], picked[1])
+        return self._finish(0, picked[0], picked[1])
 
     def run_to_completion(self, requests: list[GenerationRequest],
                           min_admit: int | None = None) -> list[GenerationResult]:
