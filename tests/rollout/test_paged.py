@@ -322,6 +322,40 @@ def test_cuda_graph_decode_needs_a_cuda_model(model):
         ContinuousBatcher(model, decode="cuda_graph")
 
 
+def test_lean_forward_equals_the_transformers_forward_with_grouped_queries():
+    """The engine's own Llama prefill and decode step (rotary table, queries and keys rotated
+    together, resolved layers, grouped-query attention) sample what transformers' forward
+    samples, also after new weights are loaded in place."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2)
+    net = LlamaForCausalLM(cfg).eval()
+    reqs = [_request(f"g{i}_0_0", [1] + list(range(3 + i, 12 + 2 * i)), 12 + 4 * i)
+            for i in range(4)]
+    lean = ContinuousBatcher(net, 4, block_size=4)
+    assert lean._lean and lean._kv_groups == 3
+    slow = ContinuousBatcher(net, 4, block_size=4)
+    slow._lean = False
+    for a, b in zip(lean.run_to_completion(reqs), slow.run_to_completion(reqs), strict=True):
+        _same(a, b)
+    # the table is the model's own rotary output to the bit (the sin's first half negated)
+    table = lean._rope_for(40)
+    assert table is not None
+    cos, sin = net.model.rotary_emb(torch.empty(0), torch.arange(40).unsqueeze(0))
+    assert torch.equal(table[:40, 0], cos[0])
+    assert torch.equal(table[:40, 1, 4:], sin[0, :, 4:])
+    assert torch.equal(table[:40, 1, :4], -sin[0, :, :4])
+    before = lean.run_to_completion(reqs[:1])[0]
+    with torch.no_grad():  # new weights, copied into the parameters as a version load does
+        net.load_state_dict({k: v * 1.5 for k, v in net.state_dict().items()})
+    after = lean.run_to_completion(reqs[:1])[0]
+    _same(after, slow.run_to_completion(reqs[:1])[0])
+    assert after.logprobs != before.logprobs
+
+
 @pytest.mark.slow  # loads the 135M model: about a minute on a loaded 2-core machine
 def test_lean_llama_step_equals_the_transformers_forward_on_smollm2():
     """SmolLM2-135M (grouped-query attention, tied embeddings, its RoPE base): the engine's
