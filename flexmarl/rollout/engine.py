@@ -1093,6 +1093,7 @@ class HFEngine(ContinuousBatcher):
         self.reset()  # prefix cache and per-batch state: every block back on the free list
         kv = self.kv.release()
         self._runner.graphs.clear()  # captured on the addresses about to be freed
+        self._rope = None  # the rotary table: built again on the first step after waking
         self._runner.pool = ()
         moved = 0
         if self.device.type == "cuda":
