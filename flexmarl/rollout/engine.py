@@ -720,12 +720,11 @@ class ContinuousBatcher:
         return slots.pop() if len(slots) == 1 else None
 
     # --- decoding ----------------------------------------------------------------------------
-    def _sample(self, start: int = 0, fed: bool = False) -> list[GenerationResult]:
+    def _sample(self, start: int = 0) -> list[GenerationResult]:
         """Pick the next token of sequences `start:` from their logits; retire finished ones.
 
         Every running sequence holds one sampled token not yet fed to the model (`_choice`):
-        `step` feeds them all (`fed`: their positions advance too), newcomers get theirs here
-        right after their prefill.
+        `step` feeds them all, newcomers get theirs here right after their prefill.
         """
         assert self.logits is not None
         seqs = self.seqs[start:]
@@ -742,10 +741,7 @@ class ContinuousBatcher:
         if any(p < 1.0 for p in top_p):  # sample inside the nucleus; log-probs stay untruncated
             nucleus = top_p_mask(logp, torch.tensor(top_p, dtype=logp.dtype, device=dev))
         choice = sample_keyed(logp, state[:, 0], state[:, 1], nucleus)
-        if fed:  # one more token sampled, one more fed
-            self._state[:, 1:] += 1
-        else:
-            self._state[start:, 1] += 1
+        self._state[start:, 1] += 1  # one more token sampled
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         self._choice = choice if start == 0 else torch.cat([self._choice[:start], choice])
         self.logits = None
@@ -861,15 +857,15 @@ class ContinuousBatcher:
                 log.warning("decode steps cannot be captured as CUDA graphs (%s); decoding "
                             "eagerly", exc)
                 self.decode_mode = "eager"
-        # the fed token's position: its slot is its column's, it sees the columns up to it;
-        # `_sample` advances it with the sampled count (one op for both)
+        # the fed token's position: its slot is its column's, it sees the columns up to it
         pos = self._state[:, 2:3]
         self.kv.slots = self._columns.gather(1, pos)
         self.kv.columns = self._columns
         allowed = (self._column_range(self._columns.shape[1]) <= pos)[:, None, None, :]
         self.logits = self._decode_logits(self._rows, self._only, self._choice, pos,
                                           self._mask(allowed)).float()
-        return self._sample(fed=True)
+        self._state[:, 2] += 1  # the next token's position (`pos` was read by the forward)
+        return self._sample()
 
     def _decode_logits(self, rows: torch.Tensor | None, only: int | None, ids: torch.Tensor,
                        pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
