@@ -330,6 +330,7 @@ class ContinuousBatcher:
         self._advance = torch.tensor([0, 1, 1], device=self.device)  # a step's state change
         self._arange = torch.arange(max(64, block_size), device=self.device)  # `_column_range`
         self._rope: torch.Tensor | None = None  # `_rope_for`
+        self._top_p: torch.Tensor | None = None  # [B] rows' top_p, once a row has one < 1
         self._tokenizer = tokenizer
         # Llama-shaped models (random ones, SmolLM2) prefill and decode through
         # `_llama_forward`
@@ -640,11 +641,25 @@ class ContinuousBatcher:
             self.kv.copy_blocks(packed[n_lead:, at + 6], packed[n_lead:, at + 7])
         start = len(self.seqs)
         self._merge(new, table, logits, state, temps, banned, rows)
+        self._join_top_p(start, new)
         for s in new:  # admission budgets count each group's shared prompt blocks once
             s.share_key = key = self._share_key(s.request)
             self._running_keys[key] = self._running_keys.get(key, 0) + 1
         self._batch_version += 1
         return self._sample(start)
+
+    def _join_top_p(self, start: int, new: list[_Sequence]) -> None:
+        """Keep the rows' nucleus sizes with the batch once one of them samples from a nucleus
+        (a decode step then copies nothing up); the newcomers' (rows `start:`) go up with
+        their admission."""
+        if self._top_p is None and all(s.request.top_p >= 1.0 for s in new):
+            return
+        kept = self._top_p if self._top_p is not None else torch.ones(
+            start, dtype=torch.float32, device=self.device)
+        host = torch.tensor([s.request.top_p for s in new], dtype=torch.float32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self._top_p = torch.cat([kept[:start], host.to(self.device, non_blocking=True)])
 
     def _columns_of(self, table: torch.Tensor) -> torch.Tensor:
         """[B, blocks * block_size] the flat slot of each row's logical token, in order."""
@@ -728,7 +743,6 @@ class ContinuousBatcher:
         """
         assert self.logits is not None
         seqs = self.seqs[start:]
-        dev = self.device
         logits = self.logits  # the pending logits of sequences start:
         if any(s.request.temperature != 1.0 for s in seqs):
             logits = logits / self._temps[start:]
@@ -736,10 +750,10 @@ class ContinuousBatcher:
             logits = logits.masked_fill(self._banned[start:], float("-inf"))
         logp = F.log_softmax(logits, dim=-1)
         state = self._state[start:]
-        top_p = [s.request.top_p for s in seqs]
         nucleus = None
-        if any(p < 1.0 for p in top_p):  # sample inside the nucleus; log-probs stay untruncated
-            nucleus = top_p_mask(logp, torch.tensor(top_p, dtype=logp.dtype, device=dev))
+        if self._top_p is not None and any(s.request.top_p < 1.0 for s in seqs):
+            # sample inside the nucleus; log-probs stay untruncated
+            nucleus = top_p_mask(logp, self._top_p[start:].to(logp.dtype))
         choice = sample_keyed(logp, state[:, 0], state[:, 1], nucleus)
         self._state[start:, 1] += 1  # one more token sampled
         chosen = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
@@ -811,6 +825,7 @@ class ContinuousBatcher:
             self.seqs, self.logits = [], None
             self._state, self._temps = self._state[:0], self._temps[:0]
             self._banned, self._rows, self._only = None, None, None
+            self._top_p = None
             return
         idx = _host_to(self.device, keep)
         self.seqs = [self.seqs[i] for i in keep]
@@ -824,6 +839,9 @@ class ContinuousBatcher:
                             else None)
         if self._rows is not None:
             self._rows, self._only = self._rows[idx], self._only_of(self.seqs)
+        if self._top_p is not None:
+            self._top_p = (self._top_p[idx] if any(s.request.top_p < 1.0 for s in self.seqs)
+                           else None)
 
     @torch.no_grad()
     def step(self) -> list[GenerationResult]:
@@ -1136,6 +1154,7 @@ class HFEngine(ContinuousBatcher):
         self.seqs, self.logits = [], None
         self._table, self._columns = None, None
         self._banned, self._rows, self._only = None, None, None
+        self._top_p = None
         self._choice = torch.zeros(0, dtype=torch.long, device=self.device)
         self._state = self._state[:0]
         self._temps = self._temps[:0]

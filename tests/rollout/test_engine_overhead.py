@@ -85,3 +85,14 @@ def test_a_static_decode_step_reads_back_once_and_copies_nothing_up():
     with count_host_costs() as c:
         engine.step()
     assert (c.syncs, c.h2d) == (1, 0), c.by_sync
+
+
+def test_a_nucleus_decode_step_copies_nothing_up():
+    """Rows sampling from a nucleus (top-p): their top-p values stay on the device with the
+    batch, so a step still copies nothing up."""
+    engine = _engine()
+    engine.admit([GenerationRequest(f"p{i}_0_0", "a", 0, [1] + [5 + i] * (1 + i), 40, None, [],
+                                    1.0, 3, top_p=0.9 if i % 2 else 1.0) for i in range(4)])
+    with count_host_costs() as c:
+        assert not engine.step()
+    assert (c.syncs, c.h2d) == (1, 0), c.by_sync

@@ -92,3 +92,22 @@ def test_top_p_samples_in_the_nucleus_and_logs_untruncated_logprobs(model):
         # the recorded log-probs are those of the full distribution, as the trainer sees it
         assert res.logprobs == pytest.approx(logp[i, :len(res.tokens)].tolist(), abs=1e-5)
         assert max(res.logprobs) < -1e-3  # not the truncated distribution's log 1 = 0
+
+
+def test_nucleus_rows_decode_the_same_in_a_mixed_batch_as_alone(model):
+    """Rows with and without top-p in one batch, admitted in two waves and leaving at different
+    steps (the batch's kept top-p values join and leave with them): each decodes as alone."""
+    reqs = [_req(i, top_p=0.7 if i % 2 else 1.0, n=4 + 3 * i, allowed=None) for i in range(6)]
+    alone = [generate(model, [r])[0] for r in reqs]
+    engine = ContinuousBatcher(model, max_seqs=6)
+    done = {r.sample_id: r for r in engine.admit(reqs[:2] + reqs[4:5])}
+    for _ in range(3):
+        done.update((r.sample_id, r) for r in engine.step())
+    assert engine._top_p is not None  # row 1 samples from a nucleus
+    done.update((r.sample_id, r) for r in engine.admit([reqs[2], reqs[3], reqs[5]]))
+    while engine.active:
+        done.update((r.sample_id, r) for r in engine.step())
+    assert engine._top_p is None  # gone with the last nucleus row
+    for req, res in zip(reqs, alone, strict=True):
+        assert done[req.sample_id].tokens == res.tokens, req.sample_id
+        assert done[req.sample_id].logprobs == pytest.approx(res.logprobs, rel=1e-5, abs=1e-5)
