@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flexmarl.api.runtime import RuntimeSink
-from flexmarl.marl.config import MarlRunConfig
+from flexmarl.config.schema import RunConfig
 from flexmarl.marl.policies import PolicyLayout
 from flexmarl.marl.runtime import MarlRuntime
 from flexmarl.marl.workers import MarlWorkerSpec
@@ -23,7 +23,7 @@ from flexmarl.runtime.ray.placement import RayPools
 class MarlRayRuntime(MarlRuntime):
     """`MarlRuntime` on a Ray cluster (`runtime.address`, or one started for the run)."""
 
-    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
+    def __init__(self, cfg: RunConfig, layouts: dict[str, PolicyLayout],
                  sink: RuntimeSink | None = None) -> None:
         n_train = max(1, min(cfg.runtime.train_workers, len(layouts)))
         self.ray = RayPools(cfg.name, cfg.runtime,  # type: ignore[arg-type]

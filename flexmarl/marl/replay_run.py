@@ -14,8 +14,8 @@ import asyncio
 import json
 from typing import Any
 
+from flexmarl.config.schema import RunConfig
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.offpolicy import QRolloutResult, q_layouts
 from flexmarl.marl.policies import MarlSample, PolicyLayout
 from flexmarl.marl.rollout import RolloutResult
@@ -24,7 +24,7 @@ from flexmarl.store.experience import ConsistencyError, make_sample_id
 
 
 class VdnRun(MarlRun):
-    def _layouts(self, cfg: MarlRunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
+    def _layouts(self, cfg: RunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
         return q_layouts(cfg, probe)
 
     def _reset_iteration(self) -> None:

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.config.schema import RunConfig
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import (
     MarlSample,
     PolicyError,
@@ -80,14 +80,15 @@ class MarlRun:
     """One run: the policies' layout (from the environment's spaces, checked here, before
     any worker starts), the store, the runtime, and the schedule's two halves."""
 
-    def __init__(self, cfg: MarlRunConfig) -> None:
-        self.cfg, self.algo = cfg, cfg.algorithm
-        probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, cfg.seed, cfg.env.opponents)
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg, self.algo = cfg, cfg.env_algorithm
+        env = cfg.environment
+        probe = VecParallelEnv(env.id, env.options, 1, cfg.seed, env.opponents)
         probe.reset()
         self.agents = list(probe.agents)
         self.layouts: dict[str, PolicyLayout] = self._layouts(cfg, probe)
         self.policy_of = {a: name for name, lay in self.layouts.items() for a in lay.agents}
-        self.num_envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # all workers'
+        self.num_envs = env.num_envs * cfg.runtime.rollout_workers  # all workers'
         self.store = ExperienceStore(self.agents)
         self.audit: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)
         self.runtime: Any = None
@@ -104,10 +105,10 @@ class MarlRun:
         self.evaluator: Any = None  # train.eval_every: marl/evaluate.py's GreedyEvaluator
         self._reset_iteration()
 
-    def _layouts(self, cfg: MarlRunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
+    def _layouts(self, cfg: RunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
         """The policies (and the algorithm check): VDN / QMIX's driver overrides it."""
-        if not isinstance(cfg.algorithm, MappoConfig):  # vdn/qmix: marl/replay_run.py
-            raise TypeError(f"the on-policy driver runs mappo/ippo, not {cfg.algorithm.name}")
+        if not isinstance(cfg.env_algorithm, MappoConfig):  # vdn/qmix: marl/replay_run.py
+            raise TypeError(f"the on-policy driver runs mappo/ippo, not {cfg.env_algorithm.name}")
         return layouts(cfg, probe)
 
     def _reset_iteration(self) -> None:
@@ -384,16 +385,16 @@ class MarlRun:
         return rec
 
 
-def make_run(cfg: MarlRunConfig) -> MarlRun:
+def make_run(cfg: RunConfig) -> MarlRun:
     """The run for the config's algorithm: MAPPO / IPPO here, VDN / QMIX `VdnRun`."""
-    if isinstance(cfg.algorithm, MappoConfig):
+    if isinstance(cfg.env_algorithm, MappoConfig):
         return MarlRun(cfg)
     from flexmarl.marl.replay_run import VdnRun
 
     return VdnRun(cfg)
 
 
-def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=None,
+def train_marl(cfg: RunConfig, out: str | Path | None = None, on_iteration=None,
                iterations: int | None = None, resume: str | Path | None = None,
                on_runtime=None) -> MarlResult:
     """Train a classic MARL run, hosted like every run (`orchestrator.run.host_run`): writes
@@ -403,7 +404,7 @@ def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=N
     run = make_run(cfg)  # environments probed: spaces and agents checked
     out_path = Path(out) if out is not None else None
     ckpt = find_checkpoints(resume).load() if resume is not None else None
-    n_iter = iterations if iterations is not None else cfg.iterations
+    n_iter = iterations if iterations is not None else cfg.train.iterations
 
     async def body(telemetry: Telemetry) -> MarlResult:
         return await run.run_loop(telemetry, out_path, on_iteration, n_iter, ckpt, on_runtime)
@@ -412,7 +413,7 @@ def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=N
         steps_here = result.env_steps - result.resumed_env_steps
         return {"iterations": len(result.records), "env_steps": result.env_steps,
                 "env_steps_this_process": steps_here, "wall_s": wall_s,
-                "algorithm": cfg.algorithm.name,
+                "algorithm": cfg.env_algorithm.name,
                 "final_return_mean": result.records[-1].get("return_mean")
                 if result.records else None, "placement": result.placement,
                 "faults": result.faults}

@@ -27,7 +27,7 @@ from flexmarl.api.runtime import (
     WorkerError,
     WorkerLost,
 )
-from flexmarl.marl.config import MarlRunConfig
+from flexmarl.config.schema import RunConfig
 from flexmarl.marl.policies import PolicyLayout
 from flexmarl.marl.rollout import RolloutResult
 from flexmarl.marl.workers import MarlWorkerSpec, marl_rollout_worker_main
@@ -128,7 +128,7 @@ class MarlRuntime(Runtime):
     rollout worker is restarted and redoes its iteration from the captured environment
     state."""
 
-    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
+    def __init__(self, cfg: RunConfig, layouts: dict[str, PolicyLayout],
                  sink: RuntimeSink | None = None) -> None:
         from flexmarl.marl.learner import marl_train_worker_main
 
