@@ -8,8 +8,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.config.schema import RunConfig, config_from_dict
+from flexmarl.envs.pettingzoo import VecParallelEnv
 
 
 def set_path(raw: dict[str, Any], key: str, value: Any) -> None:
