@@ -129,7 +129,7 @@ def _train_classic(args: argparse.Namespace, cfg: RunConfig) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     # imported here: the MARL stack (PettingZoo, the networks) is only needed for these runs
-    from flexmarl.marl.run import make_run, train_marl
+    from flexmarl.marl.run import MarlRun, train_marl
     from flexmarl.orchestrator.checkpoint import find_checkpoints
     from flexmarl.orchestrator.checkpointing import RunInterrupted
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
@@ -143,7 +143,7 @@ def _train_classic(args: argparse.Namespace, cfg: RunConfig) -> int:
     check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
                                                  "out (the run's output folder)"))
     done = find_checkpoints(resume).load().completed if resume is not None else 0
-    run = make_run(cfg)  # environments probed: spaces and agents checked before any worker
+    run = MarlRun(cfg)  # environments probed: spaces and agents checked before any worker
     console = Console(stderr=True)
     envs = env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
     n_iter = cfg.train.iterations

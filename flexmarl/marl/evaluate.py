@@ -24,7 +24,9 @@ import torch
 from flexmarl.config.schema import RunConfig
 from flexmarl.envs.pettingzoo import Episode, VecParallelEnv
 from flexmarl.marl.policies import PolicyLayout
+from flexmarl.marl.policies import layouts as policy_layouts
 from flexmarl.marl.rollout import EnvRollout
+from flexmarl.orchestrator.checkpoint import CheckpointManager, find_checkpoints
 
 EVAL_SEED_OFFSET = 7_777_777  # evaluation environments are seeded at seed + this
 MAX_STEPS = 100_000  # per evaluation: an environment that never ends is an error
@@ -116,15 +118,15 @@ def evaluate_checkpoint(cfg: RunConfig, path: str | Path, episodes: int
                         ) -> tuple[int, dict[str, float]]:
     """Greedy evaluation of one checkpoint generation (`OUT/checkpoints/gen-N/`, or a run
     folder / its checkpoints/ for the LATEST one): (iterations completed, `eval/*` metrics)."""
-    from flexmarl.marl.run import MarlRun
-    from flexmarl.orchestrator.checkpoint import CheckpointManager, find_checkpoints
-
     path = Path(path)
     if path.name.startswith("gen-"):
         ckpt = CheckpointManager(path.parent).load(path.name)
     else:
         ckpt = find_checkpoints(path).load()
-    layouts = MarlRun(cfg).layouts
+    env = cfg.environment
+    probe = VecParallelEnv(env.id, env.options, 1, cfg.seed, env.opponents)
+    probe.reset()
+    layouts = policy_layouts(cfg, probe)  # the policies, checked against the spaces
     if sorted(ckpt.trainer_states) != sorted(layouts):
         raise ValueError(f"{path}: the checkpoint has policies {sorted(ckpt.trainer_states)}, "
                          f"the config has {sorted(layouts)} (the agents' network.base?)")
