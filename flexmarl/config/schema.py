@@ -884,13 +884,18 @@ class RunConfig(Strict):
     logging: LoggingConfig = LoggingConfig()
     out: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _task_or_env(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and (raw.get("task") is None) == (raw.get("env") is None):
+            raise ValueError("task / env: a run trains on a task's graph (`task:`) or on a "
+                             "PettingZoo environment (`env:`); give exactly one")
+        return raw
+
     @model_validator(mode="after")
     def _agents(self) -> RunConfig:
         if not self.agents:
             raise ValueError("agents: at least one agent is required")
-        if (self.task is None) == (self.env is None):
-            raise ValueError("task / env: a run trains on a task's graph (`task:`) or on a "
-                             "PettingZoo environment (`env:`); give exactly one")
         if self.env is not None:
             self._check_env_run()
         else:
