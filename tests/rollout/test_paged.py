@@ -333,8 +333,8 @@ def test_lean_forward_equals_the_transformers_forward_with_grouped_queries():
                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
                       initializer_range=0.2)
     net = LlamaForCausalLM(cfg).eval()
-    reqs = [_request(f"g{i}_0_0", [1] + list(range(3 + i, 12 + 2 * i)), 12 + 4 * i)
-            for i in range(4)]
+    reqs = [_request(f"g{i}_0_0", [1] + list(range(3 + i, 12 + 2 * i)), 6 + 4 * i)
+            for i in range(3)]
     lean = ContinuousBatcher(net, 4, block_size=4)
     assert lean._lean and lean._kv_groups == 3
     slow = ContinuousBatcher(net, 4, block_size=4)

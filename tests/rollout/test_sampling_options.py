@@ -97,7 +97,7 @@ def test_top_p_samples_in_the_nucleus_and_logs_untruncated_logprobs(model):
 def test_nucleus_rows_decode_the_same_in_a_mixed_batch_as_alone(model):
     """Rows with and without top-p in one batch, admitted in two waves and leaving at different
     steps (the batch's kept top-p values join and leave with them): each decodes as alone."""
-    reqs = [_req(i, top_p=0.7 if i % 2 else 1.0, n=4 + 3 * i, allowed=None) for i in range(6)]
+    reqs = [_req(i, top_p=0.7 if i % 2 else 1.0, n=3 + 2 * i, allowed=None) for i in range(6)]
     alone = [generate(model, [r])[0] for r in reqs]
     engine = ContinuousBatcher(model, max_seqs=6)
     done = {r.sample_id: r for r in engine.admit(reqs[:2] + reqs[4:5])}
