@@ -419,6 +419,8 @@ class SimRolloutWorker(_Common):
             for fut, agent, version in loads:
                 await self._loaded(sched.load(fut, agent, version, None))
             await self._loaded(sched.apply_deferred())
+            if self.loads:  # a load that came in while the one before it ran
+                continue
             if not sched.has_work():
                 self.wake.clear()
                 await self.wake.wait()
