@@ -29,6 +29,7 @@ from flexmarl.config.schema import ConfigError, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
+from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load
 from flexmarl.sim.calibration.mirror import per_iteration, run_mirror
 
@@ -93,35 +94,88 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     base.mkdir(parents=True, exist_ok=True)
     prof = load_or_profile(first, task, profile, base, reps, log)
     rows = {s: SystemRow(s) for s in systems}
+    saved = {"config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
+             "machine": machine_info(), "settings": settings}
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
             with OtherLoad(every=SAMPLE_S) as during:
                 result = train(cfg, base / f"{system}-{r}")
-            records = result.records
-            row = rows[system]
-            row.s_per_iteration.append(per_iteration(records)[0])
-            row.rollout_busy.append(statistics.mean(x["pool/rollout/busy_frac"]
-                                                    for x in records))
-            row.train_busy.append(statistics.mean(x["pool/train/busy_frac"] for x in records))
-            row.swaps_per_iteration.append(statistics.mean(x.get("pool/train/swaps", 0)
-                                                           for x in records))
-            row.final_success.append(records[-1]["task/success_rate"])
-            row.other_load.append(during.cpus if during.measured else 0.0)
-            log(f"  round {r + 1}/{rounds} {system:<24} {row.s_per_iteration[-1]:.3f} s/iteration")
+            add_run(rows[system], result.records, during.cpus if during.measured else 0.0)
+            log(f"  round {r + 1}/{rounds} {system:<24} "
+                f"{rows[system].s_per_iteration[-1]:.3f} s/iteration")
+    table = list(rows.values())
+    save_rows(base, saved, table)  # the measurements first: a simulation may still fail
+    simulate_rows(table, cfgs, task, prof)
+    print_table(first.name, table, rounds, first.train.iterations, pin)
+    save_rows(base, saved, table)
+    log(f"compare: {base / 'compare.json'}")
+    return table
+
+
+def add_run(row: SystemRow, records: list[dict[str, Any]], other_load: float) -> None:
+    """One real run's figures into its system's row."""
+    row.s_per_iteration.append(per_iteration(records)[0])
+    row.rollout_busy.append(statistics.mean(x["pool/rollout/busy_frac"] for x in records))
+    row.train_busy.append(statistics.mean(x["pool/train/busy_frac"] for x in records))
+    row.swaps_per_iteration.append(statistics.mean(x.get("pool/train/swaps", 0)
+                                                   for x in records))
+    row.final_success.append(records[-1]["task/success_rate"])
+    row.other_load.append(other_load)
+
+
+def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
+                  prof: LocalProfile) -> None:
+    """Each system's prediction: the mirror with the mean other load its real runs saw."""
     prof_load = profiled_load(prof.machine)
-    for system, row in rows.items():
-        sim = run_mirror(cfgs[system], task, prof, external=statistics.mean(row.other_load),
+    for row in rows:
+        sim = run_mirror(cfgs[row.system], task, prof,
+                         external=statistics.mean(row.other_load or [prof_load]),
                          profiled_external=prof_load)
         row.simulated_s = sim.per_iteration_s
-    table = list(rows.values())
-    print_table(first.name, table, rounds, first.train.iterations, pin)
+
+
+def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow]) -> None:
     (base / "compare.json").write_text(json.dumps({
-        "config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
-        "machine": machine_info(), "settings": settings,
-        "rows": [{**asdict(r), "measured_s": r.measured_s, "error": r.error} for r in table],
-    }, indent=2, default=str))
-    log(f"compare: {base / 'compare.json'}")
+        **saved, "rows": [{**asdict(r), "measured_s": r.measured_s, "error": r.error}
+                          for r in rows]}, indent=2, default=str))
+
+
+def resimulate(base: str | Path, profile: str | Path | None = None,
+               log: Any = print) -> list[SystemRow]:
+    """Simulate a finished comparison again (a changed simulator, another profile): the
+    real runs are read from `base` (OUT/compare.json, or, where a comparison stopped before
+    writing it, the run folders `SYSTEM-ROUND`, at the profile's load); their measurements
+    are kept, the predictions recomputed and the table printed."""
+    base = Path(base)
+    prof = LocalProfile.load(profile or base / "profile.json")
+    rows: dict[str, SystemRow] = {}
+    cfgs: dict[str, Any] = {}
+    loads: dict[str, list[float]] = {}
+    if (base / "compare.json").exists():
+        for r in json.loads((base / "compare.json").read_text())["rows"]:
+            loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
+    for run in sorted(base.glob("*-[0-9]*")):
+        system, _, rnd = run.name.rpartition("-")
+        metrics = run / "metrics.jsonl"
+        if not rnd.isdigit() or not metrics.exists():
+            continue
+        records = [json.loads(line) for line in metrics.read_text().splitlines()
+                   if line.startswith('{"iteration"')]
+        if not records:
+            continue
+        row = rows.setdefault(system, SystemRow(system))
+        cfgs.setdefault(system, load_config(run / "config.yaml"))
+        seen = loads.get(system, [])
+        add_run(row, records, seen[int(rnd)] if int(rnd) < len(seen) else
+                profiled_load(prof.machine))
+    if not rows:
+        raise ConfigError(f"{base}: no comparison runs (SYSTEM-ROUND folders) in it")
+    table = list(rows.values())
+    first = next(iter(cfgs.values()))
+    simulate_rows(table, cfgs, prepare(first), prof)
+    print_table(first.name, table, max(len(r.s_per_iteration) for r in table),
+                first.train.iterations, False)
     return table
 
 

@@ -66,11 +66,19 @@ class CpuShare:
     curve is read as measured), or, where that is below one process (the run is quieter than the
     profile), processor sharing's min(1, cores / (n + E)) over the profile's own
     min(1, cores / (1 + profiled_external)), a speed-up over the profiled costs. Without a curve
-    it is processor sharing throughout: min(1, cores / (n + E)) over the same."""
+    it is processor sharing throughout: min(1, cores / (n + E)) over the same.
+
+    With `cpu_seconds` (a profile whose costs are CPU seconds, `LocalProfile.clock` "cpu") the
+    costs hold no load at all: each of n busy processes next to E other runnable gets
+    processor sharing's min(1, cores / (n + E)) of a CPU, and a CPU second of its work runs at
+    the curve's speed read at n + E busy (`curve[k-1]`: work per CPU second with k busy over
+    one alone, held past its last point); `profiled_external` plays no part."""
 
     def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
-                 profiled_external: float = 0.0, curve: list[float] | None = None) -> None:
+                 profiled_external: float = 0.0, curve: list[float] | None = None,
+                 cpu_seconds: bool = False) -> None:
         self.cores = max(1.0, float(cores))
+        self.cpu_seconds = cpu_seconds
         if isinstance(external, (int, float)):
             series = [(0.0, float(external))]
         else:
@@ -101,10 +109,23 @@ class CpuShare:
         frac = n - lo
         return curve[lo - 1] * (1.0 - frac) + curve[lo] * frac
 
+    def efficiency(self, k: float) -> float:
+        """The speed of a CPU second of work with `k` busy (the curve per CPU second), linear
+        between its points, its last point past them; 1.0 without a curve."""
+        if k <= 1.0 or not self.curve:
+            return 1.0
+        curve = [1.0, *self.curve[1:]]
+        if k >= len(curve):
+            return curve[-1]
+        lo = int(k)
+        return curve[lo - 1] * (1.0 - (k - lo)) + curve[lo] * (k - lo)
+
     def rate(self, n: float, external: float | None = None) -> float:
         """How fast each of `n` busy simulated processes progresses next to `external` other
         runnable work (default: the current), relative to the profiled speed of one alone."""
         e = self.external if external is None else max(0.0, external)
+        if self.cpu_seconds:
+            return min(1.0, self.cores / max(1.0, n + e)) * self.efficiency(n + e)
         shifted = n + e - self.profiled_external
         if self.curve and shifted >= 1.0:
             return self.speed(shifted)
@@ -252,6 +273,7 @@ class ProfiledEngine:
         self.cost = 0.0
         self._new = 0  # this turn's newcomers, and those of them that finished at admission
         self._finished = 0
+        self.event_turns = 0  # turns that admitted or answered something (the loop's work)
 
     @property
     def active(self) -> int:
@@ -320,6 +342,7 @@ class ProfiledEngine:
             self.seqs = still
         answered = self._finished + len(finished)
         if answered or self._new:
+            self.event_turns += 1
             over = self.p.fits.get("replica_overhead") if self.p is not None else None
             if over is not None:
                 self.cost += max(0.0, over(requests=self._new))
@@ -585,12 +608,15 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         # the difference between the run's other load and the profile's is simulated
         ext: float | Sequence[tuple[float, float]] = 0.0
         prof_ext = 0.0
+        cpu_seconds = profile.clock == "cpu"
         if external is not None:
             ext = external
             prof_ext = (profiled_load(machine) if profiled_external is None
                         else profiled_external)
+        elif cpu_seconds:  # costs without load: the profile's own load, simulated
+            ext = profiled_load(machine)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
-                       curve=None if cores else profile.contention)
+                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
         parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
