@@ -31,7 +31,7 @@ from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load
-from flexmarl.sim.calibration.mirror import per_iteration, run_mirror
+from flexmarl.sim.calibration.mirror import per_iteration, run_mirror_measured
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
 
@@ -48,6 +48,7 @@ class SystemRow:
     final_success: list[float] = field(default_factory=list)
     other_load: list[float] = field(default_factory=list)  # CPUs of others' work per round
     simulated_s: float = 0.0
+    simulated_runnable: float = 0.0  # the others' runnable work the prediction inferred
 
     @property
     def measured_s(self) -> float:
@@ -129,10 +130,11 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
     """Each system's prediction: the mirror with the mean other load its real runs saw."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
-        sim = run_mirror(cfgs[row.system], task, prof,
-                         external=statistics.mean(row.other_load or [prof_load]),
-                         profiled_external=prof_load)
+        sim = run_mirror_measured(cfgs[row.system], task, prof,
+                                  statistics.mean(row.other_load or [prof_load]),
+                                  profiled_external=prof_load)
         row.simulated_s = sim.per_iteration_s
+        row.simulated_runnable = sim.other_runnable
 
 
 def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow]) -> None:

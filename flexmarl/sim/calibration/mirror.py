@@ -94,6 +94,7 @@ class CpuShare:
         self.last: float | None = None
         self.handle: asyncio.TimerHandle | None = None
         self.busy_s = 0.0
+        self.others_s = 0.0  # CPU seconds the other load got (`others_cpu_s`)
 
     def speed(self, n: float) -> float:
         """How fast each of `n` runnable processes progresses (1.0: as fast as one alone)."""
@@ -143,12 +144,22 @@ class CpuShare:
         return self.rate(len(self.jobs)) if self.jobs else 1.0
 
     def _advance(self, now: float) -> None:
-        if self.last is not None and self.jobs:
-            done = (now - self.last) * self._rate()
-            for job in self.jobs.values():
-                job[0] -= done
+        if self.last is not None:
+            e = self.external
+            if e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
+                self.others_s += (now - self.last) * e * min(
+                    1.0, self.cores / max(1.0, len(self.jobs) + e))
+            if self.jobs:
+                done = (now - self.last) * self._rate()
+                for job in self.jobs.values():
+                    job[0] -= done
         self.last = now
         self.external = self.external_at(now)
+
+    def others_cpu_s(self, now: float) -> float:
+        """CPU seconds the other runnable work got until `now` (processor sharing)."""
+        self._advance(now)
+        return self.others_s
 
     def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.handle is not None:
@@ -552,6 +563,8 @@ class MirrorResult:
     steady_per_iteration_s: float
     spans: list[Any]
     train_calls: int = 0
+    other_cpus: float = 0.0  # CPUs' worth of time the other load got over the makespan
+    other_runnable: float = 0.0  # the other runnable work simulated (`run_mirror_measured`)
 
 
 def per_iteration(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -595,6 +608,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                          "profiled on this machine")
     workers: list[_Common] = []
     spans: list[Any] = []
+    shares: list[CpuShare] = []
 
     async def main() -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -617,6 +631,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
             ext = profiled_load(machine)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
                        curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
+        shares.append(cpu)
         parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
@@ -654,4 +669,28 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     makespan = float(records[-1]["time_s"]) if records else 0.0
     requests = sum(w.calls for w in workers if w.pool == "rollout")
     train_calls = sum(w.calls for w in workers if w.pool == "train")
-    return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls)
+    others = shares[0].others_cpu_s(makespan) / makespan if shares and makespan > 0 else 0.0
+    runnable = shares[0].external if shares else 0.0
+    return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
+                        runnable)
+
+
+def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,
+                        tries: int = 4, **kw: Any) -> MirrorResult:
+    """The mirror next to other users' work as a real run measured it: `other_cpus`, the CPU
+    time they got during the run (`OtherLoad`), in CPUs. For a CPU-second profile that is not
+    their runnable work: on a saturated machine they get only their processor share of it
+    next to the run's own busy processes (2 CPUs, 1 busy of ours and 3 runnable of theirs:
+    they get 1.5 CPUs). The runnable work is inferred so that, in the simulated run, the
+    others get the CPU time they got in the real one (a fixed point, `tries` runs at most,
+    within 3%). A wall-clock profile is simulated with `other_cpus` as its other load."""
+    if profile.clock != "cpu" or other_cpus <= 0:
+        return run_mirror(cfg, task, profile, external=other_cpus, **kw)
+    runnable = other_cpus
+    sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+    for _ in range(tries - 1):
+        if sim.other_cpus <= 0 or abs(sim.other_cpus - other_cpus) <= 0.03 * other_cpus:
+            break
+        runnable = min(64.0, runnable * other_cpus / sim.other_cpus)
+        sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+    return sim

@@ -10,7 +10,13 @@ import pytest
 
 from flexmarl.graph.task import load_task
 from flexmarl.sim.calibration.fits import Fit, LocalProfile
-from flexmarl.sim.calibration.mirror import CpuShare, ParentProcess, SimRolloutWorker, run_mirror
+from flexmarl.sim.calibration.mirror import (
+    CpuShare,
+    ParentProcess,
+    SimRolloutWorker,
+    run_mirror,
+    run_mirror_measured,
+)
 from flexmarl.sim.calibration.profile import _spread, replay_batch
 from flexmarl.sim.runtime.clock import run_virtual
 from flexmarl.telemetry.recorder import Telemetry
@@ -115,3 +121,22 @@ def test_a_weight_load_arriving_while_another_runs_is_served():
     first, second, end = run_virtual(main())
     assert (first, second) == (1, 2)
     assert end == pytest.approx(2.0, abs=0.01)  # one after the other, a second each
+
+
+def test_the_others_runnable_work_is_inferred_from_the_cpu_time_they_got():
+    async def one_job() -> float:
+        cpu = CpuShare(2, 2.0, cpu_seconds=True)
+        await cpu.run(1.0)  # 3 runnable on 2 CPUs: 2/3 each, 1.5 s
+        return cpu.others_cpu_s(asyncio.get_running_loop().time())
+
+    assert run_virtual(one_job()) == pytest.approx(2 * 2 / 3 * 1.5)
+    cfg = tiny_config(pipeline={"mode": "async"})
+    task = load_task(cfg.task.builder, cfg.task.options)
+    prof = _cpu_profile(other_load=0.0)
+    sim = run_mirror_measured(cfg, task, prof, 1.5)
+    # on 2 CPUs next to the run's busy processes the others got less than their runnable work
+    assert sim.other_runnable > 1.5
+    assert sim.other_cpus == pytest.approx(1.5, rel=0.1)
+    assert sim.makespan_s > run_mirror(cfg, task, prof, external=1.5).makespan_s
+    wall = run_mirror_measured(cfg, task, _synthetic_profile(), 1.5)  # an older profile
+    assert wall.other_runnable == 1.5

@@ -13,7 +13,7 @@ import pytest
 
 from flexmarl.graph.task import load_task
 from flexmarl.sim.calibration.calibrate import series_in_virtual_time
-from flexmarl.sim.calibration.machine import OtherLoad, tree_cpu_s, profiled_load
+from flexmarl.sim.calibration.machine import OtherLoad, profiled_load, tree_cpu_s
 from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
 from flexmarl.sim.runtime.clock import run_virtual
 from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
