@@ -3,7 +3,9 @@
 
 For every agent's real model, with the real engine and trainer code (`rollout.engine.HFEngine`,
 `training.trainer.AgentTrainer`, `training.host.TrainHost`), in this process and with the
-config's `runtime.torch_threads`, the profiler times:
+config's `runtime.torch_threads`, the profiler times, in this process's CPU seconds (so that
+other users' work preempting it does not end up in the costs; the mirror simulates the load
+of each run instead: `LocalProfile.clock` "cpu"):
 
 - `prefill`: `HFEngine.admit` of `seqs` new requests, left-padded to `width` prompt tokens
   (`tokens` = seqs x width), including the first token's sampling;
@@ -22,10 +24,13 @@ the message round trips of the local runtime (`ipc_generate`: a batch of `reques
 `ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Finally
 `parent_per_request_s`: the orchestrator's own CPU time per generate request, from running the
 production `JointOrchestrator` against zero-cost pools in real time; `worker_scale`: real
-worker processes given the run's order of work, over the fits' prediction. Before all of it,
-`contention`: how fast each of k processes busy at once runs on this machine (spawned
-processes doing torch work of the config's model sizes, work done counted; see
-`measure_contention`), which the mirror's CPU sharing uses instead of cores / n.
+worker processes given the run's order of work (a replica: batches with the agents' measured
+output lengths), over the fits' prediction, their busy spans turned into CPU seconds by the
+share of them each process spent on a CPU (`_OnCpu`, from /proc). Before all of it,
+`contention`: how fast a CPU second of each of k processes busy at once goes on this machine
+(spawned processes doing torch work of the config's model sizes, work done per CPU second
+counted; see `measure_contention`). Every repeated quantity's spread over its rounds
+((max - min) / median) is kept in `spread` and logged.
 
 Each quantity is fitted by least squares to a small named linear model (`fits.Fit`: a fixed
 overhead `1` plus per-sequence / per-token terms; negative coefficients are dropped and the fit
