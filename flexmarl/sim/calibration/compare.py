@@ -5,8 +5,9 @@ systems run one after another in rounds, the order reversed every other round so
 the machine's load does not favour one of them; each row is the median over the rounds of
 seconds per iteration (makespan / iterations, from the runs' `time_s`), next to the
 simulator's prediction for the same system: the production orchestrator on the mirrored local
-runtime (`mirror.py`) from one profile of the config's agents (`profile.py`), with the other
-load each real run saw. FlexMARL's speedup over each system is that system's s/iteration over
+runtime (`mirror.py`) from one profile of the config's agents (`profile.py`), one simulated
+run per real run with the other load that run saw (`run_mirror_measured`), the median over the
+rounds. FlexMARL's speedup over each system is that system's s/iteration over
 FlexMARL's (`flexmarl` must be among the systems for it).
 
 With `pin`, every run pins its rollout workers to the first half of the CPUs and its training
@@ -47,8 +48,9 @@ class SystemRow:
     swaps_per_iteration: list[float] = field(default_factory=list)
     final_success: list[float] = field(default_factory=list)
     other_load: list[float] = field(default_factory=list)  # CPUs of others' work per round
-    simulated_s: float = 0.0
-    simulated_runnable: float = 0.0  # the others' runnable work the prediction inferred
+    simulated_s: float = 0.0  # the median of the rounds' predictions
+    simulated_rounds: list[float] = field(default_factory=list)  # one per round
+    simulated_runnable: list[float] = field(default_factory=list)  # others' runnable, inferred
 
     @property
     def measured_s(self) -> float:
@@ -127,14 +129,18 @@ def add_run(row: SystemRow, records: list[dict[str, Any]], other_load: float) ->
 
 def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
                   prof: LocalProfile) -> None:
-    """Each system's prediction: the mirror with the mean other load its real runs saw."""
+    """Each system's prediction: the mirror of each of its real runs, with the other load
+    that run saw (one round's load may be far from another's), the median over its rounds,
+    as the measured figure is."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
-        sim = run_mirror_measured(cfgs[row.system], task, prof,
-                                  statistics.mean(row.other_load or [prof_load]),
-                                  profiled_external=prof_load)
-        row.simulated_s = sim.per_iteration_s
-        row.simulated_runnable = sim.other_runnable
+        row.simulated_rounds, row.simulated_runnable = [], []
+        for load in row.other_load or [prof_load]:
+            sim = run_mirror_measured(cfgs[row.system], task, prof, load,
+                                      profiled_external=prof_load)
+            row.simulated_rounds.append(sim.per_iteration_s)
+            row.simulated_runnable.append(sim.other_runnable)
+        row.simulated_s = statistics.median(row.simulated_rounds)
 
 
 def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow]) -> None:
@@ -201,5 +207,6 @@ def print_table(name: str, rows: list[SystemRow], rounds: int, iterations: int,
               f"{statistics.median(r.final_success):>9.3f}{r.simulated_s:>11.3f}"
               f"{r.error:>+8.1%}")
     print("(medians over the rounds; flexmarl x = the system's s/iteration over FlexMARL's, "
-          "FlexMARL's speedup over it; simulated = the mirrored local runtime from one profile "
-          "with each run's other load; the error is reported, not enforced)")
+          "FlexMARL's speedup over it; simulated = the median over the rounds of the mirrored "
+          "local runtime from one profile with each round's other load; the error is reported, "
+          "not enforced)")
