@@ -143,8 +143,9 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
         row.simulated_s = statistics.median(row.simulated_rounds)
 
 
-def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow]) -> None:
-    (base / "compare.json").write_text(json.dumps({
+def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow],
+              name: str = "compare.json") -> None:
+    (base / name).write_text(json.dumps({
         **saved, "rows": [{**asdict(r), "measured_s": r.measured_s, "error": r.error}
                           for r in rows]}, indent=2, default=str))
 
@@ -154,7 +155,8 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     """Simulate a finished comparison again (a changed simulator, another profile): the
     real runs are read from `base` (OUT/compare.json, or, where a comparison stopped before
     writing it, the run folders `SYSTEM-ROUND`, at the profile's load); their measurements
-    are kept, the predictions recomputed and the table printed."""
+    are kept, the predictions recomputed, the table printed and written to
+    OUT/compare_resimulated.json."""
     base = Path(base)
     prof = LocalProfile.load(profile or base / "profile.json")
     rows: dict[str, SystemRow] = {}
@@ -184,6 +186,8 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     simulate_rows(table, cfgs, prepare(first), prof)
     print_table(first.name, table, max(len(r.s_per_iteration) for r in table),
                 first.train.iterations, False)
+    save_rows(base, {"resimulated_with": str(profile or base / "profile.json")}, table,
+              "compare_resimulated.json")
     return table
 
 
