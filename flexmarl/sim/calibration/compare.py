@@ -31,7 +31,7 @@ from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
-from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load
+from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load, window_load
 from flexmarl.sim.calibration.mirror import per_iteration, run_mirror_measured
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
@@ -47,7 +47,10 @@ class SystemRow:
     train_busy: list[float] = field(default_factory=list)
     swaps_per_iteration: list[float] = field(default_factory=list)
     final_success: list[float] = field(default_factory=list)
-    other_load: list[float] = field(default_factory=list)  # CPUs of others' work per round
+    # CPUs of others' work per round, over its iterations (over the whole run, start-up
+    # included, in `other_load_whole_run`)
+    other_load: list[float] = field(default_factory=list)
+    other_load_whole_run: list[float] = field(default_factory=list)
     simulated_s: float = 0.0  # the median of the rounds' predictions
     simulated_rounds: list[float] = field(default_factory=list)  # one per round
     simulated_runnable: list[float] = field(default_factory=list)  # others' runnable, inferred
@@ -104,7 +107,14 @@ def compare(config: str | Path, overrides: list[str] | None = None,
             cfg = cfgs[system]
             with OtherLoad(every=SAMPLE_S) as during:
                 result = train(cfg, base / f"{system}-{r}")
-            add_run(rows[system], result.records, during.cpus if during.measured else 0.0)
+            # others' CPU time over the iterations (the run's start-up left out): what the
+            # mirror simulates next to them
+            whole = during.cpus if during.measured else 0.0
+            makespan = float(result.records[-1]["time_s"]) if result.records else 0.0
+            start = max(0.0, result.wall_s - makespan)
+            add_run(rows[system], result.records,
+                    window_load(during.series, start, start + makespan, whole))
+            rows[system].other_load_whole_run.append(whole)
             log(f"  round {r + 1}/{rounds} {system:<24} "
                 f"{rows[system].s_per_iteration[-1]:.3f} s/iteration")
     table = list(rows.values())

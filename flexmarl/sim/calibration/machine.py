@@ -159,6 +159,23 @@ class OtherLoad:
         self.niced = max(0.0, ((every - self._all0) - (busy - self._busy0)) / wall)
 
 
+def window_load(series: list[tuple[float, float]], start: float, end: float,
+                default: float) -> float:
+    """The time-weighted mean of an `OtherLoad.series` over [start, end] (seconds since its
+    start; each point the load over the interval ending then); `default` where no sampled
+    interval overlaps it. A run's iterations leave out its start-up (workers spawned, models
+    built), when its own processes are mostly idle and other users' take more."""
+    total = weight = 0.0
+    prev = 0.0
+    for t, v in series:
+        lo, hi = max(prev, start), min(float(t), end)
+        if hi > lo:
+            total += float(v) * (hi - lo)
+            weight += hi - lo
+        prev = float(t)
+    return total / weight if weight > 0 else default
+
+
 def profiled_load(machine: dict[str, Any]) -> float:
     """The other load a profile was measured under, in CPUs: other users' work during the
     profiling (`other_load`, the `OtherLoad` measure the calibration takes of a real run too),

@@ -676,21 +676,32 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,
-                        tries: int = 4, **kw: Any) -> MirrorResult:
+                        tries: int = 6, **kw: Any) -> MirrorResult:
     """The mirror next to other users' work as a real run measured it: `other_cpus`, the CPU
     time they got during the run (`OtherLoad`), in CPUs. For a CPU-second profile that is not
     their runnable work: on a saturated machine they get only their processor share of it
     next to the run's own busy processes (2 CPUs, 1 busy of ours and 3 runnable of theirs:
     they get 1.5 CPUs). The runnable work is inferred so that, in the simulated run, the
-    others get the CPU time they got in the real one (a fixed point, `tries` runs at most,
-    within 3%). A wall-clock profile is simulated with `other_cpus` as its other load."""
+    others get the CPU time they got in the real one (secant steps on the runnable work,
+    `tries` runs at most, within 3%). A wall-clock profile is simulated with `other_cpus` as
+    its other load."""
     if profile.clock != "cpu" or other_cpus <= 0:
         return run_mirror(cfg, task, profile, external=other_cpus, **kw)
     runnable = other_cpus
     sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+    best = sim
+    last: tuple[float, float] | None = None
     for _ in range(tries - 1):
-        if sim.other_cpus <= 0 or abs(sim.other_cpus - other_cpus) <= 0.03 * other_cpus:
+        got = sim.other_cpus
+        if got <= 0 or abs(got - other_cpus) <= 0.03 * other_cpus:
             break
-        runnable = min(64.0, runnable * other_cpus / sim.other_cpus)
+        if last is not None and abs(got - last[1]) > 1e-9:
+            step = runnable + (other_cpus - got) * (runnable - last[0]) / (got - last[1])
+        else:  # a first step: as if the others' share grew with their runnable work
+            step = runnable * other_cpus / got
+        last = (runnable, got)
+        runnable = min(64.0, max(1e-3, step))
         sim = run_mirror(cfg, task, profile, external=runnable, **kw)
-    return sim
+        if abs(sim.other_cpus - other_cpus) < abs(best.other_cpus - other_cpus):
+            best = sim
+    return best
