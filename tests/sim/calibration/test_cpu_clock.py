@@ -10,6 +10,7 @@ import pytest
 
 from flexmarl.graph.task import load_task
 from flexmarl.sim.calibration.fits import Fit, LocalProfile
+from flexmarl.sim.calibration.machine import window_load
 from flexmarl.sim.calibration.mirror import (
     CpuShare,
     ParentProcess,
@@ -140,3 +141,11 @@ def test_the_others_runnable_work_is_inferred_from_the_cpu_time_they_got():
     assert sim.makespan_s > run_mirror(cfg, task, prof, external=1.5).makespan_s
     wall = run_mirror_measured(cfg, task, _synthetic_profile(), 1.5)  # an older profile
     assert wall.other_runnable == 1.5
+
+
+def test_the_others_load_over_a_runs_iterations_leaves_its_start_up_out():
+    # sampled every second: 2 CPUs of others while the run started up, then 1
+    series = [(1.0, 2.0), (2.0, 2.0), (3.0, 1.0), (4.0, 1.0), (5.0, 1.0)]
+    assert window_load(series, 2.0, 5.0, 9.0) == pytest.approx(1.0)
+    assert window_load(series, 1.5, 3.0, 9.0) == pytest.approx((0.5 * 2 + 1.0) / 1.5)
+    assert window_load([], 0.0, 5.0, 9.0) == 9.0  # nothing sampled: the whole run's
