@@ -237,4 +237,7 @@ class JointOrchestrator:
         self.budget.check(it, self.episodes.first_error)
         if self.checkpoints.due(k):
             self.checkpoints.capture(k, self.trainable)
+        for agent in self.agents:  # a frozen agent's rows: no step will take them
+            if agent not in self.trainable:
+                self.store.discard(agent, k)
 

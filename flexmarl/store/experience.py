@@ -178,6 +178,18 @@ class AgentTable:
         del self.rows[sample_id]
         return row
 
+    def drop_unused(self, iteration: int) -> list[Row]:
+        """Remove the finished rows of `iteration` (rewarded, ready or failed) that no step will
+        take: a frozen agent's; rows still being generated stay."""
+        dropped = []
+        for (status, _), ids in self._by_status.items():
+            if status not in (Status.REWARDED, Status.READY, Status.FAILED):
+                continue
+            for sid in [i for i in ids if self.rows[i].iteration == iteration]:
+                del ids[sid]
+                dropped.append(self.rows.pop(sid))
+        return dropped
+
     def ids_with(self, status: Status, version: int) -> list[str]:
         return list(self._by_status.get((status, version), {}))
 
@@ -327,6 +339,16 @@ class ExperienceStore:
                 self.evicted[agent][status.value] += 1
                 n += 1
         return n
+
+    def discard(self, agent: str, iteration: int) -> int:
+        """Drop an agent's rows of a finished iteration that no trainer takes (a frozen agent
+        acts but is never trained): payloads freed, counts kept in `evicted` under their
+        status, so memory stays bounded in long runs and `stats` still counts them."""
+        rows = self.table(agent).drop_unused(iteration)
+        for row in rows:
+            self._free(row)
+            self.evicted[agent][row.status.value] += 1
+        return len(rows)
 
     # --- snapshots ------------------------------------------------------------------------
     def snapshot(self, min_iteration: int) -> list[dict[str, Any]]:

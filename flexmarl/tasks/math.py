@@ -123,8 +123,10 @@ def build_math_pair(max_operand: int = 20, ops: str = "+-", answer_tokens: int =
 
     def compare_prompt(ctx: EpisodeContext) -> TextPrompt:
         mine, theirs = last_int(ctx.text("recompute")), last_int(ctx.text("solve"))
-        text = (f"First number: {'none' if mine is None else mine}. Second number: "
-                f"{'none' if theirs is None else theirs}. Are the two numbers equal? "
+        # worded as the model reads it best: "two answers the same?" starts at AUC 0.78-0.84
+        # on SmolLM2-135M, "two numbers equal?" at 0.67 (benchmarks/judge_prior.py)
+        text = (f"Answer 1: {'none' if mine is None else mine}\nAnswer 2: "
+                f"{'none' if theirs is None else theirs}\nAre the two answers the same? "
                 "Reply Yes or No.")
         return TextPrompt(chat(text), max_new_tokens=2)
 

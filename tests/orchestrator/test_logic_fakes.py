@@ -252,6 +252,11 @@ def test_a_frozen_agent_generates_at_version_zero_and_is_never_trained():
     assert all(acc.agent != "relay" for acc in train.accumulated)
     assert orch.records[-1]["agent/relay/policy_version"] == 0
     assert_on_policy(orch, rollout, train)
+    # its rows are dropped once their iteration is done (bounded memory), still counted
+    relay = orch.store.tables["relay"]
+    assert not relay.rows
+    made = sum(g.agent == "relay" for g in rollout.generated)
+    assert made > 0 and orch.store.stats()["relay"]["rewarded"] == made
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

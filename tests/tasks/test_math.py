@@ -21,7 +21,7 @@ def test_recompute_judge_computes_then_compares_two_numbers_alone():
     right, wrong = str(data["answer"]), str(data["answer"] + 1)
     ctx = _ctx(data, {"solve": wrong, "recompute": right, "check": "No"})
     content = g.nodes["check"].prompt(ctx).prompt[-1]["content"]
-    assert content.startswith(f"First number: {right}. Second number: {wrong}.")
+    assert content.startswith(f"Answer 1: {right}\nAnswer 2: {wrong}\n")
     assert "Compute" not in content  # the comparison alone: the prior a small model has
     assert g.nodes["recompute"].reward(ctx) == 1.0 and g.nodes["solve"].reward(ctx) == 0.0
     assert g.nodes["check"].reward(ctx) == 1.0 and g.nodes["check"].label(ctx) is False
@@ -29,7 +29,7 @@ def test_recompute_judge_computes_then_compares_two_numbers_alone():
     ctx = _ctx(data, {"solve": right, "recompute": wrong, "check": "No"})
     assert g.nodes["check"].reward(ctx) == 0.0 and g.nodes["recompute"].reward(ctx) == 0.0
     ctx = _ctx(data, {"solve": "no idea", "recompute": "", "check": "Yes"})
-    assert "First number: none. Second number: none." in g.nodes["check"].prompt(ctx).prompt[-1][
+    assert "Answer 1: none\nAnswer 2: none\n" in g.nodes["check"].prompt(ctx).prompt[-1][
         "content"]
 
 
