@@ -43,9 +43,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
+from flexmarl.config.schema import RunConfig, load_config
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig, load_marl_config
 from flexmarl.marl.rollout import EnvRollout
 from flexmarl.marl.run import MarlRun, train_marl
 
@@ -57,16 +58,32 @@ SCENARIOS = {
 }
 
 
-def config(scenario: str, algo: str, steps: int, seed: int) -> MarlRunConfig:
-    sets = [f"train.env_steps={steps}", f"algorithm.name={algo}", f"seed={seed}"]
+def algorithm_keys(path: Path) -> list[str]:
+    """Where an environment run's algorithm is set: each shared network's, else each agent's
+    (`--set` one algorithm for the whole run sets all of them)."""
+    raw = yaml.safe_load(path.read_text())
+    if raw.get("networks"):
+        return [f"networks.{n}.algorithm" for n in raw["networks"]]
+    return [f"agents.{a}.network.algorithm" for a in raw["agents"]]
+
+
+def algorithm_sets(path: Path, **fields: str) -> list[str]:
+    """`--set` strings giving every policy's algorithm these fields (`name=ippo`, ...)."""
+    return [f"{key}{'.' + f if f else ''}={v}" for key in algorithm_keys(path)
+            for f, v in fields.items()]
+
+
+def config(scenario: str, algo: str, steps: int, seed: int) -> RunConfig:
+    path = ROOT / SCENARIOS[scenario][0]
+    sets = [f"train.env_steps={steps}", f"seed={seed}", *algorithm_sets(path, name=algo)]
     if algo == "ippo":
-        sets.append("algorithm.critic_input=null")
-    return load_marl_config(ROOT / SCENARIOS[scenario][0], sets)
+        sets += algorithm_sets(path, critic_input="null")
+    return load_config(path, sets)
 
 
-def random_floor(cfg: MarlRunConfig, episodes: int, seed: int) -> dict[str, float]:
+def random_floor(cfg: RunConfig, episodes: int, seed: int) -> dict[str, float]:
     """Uniform random actions over each agent's action space."""
-    venv = VecParallelEnv(cfg.env.id, cfg.env.options, 32, seed + 12345)
+    venv = VecParallelEnv(cfg.environment.id, cfg.environment.options, 32, seed + 12345)
     venv.reset()
     rng = np.random.default_rng(seed)
     got = []
@@ -127,7 +144,7 @@ def tail_mean(records: list[dict], key: str) -> float:
     return float(np.mean(vals)) if vals else float("nan")
 
 
-def rollout_throughput(cfg: MarlRunConfig, env_steps: int) -> dict[str, float]:
+def rollout_throughput(cfg: RunConfig, env_steps: int) -> dict[str, float]:
     """Env steps/s of one rollout worker's computation alone (in this process, store writes
     included, no training): 32 envs per forward pass vs 1; the policy stays at version 0."""
     from flexmarl.marl.learner import PolicyLearner
@@ -135,7 +152,7 @@ def rollout_throughput(cfg: MarlRunConfig, env_steps: int) -> dict[str, float]:
     out = {}
     for n in (32, 1):
         c = cfg.model_copy(deep=True)
-        c.env.num_envs = n
+        c.environment.num_envs = n
         run = MarlRun(c)
         env = EnvRollout(c, run.layouts)
         for name, lay in run.layouts.items():
@@ -263,20 +280,18 @@ def run_ppo(scenarios: list[str], algos: list[str], budget: dict[str, int], args
 def run_greedy(run_dir: Path, episodes: int, out: Path) -> None:
     """Every checkpoint generation of `run_dir` acted greedily, beside the stochastic
     rollouts' figures of the iterations up to it (from its metrics.jsonl)."""
-    import yaml
-
-    from flexmarl.marl.config import marl_config_from_dict
+    from flexmarl.config.schema import config_from_dict
     from flexmarl.marl.evaluate import evaluate_checkpoint
     from flexmarl.orchestrator.checkpoint import find_checkpoints
 
-    cfg = marl_config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()),
-                                str(run_dir / "config.yaml"))
-    metric = next((m for sc, (_, _, m) in SCENARIOS.items() if f"simple_{sc}_" in cfg.env.id),
-                  None)
+    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()),
+                           str(run_dir / "config.yaml"))
+    env_id = cfg.environment.id
+    metric = next((m for sc, (_, _, m) in SCENARIOS.items() if f"simple_{sc}_" in env_id), None)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     records = [r for r in records if "iteration" in r and "return_mean" in r]
-    n_per = cfg.env.num_envs * cfg.runtime.rollout_workers * cfg.train.rollout_steps
+    n_per = cfg.environment.num_envs * cfg.runtime.rollout_workers * cfg.train.rollout_steps
     rows = []
     for gen in find_checkpoints(run_dir).generations():
         completed, ev = evaluate_checkpoint(cfg, gen, episodes)
@@ -291,7 +306,7 @@ def run_greedy(run_dir: Path, episodes: int, out: Path) -> None:
         print(f"[{gen.name}] {row}", flush=True)
     name = run_dir.name
     (out / f"results_greedy_{name}.json").write_text(json.dumps(
-        {"run": str(run_dir), "env": cfg.env.id, "metric": metric, "episodes": episodes,
+        {"run": str(run_dir), "env": cfg.environment.id, "metric": metric, "episodes": episodes,
          "rows": rows}, indent=1))
     print(f"\n## {name}: greedy ({episodes} fixed episodes per generation) vs stochastic "
           "(training rollouts, mean of the 10 iterations up to the generation)\n")
@@ -345,12 +360,13 @@ def run_vdn(steps: int, seed: int, out: Path, mixers: list[str]) -> None:
         for label, prio in (("prioritized", True), ("uniform", False)):
             # 32 environments, as when docs/marl.md's VDN / QMIX table was made (the spread
             # example has 128 since, for MAPPO)
-            sets = [f"train.env_steps={steps}", f"algorithm={{name: {mixer}}}", f"seed={seed}",
-                    "env.num_envs=32",
-                    f"algorithm.prioritized={str(prio).lower()}",
-                    f"algorithm.age_weight={str(prio).lower()}",
-                    f"algorithm.eps_decay_steps={steps // 2}"]
-            cfg = load_marl_config(ROOT / SCENARIOS["spread"][0], sets)
+            path = ROOT / SCENARIOS["spread"][0]
+            sets = [f"train.env_steps={steps}", f"seed={seed}", "env.num_envs=32",
+                    *algorithm_sets(path, **{"": f"{{name: {mixer}}}"}),
+                    *algorithm_sets(path, prioritized=str(prio).lower(),
+                                    age_weight=str(prio).lower(),
+                                    eps_decay_steps=str(steps // 2))]
+            cfg = load_config(path, sets)
             t0 = time.perf_counter()
             r = train_marl(cfg, None)
             wall = time.perf_counter() - t0

@@ -29,6 +29,7 @@ from io import BytesIO
 from pathlib import Path
 
 import yaml
+from mpe import algorithm_sets  # (this folder: run as python benchmarks/mpe_runtime.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"speaker_listener": "examples/mpe_speaker_listener.yaml",
@@ -36,7 +37,12 @@ EXAMPLES = {"speaker_listener": "examples/mpe_speaker_listener.yaml",
 
 CHILD = """
 import json, sys, time
-from flexmarl.marl.config import load_marl_config
+try:  # a tree since the environment run became a RunConfig, or one before (MarlRunConfig)
+    from flexmarl.config.schema import load_config as load_marl_config
+    from flexmarl.config.schema import RunConfig as _has_env
+    assert "env" in _has_env.model_fields
+except AssertionError:
+    from flexmarl.marl.config import load_marl_config
 from flexmarl.marl.run import train_marl
 try:  # a tree before VDN / QMIX ran on the runtime: their in-process replay loop
     from flexmarl.marl.offpolicy import train_vdn
@@ -45,7 +51,8 @@ except ImportError:
 def main():
     cfg = load_marl_config(sys.argv[1], json.loads(sys.argv[2]))
     out = sys.argv[3] if len(sys.argv) > 3 else None
-    train = (train_vdn if train_vdn is not None and cfg.algorithm.name in ("vdn", "qmix")
+    algo = getattr(cfg, "env_algorithm", None) or cfg.algorithm
+    train = (train_vdn if train_vdn is not None and algo.name in ("vdn", "qmix")
              else train_marl)
     t0 = time.perf_counter()
     res = train(cfg, out)
@@ -97,15 +104,17 @@ def main() -> None:
     args = ap.parse_args()
     config = ROOT / EXAMPLES[args.scenario]
     base = [f"train.env_steps={args.steps}"]
-    if args.algo is not None:
-        base.append(f"algorithm={{name: {args.algo}}}")
     if args.num_envs is not None:
         base.append(f"env.num_envs={args.num_envs}")
+    # the --before tree reads its own revision's example, whose algorithm was run-wide then
+    old_base = [*base, *([f"algorithm={{name: {args.algo}}}"] if args.algo else [])]
+    if args.algo is not None:
+        base += algorithm_sets(config, **{"": f"{{name: {args.algo}}}"})
     half = max(1, (args.num_envs or yaml.safe_load(config.read_text())["env"]["num_envs"])
                // 2)
     variants = {
         "before": (f"in-process {'replay loop' if args.algo in ('vdn', 'qmix') else 'driver'}"
-                   " (before)", None, base),
+                   " (before)", None, old_base),
         "after": ("runtime: 1 rollout worker, 1 training slot", ROOT, base),
         # the same env steps per iteration, split over two worker processes
         "after-2rollout": (f"runtime: 2 rollout workers x {half} envs, 1 slot", ROOT,
@@ -128,11 +137,17 @@ def main() -> None:
     results: dict[str, list[dict]] = {v: [] for v in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         before = export(args.before, Path(tmp) / "before") if "before" in chosen else ROOT
+        before_config = Path(tmp) / "before.yaml"
+        if "before" in chosen:
+            before_config.write_bytes(subprocess.run(
+                ["git", "-C", str(ROOT), "show", f"{args.before}:{EXAMPLES[args.scenario]}"],
+                check=True, capture_output=True).stdout)
         for r in range(args.rounds):
             for v in chosen:
                 _, tree, sets = variants[v]
                 out_dir = Path(tmp) / f"out-{v}-{r}" if v == "after-ckpt" else None
-                res = run_one(tree or before, config, sets, Path(tmp), out_dir)
+                res = run_one(tree or before, config if tree else before_config, sets,
+                              Path(tmp), out_dir)
                 results[v].append(res)
                 print(f"round {r} {v}: {json.dumps(res)}", flush=True)
     print(f"\n{args.scenario}, {args.algo or 'the example'}'s algorithm, {args.steps} env "

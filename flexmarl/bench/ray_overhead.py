@@ -114,7 +114,7 @@ def bench_ray_overhead(rounds: int = 20, micro_batch: int = 64,
     if address:
         overrides.append(f"runtime.address={address}")
     cfg = load_config(EXAMPLE, overrides)
-    task = build_referential_game(**cfg.task.options)
+    task = build_referential_game(**cfg.task_config.options)
     params = n_params(cfg, "speaker", task.vocab_size, task.max_seq_len)
     results = {}
     for name, cls in (("local", LocalRuntime), ("ray", RayRuntime)):

@@ -209,11 +209,19 @@ def check_oscillation(run: Run) -> list[Finding]:
             amp = _median([abs(x) for x in moves])
             trend = abs(rewards[-1] - rewards[0])
             if moves and flips / max(len(moves) - 1, 1) >= 0.6 and spread > 0 and \
-                    amp > 0.5 * spread and trend < 2 * amp:
+                    amp > 0.5 * spread and trend < 2 * amp and amp > _noise_swing(run, agent):
                 reasons.append(f"reward_mean changed direction {flips} times in "
                                f"{len(moves)} moves (typical swing {amp:.3g}, net change "
                                f"{trend:.3g})")
                 cited = its
+        e_its, entropy = run.series(f"agent/{agent}/entropy")
+        fast = next((i for i in range(1, min(4, len(entropy)))
+                     if entropy[0] > 0.1 and entropy[i] < 0.01 * entropy[0]), None)
+        if fast is not None and not (len(rewards) > fast and rewards[fast] > rewards[0]):
+            reasons.append(f"entropy fell from {entropy[0]:.3g} to {entropy[fast]:.3g} within "
+                           f"{fast} steps while reward_mean did not rise: the first steps "
+                           "threw the policy onto one answer")
+            cited = cited or e_its[:fast + 1]
         high_clip = [i for i, c in zip(its, clip_frac, strict=False) if c > 0.2]
         if clip_frac and len(high_clip) >= max(2, len(clip_frac) // 3):
             reasons.append(f"clip_frac > 0.2 in {len(high_clip)} of {len(clip_frac)} iterations "
@@ -222,7 +230,9 @@ def check_oscillation(run: Run) -> list[Finding]:
             cited = cited or high_clip
         if reasons:
             new = f" (from {lr:g} to {0.8 * lr:.3g})" if isinstance(lr, (int, float)) else ""
-            metric = f"agent/{agent}/reward_mean" if cited is its else f"agent/{agent}/clip_frac"
+            metric = (f"agent/{agent}/reward_mean" if cited is its
+                      else f"agent/{agent}/entropy" if fast is not None
+                      else f"agent/{agent}/clip_frac")
             out.append(Finding(
                 "learning rate too high: oscillating reward / policy moving too fast", "error",
                 metric, cited, "; ".join(reasons) + (f"; kl median {_median(kl):.3g}"
@@ -232,6 +242,22 @@ def check_oscillation(run: Run) -> list[Finding]:
                                      "; optim.schedule: cosine or warmup_steps also help"),
                 agent))
     return out
+
+
+def _noise_swing(run: Run, agent: str) -> float:
+    """How far an agent's reward_mean moves from one iteration to the next by sampling alone:
+    1.5x the median |difference| of two independent means (0.954 of one mean's standard
+    error), the error taken over the iteration's inputs rather than its rows (a group's
+    samples share their input, so they are not independent: the cautious count). A small
+    batch's swings below this are noise, not a learning rate; 0 when the run lacks the
+    figures."""
+    _, std = run.series(f"agent/{agent}/reward_std")
+    _, rows = run.series(f"agent/{agent}/rows_trained")
+    if not std or not rows:
+        return 0.0
+    group = (run.config.get("train") or {}).get("group_size") or 1
+    inputs = max(_median(rows) / group, 1.0)
+    return 1.5 * 0.954 * _median(std) / inputs ** 0.5
 
 
 def collapse_remedy(run: Run, agent: str) -> str:

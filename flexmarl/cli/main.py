@@ -15,9 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-import yaml
-
-from flexmarl.config.schema import ConfigError, load_config
+from flexmarl.config.schema import ConfigError, RunConfig, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.errors import UserError
 from flexmarl.telemetry.samples import SampleTail, format_sample
@@ -27,12 +25,17 @@ def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if _is_classic_marl(args.config):  # `env:` and network-policy agents (docs/marl.md)
-        return _train_classic(args)
+    cfg = load_config(args.config, args.set)  # config errors surface before torch loads
+    if cfg.env is not None:  # an environment run: network-policy agents (docs/marl.md)
+        if args.system:
+            raise ConfigError(f"--system {args.system}: the simulator's systems are presets of "
+                              f"task runs; {args.config} is an environment run (`env:`)")
+        return _train_classic(args, cfg)
     console = Console(stderr=True)
     if args.system:  # a system preset's settings come first, the user's --set after them
         args.set = [*system_overrides(args.system), *args.set]
-    cfg = load_config(args.config, args.set)  # config errors surface before torch loads
+        cfg = load_config(args.config, args.set)
+    assert cfg.task is not None
     if args.show_samples > cfg.logging.samples_per_agent:  # keep as many as are shown
         cfg = load_config(args.config,
                           [*args.set, f"logging.samples_per_agent={args.show_samples}"])
@@ -101,8 +104,8 @@ def _train(args: argparse.Namespace) -> int:
             return 1
     failed = sum(r["episodes/failed"] for r in result.records)
     print(f"final success rate: {result.final_success:.3f} "
-          f"(chance {1 / max(cfg.task.options.get('num_candidates', 1), 1):.3f})"
-          if "num_candidates" in cfg.task.options
+          f"(chance {1 / max(cfg.task_config.options.get('num_candidates', 1), 1):.3f})"
+          if "num_candidates" in cfg.task_config.options
           else f"final success rate: {result.final_success:.3f}")
     print(f"wall time: {result.wall_s:.1f} s, failed episodes: {failed}")
     from flexmarl.telemetry.curves import reward_curves
@@ -119,34 +122,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_classic_marl(path: str) -> bool:
-    """A classic MARL run: `env:` where an LLM run has `task:` (or the retired `kind: marl`,
-    whose loader says what replaced it); unreadable files: the LLM loader names the problem."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return False
-    return isinstance(raw, dict) and ("env" in raw and "task" not in raw
-                                      or raw.get("kind") == "marl")
-
-
-def _train_classic(args: argparse.Namespace) -> int:
+def _train_classic(args: argparse.Namespace, cfg: RunConfig) -> int:
     """`flexmarl train` of a classic MARL run: the same output folder, resume, stop and
     summary as an LLM run's (both hosted by `orchestrator.run.host_run`)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     # imported here: the MARL stack (PettingZoo, the networks) is only needed for these runs
-    from flexmarl.marl.config import load_marl_config
-    from flexmarl.marl.run import make_run, train_marl
+    from flexmarl.marl.run import MarlRun, train_marl
     from flexmarl.orchestrator.checkpoint import find_checkpoints
     from flexmarl.orchestrator.checkpointing import RunInterrupted
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
 
-    cfg = load_marl_config(args.config, args.set)
-    if getattr(args, "system", None):
-        raise ConfigError(f"--system {args.system}: the simulator's systems are presets of LLM "
-                          f"runs; {args.config} is a classic MARL run (sync schedule only)")
+    env = cfg.environment
     resume = Path(args.resume) if args.resume else None
     if resume is not None:
         check_resume_dir(resume)
@@ -155,19 +143,20 @@ def _train_classic(args: argparse.Namespace) -> int:
     check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
                                                  "out (the run's output folder)"))
     done = find_checkpoints(resume).load().completed if resume is not None else 0
-    run = make_run(cfg)  # environments probed: spaces and agents checked before any worker
+    run = MarlRun(cfg)  # environments probed: spaces and agents checked before any worker
     console = Console(stderr=True)
-    envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
-    console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {cfg.env.id}, "
+    envs = env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
+    n_iter = cfg.train.iterations
+    console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {env.id}, "
                   f"{len(run.agents)} agents, {len(run.layouts)} networks, "
-                  f"{cfg.algorithm.name}, {envs} envs, {cfg.iterations} iterations "
-                  f"({cfg.iterations * envs * cfg.train.rollout_steps} env steps) -> {out}")
+                  f"{cfg.env_algorithm.name}, {envs} envs, {n_iter} iterations "
+                  f"({n_iter * envs * cfg.train.rollout_steps} env steps) -> {out}")
     progress = Progress(TextColumn("[bold blue]iteration {task.completed}/{task.total}"),
                         BarColumn(), TextColumn("return {task.fields[ret]:.2f}"),
                         TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
                         console=console)
     with progress:
-        bar = progress.add_task("train", total=cfg.iterations, ret=0.0, speed="",
+        bar = progress.add_task("train", total=n_iter, ret=0.0, speed="",
                                 completed=done)
 
         def on_iteration(rec: dict) -> None:

@@ -335,6 +335,60 @@ class MappoConfig(Strict):
         return self
 
 
+class VdnConfig(Strict):
+    """VDN (sum of agent values) or QMIX (monotonic mixing network of the global state), with
+    a prioritized, age-weighted replay table (off-policy; training/algorithms/vdn.py,
+    docs/marl.md). One joint learner for every agent of the environment run."""
+
+    name: Literal["vdn", "qmix"] = "vdn"
+    # QMIX's mixer (training/algorithms/qmix.py): embedding width, hypernetwork depth (1 or 2)
+    # and hidden width
+    mixing_embed: int = Field(32, gt=0)
+    hypernet_layers: Literal[1, 2] = 2
+    hypernet_embed: int = Field(64, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    gamma: float = Field(0.99, ge=0, le=1)
+    batch_size: int = Field(256, gt=0)
+    updates_per_step: int = Field(1, gt=0)  # gradient steps per vectorised env step
+    target_every: int = Field(200, gt=0)  # updates between target-network copies
+    eps_end: float = Field(0.05, ge=0, le=1)
+    eps_decay_steps: int = Field(100_000, gt=0)  # env steps
+    max_grad_norm: float | None = Field(10.0, gt=0)
+    # the replay table (the enterprise document's configuration)
+    capacity: int = Field(100_000, gt=0)
+    min_size: int = Field(5000, gt=0)
+    prioritized: bool = True
+    priority_fraction: float = Field(0.15, ge=0, le=1)  # of each batch, drawn by priority
+    priority_alpha: float = Field(0.6, ge=0)
+    age_weight: bool = True  # w = 1 / (1 + log(age)) on each sampled row's loss
+
+    @model_validator(mode="after")
+    def _sizes(self) -> VdnConfig:
+        if self.capacity < self.min_size:
+            raise ValueError(f"capacity ({self.capacity}) must be >= min_size "
+                             f"({self.min_size})")
+        return self
+
+
+# a network policy's algorithm, by `name` (missing: mappo)
+NETWORK_ALGORITHMS: dict[str, type[Strict]] = {
+    "mappo": MappoConfig, "ippo": MappoConfig, "vdn": VdnConfig, "qmix": VdnConfig,
+}
+
+
+def _network_algorithm_tag(value: Any) -> str:
+    name = value.get("name", "mappo") if isinstance(value, dict) else getattr(value, "name",
+                                                                              "mappo")
+    return {"ippo": "mappo", "qmix": "vdn"}.get(name, name)
+
+
+NetworkAlgorithmConfig = Annotated[
+    Annotated[MappoConfig, Tag("mappo")] | Annotated[VdnConfig, Tag("vdn")],
+    Discriminator(_network_algorithm_tag, custom_error_type="algorithm_name",
+                  custom_error_message="algorithm.name must be one of mappo, ippo, vdn, qmix"),
+]
+
+
 class NetworkSpaces(Strict):
     """A network agent's sizes, as its task's environment gives them (`Task.network_spaces`):
     filled in by the run before any worker starts; a config leaves them out."""
@@ -345,10 +399,12 @@ class NetworkSpaces(Strict):
 
 
 class AgentNetworkConfig(NetworkConfig):
-    """An agent that is a network policy (hybrid graphs, docs/hybrid.md): its network and
-    how it learns (MAPPO / IPPO on the K-step segments its nodes act for)."""
+    """An agent that is a network policy: its network and how it learns. In an environment
+    run (`env:`): MAPPO / IPPO, or VDN / QMIX's joint learner, on the environment's steps; in a
+    graph (hybrid, docs/hybrid.md): MAPPO / IPPO on the K-step segments its nodes act for.
+    An entry of the top-level `networks:` (shared by the agents naming it) has this shape too."""
 
-    algorithm: MappoConfig = MappoConfig()
+    algorithm: NetworkAlgorithmConfig = MappoConfig()
     spaces: NetworkSpaces | None = None  # from the task: leave out
 
 
@@ -380,12 +436,6 @@ class AgentConfig(Strict):
                 raise ValueError(f"{llm[0]}: an agent with a `network` is a network policy; "
                                  f"{', '.join(llm)} belong to LLM agents (its algorithm is "
                                  "network.algorithm)")
-            if self.network.base is not None:
-                raise ValueError("network.base: shared networks are classic MARL's "
-                                 "(`networks:`); a hybrid run's network agent has its own")
-            if self.network.kind != "mlp":
-                raise ValueError("network.kind: a hybrid run's network agents are MLPs (a GRU's "
-                                 "hidden state across segments is not carried yet)")
             return self
         if self.optim.schedule == "critic_scaled" and self.algorithm.name != "ppo":
             raise ValueError(
@@ -436,6 +486,17 @@ class TrainConfig(Strict):
     # group may be replaced by a fresh input when a dynamic-sampling agent's rewards in it
     # all agree. Each round costs up to group_size more episodes for that input.
     resample_rounds: int = Field(2, ge=0)
+    # Environment runs (`env:`) only. The run's length in environment steps (all envs; the
+    # iterations follow: env_steps // (env.num_envs x rollout_workers x rollout_steps), so
+    # give this, not `iterations`; 200000 when left out), and the steps every environment
+    # takes per iteration.
+    env_steps: int | None = Field(None, gt=0)
+    rollout_steps: int = Field(25, gt=0)
+    # Environment runs, MAPPO/IPPO: every N iterations (and after the last), a greedy
+    # evaluation of the new weights on `eval_episodes` episodes of their own
+    # (marl/evaluate.py): `eval/return`, `eval/<task metric>` in that iteration's record.
+    eval_every: int | None = Field(None, gt=0)
+    eval_episodes: int = Field(32, gt=0)
 
 
 class PipelineConfig(Strict):
@@ -764,10 +825,53 @@ class LoggingConfig(Strict):
         return value
 
 
+class EnvConfig(Strict):
+    """A classic MARL run's PettingZoo environment (`env:` in place of `task:`): every trained
+    agent of it is an agent of the run with a `network` (docs/marl.md)."""
+
+    # module path (`mpe2.simple_spread_v3`) or a bare scenario name (looked up in mpe2, then
+    # PettingZoo's classic / butterfly / sisl families); the Parallel API is used for training
+    id: str
+    options: dict[str, Any] = {}
+    num_envs: int = Field(32, gt=0)  # environments per rollout worker, stepped as one batch
+    # AEC-only (turn-based) games: agents played inside the environment, not trained
+    # (agent -> "random": a uniform random legal move; flexmarl/envs/turns.py)
+    opponents: dict[str, str] = {}
+
+
+class StoreConfig(Strict):
+    """Environment runs: FP16 quantisation + Zstandard for the observation and critic-input
+    payloads of the store's rows; the policies then act on the FP16-rounded observations too,
+    so the trainer's log-probs still equal the rollout's (on-policy). Needs `zstandard`."""
+
+    compress_obs: bool = False
+    zstd_level: int = Field(3, ge=1, le=22)
+
+
+# RuntimeConfig's fields that place, pin and publish LLM workers (and grow their pool); an
+# environment run's networks are small, live on the CPU and are published through the pipes
+_LLM_ONLY_RUNTIME = ("colocate", "devices", "rollout_devices", "train_devices", "share_devices",
+                     "rollout_cpus", "train_cpus", "publication", "publication_timeout_s",
+                     "deterministic", "slot_size", "slot_sizes", "rollout_workers_max")
+# TrainConfig's fields of runs on a task's graph (episodes of inputs, groups, credit) and of
+# runs on an environment (env steps, greedy evaluation)
+_TASK_ONLY_TRAIN = ("iterations", "credit", "inputs_per_iteration", "group_size",
+                    "micro_batch_size", "resample_rounds", "max_skipped_steps",
+                    "max_failed_fraction", "max_consecutive_failed_iterations")
+_ENV_ONLY_TRAIN = ("env_steps", "rollout_steps", "eval_every", "eval_episodes")
+DEFAULT_ENV_STEPS = 200_000
+
+
 class RunConfig(Strict):
     name: str = "run"
     seed: int = 0
-    task: TaskConfig
+    # what the run trains on: a task's graph of LLM (and network) agents, or (`env:`) a
+    # PettingZoo environment whose agents are all network policies (classic MARL); one of them
+    task: TaskConfig | None = None
+    env: EnvConfig | None = None
+    # Shared networks by name; an agent runs on one with `network: {base: NAME}` (environment
+    # runs: parameter sharing, the agent id in the network's input)
+    networks: dict[str, AgentNetworkConfig] = {}
     # Shared base models by name; an agent runs on one with `model: {base: NAME}` and its own
     # `lora` adapter (docs/configuration.md, "Shared base models").
     models: dict[str, ModelConfig] = {}
@@ -776,13 +880,26 @@ class RunConfig(Strict):
     pipeline: PipelineConfig = PipelineConfig()
     rollout: RolloutConfig = RolloutConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    store: StoreConfig = StoreConfig()
     logging: LoggingConfig = LoggingConfig()
     out: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_or_env(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and (raw.get("task") is None) == (raw.get("env") is None):
+            raise ValueError("task / env: a run trains on a task's graph (`task:`) or on a "
+                             "PettingZoo environment (`env:`); give exactly one")
+        return raw
 
     @model_validator(mode="after")
     def _agents(self) -> RunConfig:
         if not self.agents:
             raise ValueError("agents: at least one agent is required")
+        if self.env is not None:
+            self._check_env_run()
+        else:
+            self._check_task_run()
         self._resolve_bases()
         for name, agent in self.agents.items():
             if not name.isidentifier():
@@ -823,6 +940,166 @@ class RunConfig(Strict):
                              "pipeline.mode=async")
         return self
 
+
+    def _check_task_run(self) -> None:
+        """What only an environment run has, and a graph's network agents' limits."""
+        for field in _ENV_ONLY_TRAIN:
+            if getattr(self.train, field) != TrainConfig.model_fields[field].default:
+                raise ValueError(f"train.{field}: an environment run's (`env:`); a task run "
+                                 "counts train.iterations (leave it out)")
+        if self.store != StoreConfig():
+            raise ValueError("store: compresses an environment run's observations (`env:`); "
+                             "a task run leaves it out")
+        if self.networks:
+            raise ValueError("networks: shared networks are an environment run's (`env:`); a "
+                             "graph's network agent has its own (agents.<name>.network)")
+        for name, agent in self.agents.items():
+            network = agent.network
+            if network is None:
+                continue
+            if network.base is not None:
+                raise ValueError(f"agents.{name}.network.base: shared networks are an "
+                                 "environment run's (`env:`); a graph's network agent has its "
+                                 "own")
+            if network.kind != "mlp":
+                raise ValueError(f"agents.{name}.network.kind: a graph's network agents are "
+                                 "MLPs (a GRU's hidden state across segments is not carried "
+                                 "yet)")
+            if not isinstance(network.algorithm, MappoConfig):
+                raise ValueError(f"agents.{name}.network.algorithm: a graph's network agents "
+                                 f"learn with mappo or ippo, not {network.algorithm.name} "
+                                 "(VDN / QMIX's joint learner is an environment run's)")
+
+    def _check_env_fields(self) -> None:
+        """An environment run leaves the task runs' and the LLM workers' fields out."""
+        if self.runtime.kind == "sim":
+            raise ValueError("runtime.kind: an environment run runs on the local and ray "
+                             "runtimes, not the simulator")
+        for field in _TASK_ONLY_TRAIN:
+            if getattr(self.train, field) != TrainConfig.model_fields[field].default:
+                if field == "iterations" and self.train.env_steps is not None:
+                    continue  # a dumped config: checked against env_steps below
+                raise ValueError(f"train.{field}: a task run's; an environment run (`env:`) "
+                                 "counts train.env_steps and train.rollout_steps")
+        for field in _LLM_ONLY_RUNTIME:
+            if getattr(self.runtime, field) != RuntimeConfig.model_fields[field].default:
+                raise ValueError(f"runtime.{field}: places, pins or publishes LLM workers; "
+                                 "an environment run's networks live on the CPU, its workers "
+                                 "unpinned (leave it out)")
+        if self.models:
+            raise ValueError("models: shared LLM bases; an environment run's agents are "
+                             "network policies (shared ones: `networks:`)")
+        if self.rollout != RolloutConfig():
+            raise ValueError("rollout: the LLM replicas' batching and balancing; an "
+                             "environment run's rollout workers step `env.num_envs` "
+                             "environments each (leave it out)")
+
+    def _check_env_run(self) -> None:
+        """An environment run (classic MARL): every agent a network policy, one algorithm,
+        the LLM runs' fields left out, its length in env steps."""
+        self._check_env_fields()
+        if "mode" not in self.pipeline.model_fields_set:
+            self.pipeline.mode = "sync"
+        if self.pipeline.mode != "sync" or self.pipeline.train_agents != "together":
+            raise ValueError(f"pipeline.mode: an environment run rolls out iteration k, then "
+                             f"steps every policy on it (sync); got {self.pipeline.mode!r}")
+        for name, agent in self.agents.items():
+            llm = [f for f in ("model", "backend", "algorithm", "sampling", "optim", "lora",
+                               "trainable")
+                   if getattr(agent, f) != AgentConfig.model_fields[f].default]
+            if llm:
+                raise ValueError(f"agents.{name}.{llm[0]}: an environment run's agents are "
+                                 f"network policies (agents.{name}.network; its algorithm is "
+                                 "network.algorithm)")
+            if agent.network is None:
+                agent.network = AgentNetworkConfig()
+            if agent.network.spaces is not None:
+                raise ValueError(f"agents.{name}.network.spaces: the environment gives them "
+                                 "(leave it out)")
+
+        def distinct_names(name: str, agent: Any, base: str) -> None:
+            network = self.agents[base].network if base in self.agents else None
+            if network is not None and network.base != base:
+                raise ValueError(f"networks.{base}: also the name of an agent with a network "
+                                 "of its own; rename one")
+
+        resolve_shared("networks", "network", self.networks, self.agents, distinct_names)
+        first = next(iter(self.agents))
+        algo = self.env_algorithm
+        for name, agent in self.agents.items():
+            assert agent.network is not None
+            if agent.network.algorithm != algo:
+                raise ValueError(f"agents.{name}.network.algorithm: differs from agents."
+                                 f"{first}'s; an environment run trains every policy with one "
+                                 "algorithm (give them the same)")
+        if isinstance(algo, VdnConfig) and self.train.eval_every is not None:
+            raise ValueError(f"train.eval_every: {algo.name} has no greedy evaluation yet "
+                             "(mappo/ippo do); unset it")
+        if self.train.env_steps is None:
+            self.train.env_steps = DEFAULT_ENV_STEPS
+        iterations = self.env_iterations
+        if "iterations" in self.train.model_fields_set and self.train.iterations != iterations:
+            raise ValueError(f"train.iterations: an environment run's iterations follow from "
+                             f"train.env_steps ({iterations} here); leave it out")
+        self.train.iterations = iterations
+
+    @property
+    def task_config(self) -> TaskConfig:
+        """`task:` of a task run (a graph of agents)."""
+        if self.task is None:
+            raise ConfigError("task: this is an environment run (`env:`); it runs with "
+                              "`flexmarl train`, not as a task run's graph")
+        return self.task
+
+    # --- environment runs -------------------------------------------------------------------
+    @property
+    def environment(self) -> EnvConfig:
+        """`env:` of an environment run (classic MARL)."""
+        if self.env is None:
+            raise ConfigError("env: this is a task run (`task:`), not an environment run")
+        return self.env
+
+    @property
+    def env_algorithm(self) -> MappoConfig | VdnConfig:
+        """An environment run's algorithm: every agent's `network.algorithm` (one per run)."""
+        network = next(iter(self.agents.values())).network
+        assert network is not None, "an environment run's agents are network policies"
+        return network.algorithm
+
+    @property
+    def env_iterations(self) -> int:
+        """Iterations of an environment run: its env steps over one iteration's."""
+        per = self.environment.num_envs * self.runtime.rollout_workers * self.train.rollout_steps
+        return max(1, (self.train.env_steps or DEFAULT_ENV_STEPS) // per)
+
+    def policy_groups(self, env_agents: list[str]) -> dict[str, list[str]]:
+        """The policies (one network each) and their agents in the environment's order: one
+        per shared `networks` entry, one per agent with a network of its own. Checks that
+        `agents:` names exactly the environment's trained agents."""
+        env_id = self.environment.id
+        unknown = [a for a in self.agents if a not in env_agents]
+        if unknown:
+            raise ConfigError(f"agents.{unknown[0]}: env {env_id!r} has no trained agent of "
+                              f"that name (it has: {', '.join(env_agents)})")
+        missing = [a for a in env_agents if a not in self.agents]
+        if missing:
+            raise ConfigError(f"agents: env {env_id!r} has agent(s) {', '.join(missing)} "
+                              "without a config; add agents.<name>: {network: ...} for each "
+                              "(or env.opponents for a turn-based game's built-in player)")
+        groups: dict[str, list[str]] = {}
+        for a in env_agents:
+            network = self.agents[a].network
+            assert network is not None
+            groups.setdefault(network.base or a, []).append(a)
+        return groups
+
+    def network_of(self, policy: str) -> AgentNetworkConfig:
+        """The network config of a policy named by `policy_groups`."""
+        if policy in self.networks:
+            return self.networks[policy]
+        network = self.agents[policy].network
+        assert network is not None
+        return network
 
     def _resolve_bases(self) -> None:
         """Copy each shared base's fields into the agents that name it (`model.base`), so
@@ -882,10 +1159,12 @@ def resolve_shared(table: str, field: str, entries: dict[str, Any], agents: dict
 
 
 def _algorithm_field(loc: tuple) -> tuple[list[str], str] | None:
-    """For `agents.A.algorithm.<tag>.<field>`: (loc without the tag, the tag)."""
+    """For `agents.A.algorithm.<tag>.<field>` (or `...network.algorithm.<tag>...`): (loc
+    without the tag, the tag)."""
     parts = [str(p) for p in loc]
     for i in range(len(parts) - 2):
-        if parts[i] == "algorithm" and parts[i + 1] in ALGORITHMS:
+        if parts[i] == "algorithm" and (parts[i + 1] in ALGORITHMS
+                                        or parts[i + 1] in NETWORK_ALGORITHMS):
             return parts[: i + 1] + parts[i + 2 :], parts[i + 1]
     return None
 
@@ -902,7 +1181,10 @@ def _format_errors(exc: ValidationError, source: str) -> str:
             msg = "unknown key"
             if algo is not None:
                 key = loc_parts[-1]
-                owners = [n for n, c in ALGORITHMS.items() if key in c.model_fields]
+                table: dict[str, type[Strict]] = (
+                    {"mappo/ippo": MappoConfig, "vdn/qmix": VdnConfig}
+                    if tag in NETWORK_ALGORITHMS else dict(ALGORITHMS))
+                owners = [n for n, c in table.items() if key in c.model_fields]
                 if owners:
                     msg = (f"option does not apply to algorithm {tag!r} "
                            f"(it is an option of {', '.join(owners)})")
@@ -971,6 +1253,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    if raw.get("kind") == "marl":
+        raise ConfigError(f"{source}: kind: marl is gone; a classic MARL run is a run config "
+                          "with `env:` and `agents:` (each agent's `network`, shared ones in "
+                          "`networks:`), see docs/marl.md and examples/mpe_*.yaml")
+    if "env" in raw and "algorithm" in raw:
+        raise ConfigError(f"{source}: algorithm: an environment run's algorithm is its agents' "
+                          "network.algorithm (agents.<name>.network.algorithm, or "
+                          "networks.<name>.algorithm for a shared network), see docs/marl.md")
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:

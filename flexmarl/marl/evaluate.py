@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexmarl.config.schema import RunConfig
 from flexmarl.envs.pettingzoo import Episode, VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import PolicyLayout
+from flexmarl.marl.policies import layouts as policy_layouts
 from flexmarl.marl.rollout import EnvRollout
+from flexmarl.orchestrator.checkpoint import CheckpointManager, find_checkpoints
 
 EVAL_SEED_OFFSET = 7_777_777  # evaluation environments are seeded at seed + this
 MAX_STEPS = 100_000  # per evaluation: an environment that never ends is an error
@@ -34,12 +36,12 @@ class GreedyEvaluator:
     """`episodes` environments stepped together until each has ended one episode; their
     first episodes are the evaluation."""
 
-    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
+    def __init__(self, cfg: RunConfig, layouts: dict[str, PolicyLayout],
                  episodes: int) -> None:
         if episodes <= 0:
             raise ValueError(f"train.eval_episodes must be > 0, got {episodes}")
         ecfg = cfg.model_copy(deep=True)
-        ecfg.env.num_envs = episodes
+        ecfg.environment.num_envs = episodes
         ecfg.seed = cfg.seed + EVAL_SEED_OFFSET
         # the rollout's networks and its input construction (padding, critic input, masks,
         # FP16 rounding with store.compress_obs), reused so the actor sees what it trains on
@@ -60,7 +62,8 @@ class GreedyEvaluator:
         if missing:
             raise RuntimeError(f"greedy evaluation: no weights loaded for policies {missing}")
         r = self.rollout
-        venv = VecParallelEnv(self.cfg.env.id, self.cfg.env.options, self.episodes,
+        env = self.cfg.environment
+        venv = VecParallelEnv(env.id, env.options, self.episodes,
                               self.cfg.seed)
         venv.reset()  # the same start states at every evaluation
         r.venv = venv
@@ -92,7 +95,7 @@ class GreedyEvaluator:
                 start[a] = res["done"][a] | (start[a] & ~alive[a])
             steps += 1
             if steps > MAX_STEPS:
-                raise RuntimeError(f"greedy evaluation of env {self.cfg.env.id!r}: "
+                raise RuntimeError(f"greedy evaluation of env {env.id!r}: "
                                    f"{sum(ep is None for ep in first)} of {E} episodes had "
                                    f"not ended after {MAX_STEPS} steps")
         return summarize([ep for ep in first if ep is not None])
@@ -111,19 +114,19 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
     return out
 
 
-def evaluate_checkpoint(cfg: MarlRunConfig, path: str | Path, episodes: int
+def evaluate_checkpoint(cfg: RunConfig, path: str | Path, episodes: int
                         ) -> tuple[int, dict[str, float]]:
     """Greedy evaluation of one checkpoint generation (`OUT/checkpoints/gen-N/`, or a run
     folder / its checkpoints/ for the LATEST one): (iterations completed, `eval/*` metrics)."""
-    from flexmarl.marl.run import MarlRun
-    from flexmarl.orchestrator.checkpoint import CheckpointManager, find_checkpoints
-
     path = Path(path)
     if path.name.startswith("gen-"):
         ckpt = CheckpointManager(path.parent).load(path.name)
     else:
         ckpt = find_checkpoints(path).load()
-    layouts = MarlRun(cfg).layouts
+    env = cfg.environment
+    probe = VecParallelEnv(env.id, env.options, 1, cfg.seed, env.opponents)
+    probe.reset()
+    layouts = policy_layouts(cfg, probe)  # the policies, checked against the spaces
     if sorted(ckpt.trainer_states) != sorted(layouts):
         raise ValueError(f"{path}: the checkpoint has policies {sorted(ckpt.trainer_states)}, "
                          f"the config has {sorted(layouts)} (the agents' network.base?)")

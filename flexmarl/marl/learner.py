@@ -7,7 +7,7 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from flexmarl.marl.config import MarlRunConfig
+from flexmarl.config.schema import RunConfig
 from flexmarl.marl.policies import PolicyLayout, build_net
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.host import TrainHost
@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 class PolicyLearner(NetPolicyLearner):
     """MAPPO / IPPO's learner of one classic-MARL policy (one network, shared or not)."""
 
-    def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
-        assert isinstance(cfg.algorithm, MappoConfig)
+    def __init__(self, cfg: RunConfig, layout: PolicyLayout) -> None:
+        assert isinstance(cfg.env_algorithm, MappoConfig)
         self.cfg, self.layout = cfg, layout
-        super().__init__(layout.name, cfg.algorithm, build_net(cfg, layout),
+        super().__init__(layout.name, cfg.env_algorithm, build_net(cfg, layout),
                          cfg.seed * 1009 + layout.index + 7)
 
 
@@ -34,16 +34,16 @@ if TYPE_CHECKING:
     AnyLearner = PolicyLearner | QLearner
 
 
-def make_learner(cfg: MarlRunConfig, layout: PolicyLayout) -> AnyLearner:
+def make_learner(cfg: RunConfig, layout: PolicyLayout) -> AnyLearner:
     """MAPPO / IPPO's `PolicyLearner`, or VDN / QMIX's replay learner (marl/offpolicy.py)."""
-    if isinstance(cfg.algorithm, MappoConfig):
+    if isinstance(cfg.env_algorithm, MappoConfig):
         return PolicyLearner(cfg, layout)
     from flexmarl.marl.offpolicy import QLearner
 
     return QLearner(cfg, layout)
 
 
-def learner_host(cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
+def learner_host(cfg: RunConfig, layouts: dict[str, PolicyLayout],
                  swap_dir: str | None = None) -> TrainHost:
     """A training slot for network policies: the one `TrainHost`, building each policy's
     learner (`make_learner`) the first time it is bound here; a swap moves only its state."""
@@ -59,7 +59,7 @@ def learner_host(cfg: MarlRunConfig, layouts: dict[str, PolicyLayout],
 
 def slot_host(spec: Any) -> TrainHost:
     """A training slot's host from its `MarlWorkerSpec` (a process's or a Ray actor's)."""
-    return learner_host(MarlRunConfig.model_validate(spec.config), spec.layouts, spec.swap_dir)
+    return learner_host(RunConfig.model_validate(spec.config), spec.layouts, spec.swap_dir)
 
 
 def marl_train_worker_main(conn: Connection, spec: Any) -> None:

@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexmarl.config.schema import ConfigError
+from flexmarl.config.schema import ConfigError, RunConfig
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig
 from flexmarl.marl.policies import MarlSample, PolicyLayout, group_spec
 from flexmarl.marl.rollout import (
     WORKER_SEED_STRIDE,
@@ -59,12 +58,12 @@ class QLearnerError(RuntimeError):
     """The replay learner was handed transitions of another iteration or version."""
 
 
-def q_layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]:
+def q_layouts(cfg: RunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]:
     """The one shared Q-network's layout (`critic_dim`: the global state's size, QMIX's mixer
     input), after the checks VDN / QMIX need, each naming its field."""
-    if not isinstance(cfg.algorithm, VdnConfig):
-        raise TypeError(f"the replay driver runs vdn/qmix, not {cfg.algorithm.name}")
-    name = cfg.algorithm.name
+    if not isinstance(cfg.env_algorithm, VdnConfig):
+        raise TypeError(f"the replay driver runs vdn/qmix, not {cfg.env_algorithm.name}")
+    name = cfg.env_algorithm.name
     agents = list(venv.agents)
     groups = cfg.policy_groups(agents)
     if len(groups) != 1:
@@ -79,19 +78,21 @@ def q_layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayou
         raise ConfigError(f"store.compress_obs: {name}'s transitions go to its replay table "
                           "uncompressed (the option compresses MAPPO/IPPO's store rows); "
                           "unset it")
-    spec = group_spec(agents, venv.action_specs, cfg.env.id)
+    env_id = cfg.environment.id
+    spec = group_spec(agents, venv.action_specs, env_id)
     if spec.kind != "discrete":
-        raise ConfigError(f"algorithm.name: {name} needs discrete actions; {cfg.env.id} has "
-                          f"{spec.kind} actions (use mappo or ippo)")
+        where = f"networks.{policy}" if policy in cfg.networks else f"agents.{policy}.network"
+        raise ConfigError(f"{where}.algorithm.name: {name} needs discrete actions; {env_id} "
+                          f"has {spec.kind} actions (use mappo or ippo)")
     obs_dim = max(venv.obs_specs[a].dim for a in agents)
     return {policy: PolicyLayout(policy, 0, tuple(agents), obs_dim, int(venv.state.shape[1]),
                                  spec)}
 
 
-def build_q(cfg: MarlRunConfig, layout: PolicyLayout) -> tuple[vdn.QNet, qmix.QMixer | None]:
+def build_q(cfg: RunConfig, layout: PolicyLayout) -> tuple[vdn.QNet, qmix.QMixer | None]:
     """The Q-network (and QMIX's mixer) with their initial weights, the same in every process
     (seeded by the run's seed)."""
-    algo = cfg.algorithm
+    algo = cfg.env_algorithm
     assert isinstance(algo, VdnConfig)
     n = len(layout.agents)
     with torch.random.fork_rng():
@@ -134,14 +135,14 @@ class QRollout:
     observation statistics of the published version, and its exploration generator. Worker
     `index` owns environments seeded at seed + index * stride, as the MAPPO workers'."""
 
-    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout], index: int = 0
+    def __init__(self, cfg: RunConfig, layouts: dict[str, PolicyLayout], index: int = 0
                  ) -> None:
-        assert isinstance(cfg.algorithm, VdnConfig)
-        self.cfg, self.algo, self.index = cfg, cfg.algorithm, index
+        assert isinstance(cfg.env_algorithm, VdnConfig)
+        self.cfg, self.algo, self.index = cfg, cfg.env_algorithm, index
         (self.layout,) = layouts.values()  # the one joint policy
         seed = cfg.seed + WORKER_SEED_STRIDE * index
-        self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, cfg.env.num_envs, seed,
-                                   cfg.env.opponents)
+        env = cfg.environment
+        self.venv = VecParallelEnv(env.id, env.options, env.num_envs, seed, env.opponents)
         self.venv.reset()
         self.agents = list(self.layout.agents)
         self.rng = np.random.default_rng(seed)
@@ -162,7 +163,8 @@ class QRollout:
         """The environments (by attribute: positions, velocities, step counters, their RNGs)
         and the exploration generator: restored into a worker of the same config, the next
         `run` is bit-identical."""
-        return capture_worker_state(self.cfg.env.id, self.index, self.venv, rng=self.rng)
+        return capture_worker_state(self.cfg.environment.id, self.index, self.venv,
+                                    rng=self.rng)
 
     def set_state(self, blob: bytes) -> None:
         state = restore_worker_state(blob, self.index, self.venv)
@@ -239,9 +241,9 @@ class QLearner(NetworkLearner):
     error = QLearnerError
     rows_name = "transitions"
 
-    def __init__(self, cfg: MarlRunConfig, layout: PolicyLayout) -> None:
-        assert isinstance(cfg.algorithm, VdnConfig)
-        self.cfg, self.algo, self.layout = cfg, cfg.algorithm, layout
+    def __init__(self, cfg: RunConfig, layout: PolicyLayout) -> None:
+        assert isinstance(cfg.env_algorithm, VdnConfig)
+        self.cfg, self.algo, self.layout = cfg, cfg.env_algorithm, layout
         self.agent = layout.name
         self.n = len(layout.agents)
         self.q, self.mixer = build_q(cfg, layout)

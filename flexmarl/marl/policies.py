@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flexmarl.config.schema import RunConfig
 from flexmarl.envs.pettingzoo import VecParallelEnv
 from flexmarl.envs.spaces import ActionSpec
 from flexmarl.errors import UserError
-from flexmarl.marl.config import MarlRunConfig
 from flexmarl.policy.nets import NetConfigView, NetPolicy
 from flexmarl.training.algorithms import ippo
 from flexmarl.training.algorithms.mappo import MappoConfig
@@ -68,23 +68,23 @@ def critic_x(algo: MappoConfig, agents: list[str], agent: str, obs_dim: int,
                                 state, [obs[b] for b in agents]).astype(np.float32)
 
 
-def layouts(cfg: MarlRunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]:
+def layouts(cfg: RunConfig, venv: VecParallelEnv) -> dict[str, PolicyLayout]:
     """One policy per shared network (`networks:`) and per agent with a network of its own."""
-    algo = cfg.algorithm
+    algo = cfg.env_algorithm
     if not isinstance(algo, MappoConfig):
         raise TypeError(f"the on-policy driver runs mappo/ippo, not {algo.name}")
     agents = list(venv.agents)
     groups = cfg.policy_groups(agents)
     out = {}
     for i, (name, members) in enumerate(groups.items()):
-        spec = group_spec(members, venv.action_specs, cfg.env.id)
+        spec = group_spec(members, venv.action_specs, cfg.environment.id)
         obs_dim = max(venv.obs_specs[a].dim for a in members)
         cdim = critic_x(algo, agents, members[0], obs_dim, venv.obs, venv.state).shape[-1]
         out[name] = PolicyLayout(name, i, tuple(members), obs_dim, cdim, spec)
     return out
 
 
-def build_net(cfg: MarlRunConfig, layout: PolicyLayout) -> NetPolicy:
+def build_net(cfg: RunConfig, layout: PolicyLayout) -> NetPolicy:
     """The policy's network with its initial weights: the same in every process (seeded by
     the run's seed and the policy's index)."""
     n = cfg.network_of(layout.name)

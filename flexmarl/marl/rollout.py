@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexmarl.config.schema import NetworkConfig, RunConfig
 from flexmarl.envs.pettingzoo import EnvError, VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig, NetworkConfig
 from flexmarl.marl.policies import COMPRESSED, PolicyLayout, build_net, critic_x, pad
 from flexmarl.policy.nets import NetPolicy
 from flexmarl.store.compression import Codec
@@ -147,13 +147,14 @@ def _gru(net: NetworkConfig) -> int | None:
 
 
 class EnvRollout:
-    def __init__(self, cfg: MarlRunConfig, layouts: dict[str, PolicyLayout], index: int = 0
+    def __init__(self, cfg: RunConfig, layouts: dict[str, PolicyLayout], index: int = 0
                  ) -> None:
-        assert isinstance(cfg.algorithm, MappoConfig)
-        self.cfg, self.algo, self.index = cfg, cfg.algorithm, index
-        E = cfg.env.num_envs
-        self.venv = VecParallelEnv(cfg.env.id, cfg.env.options, E,
-                                   cfg.seed + WORKER_SEED_STRIDE * index, cfg.env.opponents)
+        assert isinstance(cfg.env_algorithm, MappoConfig)
+        self.cfg, self.algo, self.index = cfg, cfg.env_algorithm, index
+        env = cfg.environment
+        E = env.num_envs
+        self.venv = VecParallelEnv(env.id, env.options, E, cfg.seed + WORKER_SEED_STRIDE * index,
+                                   env.opponents)
         self.venv.reset()
         self.agents = list(self.venv.agents)
         self.gen = torch.Generator().manual_seed(cfg.seed + WORKER_SEED_STRIDE * index)
@@ -168,7 +169,7 @@ class EnvRollout:
         the worker's action sampler, the GRU hidden states and episode-start flags. Restored
         by `set_state` into a worker of the same config, the next `run` is bit-identical."""
         hidden = {n: p.hidden for n, p in self.actors.items()}
-        return capture_worker_state(self.cfg.env.id, self.index, self.venv,
+        return capture_worker_state(self.cfg.environment.id, self.index, self.venv,
                                     gen=self.gen.get_state(), hidden=hidden,
                                     start_flag=self._start_flag)
 

@@ -1,5 +1,8 @@
-"""The classic MARL driver: a thin schedule over the local runtime's pools and the experience
-store (MAPPO / IPPO; VDN / QMIX: `replay_run.py`, the same run with a replay learner).
+"""The classic MARL driver: a thin schedule over the runtime's environment pools
+(`runtime.local.runtime.EnvRuntime`, `runtime.ray.runtime.RayEnvRuntime`) and a sampler
+(`samplers.py`): MAPPO / IPPO's rows in the experience store, or VDN / QMIX's transitions for
+the replay learner's table; the one thing on- and off-policy runs differ in besides their
+rollout and learner.
 
 Iteration k, with the orchestrator's `SyncSchedule` (docs/design.md section 5):
 1. rollout: every rollout worker process steps its `num_envs` environments for
@@ -8,7 +11,8 @@ Iteration k, with the orchestrator's `SyncSchedule` (docs/design.md section 5):
 2. the rows go into the agent's table of the `ExperienceStore`: sample_id
    `{k}-{env}_{agent index}_0`, policy_version k, the version vector, the arrays by
    reference; ready once the chain's rewards are in;
-3. per policy: its agents' ready rows of version k are taken for step k (the store checks
+3. per policy (MAPPO / IPPO; VDN / QMIX: `ReplayTransitions`): its agents' ready rows of
+   version k are taken for step k (the store checks
    the iteration, the version and the vector and hands each row out once) and queued on the
    training pool (`accumulate`, one micro-batch per agent); `step` runs `epochs` x
    `minibatches` PPO steps on exactly those rows in the policy's training slot and returns
@@ -34,8 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from flexmarl.config.schema import RunConfig
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig
+from flexmarl.marl.evaluate import GreedyEvaluator
+from flexmarl.marl.learner import marl_train_worker_main
+from flexmarl.marl.offpolicy import q_layouts
 from flexmarl.marl.policies import (
     MarlSample,
     PolicyError,
@@ -43,9 +50,9 @@ from flexmarl.marl.policies import (
     group_spec,
     layouts,
 )
-from flexmarl.marl.ray_runtime import MarlRayRuntime
 from flexmarl.marl.rollout import RolloutResult
-from flexmarl.marl.runtime import MarlRuntime
+from flexmarl.marl.samplers import IterationSampler, OnPolicyRows, ReplayTransitions
+from flexmarl.marl.workers import MarlWorkerSpec, marl_rollout_worker_main
 from flexmarl.orchestrator.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -55,11 +62,14 @@ from flexmarl.orchestrator.checkpoint import (
 from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.orchestrator.run import host_run, release_signals, stop_on_signals
 from flexmarl.orchestrator.schedules import SyncSchedule
-from flexmarl.store.experience import ConsistencyError, ExperienceStore, Row, make_sample_id
+from flexmarl.runtime.local.runtime import EnvRuntime, EnvWorkers
+from flexmarl.runtime.local.workers import from_numpy
+from flexmarl.runtime.ray.runtime import RayEnvRuntime
+from flexmarl.store.experience import ExperienceStore, Row
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.algorithms.mappo import MappoConfig
 
-__all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "make_run", "train_marl"]
+__all__ = ["MarlResult", "MarlRun", "PolicyError", "group_spec", "train_marl"]
 
 
 @dataclass
@@ -80,15 +90,24 @@ class MarlRun:
     """One run: the policies' layout (from the environment's spaces, checked here, before
     any worker starts), the store, the runtime, and the schedule's two halves."""
 
-    def __init__(self, cfg: MarlRunConfig) -> None:
-        self.cfg, self.algo = cfg, cfg.algorithm
-        probe = VecParallelEnv(cfg.env.id, cfg.env.options, 1, cfg.seed, cfg.env.opponents)
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg, self.algo = cfg, cfg.env_algorithm
+        env = cfg.environment
+        probe = VecParallelEnv(env.id, env.options, 1, cfg.seed, env.opponents)
         probe.reset()
         self.agents = list(probe.agents)
-        self.layouts: dict[str, PolicyLayout] = self._layouts(cfg, probe)
+        # the policies, checked against the spaces; on- and off-policy differ in the sampler
+        self.layouts: dict[str, PolicyLayout]
+        self.sampler: IterationSampler
+        if isinstance(self.algo, MappoConfig):
+            self.layouts = layouts(cfg, probe)
+        else:
+            self.layouts = q_layouts(cfg, probe)
         self.policy_of = {a: name for name, lay in self.layouts.items() for a in lay.agents}
-        self.num_envs = cfg.env.num_envs * cfg.runtime.rollout_workers  # all workers'
+        self.num_envs = env.num_envs * cfg.runtime.rollout_workers  # all workers'
         self.store = ExperienceStore(self.agents)
+        self.sampler = (OnPolicyRows(self.store, self.agents, self.layouts, self.num_envs)
+                        if isinstance(self.algo, MappoConfig) else ReplayTransitions())
         self.audit: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)
         self.runtime: Any = None
         self.telemetry: Any = None
@@ -103,12 +122,6 @@ class MarlRun:
         self.published: dict[str, tuple[int, Any]] = {}  # per policy: its latest weights
         self.evaluator: Any = None  # train.eval_every: marl/evaluate.py's GreedyEvaluator
         self._reset_iteration()
-
-    def _layouts(self, cfg: MarlRunConfig, probe: VecParallelEnv) -> dict[str, PolicyLayout]:
-        """The policies (and the algorithm check): VDN / QMIX's driver overrides it."""
-        if not isinstance(cfg.algorithm, MappoConfig):  # vdn/qmix: marl/replay_run.py
-            raise TypeError(f"the on-policy driver runs mappo/ippo, not {cfg.algorithm.name}")
-        return layouts(cfg, probe)
 
     def _reset_iteration(self) -> None:
         self.episodes_k: list[dict[str, Any]] = []
@@ -128,68 +141,39 @@ class MarlRun:
         self.rollout_s = time.perf_counter() - t0
 
     def put_rows(self, k: int, results: list[RolloutResult]) -> None:
-        """Iteration k's rows from every rollout worker into the store, ready for step k."""
-        vector = dict.fromkeys(self.agents, k)
+        """Iteration k's results of every rollout worker, held by the sampler for step k."""
+        self.sampler.put(k, results)
         for res in results:
-            for r in res.rows:
-                ai = self.agents.index(r.agent)
-                sid = make_sample_id(f"{k}-{r.env}", ai, 0)
-                self.store.add(Row(sample_id=sid, agent=r.agent, node=r.agent,
-                                   input_id=f"{k}-{r.env}", turn=ai, trajectory_id=0,
-                                   iteration=k, policy_version=k, version_vector=vector))
-                total = float(r.payload["rewards"].sum())
-                self.store.set_generated(r.agent, sid, r.data, r.payload)
-                self.store.set_rewarded(r.agent, sid, total)
-                # per-step advantages come from GAE in the learner (they need the critic's
-                # value normaliser of this version); the row's scalar is its summed reward
-                self.store.set_ready(r.agent, sid, total)
             self.episodes_k += res.episodes
             self.payload_bytes[0] += res.payload_bytes[0]
             self.payload_bytes[1] += res.payload_bytes[1]
 
     def take(self, policy: str, k: int) -> dict[str, tuple[list[Row], list[MarlSample]]]:
-        """Policy's rows of iteration k for step k, per agent, taken from the store once."""
-        vector = dict.fromkeys(self.agents, k)
-        out = {}
-        for a in self.layouts[policy].agents:
-            rows = self.store.take_ready(a, k, self.num_envs, k, expected_vector=vector)
-            out[a] = (rows, [
-                MarlSample(r.sample_id, r.iteration, r.policy_version,
-                           int(r.data["agent_index"]),
-                           {name: self.store.fetch(r, name) for name in r.refs},
-                           dict(r.data.get("codec", {})))
-                for r in rows])
-        return out
+        """MAPPO / IPPO: policy's rows of iteration k, per agent, taken from the store once."""
+        assert isinstance(self.sampler, OnPolicyRows)
+        return self.sampler.take(policy, k)
 
     async def train_iteration(self, policy: str, k: int) -> None:
-        """Step k of `policy` in its training slot, then version k+1 to the rollout workers."""
+        """Step k of `policy` in its training slot on what the sampler hands it, checked
+        against the step's audit, then version k+1 to the rollout workers."""
         train = self.runtime.train
         if self._states_taken is not None:  # a checkpoint reads the learners' states first
             await asyncio.shield(self._states_taken)
-        taken = self.take(policy, k)
         # queued together, in order: the pool's runner then holds one slot lease from the
         # first micro-batch to the step (a queue of micro-batches alone does not evict another
         # policy from a shared slot)
         acc = [asyncio.ensure_future(train.accumulate(policy, samples))
-               for _, samples in taken.values()]
+               for samples in self.sampler.batches(policy, k)]
         stepped = asyncio.ensure_future(train.step(policy))
         await asyncio.gather(*acc)
         metrics, wire = await stepped
         audit = [tuple(e) for e in json.loads(wire[0])["meta"].get("trained_on", [])]
-        rows = [r for rs, _ in taken.values() for r in rs]
-        expected = {r.sample_id for r in rows}
-        if {sid for sid, *_ in audit} != expected or any(
-                v != k or s != k for _, v, s, _ in audit):
-            raise ConsistencyError(f"policy {policy!r}: step {k} trained on rows other than "
-                                   f"iteration {k}'s ({len(expected)} taken)")
+        self.sampler.check(policy, k, audit)
         self.audit[policy] += audit
-        self.store.release(rows)
-        for a in self.layouts[policy].agents:
-            self.store.evict(a, k)
+        self.sampler.release(policy, k)
         await self.runtime.rollout.publish(policy, k + 1, wire)
         self.published[policy] = (k + 1, wire)
-        for key, value in metrics.items():
-            self.metrics_k[f"agent/{policy}/{key}"] = value
+        self.metrics_k.update(self.sampler.step_metrics(policy, metrics))
 
     # --- the run -----------------------------------------------------------------------------
     async def run_loop(self, telemetry: Telemetry, out: Path | None, on_iteration, n_iter: int,
@@ -205,9 +189,7 @@ class MarlRun:
             episodes += resume.position["episodes"]
             for policy, trail in resume.position["audit"].items():
                 self.audit[policy] = [(sid, int(v), int(s), int(e)) for sid, v, s, e in trail]
-        self.runtime = (MarlRayRuntime(self.cfg, self.layouts, telemetry)
-                        if self.cfg.runtime.kind == "ray"
-                        else MarlRuntime(self.cfg, self.layouts, telemetry))
+        self.runtime = env_runtime(self.cfg, self.layouts, telemetry)
         self.telemetry = telemetry
         manager = (CheckpointManager(out / "checkpoints", self.cfg.train.keep_checkpoints)
                    if out is not None else None)
@@ -338,9 +320,6 @@ class MarlRun:
         every = self.cfg.train.eval_every
         if every is None or ((k + 1) % every != 0 and k != n_iter - 1):
             return {}
-        from flexmarl.marl.evaluate import GreedyEvaluator
-        from flexmarl.runtime.local.workers import from_numpy
-
         t0 = time.perf_counter()
         if self.evaluator is None:
             self.evaluator = GreedyEvaluator(self.cfg, self.layouts,
@@ -370,6 +349,7 @@ class MarlRun:
                                                                            1),
         }
         rec.update(self.metrics_k)
+        rec.update(self.sampler.record())
         if eps:
             per_agent = {a: float(np.mean([e["returns"][a] for e in eps])) for a in self.agents}
             for a, v in per_agent.items():
@@ -384,26 +364,37 @@ class MarlRun:
         return rec
 
 
-def make_run(cfg: MarlRunConfig) -> MarlRun:
-    """The run for the config's algorithm: MAPPO / IPPO here, VDN / QMIX `VdnRun`."""
-    if isinstance(cfg.algorithm, MappoConfig):
-        return MarlRun(cfg)
-    from flexmarl.marl.replay_run import VdnRun
+def env_runtime(cfg: RunConfig, layouts: dict[str, PolicyLayout],
+                sink: Telemetry) -> EnvRuntime:
+    """The runtime's pools of this run's workers: environment workers and training slots of
+    network learners (`EnvRuntime`, or `RayEnvRuntime` on Ray). Each rollout returns the
+    environment state it leaves when a supervisor may redo it or checkpoints may store it."""
+    rt = cfg.runtime
+    config = cfg.model_dump(mode="json")
+    capture = rt.max_worker_restarts > 0 or cfg.train.checkpoint_every is not None
 
-    return VdnRun(cfg)
+    def spec(i: int, swap_dir: str | None) -> MarlWorkerSpec:
+        return MarlWorkerSpec(config, 0, 0, list(layouts), rt.torch_threads,
+                              deterministic=False, heartbeat_s=rt.heartbeat_interval_s,
+                              swap_dir=swap_dir, layouts=layouts, index=i,
+                              capture_state=capture)
+
+    workers = EnvWorkers(marl_rollout_worker_main, marl_train_worker_main, spec, list(layouts),
+                         capture)
+    return (RayEnvRuntime if rt.kind == "ray" else EnvRuntime)(cfg, workers, sink)
 
 
-def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=None,
+def train_marl(cfg: RunConfig, out: str | Path | None = None, on_iteration=None,
                iterations: int | None = None, resume: str | Path | None = None,
                on_runtime=None) -> MarlResult:
     """Train a classic MARL run, hosted like every run (`orchestrator.run.host_run`): writes
     config.yaml, metrics.jsonl, summary.json, trace.json and checkpoints under `out`. With
     `resume` (a run folder or its checkpoints/), continue from its LATEST generation.
     `on_runtime(runtime)` is called once the workers run (fault tests)."""
-    run = make_run(cfg)  # environments probed: spaces and agents checked
+    run = MarlRun(cfg)  # environments probed: spaces and agents checked
     out_path = Path(out) if out is not None else None
     ckpt = find_checkpoints(resume).load() if resume is not None else None
-    n_iter = iterations if iterations is not None else cfg.iterations
+    n_iter = iterations if iterations is not None else cfg.train.iterations
 
     async def body(telemetry: Telemetry) -> MarlResult:
         return await run.run_loop(telemetry, out_path, on_iteration, n_iter, ckpt, on_runtime)
@@ -412,7 +403,7 @@ def train_marl(cfg: MarlRunConfig, out: str | Path | None = None, on_iteration=N
         steps_here = result.env_steps - result.resumed_env_steps
         return {"iterations": len(result.records), "env_steps": result.env_steps,
                 "env_steps_this_process": steps_here, "wall_s": wall_s,
-                "algorithm": cfg.algorithm.name,
+                "algorithm": cfg.env_algorithm.name,
                 "final_return_mean": result.records[-1].get("return_mean")
                 if result.records else None, "placement": result.placement,
                 "faults": result.faults}

@@ -32,15 +32,16 @@ class RolloutHost:
     and, on Ray, by the same main in an actor (`runtime.ray.transport.PipeActor`)."""
 
     def __init__(self, spec: MarlWorkerSpec) -> None:
-        from flexmarl.marl.config import MarlRunConfig
+        from flexmarl.config.schema import RunConfig
         from flexmarl.marl.offpolicy import QRollout
         from flexmarl.marl.rollout import EnvRollout
         from flexmarl.training.algorithms.vdn import VdnConfig
 
-        cfg = MarlRunConfig.model_validate(spec.config)
+        cfg = RunConfig.model_validate(spec.config)
         # spaces were checked in the driver; VDN / QMIX act epsilon-greedily (marl/offpolicy.py)
-        self.env: EnvRollout | QRollout = (QRollout if isinstance(cfg.algorithm, VdnConfig)
-                                           else EnvRollout)(cfg, spec.layouts, spec.index)
+        self.env: EnvRollout | QRollout = (
+            QRollout if isinstance(cfg.env_algorithm, VdnConfig)
+            else EnvRollout)(cfg, spec.layouts, spec.index)
         self.capture_state = spec.capture_state
 
     def handle(self, command: str, payload: Any) -> tuple[Any, str]:

@@ -510,9 +510,9 @@ class EpisodeRunner:
         try:
             inputs = self.task.sample_inputs(rng, n)
         except Exception as exc:  # noqa: BLE001 - user code
-            raise contracts.ContractError(f"task {self.cfg.task.builder}: sample_inputs raised "
-                                          f"{type(exc).__name__}: {exc}") from exc
-        contracts.check_inputs(self.cfg.task.builder, inputs)
+            raise contracts.ContractError(f"task {self.cfg.task_config.builder}: sample_inputs "
+                                          f"raised {type(exc).__name__}: {exc}") from exc
+        contracts.check_inputs(self.cfg.task_config.builder, inputs)
         if len(inputs) != n:
             raise GraphError(f"task returned {len(inputs)} inputs, expected {n}")
         return inputs

@@ -50,14 +50,14 @@ class RunResult:
 
 def prepare(cfg: RunConfig) -> Task:
     """Build and validate everything that can be checked before any worker starts."""
-    task = load_task(cfg.task.builder, cfg.task.options, cfg.agents)
-    task.resolve_networks(cfg.agents, f"task.builder {cfg.task.builder}")
+    task = load_task(cfg.task_config.builder, cfg.task_config.options, cfg.agents)
+    task.resolve_networks(cfg.agents, f"task.builder {cfg.task_config.builder}")
     task.graph.validate(cfg.agents.keys())
     used = set(task.graph.agents)
     for agent in cfg.agents:
         if agent not in used:
             raise GraphError(f"agents.{agent}: configured, but no node of the graph uses it")
-    contracts.dry_run(task, cfg.task.builder, cfg.agents)  # user functions' values
+    contracts.dry_run(task, cfg.task_config.builder, cfg.agents)  # user functions' values
     check_models(cfg, task)
     check_installed(cfg.logging.backends)
     check_memory(cfg, task.vocab_size)  # an estimate, before any model is built

@@ -324,7 +324,7 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
                          "`flexmarl train --out` wrote, e.g. runs/demo")
     cfg = load_config(cfg_file)
     try:
-        task: Task | None = load_task(cfg.task.builder, cfg.task.options, cfg.agents)
+        task: Task | None = load_task(cfg.task_config.builder, cfg.task_config.options, cfg.agents)
         task_error = None
     except (UserError, ImportError) as exc:  # agents still serve; episodes will not
         task, task_error = None, str(exc)

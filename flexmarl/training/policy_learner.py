@@ -74,7 +74,9 @@ def network_seed(seed: int, agent: str) -> int:
 def agent_learner(agent: str, acfg: AgentConfig, seed: int) -> PolicyLearner:
     """A hybrid run's network agent's learner (`TrainHost` builds it in a training slot)."""
     assert acfg.network is not None
-    return PolicyLearner(agent, acfg.network.algorithm, agent_network(agent, acfg, seed),
+    algo = acfg.network.algorithm
+    assert isinstance(algo, MappoConfig), "a graph's network agents learn with mappo / ippo"
+    return PolicyLearner(agent, algo, agent_network(agent, acfg, seed),
                          network_seed(seed, agent) + 7)
 
 

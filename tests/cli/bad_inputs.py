@@ -91,7 +91,7 @@ CASES = [
     Case("config file", "malformed YAML", with_file("agents: [\n"), "malformed YAML (line"),
     Case("config file", "top level a list", with_file("- a\n- b\n"),
          "top level must be a mapping, got list"),
-    Case("config file", "empty file", with_file(""), "task: Field required"),
+    Case("config file", "empty file", with_file(""), "task / env: a run trains on a task's graph"),
     Case("config fields", "unknown key (typo)", train("--set", "train.iteratons=3"),
          "train.iteratons: unknown key"),
     Case("config fields", "wrong type", train("--set", "train.iterations=lots"),

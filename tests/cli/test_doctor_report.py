@@ -249,3 +249,35 @@ def test_doctor_sees_one_verdict_for_every_input_through_the_true_classes(tmp_pa
     rows = [{**r, "agent/judge/reward_mean/True": 0.95} for r in rows]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert not [f for f in diagnose(load_run(run)) if f.problem.startswith("one verdict")]
+
+
+def _swinging_run(tmp_path: Path, std: float, entropy: list[float] | None = None) -> Path:
+    """An agent whose reward_mean goes up and down by 0.15 around 0.45 for 20 iterations, with
+    32 rows of 8 inputs (group_size 4) per iteration and a per-row reward std of `std`."""
+    run = tmp_path / f"std{std}"
+    run.mkdir()
+    (run / "config.yaml").write_text("train: {group_size: 4}\nagents: {a: {}}\n")
+    with (run / "metrics.jsonl").open("w") as f:
+        for k in range(20):
+            rec = {"iteration": k, "agent/a/reward_mean": 0.45 + (0.075 if k % 2 else -0.075),
+                   "agent/a/reward_std": std, "agent/a/rows_trained": 32}
+            if entropy is not None and k < len(entropy):
+                rec["agent/a/entropy"] = entropy[k]
+            f.write(json.dumps(rec) + "\n")
+    return run
+
+
+def test_swings_within_sampling_noise_are_not_blamed_on_the_learning_rate(tmp_path):
+    # 8 inputs of 0/1 rewards (std 0.48): a mean moves about 0.16 by sampling alone
+    noisy = diagnose(load_run(_swinging_run(tmp_path, 0.48)))
+    assert not any("learning rate" in f.problem for f in noisy), [f.problem for f in noisy]
+    # the same swings where rewards barely vary within an iteration are the policy's own
+    steady = diagnose(load_run(_swinging_run(tmp_path, 0.05)))
+    assert "learning rate too high" in steady[0].problem
+
+
+def test_a_policy_thrown_onto_one_answer_in_its_first_steps_is_a_learning_rate(tmp_path):
+    run = _swinging_run(tmp_path, 0.48, entropy=[1.4, 0.4, 0.001] + [0.0] * 17)
+    first = diagnose(load_run(run))[0]
+    assert "learning rate too high" in first.problem and first.metric == "agent/a/entropy"
+    assert first.iterations == [0, 1, 2] and "within 2 steps" in first.evidence

@@ -54,7 +54,8 @@ def test_missing_file_and_missing_section(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.yaml")
     p = _write(tmp_path, "agents: {x: {}}\n")
-    with pytest.raises(ConfigError, match="task: Field required"):
+    with pytest.raises(ConfigError, match="task / env: a run trains on a task's graph .* give "
+                                          "exactly one"):
         load_config(p)
 
 

@@ -66,8 +66,6 @@ def test_bad_elastic_bounds_are_named(overrides, message):
 
 
 def test_a_classic_marl_run_refuses_an_elastic_pool():
-    from flexmarl.marl.config import load_marl_config
-
     marl = Path(__file__).resolve().parents[2] / "examples" / "mpe_spread.yaml"
     with pytest.raises(ConfigError, match="rollout_workers_max"):
-        load_marl_config(marl, ["runtime.kind=ray", "runtime.rollout_workers={min: 1, max: 2}"])
+        load_config(marl, ["runtime.kind=ray", "runtime.rollout_workers={min: 1, max: 2}"])

@@ -1,14 +1,15 @@
 """Classic MARL test configs in the run config's shape, written compactly: `share` (True: one
-network "shared" for every agent, False: each agent its own) and `network` (its fields) are
-test shorthands turned into `networks:` / `agents:` for the environment's real agents."""
+network "shared" for every agent, False: each agent its own), `network` (its fields) and
+`algorithm` (every network's `algorithm`) are test shorthands turned into `networks:` /
+`agents:` for the environment's real agents."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+from flexmarl.config.schema import RunConfig, config_from_dict
 from flexmarl.envs.pettingzoo import VecParallelEnv
-from flexmarl.marl.config import MarlRunConfig, marl_config_from_dict
 
 
 def set_path(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -34,6 +35,8 @@ def shaped(raw: dict[str, Any], **over: Any) -> dict[str, Any]:
         set_path(raw, key, value)
     share = raw.pop("share", True)
     network = raw.pop("network", {})
+    if "algorithm" in raw:
+        network = {**network, "algorithm": raw.pop("algorithm")}
     if "agents" not in raw:
         agents = env_agents(raw["env"])
         if share:
@@ -44,5 +47,5 @@ def shaped(raw: dict[str, Any], **over: Any) -> dict[str, Any]:
     return raw
 
 
-def marl_cfg(raw: dict[str, Any], **over: Any) -> MarlRunConfig:
-    return marl_config_from_dict(shaped(raw, **over))
+def marl_cfg(raw: dict[str, Any], **over: Any) -> RunConfig:
+    return config_from_dict(shaped(raw, **over))

@@ -200,7 +200,11 @@ def test_agents_and_shared_networks_are_checked_naming_the_field(tmp_path, capsy
     sl_file = tmp_path / "sl.yaml"
     sl_file.write_text(yaml.safe_dump(shaped(sl)))
     assert main(["train", str(sl_file), "--system", "flexmarl-sync"]) == 2
-    assert "--system flexmarl-sync: the simulator's systems are presets of LLM runs" in (
+    assert "--system flexmarl-sync: the simulator's systems are presets of task runs" in (
+        capsys.readouterr().err)
+    old.write_text("env: {id: mpe2.simple_v3}\nagents: {agent_0: {}}\nalgorithm: {name: qmix}\n")
+    assert main(["train", str(old), "--out", str(tmp_path / "o")]) == 2
+    assert "algorithm: an environment run's algorithm is its agents' network.algorithm" in (
         capsys.readouterr().err)
 
 
@@ -258,6 +262,7 @@ def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
 def test_options_of_another_algorithm_are_named(tmp_path, capsys) -> None:
     with pytest.raises(ConfigError) as err:
         cfg(**{"algorithm.batch_size": 64})
-    assert "algorithm.batch_size: unknown key (an option of vdn" in str(err.value)
+    assert ("agents.speaker_0.network.algorithm.batch_size: option does not apply to "
+            "algorithm 'mappo' (it is an option of vdn/qmix)") in str(err.value)
     with pytest.raises(ConfigError, match="algorithm.epochz: unknown key"):
         cfg(**{"algorithm.epochz": 3})

@@ -71,11 +71,11 @@ def test_mappo_beats_a_random_tictactoe_opponent(tmp_path) -> None:
     return against the random opponent rises well above random play's (about +0.3)."""
     from pathlib import Path
 
-    from flexmarl.marl.config import load_marl_config
+    from flexmarl.config.schema import load_config
     from flexmarl.marl.run import train_marl
 
     example = Path(__file__).resolve().parents[2] / "examples" / "tictactoe.yaml"
-    cfg = load_marl_config(example, ["train.env_steps=16000"])
+    cfg = load_config(example, ["train.env_steps=16000"])
     res = train_marl(cfg, tmp_path / "run")
     rets = [r["return_mean"] for r in res.records if "return_mean" in r]
     first, last = float(np.mean(rets[:5])), float(np.mean(rets[-5:]))

@@ -190,10 +190,8 @@ def test_a_fixed_binding_keeps_every_agent_on_its_own_slot():
 
 
 def test_a_classic_marl_run_refuses_colocate_by_name():
-    from flexmarl.marl.config import load_marl_config
-
     with pytest.raises(ConfigError, match="runtime.colocate: places, pins or publishes LLM"):
-        load_marl_config(RELAY.parent / "mpe_spread.yaml", ["runtime.colocate=true"])
+        load_config(RELAY.parent / "mpe_spread.yaml", ["runtime.colocate=true"])
 
 
 def test_the_colocated_presets_are_what_the_simulator_models():

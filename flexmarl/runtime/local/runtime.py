@@ -23,6 +23,7 @@ from flexmarl.api.runtime import (
     Runtime,
     RuntimeSink,
     SpanSink,
+    Unsupported,
     Weights,
     WorkerError,
     WorkerLost,
@@ -725,11 +726,183 @@ class LocalRuntime(Runtime):
         }
 
 
+class EnvRolloutPool(RolloutPool):
+    """An environment run's rollout workers (classic MARL): each steps its own environments
+    with the published version of every policy; `rollout(k)` is their one batch of work.
+
+    Each worker owns its environments, so a lost worker's iteration cannot go to another:
+    with a supervisor (`wait_worker`), the worker is restarted with every policy's latest
+    weights (the supervisor's `load_latest`), gets back the environment state it had at the
+    start of the iteration (`env_state`, returned by its previous rollout) and rolls the
+    iteration out again: the same rows, bit for bit."""
+
+    n_workers: int
+
+    def __init__(self, workers: list[WorkerProxy]) -> None:
+        self.workers = workers
+        self.n_workers = len(workers)
+        # per policy: the last (version, weights) published, what a restarted worker loads
+        self.latest: dict[str, tuple[int, Any]] = {}
+        # per worker: its environment state at the start of the next iteration (None: not
+        # captured)
+        self.env_state: list[bytes | None] = [None] * len(workers)
+        self._proxies = list(workers)  # the processes env_state belongs to
+        # set by the runtime's supervisor: returns once rollout worker i runs again
+        self.wait_worker: Callable[[int], Awaitable[None]] | None = None
+        self.on_lost: Callable[[], Awaitable[None]] | None = None  # (the LLM pool's hook)
+        self.redone = 0  # iterations rolled out again on a restarted worker
+
+    async def generate(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
+        raise Unsupported("an environment run's rollout workers step environments with "
+                          "network policies; they serve no token generation requests")
+
+    async def publish(self, agent: str, version: int, weights: Any) -> None:
+        """To every live worker; a lost one loads `latest` when it is restarted."""
+        self.latest[agent] = (version, weights)
+        results = await asyncio.gather(
+            *(w.call("load_weights", (agent, version, weights))
+              for w in self.workers if w.alive), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not (isinstance(r, WorkerLost)
+                                                     and self.wait_worker is not None):
+                raise r
+
+    async def capture(self) -> None:
+        """Every worker's environment state now (the run's start)."""
+        self.env_state = list(await asyncio.gather(*(w.call("get_state", None)
+                                                     for w in self.workers)))
+        self._proxies = list(self.workers)
+
+    async def restore(self, states: list[bytes]) -> None:
+        """Resume: every worker's environments as a checkpoint holds them."""
+        if len(states) != len(self.workers):
+            raise ValueError(f"the checkpoint holds the environments of {len(states)} rollout "
+                             f"workers, runtime.rollout_workers is {len(self.workers)}")
+        await asyncio.gather(*(w.call("set_state", s)
+                               for w, s in zip(self.workers, states, strict=True)))
+        self.env_state = list(states)
+        self._proxies = list(self.workers)
+
+    async def rollout(self, k: int) -> list[Any]:
+        """Iteration k on every worker at once, in worker order."""
+        return list(await asyncio.gather(*(self._rollout_on(i, k)
+                                           for i in range(len(self.workers)))))
+
+    async def _rollout_on(self, i: int, k: int) -> Any:
+        while True:
+            worker = self.workers[i]
+            try:
+                if worker is not self._proxies[i]:  # restarted: back to the iteration's start
+                    state = self.env_state[i]
+                    if state is None:
+                        raise WorkerError(f"rollout worker {i} was restarted, but its "
+                                          "environment state was not captured")
+                    await worker.call("set_state", state)
+                    self._proxies[i] = worker
+                    self.redone += 1
+                result = await worker.call("rollout", k)
+            except WorkerLost:
+                if self.wait_worker is None:
+                    raise
+                await self.wait_worker(i)
+                continue
+            if result.state is not None:
+                self.env_state[i] = result.state
+                result.state = None  # held here, not by the driver's records
+            return result
+
+
+@dataclasses.dataclass
+class EnvWorkers:
+    """What an environment run's workers run (the classic MARL layer's mains, above this one):
+    `rollout_main` steps environments, `train_main` hosts the network learners of `policies`
+    in a `TrainHost`; `spec(i)` is worker i's spec. `capture`: each rollout returns the
+    environment state it leaves (restarts, checkpoints)."""
+
+    rollout_main: Callable[..., None]
+    train_main: Callable[..., None]
+    spec: Callable[[int, str | None], WorkerSpec]  # (worker index, swap folder)
+    policies: list[str]
+    capture: bool
+
+
+class EnvRuntime(LocalRuntime):
+    """The local runtime with an environment run's workers: `runtime.rollout_workers`
+    environment workers (`EnvRolloutPool`) and `runtime.train_workers` training slots (at
+    most one per policy; fewer: policies time-share them and are swapped), the same
+    `LocalTrainPool`, launcher and `Supervisor` (unless `runtime.max_worker_restarts` is 0):
+    a lost slot is restored from the pool's journal, a lost rollout worker redoes its
+    iteration from the captured environment state. The networks are small and live on the
+    CPU: no placements, no publication but the pipes."""
+
+    rollout: EnvRolloutPool  # type: ignore[assignment]
+
+    def __init__(self, cfg: RunConfig, workers: EnvWorkers,
+                 sink: RuntimeSink | None = None) -> None:
+        rt = cfg.runtime
+        self.cfg = cfg
+        self.sink = sink or NullSink()
+        self.trainable = list(workers.policies)
+        self._swap_tmp = self._shard_tmp = None
+        self._store = None
+        swap_dir = None
+        if rt.swap_to == "disk":
+            self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
+            swap_dir = self._swap_tmp.name
+        n_train = max(1, min(rt.train_workers, len(workers.policies)))
+        self.slot_sizes = [1] * n_train
+        self.placements = {}
+        launcher = self._launcher()
+        self.rollout_workers = [
+            WorkerProxy("rollout", i, workers.rollout_main, workers.spec(i, swap_dir),
+                        self.sink, launcher) for i in range(rt.rollout_workers)]
+        self.train_workers = [
+            WorkerProxy("train", i, workers.train_main, workers.spec(i, swap_dir), self.sink,
+                        launcher) for i in range(n_train)]
+        self.rollout = EnvRolloutPool(self.rollout_workers)
+        self.train = LocalTrainPool(self.train_workers)
+        self.capture = workers.capture
+        self.supervisor = Supervisor(self) if rt.max_worker_restarts > 0 else None
+
+    async def start(self) -> None:
+        await super().start()
+        try:
+            if self.capture:
+                await self.rollout.capture()
+            if self.supervisor is not None:
+                supervisor = self.supervisor
+
+                async def wait_rollout(i: int) -> None:
+                    await supervisor.wait_worker("rollout", i)
+
+                self.rollout.wait_worker = wait_rollout
+        except BaseException:
+            await self.stop()
+            raise
+
+    def fault_counts(self) -> dict[str, Any] | None:
+        counts = super().fault_counts()
+        if counts is not None:
+            counts["iterations_redone"] = self.rollout.redone
+        return counts
+
+    def placement(self) -> dict[str, Any]:
+        return {
+            "runtime": self.cfg.runtime.kind,
+            "rollout": [{"worker": w.index, "pid": w.process.pid} for w in self.rollout_workers],
+            "train": [{"worker": w.index, "pid": w.process.pid,
+                       "policies": [a for a, i in self.train.binding.items() if i == w.index]}
+                      for w in self.train_workers],
+            "train_swaps": self.train.allocator.swaps,
+            "train_swaps_in": dict(self.train.swaps_in),
+        }
+
+
 class SupervisedRuntime(Protocol):
-    """What `Supervisor` uses of a runtime: `LocalRuntime`, and the classic MARL runtime
-    (`marl/runtime.py`), whose rollout workers step environments instead of serving
-    requests. `cfg.runtime` has the heartbeat, progress and restart fields
-    (`heartbeat_interval_s`, `heartbeat_misses`, `progress_timeout_s`, `max_worker_restarts`)."""
+    """What `Supervisor` uses of a runtime: `LocalRuntime`, and `EnvRuntime`, whose rollout
+    workers step environments instead of serving requests. `cfg.runtime` has the heartbeat,
+    progress and restart fields (`heartbeat_interval_s`, `heartbeat_misses`,
+    `progress_timeout_s`, `max_worker_restarts`)."""
 
     cfg: Any
     sink: RuntimeSink

@@ -29,7 +29,13 @@ from typing import Any
 from flexmarl.api.runtime import RuntimeSink, load_latest
 from flexmarl.config.schema import RunConfig
 from flexmarl.policy.device import Placement
-from flexmarl.runtime.local.runtime import Launcher, LocalRuntime, WorkerProxy
+from flexmarl.runtime.local.runtime import (
+    EnvRuntime,
+    EnvWorkers,
+    Launcher,
+    LocalRuntime,
+    WorkerProxy,
+)
 from flexmarl.runtime.ray.drain import draining_nodes, gcs_client, report_drained
 from flexmarl.runtime.ray.placement import RayPools
 from flexmarl.runtime.ray.ranks import RayRanks
@@ -250,3 +256,34 @@ class RayRuntime(LocalRuntime):
         if self.sink.out_dir is not None:
             with (Path(self.sink.out_dir) / "run.log").open("a") as fh:
                 fh.write("\n".join(lines) + "\n")
+
+
+class RayEnvRuntime(EnvRuntime):
+    """`EnvRuntime` (an environment run's workers) in Ray actors, as `RayRuntime` is
+    `LocalRuntime`'s: one placement group per pool, the pipes carried by `PipeActor`s; the
+    pools, slot binding and swaps, checkpoints, resume and the local `Supervisor` unchanged."""
+
+    def __init__(self, cfg: RunConfig, workers: EnvWorkers,
+                 sink: RuntimeSink | None = None) -> None:
+        n_train = max(1, min(cfg.runtime.train_workers, len(workers.policies)))
+        self.ray = RayPools(cfg.name, cfg.runtime,
+                            {"rollout": cfg.runtime.rollout_workers, "train": n_train})
+        super().__init__(cfg, workers, sink)
+
+    def _launcher(self) -> Launcher:
+        return self.ray.launcher()
+
+    async def start(self) -> None:
+        try:
+            await self.ray.place()
+            await super().start()
+        except BaseException:
+            self.ray.release()
+            raise
+
+    async def stop(self) -> None:
+        await super().stop()
+        self.ray.release()
+
+    def placement(self) -> dict[str, Any]:
+        return self.ray.annotate(super().placement(), self.rollout_workers, self.train_workers)

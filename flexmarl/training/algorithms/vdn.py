@@ -19,48 +19,12 @@ Metric names: loss/value (the TD loss), q_mean, td_abs_mean, epsilon, grad_norm,
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field, model_validator
 from torch import nn
 
-from flexmarl.config.schema import Strict
-
-
-class VdnConfig(Strict):
-    """VDN (sum of agent values) or QMIX (monotonic mixing network of the global state), with
-    a prioritized, age-weighted replay table (off-policy; docs/marl.md)."""
-
-    name: Literal["vdn", "qmix"] = "vdn"
-    # QMIX's mixer (training/algorithms/qmix.py): embedding width, hypernetwork depth (1 or 2)
-    # and hidden width
-    mixing_embed: int = Field(32, gt=0)
-    hypernet_layers: Literal[1, 2] = 2
-    hypernet_embed: int = Field(64, gt=0)
-    lr: float = Field(5e-4, gt=0)
-    gamma: float = Field(0.99, ge=0, le=1)
-    batch_size: int = Field(256, gt=0)
-    updates_per_step: int = Field(1, gt=0)  # gradient steps per vectorised env step
-    target_every: int = Field(200, gt=0)  # updates between target-network copies
-    eps_end: float = Field(0.05, ge=0, le=1)
-    eps_decay_steps: int = Field(100_000, gt=0)  # env steps
-    max_grad_norm: float | None = Field(10.0, gt=0)
-    # the replay table (the enterprise document's configuration)
-    capacity: int = Field(100_000, gt=0)
-    min_size: int = Field(5000, gt=0)
-    prioritized: bool = True
-    priority_fraction: float = Field(0.15, ge=0, le=1)  # of each batch, drawn by priority
-    priority_alpha: float = Field(0.6, ge=0)
-    age_weight: bool = True  # w = 1 / (1 + log(age)) on each sampled row's loss
-
-    @model_validator(mode="after")
-    def _sizes(self) -> VdnConfig:
-        if self.capacity < self.min_size:
-            raise ValueError(f"capacity ({self.capacity}) must be >= min_size "
-                             f"({self.min_size})")
-        return self
-
+# VdnConfig is the config schema's (an environment run's agents name it); kept importable
+# from here, beside the algorithm
+from flexmarl.config.schema import VdnConfig
 
 METRICS = ("loss/value", "q_mean", "td_abs_mean", "grad_norm", "lr")
 
@@ -112,4 +76,4 @@ def epsilon(step: int, eps_end: float, decay_steps: int) -> float:
     return max(eps_end, 1.0 - (1.0 - eps_end) * step / max(decay_steps, 1))
 
 
-__all__ = ["METRICS", "QNet", "epsilon", "loss", "td_targets"]
+__all__ = ["METRICS", "QNet", "VdnConfig", "epsilon", "loss", "td_targets"]
