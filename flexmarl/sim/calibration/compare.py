@@ -101,7 +101,8 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     prof = load_or_profile(first, task, profile, base, reps, log)
     rows = {s: SystemRow(s) for s in systems}
     saved = {"config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
-             "machine": machine_info(), "settings": settings}
+             "machine": machine_info(), "settings": settings,
+             "profile": str(profile or base / "profile.json")}
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
@@ -162,19 +163,22 @@ def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow],
 
 def resimulate(base: str | Path, profile: str | Path | None = None,
                log: Any = print) -> list[SystemRow]:
-    """Simulate a finished comparison again (a changed simulator, another profile): the
-    real runs are read from `base` (OUT/compare.json, or, where a comparison stopped before
-    writing it, the run folders `SYSTEM-ROUND`, at the profile's load); their measurements
+    """Simulate a finished comparison again (a changed simulator, another profile; default
+    the comparison's own): the real runs are read from `base` (OUT/compare.json, or, where a
+    comparison stopped before writing it, the run folders `SYSTEM-ROUND`, at the profile's
+    load); their measurements
     are kept, the predictions recomputed, the table printed and written to
     OUT/compare_resimulated.json."""
     base = Path(base)
-    prof = LocalProfile.load(profile or base / "profile.json")
+    saved = json.loads((base / "compare.json").read_text()) \
+        if (base / "compare.json").exists() else {}
+    profile = profile or saved.get("profile") or base / "profile.json"
+    prof = LocalProfile.load(profile)
     rows: dict[str, SystemRow] = {}
     cfgs: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
-    if (base / "compare.json").exists():
-        for r in json.loads((base / "compare.json").read_text())["rows"]:
-            loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
+    for r in saved.get("rows", []):
+        loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
     for run in sorted(base.glob("*-[0-9]*")):
         system, _, rnd = run.name.rpartition("-")
         metrics = run / "metrics.jsonl"
@@ -196,8 +200,7 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     simulate_rows(table, cfgs, prepare(first), prof)
     print_table(first.name, table, max(len(r.s_per_iteration) for r in table),
                 first.train.iterations, False)
-    save_rows(base, {"resimulated_with": str(profile or base / "profile.json")}, table,
-              "compare_resimulated.json")
+    save_rows(base, {"resimulated_with": str(profile)}, table, "compare_resimulated.json")
     return table
 
 
