@@ -195,8 +195,11 @@ def _train_classic(args: argparse.Namespace, cfg: RunConfig) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "compare":
         # start-up cost: the simulator and the runtime load only for the command that runs
-        from flexmarl.sim.calibration.compare import DEFAULT_SYSTEMS, compare
+        from flexmarl.sim.calibration.compare import DEFAULT_SYSTEMS, compare, resimulate
 
+        if args.resimulate:
+            resimulate(args.config, profile=args.profile)
+            return 0
         systems = [s for arg in args.systems or [] for s in arg.split(",") if s]
         compare(args.config, args.set, systems or DEFAULT_SYSTEMS, rounds=args.rounds,
                 iterations=args.iterations, out=args.out, profile=args.profile, pin=args.pin)
@@ -321,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare: reuse a profile.json instead of profiling the agents")
     b.add_argument("--pin", action="store_true",
                    help="compare: pin rollout and training workers to separate CPU halves")
+    b.add_argument("--resimulate", action="store_true",
+                   help="compare: CONFIG is a finished comparison's folder (its --out): "
+                        "simulate its real runs again, with its profile or --profile")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("simulate", help="the real orchestrator on a simulated cluster, with "
                                          "baselines side by side")

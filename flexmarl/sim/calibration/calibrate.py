@@ -35,7 +35,13 @@ from flexmarl.sim.calibration.machine import (
     measure_external_load,
     profiled_load,
 )
-from flexmarl.sim.calibration.mirror import MirrorResult, mirror_config, per_iteration, run_mirror
+from flexmarl.sim.calibration.mirror import (
+    MirrorResult,
+    mirror_config,
+    per_iteration,
+    run_mirror,
+    run_mirror_measured,
+)
 from flexmarl.sim.calibration.profile import profile_local
 
 TOLERANCE = 0.25  # issue 6, item 6: within 25% of the measured local makespan
@@ -128,8 +134,8 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         loads[f"after_{mode}"] = machine_info()["loadavg"]
         # the profiled costs hold the load they were measured under: the mirror simulates the
         # run's other load next to the profile's (`CpuShare`), and without it for comparison
-        sim = run_mirror(cfg, task, prof, iterations=iterations, mode=mode, external=external,
-                         profiled_external=prof_load)
+        sim = run_mirror_measured(cfg, task, prof, external, iterations=iterations, mode=mode,
+                                  profiled_external=prof_load)
         plain = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
         sims[mode] = sim
         mean, steady = per_iteration(records)
@@ -186,8 +192,8 @@ def resimulate(calibration: str | Path, profile: str | Path | None = None,
         plain = run_mirror(cfg, task, prof, iterations=n, mode=mode)
         sim = plain
         if external != "none":
-            sim = run_mirror(cfg, task, prof, iterations=n, mode=mode, external=ext,
-                             profiled_external=prof_load)
+            sim = run_mirror_measured(cfg, task, prof, ext, iterations=n, mode=mode,
+                                      profiled_external=prof_load)
         if external == "series" and row.get("load_series"):
             series = series_in_virtual_time(row["load_series"], ext, measured * n,
                                             float(row["real_wall_s"]), sim.makespan_s)

@@ -5,8 +5,9 @@ systems run one after another in rounds, the order reversed every other round so
 the machine's load does not favour one of them; each row is the median over the rounds of
 seconds per iteration (makespan / iterations, from the runs' `time_s`), next to the
 simulator's prediction for the same system: the production orchestrator on the mirrored local
-runtime (`mirror.py`) from one profile of the config's agents (`profile.py`), with the other
-load each real run saw. FlexMARL's speedup over each system is that system's s/iteration over
+runtime (`mirror.py`) from one profile of the config's agents (`profile.py`), one simulated
+run per real run with the other load that run saw (`run_mirror_measured`), the median over the
+rounds. FlexMARL's speedup over each system is that system's s/iteration over
 FlexMARL's (`flexmarl` must be among the systems for it).
 
 With `pin`, every run pins its rollout workers to the first half of the CPUs and its training
@@ -29,8 +30,9 @@ from flexmarl.config.schema import ConfigError, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
-from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load
-from flexmarl.sim.calibration.mirror import per_iteration, run_mirror
+from flexmarl.sim.calibration.fits import LocalProfile
+from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load, window_load
+from flexmarl.sim.calibration.mirror import per_iteration, run_mirror_measured
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
 
@@ -45,8 +47,13 @@ class SystemRow:
     train_busy: list[float] = field(default_factory=list)
     swaps_per_iteration: list[float] = field(default_factory=list)
     final_success: list[float] = field(default_factory=list)
-    other_load: list[float] = field(default_factory=list)  # CPUs of others' work per round
-    simulated_s: float = 0.0
+    # CPUs of others' work per round, over its iterations (over the whole run, start-up
+    # included, in `other_load_whole_run`)
+    other_load: list[float] = field(default_factory=list)
+    other_load_whole_run: list[float] = field(default_factory=list)
+    simulated_s: float = 0.0  # the median of the rounds' predictions
+    simulated_rounds: list[float] = field(default_factory=list)  # one per round
+    simulated_runnable: list[float] = field(default_factory=list)  # others' runnable, inferred
 
     @property
     def measured_s(self) -> float:
@@ -93,35 +100,107 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     base.mkdir(parents=True, exist_ok=True)
     prof = load_or_profile(first, task, profile, base, reps, log)
     rows = {s: SystemRow(s) for s in systems}
+    saved = {"config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
+             "machine": machine_info(), "settings": settings,
+             "profile": str(profile or base / "profile.json")}
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
             with OtherLoad(every=SAMPLE_S) as during:
                 result = train(cfg, base / f"{system}-{r}")
-            records = result.records
-            row = rows[system]
-            row.s_per_iteration.append(per_iteration(records)[0])
-            row.rollout_busy.append(statistics.mean(x["pool/rollout/busy_frac"]
-                                                    for x in records))
-            row.train_busy.append(statistics.mean(x["pool/train/busy_frac"] for x in records))
-            row.swaps_per_iteration.append(statistics.mean(x.get("pool/train/swaps", 0)
-                                                           for x in records))
-            row.final_success.append(records[-1]["task/success_rate"])
-            row.other_load.append(during.cpus if during.measured else 0.0)
-            log(f"  round {r + 1}/{rounds} {system:<24} {row.s_per_iteration[-1]:.3f} s/iteration")
-    prof_load = profiled_load(prof.machine)
-    for system, row in rows.items():
-        sim = run_mirror(cfgs[system], task, prof, external=statistics.mean(row.other_load),
-                         profiled_external=prof_load)
-        row.simulated_s = sim.per_iteration_s
+            # others' CPU time over the iterations (the run's start-up left out): what the
+            # mirror simulates next to them
+            whole = during.cpus if during.measured else 0.0
+            makespan = float(result.records[-1]["time_s"]) if result.records else 0.0
+            start = max(0.0, result.wall_s - makespan)
+            add_run(rows[system], result.records,
+                    window_load(during.series, start, start + makespan, whole))
+            rows[system].other_load_whole_run.append(whole)
+            log(f"  round {r + 1}/{rounds} {system:<24} "
+                f"{rows[system].s_per_iteration[-1]:.3f} s/iteration")
     table = list(rows.values())
+    save_rows(base, saved, table)  # the measurements first: a simulation may still fail
+    simulate_rows(table, cfgs, task, prof)
     print_table(first.name, table, rounds, first.train.iterations, pin)
-    (base / "compare.json").write_text(json.dumps({
-        "config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
-        "machine": machine_info(), "settings": settings,
-        "rows": [{**asdict(r), "measured_s": r.measured_s, "error": r.error} for r in table],
-    }, indent=2, default=str))
+    save_rows(base, saved, table)
     log(f"compare: {base / 'compare.json'}")
+    return table
+
+
+def add_run(row: SystemRow, records: list[dict[str, Any]], other_load: float) -> None:
+    """One real run's figures into its system's row."""
+    row.s_per_iteration.append(per_iteration(records)[0])
+    row.rollout_busy.append(statistics.mean(x["pool/rollout/busy_frac"] for x in records))
+    row.train_busy.append(statistics.mean(x["pool/train/busy_frac"] for x in records))
+    row.swaps_per_iteration.append(statistics.mean(x.get("pool/train/swaps", 0)
+                                                   for x in records))
+    row.final_success.append(records[-1]["task/success_rate"])
+    row.other_load.append(other_load)
+
+
+def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
+                  prof: LocalProfile) -> None:
+    """Each system's prediction: the mirror of each of its real runs, with the other load
+    that run saw (one round's load may be far from another's), the median over its rounds,
+    as the measured figure is."""
+    prof_load = profiled_load(prof.machine)
+    for row in rows:
+        row.simulated_rounds, row.simulated_runnable = [], []
+        for load in row.other_load or [prof_load]:
+            sim = run_mirror_measured(cfgs[row.system], task, prof, load,
+                                      profiled_external=prof_load)
+            row.simulated_rounds.append(sim.per_iteration_s)
+            row.simulated_runnable.append(sim.other_runnable)
+        row.simulated_s = statistics.median(row.simulated_rounds)
+
+
+def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow],
+              name: str = "compare.json") -> None:
+    (base / name).write_text(json.dumps({
+        **saved, "rows": [{**asdict(r), "measured_s": r.measured_s, "error": r.error}
+                          for r in rows]}, indent=2, default=str))
+
+
+def resimulate(base: str | Path, profile: str | Path | None = None,
+               log: Any = print) -> list[SystemRow]:
+    """Simulate a finished comparison again (a changed simulator, another profile; default
+    the comparison's own): the real runs are read from `base` (OUT/compare.json, or, where a
+    comparison stopped before writing it, the run folders `SYSTEM-ROUND`, at the profile's
+    load); their measurements
+    are kept, the predictions recomputed, the table printed and written to
+    OUT/compare_resimulated.json."""
+    base = Path(base)
+    saved = json.loads((base / "compare.json").read_text()) \
+        if (base / "compare.json").exists() else {}
+    profile = profile or saved.get("profile") or base / "profile.json"
+    prof = LocalProfile.load(profile)
+    rows: dict[str, SystemRow] = {}
+    cfgs: dict[str, Any] = {}
+    loads: dict[str, list[float]] = {}
+    for r in saved.get("rows", []):
+        loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
+    for run in sorted(base.glob("*-[0-9]*")):
+        system, _, rnd = run.name.rpartition("-")
+        metrics = run / "metrics.jsonl"
+        if not rnd.isdigit() or not metrics.exists():
+            continue
+        records = [json.loads(line) for line in metrics.read_text().splitlines()
+                   if line.startswith('{"iteration"')]
+        if not records:
+            continue
+        row = rows.setdefault(system, SystemRow(system))
+        cfgs.setdefault(system, load_config(run / "config.yaml"))
+        seen = loads.get(system, [])
+        add_run(row, records, seen[int(rnd)] if int(rnd) < len(seen) else
+                profiled_load(prof.machine))
+    if not rows:
+        raise ConfigError(f"{base}: no comparison runs (SYSTEM-ROUND folders) in it")
+    table = list(rows.values())
+    first = next(iter(cfgs.values()))
+    simulate_rows(table, cfgs, prepare(first), prof)
+    print_table(first.name, table, max(len(r.s_per_iteration) for r in table),
+                first.train.iterations, False)
+    save_rows(base, {"resimulated_with": str(profile)}, table, "compare_resimulated.json")
     return table
 
 
@@ -145,5 +224,6 @@ def print_table(name: str, rows: list[SystemRow], rounds: int, iterations: int,
               f"{statistics.median(r.final_success):>9.3f}{r.simulated_s:>11.3f}"
               f"{r.error:>+8.1%}")
     print("(medians over the rounds; flexmarl x = the system's s/iteration over FlexMARL's, "
-          "FlexMARL's speedup over it; simulated = the mirrored local runtime from one profile "
-          "with each run's other load; the error is reported, not enforced)")
+          "FlexMARL's speedup over it; simulated = the median over the rounds of the mirrored "
+          "local runtime from one profile with each round's other load; the error is reported, "
+          "not enforced)")

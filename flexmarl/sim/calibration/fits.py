@@ -98,6 +98,13 @@ class LocalProfile:
     # busy processes runs, relative to one alone; empty (an older profile): processor sharing,
     # cores / n
     contention: list[float] = field(default_factory=list)
+    # how much the repeated measurements of a quantity differed: (max - min) / median over
+    # the profiler's rounds, by quantity (`rollout`, `train_accumulate`, ..., `contention_2`)
+    spread: dict[str, float] = field(default_factory=dict)
+    # what the costs count: "cpu", CPU seconds of the process doing the work (other users'
+    # preemption left out; `contention` then is the speed of a CPU second with k busy), or
+    # "wall" (an older profile: wall seconds at the profile's load)
+    clock: str = "wall"
 
     def scale(self, kind: str) -> float:
         return float(self.worker_scale.get(kind, 1.0))
@@ -124,7 +131,9 @@ class LocalProfile:
                    float(d.get("parent_per_request_s", 0.0)), dict(d.get("machine", {})),
                    float(d.get("measured_s", 0.0)), float(d.get("parent_per_train_call_s", 0.0)),
                    {k: float(v) for k, v in d.get("worker_scale", {}).items()},
-                   [float(v) for v in d.get("contention", [])])
+                   [float(v) for v in d.get("contention", [])],
+                   {k: float(v) for k, v in d.get("spread", {}).items()},
+                   str(d.get("clock", "wall")))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

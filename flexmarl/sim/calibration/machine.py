@@ -65,7 +65,7 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _tree_cpu_s(root: int | None = None) -> float | None:
+def tree_cpu_s(root: int | None = None) -> float | None:
     """CPU-seconds of process `root` (default: this one) and all its live descendants, each
     with its reaped children's (/proc/PID/stat utime + stime + cutime + cstime); None where
     there is no /proc."""
@@ -133,9 +133,9 @@ class OtherLoad:
         return self
 
     def _sample(self) -> None:
-        last = (0.0, _peers_s(), _tree_cpu_s())
+        last = (0.0, _peers_s(), tree_cpu_s())
         while not self._stop.wait(self.every):
-            now = (time.perf_counter() - self._t0, _peers_s(), _tree_cpu_s())
+            now = (time.perf_counter() - self._t0, _peers_s(), tree_cpu_s())
             if None in now or None in last or now[0] <= last[0]:
                 last = now
                 continue
@@ -157,6 +157,23 @@ class OtherLoad:
         self.cpus = max(0.0, other / wall)
         self.measured = True
         self.niced = max(0.0, ((every - self._all0) - (busy - self._busy0)) / wall)
+
+
+def window_load(series: list[tuple[float, float]], start: float, end: float,
+                default: float) -> float:
+    """The time-weighted mean of an `OtherLoad.series` over [start, end] (seconds since its
+    start; each point the load over the interval ending then); `default` where no sampled
+    interval overlaps it. A run's iterations leave out its start-up (workers spawned, models
+    built), when its own processes are mostly idle and other users' take more."""
+    total = weight = 0.0
+    prev = 0.0
+    for t, v in series:
+        lo, hi = max(prev, start), min(float(t), end)
+        if hi > lo:
+            total += float(v) * (hi - lo)
+            weight += hi - lo
+        prev = float(t)
+    return total / weight if weight > 0 else default
 
 
 def profiled_load(machine: dict[str, Any]) -> float:
@@ -225,15 +242,17 @@ def _contention_worker(conn: Any, dims: dict[str, int], threads: int, rows: int,
         _, start, seconds = msg
         while time.time() < start:
             time.sleep(0.0005)
-        t0, units = time.perf_counter(), 0
+        t0, c0, units = time.perf_counter(), time.process_time(), 0
         while time.perf_counter() - t0 < seconds:
             unit()
             units += 1
-        conn.send((units, time.perf_counter() - t0))
+        conn.send((units, time.perf_counter() - t0, time.process_time() - c0))
 
 
 def measure_contention(cfg: Any, vocab: int, max_len: int, *, max_procs: int | None = None,
-                       reps: int = 5, seconds: float = 0.2) -> list[float]:
+                       reps: int = 5, seconds: float = 0.2,
+                       spread: dict[str, float] | None = None,
+                       per_cpu_second: bool = False) -> list[float]:
     """This machine's speed curve: `curve[k-1]` is how fast each of k processes busy at once
     runs, relative to one alone (`curve[0]` = 1). Work done is counted, not CPU time: k spawned
     processes (multiprocessing spawn, as the local runtime's workers; `runtime.torch_threads`
@@ -246,7 +265,12 @@ def measure_contention(cfg: Any, vocab: int, max_len: int, *, max_procs: int | N
     Two "CPUs" may be hyperthreads of one core or share caches and memory bandwidth, so two
     busy processes may each run well below full speed, which processor sharing (`cores / n`)
     does not see. Other users' load at the time is in the curve, as it is in the profiled
-    costs. Takes a few seconds (mostly the processes' start-up: torch, not transformers)."""
+    costs. With `per_cpu_second` the rates are work per CPU second each process got, not per
+    wall second: how much slower a CPU second of work is with k busy (shared cores, caches,
+    memory bandwidth, switching), time-sharing left out; other users' load then is not in
+    it. `spread`, if given, receives each level's (max - min) / median over the rounds
+    (`contention_K`). Takes a few seconds (mostly the processes' start-up: torch, not
+    transformers)."""
     cpus = os.cpu_count() or 1
     k_max = max(2, max_procs or min(8, cpus + 1))
     model = next(iter(cfg.agents.values())).model
@@ -275,7 +299,8 @@ def measure_contention(cfg: Any, vocab: int, max_len: int, *, max_procs: int | N
                 for c in conns[:k]:
                     c.send(("go", start, seconds))
                 got = [c.recv() for c in conns[:k]]
-                rate = statistics.mean(u / max(e, 1e-9) for u, e in got)
+                rate = statistics.mean(u / max(c if per_cpu_second else e, 1e-9)
+                                       for u, e, c in got)
                 if k == 1:
                     solo = rate
                 ratios[k].append(rate / max(solo, 1e-9))
@@ -289,6 +314,11 @@ def measure_contention(cfg: Any, vocab: int, max_len: int, *, max_procs: int | N
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
+    if spread is not None:
+        for k in range(2, k_max + 1):
+            mid = statistics.median(ratios[k])
+            spread[f"contention_{k}"] = round((max(ratios[k]) - min(ratios[k])) / mid, 4) \
+                if mid else 0.0
     return [1.0] + [round(min(1.0, statistics.median(ratios[k])), 4)
                     for k in range(2, k_max + 1)]
 

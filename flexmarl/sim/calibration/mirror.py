@@ -66,11 +66,19 @@ class CpuShare:
     curve is read as measured), or, where that is below one process (the run is quieter than the
     profile), processor sharing's min(1, cores / (n + E)) over the profile's own
     min(1, cores / (1 + profiled_external)), a speed-up over the profiled costs. Without a curve
-    it is processor sharing throughout: min(1, cores / (n + E)) over the same."""
+    it is processor sharing throughout: min(1, cores / (n + E)) over the same.
+
+    With `cpu_seconds` (a profile whose costs are CPU seconds, `LocalProfile.clock` "cpu") the
+    costs hold no load at all: each of n busy processes next to E other runnable gets
+    processor sharing's min(1, cores / (n + E)) of a CPU, and a CPU second of its work runs at
+    the curve's speed read at n + E busy (`curve[k-1]`: work per CPU second with k busy over
+    one alone, held past its last point); `profiled_external` plays no part."""
 
     def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
-                 profiled_external: float = 0.0, curve: list[float] | None = None) -> None:
+                 profiled_external: float = 0.0, curve: list[float] | None = None,
+                 cpu_seconds: bool = False) -> None:
         self.cores = max(1.0, float(cores))
+        self.cpu_seconds = cpu_seconds
         if isinstance(external, (int, float)):
             series = [(0.0, float(external))]
         else:
@@ -86,6 +94,7 @@ class CpuShare:
         self.last: float | None = None
         self.handle: asyncio.TimerHandle | None = None
         self.busy_s = 0.0
+        self.others_s = 0.0  # CPU seconds the other load got (`others_cpu_s`)
 
     def speed(self, n: float) -> float:
         """How fast each of `n` runnable processes progresses (1.0: as fast as one alone)."""
@@ -101,10 +110,23 @@ class CpuShare:
         frac = n - lo
         return curve[lo - 1] * (1.0 - frac) + curve[lo] * frac
 
+    def efficiency(self, k: float) -> float:
+        """The speed of a CPU second of work with `k` busy (the curve per CPU second), linear
+        between its points, its last point past them; 1.0 without a curve."""
+        if k <= 1.0 or not self.curve:
+            return 1.0
+        curve = [1.0, *self.curve[1:]]
+        if k >= len(curve):
+            return curve[-1]
+        lo = int(k)
+        return curve[lo - 1] * (1.0 - (k - lo)) + curve[lo] * (k - lo)
+
     def rate(self, n: float, external: float | None = None) -> float:
         """How fast each of `n` busy simulated processes progresses next to `external` other
         runnable work (default: the current), relative to the profiled speed of one alone."""
         e = self.external if external is None else max(0.0, external)
+        if self.cpu_seconds:
+            return min(1.0, self.cores / max(1.0, n + e)) * self.efficiency(n + e)
         shifted = n + e - self.profiled_external
         if self.curve and shifted >= 1.0:
             return self.speed(shifted)
@@ -122,12 +144,22 @@ class CpuShare:
         return self.rate(len(self.jobs)) if self.jobs else 1.0
 
     def _advance(self, now: float) -> None:
-        if self.last is not None and self.jobs:
-            done = (now - self.last) * self._rate()
-            for job in self.jobs.values():
-                job[0] -= done
+        if self.last is not None:
+            e = self.external
+            if e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
+                self.others_s += (now - self.last) * e * min(
+                    1.0, self.cores / max(1.0, len(self.jobs) + e))
+            if self.jobs:
+                done = (now - self.last) * self._rate()
+                for job in self.jobs.values():
+                    job[0] -= done
         self.last = now
         self.external = self.external_at(now)
+
+    def others_cpu_s(self, now: float) -> float:
+        """CPU seconds the other runnable work got until `now` (processor sharing)."""
+        self._advance(now)
+        return self.others_s
 
     def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.handle is not None:
@@ -252,6 +284,7 @@ class ProfiledEngine:
         self.cost = 0.0
         self._new = 0  # this turn's newcomers, and those of them that finished at admission
         self._finished = 0
+        self.event_turns = 0  # turns that admitted or answered something (the loop's work)
 
     @property
     def active(self) -> int:
@@ -320,6 +353,7 @@ class ProfiledEngine:
             self.seqs = still
         answered = self._finished + len(finished)
         if answered or self._new:
+            self.event_turns += 1
             over = self.p.fits.get("replica_overhead") if self.p is not None else None
             if over is not None:
                 self.cost += max(0.0, over(requests=self._new))
@@ -419,6 +453,8 @@ class SimRolloutWorker(_Common):
             for fut, agent, version in loads:
                 await self._loaded(sched.load(fut, agent, version, None))
             await self._loaded(sched.apply_deferred())
+            if self.loads:  # a load that came in while the one before it ran
+                continue
             if not sched.has_work():
                 self.wake.clear()
                 await self.wake.wait()
@@ -527,6 +563,8 @@ class MirrorResult:
     steady_per_iteration_s: float
     spans: list[Any]
     train_calls: int = 0
+    other_cpus: float = 0.0  # CPUs' worth of time the other load got over the makespan
+    other_runnable: float = 0.0  # the other runnable work simulated (`run_mirror_measured`)
 
 
 def per_iteration(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -570,6 +608,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                          "profiled on this machine")
     workers: list[_Common] = []
     spans: list[Any] = []
+    shares: list[CpuShare] = []
 
     async def main() -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -583,12 +622,16 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         # the difference between the run's other load and the profile's is simulated
         ext: float | Sequence[tuple[float, float]] = 0.0
         prof_ext = 0.0
+        cpu_seconds = profile.clock == "cpu"
         if external is not None:
             ext = external
             prof_ext = (profiled_load(machine) if profiled_external is None
                         else profiled_external)
+        elif cpu_seconds:  # costs without load: the profile's own load, simulated
+            ext = profiled_load(machine)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
-                       curve=None if cores else profile.contention)
+                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
+        shares.append(cpu)
         parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
@@ -626,4 +669,39 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     makespan = float(records[-1]["time_s"]) if records else 0.0
     requests = sum(w.calls for w in workers if w.pool == "rollout")
     train_calls = sum(w.calls for w in workers if w.pool == "train")
-    return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls)
+    others = shares[0].others_cpu_s(makespan) / makespan if shares and makespan > 0 else 0.0
+    runnable = shares[0].external if shares else 0.0
+    return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
+                        runnable)
+
+
+def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,
+                        tries: int = 6, **kw: Any) -> MirrorResult:
+    """The mirror next to other users' work as a real run measured it: `other_cpus`, the CPU
+    time they got during the run (`OtherLoad`), in CPUs. For a CPU-second profile that is not
+    their runnable work: on a saturated machine they get only their processor share of it
+    next to the run's own busy processes (2 CPUs, 1 busy of ours and 3 runnable of theirs:
+    they get 1.5 CPUs). The runnable work is inferred so that, in the simulated run, the
+    others get the CPU time they got in the real one (secant steps on the runnable work,
+    `tries` runs at most, within 3%). A wall-clock profile is simulated with `other_cpus` as
+    its other load."""
+    if profile.clock != "cpu" or other_cpus <= 0:
+        return run_mirror(cfg, task, profile, external=other_cpus, **kw)
+    runnable = other_cpus
+    sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+    best = sim
+    last: tuple[float, float] | None = None
+    for _ in range(tries - 1):
+        got = sim.other_cpus
+        if got <= 0 or abs(got - other_cpus) <= 0.03 * other_cpus:
+            break
+        if last is not None and abs(got - last[1]) > 1e-9:
+            step = runnable + (other_cpus - got) * (runnable - last[0]) / (got - last[1])
+        else:  # a first step: as if the others' share grew with their runnable work
+            step = runnable * other_cpus / got
+        last = (runnable, got)
+        runnable = min(64.0, max(1e-3, step))
+        sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+        if abs(sim.other_cpus - other_cpus) < abs(best.other_cpus - other_cpus):
+            best = sim
+    return best

@@ -3,7 +3,9 @@
 
 For every agent's real model, with the real engine and trainer code (`rollout.engine.HFEngine`,
 `training.trainer.AgentTrainer`, `training.host.TrainHost`), in this process and with the
-config's `runtime.torch_threads`, the profiler times:
+config's `runtime.torch_threads`, the profiler times, in this process's CPU seconds (so that
+other users' work preempting it does not end up in the costs; the mirror simulates the load
+of each run instead: `LocalProfile.clock` "cpu"):
 
 - `prefill`: `HFEngine.admit` of `seqs` new requests, left-padded to `width` prompt tokens
   (`tokens` = seqs x width), including the first token's sampling;
@@ -22,10 +24,13 @@ the message round trips of the local runtime (`ipc_generate`: a batch of `reques
 `ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Finally
 `parent_per_request_s`: the orchestrator's own CPU time per generate request, from running the
 production `JointOrchestrator` against zero-cost pools in real time; `worker_scale`: real
-worker processes given the run's order of work, over the fits' prediction. Before all of it,
-`contention`: how fast each of k processes busy at once runs on this machine (spawned
-processes doing torch work of the config's model sizes, work done counted; see
-`measure_contention`), which the mirror's CPU sharing uses instead of cores / n.
+worker processes given the run's order of work (a replica: batches with the agents' measured
+output lengths), over the fits' prediction, their busy spans turned into CPU seconds by the
+share of them each process spent on a CPU (`_OnCpu`, from /proc). Before all of it,
+`contention`: how fast a CPU second of each of k processes busy at once goes on this machine
+(spawned processes doing torch work of the config's model sizes, work done per CPU second
+counted; see `measure_contention`). Every repeated quantity's spread over its rounds
+((max - min) / median) is kept in `spread` and logged.
 
 Each quantity is fitted by least squares to a small named linear model (`fits.Fit`: a fixed
 overhead `1` plus per-sequence / per-token terms; negative coefficients are dropped and the fit
@@ -73,8 +78,9 @@ from flexmarl.sim.calibration.machine import (
     machine_info,
     measure_contention,
     measure_external_load,
+    tree_cpu_s,
 )
-from flexmarl.sim.calibration.mirror import mirror_config
+from flexmarl.sim.calibration.mirror import ProfiledEngine, mirror_config
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import state as st
 from flexmarl.training.host import TrainHost
@@ -87,17 +93,24 @@ from flexmarl.types import GenerationRequest, GenerationResult, Sample
 STATISTIC = "median"
 
 
+# Work is timed in this process's CPU seconds, not wall seconds: a timing that other users'
+# processes preempted reads the same as one they did not, so a profile taken on a busy machine
+# holds the same costs as one taken on a quiet one, and the mirror shares the CPUs among the
+# run's processes and the run's own other load (`CpuShare`, `LocalProfile.clock` "cpu").
+_clock = time.process_time
+
+
 def _stat(xs: Sequence[float]) -> float:
     return float(min(xs) if STATISTIC == "min" else statistics.median(xs))
 
 
 def _timed(fn: Callable[[], Any], reps: int = 5) -> float:
-    """`_stat` of the wall times of `fn` over `reps` runs (after the caller's warm-up)."""
+    """`_stat` of the CPU times of `fn` over `reps` runs (after the caller's warm-up)."""
     out = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        out.append(time.perf_counter() - t0)
+        out.append(_clock() - t0)
     return _stat(out)
 
 
@@ -128,9 +141,9 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
             times = []
             for _ in range(reps):
                 batch = requests(n, w)
-                t0 = time.perf_counter()
+                t0 = _clock()
                 engine.admit(batch)
-                times.append(time.perf_counter() - t0)
+                times.append(_clock() - t0)
                 engine.reset()
             px.append({"seqs": n, "tokens": n * w})
             py.append(_stat(times))
@@ -138,9 +151,9 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
             engine.step()  # the first step after admission: not a steady one
             steps = []
             for _ in range(reps):
-                t0 = time.perf_counter()
+                t0 = _clock()
                 engine.step()
-                steps.append(time.perf_counter() - t0)
+                steps.append(_clock() - t0)
             dx.append({"seqs": n, "tokens": n * (w + 2 + reps / 2)})
             dy.append(_stat(steps))
             engine.reset()
@@ -164,9 +177,9 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
                     reps: int = 5) -> dict[str, Fit]:
     """accumulate / step / weights / swap / get_state of one agent's real trainer."""
     slot = TrainHost(cfg, vocab, max_seq_len)
-    t0 = time.perf_counter()
+    t0 = _clock()
     slot.bind(agent, None)
-    build_s = time.perf_counter() - t0
+    build_s = _clock() - t0
     trainer = slot.trainers[agent]
     mb = cfg.train.micro_batch_size
     rows_grid = _grid(max(mb, 1), [1, 4, mb // 2, mb])
@@ -184,15 +197,15 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
             times = []
             for _ in range(reps):
                 batch = _samples(rows, p, r, vocab, trainer.version, f"s{next(tag)}", allowed)
-                t0 = time.perf_counter()
+                t0 = _clock()
                 trainer.accumulate(batch)
-                times.append(time.perf_counter() - t0)
+                times.append(_clock() - t0)
             ax.append({"rows": rows, "tokens": rows * (p + r)})
             ay.append(_stat(times))
-            t0 = time.perf_counter()
+            t0 = _clock()
             trainer.step()
             publish_form(trainer.weights(), agent, trainer.version)
-            steps.append(time.perf_counter() - t0)
+            steps.append(_clock() - t0)
     weights_s = _timed(lambda: publish_form(trainer.weights(), agent, trainer.version), reps)
     state_s = _timed(lambda: state_to_numpy(trainer.get_state()), reps)
     # swapping: evicted as `TrainHost.bind` evicts a resident, then bound back on another slot
@@ -200,12 +213,12 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
     outs, ins = [], []
     spare = TrainHost(cfg, vocab, max_seq_len)
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = _clock()
         state = st.swap_out(slot.trainers.pop(agent).capture(), None, agent)
-        outs.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        outs.append(_clock() - t0)
+        t0 = _clock()
         spare.bind(agent, state)
-        ins.append(time.perf_counter() - t0)
+        ins.append(_clock() - t0)
         slot, spare = spare, slot
     return {
         "accumulate": fit_linear(["1", "rows", "tokens"], ax, ay),
@@ -306,6 +319,27 @@ class _Spans(NullSink):
         return sum(d for _, d in self.spans)
 
 
+class _OnCpu:
+    """The share of a worker's busy wall time it spent on a CPU, over a phase of a probe: its
+    process's CPU seconds (/proc, 10 ms ticks: only a phase is long enough to read) over the
+    busy spans it reported meanwhile; the spans times it are CPU seconds, as the fits are."""
+
+    def __init__(self, proxy: Any, sink: _Spans) -> None:
+        self.pid = proxy.process.pid
+        self.sink = sink
+        self.cpu0 = tree_cpu_s(self.pid)
+        self.busy = 0.0
+
+    def add(self, busy: float) -> None:
+        self.busy += busy
+
+    def fraction(self) -> float:
+        cpu1 = tree_cpu_s(self.pid)
+        if self.cpu0 is None or cpu1 is None or self.busy <= 0:
+            return 1.0  # no /proc: wall time, as measured
+        return max(0.05, min(1.0, (cpu1 - self.cpu0) / self.busy))
+
+
 async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
                         pool: str = "rollout") -> tuple[Any, _Spans]:
     """A real worker process of the local runtime (`rollout_worker_main`, or
@@ -321,87 +355,126 @@ async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
     return proxy, sink
 
 
-def _engine_time(prof: AgentProfile, n: int, prompt: int, out: int) -> float:
-    """What the engine fits predict for `n` requests of `prompt` tokens decoding `out`."""
-    fits = prof.fits
-    return fits["prefill"](seqs=n, tokens=n * prompt) + sum(
-        fits["decode"](seqs=n, tokens=n * (prompt + t + 1)) for t in range(1, out))
-
-
 def _ratio(measured: Sequence[float], predicted: Sequence[float]) -> float:
     """Measured over predicted, as a median of per-round ratios (1.0 without data)."""
     ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
     return _stat(ratios) if ratios else 1.0
 
 
+def replay_batch(agent: str, prof: AgentProfile, prompt: int, outs: Sequence[int],
+                 max_seqs: int) -> tuple[float, int]:
+    """What the mirror charges a replica for one batch of `agent` admitted together, each
+    request decoding exactly its `outs` tokens: the seconds of `prof`'s fits (with its
+    `replica_overhead`, if it has one) and the number of turns that admitted or answered
+    something (those carry the loop's own work). The mirror's own engine (`ProfiledEngine`)
+    replays it, so the profile and the mirror count the same turns."""
+    local = LocalProfile("replay", 1, {agent: prof}, {})
+    engine = ProfiledEngine(agent, local, max(max_seqs, len(outs)), 1 << 30, lambda: 0.0)
+    engine.admit([GenerationRequest(f"replay{i}", agent, 0, [3] * prompt, max(1, out))
+                  for i, out in enumerate(outs)])
+    engine.step()  # a scheduler turn admits and decodes once
+    while engine.seqs:
+        engine.step()
+    return engine.take_cost(), engine.event_turns
+
+
+def _spread(values: Sequence[float]) -> float:
+    """(max - min) / median of repeated measurements of one quantity (0: none or one)."""
+    if len(values) < 2:
+        return 0.0
+    mid = statistics.median(values)
+    return float((max(values) - min(values)) / mid) if mid else 0.0
+
+
 async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
-                         allowed: dict[str, list[int] | None], reps: int) -> tuple[Fit, float]:
+                         allowed: dict[str, list[int] | None], reps: int
+                         ) -> tuple[Fit, float, dict[str, float]]:
     """A real rollout replica process (`rollout_worker_main`, the config's models), timed by
-    the busy spans it reports. First each agent alone, in batches of 1 .. max_batch_seqs
-    requests: its busy time beyond what the engine fits predict is the worker loop's own work
-    (messages, queues, replies), fitted per turn and per request (`replica_overhead`). Then
-    every agent at once, as in a run (the models take turns): its busy time over what the fits
-    predict for the same work (`worker_scale["rollout"]`); the fits were measured one model at
-    a time, in hot loops, and a replica whose models alternate runs slower than that. In both
-    the first round warms the replica up and is left out."""
+    the busy spans it reports, given batches whose output lengths are drawn from each agent's
+    measured ones (a long tail answers in many turns, as in the run). First each agent alone,
+    in batches of 1 .. max_batch_seqs requests: its busy time beyond what the engine fits
+    predict (`replay_batch`: the mirror's own engine on the same batch) is the worker loop's
+    own work (messages, queues, replies), fitted per turn that admitted or answered something
+    and per request admitted (`replica_overhead`; the mirror charges it on exactly those
+    turns). Then every agent at once, as in a run (the models take turns): its busy time over
+    what the fits and that overhead predict for the same work (`worker_scale["rollout"]`); the
+    fits were measured one model at a time, in hot loops, and a replica whose models alternate
+    runs slower than that. In both the first round warms the replica up and is left out.
+    Returns the overhead, the scale and the spread of the scale's rounds."""
 
     proxy, sink = await _start_worker(cfg, vocab, max_len, list(agents))
     ids = itertools.count()
-    typical = {a: (max(1, round(statistics.median(prof.prompt_lengths or [8]))),
-                   max(1, round(statistics.median(prof.output_lengths or [1]))))
+    prompts = {a: max(1, round(statistics.median(prof.prompt_lengths or [8])))
                for a, prof in agents.items()}
+    max_seqs = 1 if cfg.runtime.deterministic else cfg.rollout.max_batch_seqs
 
-    def batch(agent: str, n: int, rng: np.random.Generator, tag: str) -> list[GenerationRequest]:
-        p, out = typical[agent]
+    def batch(agent: str, n: int, rng: np.random.Generator, tag: str
+              ) -> tuple[list[GenerationRequest], list[int]]:
+        lengths = agents[agent].output_lengths or [1]
+        outs = [max(1, int(v)) for v in rng.choice(lengths, size=n)]
         return [GenerationRequest(f"{tag}{next(ids)}", agent, 0,
-                                  rng.integers(3, vocab, size=p).tolist(), out,
-                                  allowed.get(agent)) for _ in range(n)]
+                                  rng.integers(3, vocab, size=prompts[agent]).tolist(), out,
+                                  allowed.get(agent)) for out in outs], outs
 
     async def busy(reqs: list[GenerationRequest]) -> float:
         sink.spans.clear()
         await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
         return sink.busy()
 
-    max_seqs = 1 if cfg.runtime.deterministic else cfg.rollout.max_batch_seqs
     try:
         rng = np.random.default_rng(1)
         xs, ys = [], []
         for agent, prof in agents.items():
             for n in _grid(max_seqs, [1, 8, max_seqs]):
-                times = [await busy(batch(agent, n, rng, "r")) for _ in range(reps + 1)]
-                xs.append({"requests": n})
-                ys.append(max(0.0, _stat(times[1:]) - _engine_time(prof, n, *typical[agent])))
+                runs = []
+                on_cpu = _OnCpu(proxy, sink)
+                for rep in range(reps + 1):
+                    reqs, outs = batch(agent, n, rng, "r")
+                    took = await busy(reqs)
+                    on_cpu.add(took)
+                    engine, turns = replay_batch(agent, prof, prompts[agent], outs, max_seqs)
+                    if rep:
+                        runs.append((took, engine, max(1, turns)))
+                f = on_cpu.fraction()
+                xs.append({"requests": _stat([n / t for _, _, t in runs])})
+                ys.append(max(0.0, _stat([(took * f - e) / t for took, e, t in runs])))
         over = fit_linear(["1", "requests"], xs, ys)
+        for prof in agents.values():
+            prof.fits["replica_overhead"] = over
         rng = np.random.default_rng(2)
         n = max(1, min(max_seqs, 32))
         measured, predicted = [], []
+        on_cpu = _OnCpu(proxy, sink)
         for rep in range(reps + 1):
             reqs, expect = [], 0.0
             for agent, prof in agents.items():
-                out = typical[agent][1]
-                reqs += batch(agent, n, rng, "s")
-                # as the mirror: the engine's work, the loop's at admission and the last turn
-                expect += _engine_time(prof, n, *typical[agent]) + over(requests=n) + (
-                    over(requests=0) if out > 2 else 0.0)
+                more, outs = batch(agent, n, rng, "s")
+                reqs += more
+                expect += replay_batch(agent, prof, prompts[agent], outs, max_seqs)[0]
             took = await busy(reqs)
+            on_cpu.add(took)
             if rep:
                 measured.append(took)
                 predicted.append(expect)
+        f = on_cpu.fraction()
+        measured = [m * f for m in measured]
     finally:
         await proxy.stop()
-    return over, _ratio(measured, predicted)
+    ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
+    return over, _ratio(measured, predicted), {"rollout": _spread(ratios)}
 
 
 async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
-                       allowed: dict[str, list[int] | None], reps: int) -> dict[str, float]:
+                       allowed: dict[str, list[int] | None], reps: int
+                       ) -> tuple[dict[str, float], dict[str, float]]:
     """A real training worker (`train_worker_main`) given the run's commands in the run's
     order: micro-batches of the trainable agents in turn (each `bind` swaps the resident out
     and the next agent in when agents share the slot), samples over the pipe, then every
     agent's `step`. Per command kind, the spans it reports over what the in-process fits
-    (`swap_out` + `swap_in`, `accumulate`, `step`) predict."""
+    (`swap_out` + `swap_in`, `accumulate`, `step`) predict, and the spread of its rounds."""
     trainable = [a for a in agents if cfg.agents[a].trainable]
     if not trainable:
-        return {}
+        return {}, {}
     proxy, sink = await _start_worker(cfg, vocab, max_len, trainable, "train")
     rows = max(1, cfg.train.micro_batch_size)
     swapped: dict[str, Any] = {}
@@ -420,9 +493,12 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
             want["bind"] += agents[agent].fits["swap_out"]() + agents[agent].fits["swap_in"]()
 
     try:
+        on_cpu = _OnCpu(proxy, sink)
         for rep in range(reps + 1):
             want.clear()
             sink.spans.clear()
+            if rep == 1:  # the first round builds the trainers: its CPU time left out
+                on_cpu = _OnCpu(proxy, sink)
             for _ in range(2):  # two micro-batches per agent per round, agents in turn
                 for agent in trainable:
                     await bind(agent)
@@ -439,6 +515,7 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
                 versions[agent] += 1
                 want["step"] += agents[agent].fits["step"]()
             if rep:  # the first round builds the trainers
+                on_cpu.add(sink.busy())
                 got: dict[str, float] = defaultdict(float)
                 for kind, d in sink.spans:
                     if kind in kinds:
@@ -446,9 +523,15 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
                 for kind, value in want.items():
                     measured[kind].append(got[kind])
                     predicted[kind].append(value)
+        f = on_cpu.fraction()
+        measured = {k: [m * f for m in v] for k, v in measured.items()}
     finally:
         await proxy.stop()
-    return {f"train_{k}": _ratio(measured[k], predicted[k]) for k in measured}
+    scale = {f"train_{k}": _ratio(measured[k], predicted[k]) for k in measured}
+    spread = {f"train_{k}": _spread([m / p for m, p in zip(measured[k], predicted[k],
+                                                           strict=True) if p > 0])
+              for k in measured}
+    return scale, spread
 
 
 # --- lengths from a short real run -----------------------------------------------------------
@@ -496,8 +579,11 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     log("machine load: other runnable work, in CPUs")
     external = measure_external_load()
     during = OtherLoad().start()  # other users' work over the whole profiling
-    log("contention: the speed of each of k busy processes (spawned, torch work)")
-    contention = measure_contention(cfg, task.vocab_size, task.max_seq_len, reps=reps)
+    log("contention: the speed of a CPU second of each of k busy processes (spawned, torch "
+        "work)")
+    contention_spread: dict[str, float] = {}
+    contention = measure_contention(cfg, task.vocab_size, task.max_seq_len, reps=reps,
+                                    spread=contention_spread, per_cpu_second=True)
     log("contention: " + ", ".join(f"{k} busy x{v:.2f}" for k, v in enumerate(contention, 1)))
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.runtime.torch_threads)
@@ -538,14 +624,17 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         ipc_fits = asyncio.run(_ipc_measure(
             lambda n: (first, _samples(n, p, o, vocab, 0, "ipc", None)), wire, reps))
         log("a real rollout replica: the worker loop's own work, then agents interleaved")
-        replica, rollout_scale = asyncio.run(_replica_probe(cfg, vocab, max_len, agents,
-                                                            allowed, reps))
-        for prof in agents.values():
-            prof.fits["replica_overhead"] = replica
+        replica, rollout_scale, spread = asyncio.run(_replica_probe(cfg, vocab, max_len,
+                                                                    agents, allowed, reps))
         log("a real training worker: the run's order of work, agents interleaved")
         scale = {"rollout": rollout_scale}
-        scale.update(asyncio.run(_train_scale(cfg, vocab, max_len, agents, allowed, reps)))
-        log("worker scale: " + ", ".join(f"{k} x{v:.2f}" for k, v in scale.items()))
+        train_scale, train_spread = asyncio.run(_train_scale(cfg, vocab, max_len, agents,
+                                                             allowed, reps))
+        scale.update(train_scale)
+        spread.update(train_spread)
+        spread.update(contention_spread)
+        log("worker scale: " + ", ".join(f"{k} x{v:.2f} (spread {spread.get(k, 0.0):.0%})"
+                                         for k, v in scale.items()))
         log("orchestrator overhead per request and training call (zero-cost workers, "
             "real time)")
         parent_s = asyncio.run(measure_parent_overhead(cfg, task, agents))
@@ -556,7 +645,8 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     machine["external_load"] = external
     machine["other_load"] = round(during.cpus, 3)
     return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
-                        machine, time.perf_counter() - started, parent_s[1], scale, contention)
+                        machine, time.perf_counter() - started, parent_s[1], scale, contention,
+                        spread, clock="cpu")
 
 
 async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]

@@ -12,7 +12,7 @@ import yaml
 from flexmarl.config.schema import ConfigError, load_config
 from flexmarl.config.systems import NOT_YET, SYSTEM_SETTINGS, system_overrides
 from flexmarl.policy.device import Placement, plan_placements
-from flexmarl.sim.calibration.compare import compare, pinned_overrides
+from flexmarl.sim.calibration.compare import compare, pinned_overrides, resimulate
 from flexmarl.sim.simulate import SYSTEMS
 from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
 
@@ -59,6 +59,12 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
         assert "pools pinned apart (colocated: marti, every core)" in table
     saved = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert len(saved["rows"]) == 2
+    # --resimulate: the same real runs simulated again (the mirror is deterministic)
+    again = {r.system: r for r in resimulate(tmp_path / "out")}
+    for r in rows:
+        assert again[r.system].measured_s == pytest.approx(r.measured_s)
+        assert again[r.system].simulated_s == pytest.approx(r.simulated_s)
+    assert (tmp_path / "out" / "compare_resimulated.json").exists()
     # the colocated preset ran colocated (never pinned apart), and its replicas slept
     marti = load_config(tmp_path / "out" / "marti-0" / "config.yaml")
     assert (marti.pipeline.mode, marti.rollout.balance, marti.runtime.colocate) == (

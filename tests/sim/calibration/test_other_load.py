@@ -13,7 +13,7 @@ import pytest
 
 from flexmarl.graph.task import load_task
 from flexmarl.sim.calibration.calibrate import series_in_virtual_time
-from flexmarl.sim.calibration.machine import OtherLoad, _tree_cpu_s, profiled_load
+from flexmarl.sim.calibration.machine import OtherLoad, profiled_load, tree_cpu_s
 from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
 from flexmarl.sim.runtime.clock import run_virtual
 from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
@@ -119,14 +119,14 @@ def test_series_in_virtual_time():
 
 
 def test_the_process_tree_and_other_load_series():
-    t0 = _tree_cpu_s()
+    t0 = tree_cpu_s()
     assert t0 is not None and t0 > 0
     child = subprocess.Popen([sys.executable, "-c",
                               "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
     try:
         with OtherLoad(every=0.1) as load:
             time.sleep(0.4)  # the child's work is this tree's own, not other load
-            mid = _tree_cpu_s()
+            mid = tree_cpu_s()
     finally:
         child.wait()
     assert mid is not None and mid - t0 > 0.05

@@ -158,6 +158,8 @@ def test_profile_local_end_to_end(tmp_path, capsys):
     prof = Profile.load(out / "profile.json")
     assert set(prof.agents) == {"speaker", "relay", "listener"}
     assert prof.agents["relay"].fits["decode"].coef["1"] > 0
+    # CPU seconds, and how much each repeated quantity's rounds differed
+    assert prof.clock == "cpu" and "rollout" in prof.spread and "contention_2" in prof.spread
     assert (out / "calibration.json").exists()
     assert (out / "real-sync" / "metrics.jsonl").exists()
     assert (out / "real-async" / "metrics.jsonl").exists()

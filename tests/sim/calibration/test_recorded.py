@@ -1,0 +1,77 @@
+"""The simulator's prediction for each preset against a recorded profile and the real runs
+measured with it (issue 31, item 5): `flexmarl bench compare examples/paper_workload.yaml
+--iterations 4 --rounds 3` on the 2-CPU development machine under other agents' load (load
+average 5-12; tests/data/sim/: the profile, each run's s/iteration and the other users' CPU
+time over its iterations).
+The mirror runs in virtual time, so its predictions are deterministic: these tests fail when
+the model moves away from what was measured."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from flexmarl.config.schema import load_config
+from flexmarl.orchestrator.run import prepare
+from flexmarl.sim.calibration.fits import LocalProfile
+from flexmarl.sim.calibration.machine import profiled_load
+from flexmarl.sim.calibration.mirror import run_mirror, run_mirror_measured
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "tests" / "data" / "sim"
+
+
+def _recorded() -> tuple[LocalProfile, dict]:
+    return (LocalProfile.load(DATA / "paper_workload_profile.json"),
+            json.loads((DATA / "paper_workload_compare.json").read_text()))
+
+
+def _config(recorded: dict, system: str):
+    return load_config(ROOT / recorded["config"], recorded["settings"][system])
+
+
+def test_flexmarl_is_predicted_within_10_percent_of_its_recorded_runs():
+    prof, recorded = _recorded()
+    row = next(r for r in recorded["rows"] if r["system"] == "flexmarl")
+    cfg = _config(recorded, "flexmarl")
+    task = prepare(cfg)
+    measured = statistics.median(row["s_per_iteration"])
+    load = statistics.median(row["other_load"])
+    sim = run_mirror_measured(cfg, task, prof, load, profiled_external=profiled_load(
+        prof.machine))
+    assert abs(sim.per_iteration_s - measured) / measured <= 0.10
+    # the others got 1.0 of the 2 CPUs next to the run's busy processes: more runnable
+    # work of theirs than that, which the simulated others get the same CPU time from
+    assert sim.other_runnable > load
+    assert sim.other_cpus == pytest.approx(load, rel=0.05)
+    # read as that many runnable processes, the machine would give the pipeline more CPU
+    # than it did: the under-prediction issue 31 reported for the pipelined rows
+    naive = run_mirror(cfg, task, prof, external=load)
+    assert naive.per_iteration_s < sim.per_iteration_s
+
+
+@pytest.mark.slow
+def test_every_preset_against_its_recorded_runs():
+    prof, recorded = _recorded()
+    errors = {}
+    for row in recorded["rows"]:
+        cfg = _config(recorded, row["system"])
+        task = prepare(cfg)
+        sims = [run_mirror_measured(cfg, task, prof, load,
+                                    profiled_external=profiled_load(prof.machine))
+                .per_iteration_s for load in row["other_load"]]
+        measured = statistics.median(row["s_per_iteration"])
+        errors[row["system"]] = (statistics.median(sims) - measured) / measured
+    # the rounds of one system differed by up to 4.9x under this load (flexmarl 9.04 .. 1.83
+    # s/iteration): the worst rows are within their rounds' spread, the typical row close
+    assert all(abs(e) <= 0.30 for e in errors.values()), errors
+    assert statistics.median(abs(e) for e in errors.values()) <= 0.12, errors
+    for system in ("flexmarl", "flexmarl-sync", "sync-disaggregated", "marti"):
+        assert abs(errors[system]) <= 0.10, (system, errors)
+    # what the command printed when the runs were measured (the mirror is deterministic)
+    for row in recorded["rows"]:
+        assert statistics.median(row["simulated_rounds"]) == pytest.approx(
+            statistics.median(row["s_per_iteration"]) * (1 + errors[row["system"]]), rel=1e-6)
