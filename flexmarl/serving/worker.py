@@ -44,7 +44,7 @@ class ServeRequest(GenerationRequest):
 
 class ServeEngine(HFEngine):
     """The engine plus nucleus (top-p) sampling: tokens outside the smallest set holding
-    `top_p` of the (masked, tempered) probability are masked before the Gumbel-max draw, so
+    `top_p` of the (masked, tempered) probability are masked before the keyed draw, so
     reported log-probs are those of the distribution actually sampled."""
 
     def _sample(self, start: int = 0) -> list[GenerationResult]:
