@@ -89,7 +89,10 @@ def sample_keyed(logp: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
         probs = probs.masked_fill(~keep, 0.0)
     cdf = probs.cumsum(-1)
     point = keyed_uniform(keys, steps).unsqueeze(1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, point, right=True).squeeze(1)
+    # a row with no finite mass (NaN logits from diverged weights) would index past the end:
+    # it draws the last token instead, its log-prob is NaN, and the trainer's non-finite check
+    # names the divergence (train.max_skipped_steps) rather than the rollout crashing
+    return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
 
 
 def top_p_mask(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,15 @@ import torch
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
 from flexmarl.policy.sampling import (
+    _M32,
     GenerationRequest,
+    _mul32,
     generate,
+    keyed_uniform,
     make_token_batch,
     response_logprobs,
+    sample_keyed,
+    sampling_key,
 )
 
 
@@ -70,7 +75,6 @@ def test_stop_token_ends_sequence():
 
 
 def test_keyed_uniform_is_a_pure_function_of_key_and_step():
-    from flexmarl.policy.sampling import keyed_uniform, sampling_key
 
     keys = torch.tensor([sampling_key(7), sampling_key((1 << 62) + 12345), sampling_key(7)])
     steps = torch.tensor([0, 3, 1], dtype=torch.int64)
@@ -86,7 +90,6 @@ def test_keyed_uniform_is_a_pure_function_of_key_and_step():
 
 
 def test_keyed_draw_follows_the_distribution_and_never_picks_a_masked_token():
-    from flexmarl.policy.sampling import sample_keyed, sampling_key
 
     probs = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.0, 0.125])
     n = 40000
@@ -109,7 +112,6 @@ def test_keyed_draw_follows_the_distribution_and_never_picks_a_masked_token():
 def test_mul32_wrapping_product_equals_the_split_one():
     """The hash multiplies in int64 and relies on the product wrapping modulo 2**64; its low 32
     bits must equal an overflow-free 16-bit split product, for every input the hash sees."""
-    from flexmarl.policy.sampling import _M32, _mul32
 
     rng = np.random.default_rng(0)
     x = torch.tensor(np.concatenate([rng.integers(0, 1 << 32, 100000, dtype=np.int64),
@@ -135,3 +137,16 @@ def test_padding_after_shorter_responses_is_finite_with_restricted_tokens():
     assert float((logp * (1 - batch.response_mask)).abs().sum()) == 0.0
     logp.sum().backward()
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+
+
+def test_a_row_without_finite_mass_draws_a_token_in_range():
+    """Diverged weights give NaN logits: the draw stays in the vocabulary (its log-prob is NaN
+    and the trainer's non-finite check stops the run), the other rows are unchanged."""
+    logp = torch.log_softmax(torch.randn(3, 7), -1)
+    bad = logp.clone()
+    bad[1] = float("nan")
+    keys = torch.tensor([11, 12, 13], dtype=torch.int64)
+    steps = torch.tensor([0, 1, 2], dtype=torch.int64)
+    good, drawn = sample_keyed(logp, keys, steps), sample_keyed(bad, keys, steps)
+    assert 0 <= int(drawn[1]) < 7
+    assert drawn[0] == good[0] and drawn[2] == good[2]
