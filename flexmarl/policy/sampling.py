@@ -25,7 +25,8 @@ PAD = 0
 
 
 def noise_seed_of(request: GenerationRequest) -> int:
-    """The seed of a request's Gumbel noise stream: the same on every replica and endpoint."""
+    """The seed of a request's sampling stream (its `sampling_key`): the same on every replica
+    and endpoint."""
     if request.noise_seed is not None:
         return request.noise_seed
     return stable_seed(request.seed, request.sample_id, request.version)
