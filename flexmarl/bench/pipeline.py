@@ -7,10 +7,19 @@ Next to the ratio it prints the ideal one, max(R, T) / (R + T), from the sync ru
 rollout busy time R and training busy time T per iteration (seconds of a worker of each pool):
 what a perfect overlap of rollout and training would reach, if neither slowed the other. Also
 the training-state swaps per iteration of each mode (agents time-sharing training slots).
+
+Then where each mode's time goes (`idle_breakdown`, from each run's OUT/trace.json): per
+iteration, the seconds the rollout replica sat idle, and of them the seconds it waited for a
+new version (an idle gap that a weight load ends: the on-policy gate, iteration k+1's nodes of
+agent a wait for a's step on k), and the seconds the training slot sat idle. The ideal above
+assumes rollout and training independent; the gate is why an on-policy pipeline falls short of
+it when the rows that finish last (a long tail) belong to the agents whose steps the next
+iteration needs first.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,6 +34,35 @@ def run_mode(config: str, overrides: list[str], mode: str, out: Path) -> list[di
     return train(cfg, out).records
 
 
+def idle_breakdown(out: Path) -> dict[str, float]:
+    """Per iteration of a finished run (OUT/trace.json, OUT/metrics.jsonl), after its first
+    iteration's rollout: `rollout_idle` s, of which `version_wait` (idle gaps a weight load
+    ends), and `train_idle` s; each pool's worker 0. Empty without a trace."""
+    trace, metrics = out / "trace.json", out / "metrics.jsonl"
+    if not trace.exists() or not metrics.exists():
+        return {}
+    events = json.loads(trace.read_text())["traceEvents"]
+    n = sum(1 for line in metrics.read_text().splitlines() if line.startswith('{"iteration"'))
+    pools = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    spans = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, pools.get(e["pid"], ""),
+                    e["name"]) for e in events if e.get("ph") == "X" and e.get("tid") == 0)
+    plans = [e["ts"] / 1e6 for e in events if e.get("name") == "rollout_plan"]
+    if n < 2 or not plans or not spans:
+        return {}
+    lo, hi = min(plans), max(end for _, end, _, _ in spans)
+    figures = {"rollout_idle": 0.0, "version_wait": 0.0, "train_idle": 0.0}
+    for pool, key in (("rollout", "rollout_idle"), ("train", "train_idle")):
+        cur = lo
+        for start, end, _, name in (s for s in spans if s[2] == pool and s[1] > lo):
+            if start > cur:
+                figures[key] += start - cur
+                if pool == "rollout" and name.startswith("load:"):
+                    figures["version_wait"] += start - cur
+            cur = max(cur, end)
+        figures[key] += max(0.0, hi - cur)
+    return {k: v / (n - 1) for k, v in figures.items()}
+
+
 def bench_pipeline(
     config: str, overrides: list[str] | None = None, rounds: int = 3, out: str | None = None
 ) -> dict[str, Any]:
@@ -32,12 +70,15 @@ def bench_pipeline(
     base = Path(out) if out else Path(tempfile.mkdtemp(prefix="flexmarl-bench-"))
     per_mode: dict[str, dict[str, list[float]]] = {
         m: {"wall": [], "rollout": [], "train": [], "success": [], "rollout_s": [],
-            "train_s": [], "swaps": []} for m in ("sync", "async")
+            "train_s": [], "swaps": [], "rollout_idle": [], "version_wait": [],
+            "train_idle": []} for m in ("sync", "async")
     }
     for r in range(rounds):
         order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
         for mode in order:
             records = run_mode(config, overrides, mode, base / f"{mode}-{r}")
+            for key, value in idle_breakdown(base / f"{mode}-{r}").items():
+                per_mode[mode][key].append(value)
             steady = records[1:] or records
             per_mode[mode]["wall"] += [x["wall_s"] for x in steady]
             per_mode[mode]["rollout"] += [x["pool/rollout/busy_frac"] for x in steady]
@@ -49,7 +90,8 @@ def bench_pipeline(
             per_mode[mode]["swaps"] += [x.get("pool/train/swaps", 0) for x in steady]
             print(f"  round {r + 1}/{rounds} {mode:5s}: median "
                   f"{statistics.median(x['wall_s'] for x in steady):.3f} s/iteration", flush=True)
-    summary = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in per_mode.items()}
+    summary = {m: {k: statistics.median(v) if v else 0.0 for k, v in d.items()}
+               for m, d in per_mode.items()}
     ratio = summary["async"]["wall"] / summary["sync"]["wall"]
     roll_s, train_s = summary["sync"]["rollout_s"], summary["sync"]["train_s"]
     ideal = max(roll_s, train_s) / (roll_s + train_s) if roll_s + train_s > 0 else 1.0
@@ -63,4 +105,8 @@ def bench_pipeline(
               f"{s['swaps']:>9.1f} {s['success']:>14.3f}")
     print(f"async/sync wall-time ratio: {ratio:.3f}   ideal max(R, T) / (R + T): {ideal:.3f} "
           f"(sync R = {roll_s:.3f} s, T = {train_s:.3f} s per iteration)")
+    print("idle per iteration (s; trace, after the first rollout): "
+          + "; ".join(f"{m} rollout {summary[m]['rollout_idle']:.3f} (waiting for a version "
+                      f"{summary[m]['version_wait']:.3f}), training {summary[m]['train_idle']:.3f}"
+                      for m in ("sync", "async")))
     return {"summary": summary, "ratio": ratio, "ideal": ideal}
