@@ -198,7 +198,7 @@ def _bench(args: argparse.Namespace) -> int:
         from flexmarl.sim.calibration.compare import DEFAULT_SYSTEMS, compare, resimulate
 
         if args.resimulate:
-            resimulate(args.config, profile=args.profile)
+            resimulate(args.config, profile=args.profile, load_model=args.load_model)
             return 0
         systems = [s for arg in args.systems or [] for s in arg.split(",") if s]
         compare(args.config, args.set, systems or DEFAULT_SYSTEMS, rounds=args.rounds,
@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resimulate", action="store_true",
                    help="compare: CONFIG is a finished comparison's folder (its --out): "
                         "simulate its real runs again, with its profile or --profile")
+    b.add_argument("--load-model", choices=["series", "mean"], default="series",
+                   help="compare --resimulate: the others' load window by window (series, where "
+                        "the comparison sampled it) or their mean over each run's iterations")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("simulate", help="the real orchestrator on a simulated cluster, with "
                                          "baselines side by side")

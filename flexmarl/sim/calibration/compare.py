@@ -32,7 +32,12 @@ from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load, window_load
-from flexmarl.sim.calibration.mirror import per_iteration, run_mirror_measured
+from flexmarl.sim.calibration.mirror import (
+    per_iteration,
+    run_mirror,
+    run_mirror_measured,
+    run_mirror_series,
+)
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
 
@@ -54,6 +59,10 @@ class SystemRow:
     simulated_s: float = 0.0  # the median of the rounds' predictions
     simulated_rounds: list[float] = field(default_factory=list)  # one per round
     simulated_runnable: list[float] = field(default_factory=list)  # others' runnable, inferred
+    # per round: the others' CPUs sampled over its iterations ([t since the first began, cpus],
+    # `OtherLoad.series`) and the iterations' real length; older comparisons have neither
+    other_series: list[list[list[float]]] = field(default_factory=list)
+    makespan_s: list[float] = field(default_factory=list)
 
     @property
     def measured_s(self) -> float:
@@ -116,6 +125,9 @@ def compare(config: str | Path, overrides: list[str] | None = None,
             add_run(rows[system], result.records,
                     window_load(during.series, start, start + makespan, whole))
             rows[system].other_load_whole_run.append(whole)
+            rows[system].other_series.append(window_series(during.series, start,
+                                                           start + makespan))
+            rows[system].makespan_s.append(makespan)
             log(f"  round {r + 1}/{rounds} {system:<24} "
                 f"{rows[system].s_per_iteration[-1]:.3f} s/iteration")
     table = list(rows.values())
@@ -138,20 +150,59 @@ def add_run(row: SystemRow, records: list[dict[str, Any]], other_load: float) ->
     row.other_load.append(other_load)
 
 
+def window_series(series: list[tuple[float, float]], start: float,
+                  end: float) -> list[list[float]]:
+    """The points of an `OtherLoad.series` over [start, end], as [t - start, cpus]: each
+    sampled interval that overlaps the window, cut to it."""
+    points, prev = [], 0.0
+    for t, v in series:
+        lo, hi = max(prev, start), min(float(t), end)
+        if hi > lo:
+            points.append([round(hi - start, 3), float(v)])
+        prev = float(t)
+    return points
+
+
 def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
-                  prof: LocalProfile) -> None:
+                  prof: LocalProfile, load_model: str = "series") -> None:
     """Each system's prediction: the mirror of each of its real runs, with the other load
     that run saw (one round's load may be far from another's), the median over its rounds,
-    as the measured figure is."""
+    as the measured figure is. `load_model` "series": a round with a sampled series (and a
+    CPU-second profile) is simulated next to the CPU time the others took window by window
+    (`run_mirror_series`); "mean", or a round without one: next to their mean over the
+    iterations, read as runnable work inferred (`run_mirror_measured`), that mean held to
+    the CPUs the run's own work left (`own_share_cap`)."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
         row.simulated_rounds, row.simulated_runnable = [], []
-        for load in row.other_load or [prof_load]:
-            sim = run_mirror_measured(cfgs[row.system], task, prof, load,
-                                      profiled_external=prof_load)
+        for r, load in enumerate(row.other_load or [prof_load]):
+            cfg = cfgs[row.system]
+            series = row.other_series[r] if r < len(row.other_series) else []
+            if load_model == "series" and series and prof.clock == "cpu":
+                sim = run_mirror_series(cfg, task, prof, [(t, v) for t, v in series],
+                                        row.makespan_s[r])
+            else:
+                if r < len(row.s_per_iteration):
+                    load = own_share_cap(cfg, task, prof, load, row.s_per_iteration[r])
+                sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load)
             row.simulated_rounds.append(sim.per_iteration_s)
             row.simulated_runnable.append(sim.other_runnable)
         row.simulated_s = statistics.median(row.simulated_rounds)
+
+
+def own_share_cap(cfg: Any, task: Any, prof: LocalProfile, load: float,
+                  measured_s: float) -> float:
+    """Others' mean CPUs held to what the run's own work left of the machine: a run that
+    needed W CPU seconds an iteration (the mirror's) over its measured s/iteration took at
+    least W / s of the CPUs. (A reading of the others above that is a sampling artifact;
+    older comparisons hold one, 2.21 of 2 CPUs.) Only checked where the others read above
+    all but one CPU."""
+    cores = float(prof.machine.get("cpus") or os.cpu_count() or 1)
+    if prof.clock != "cpu" or load <= cores - 1.0 or measured_s <= 0:
+        return load
+    own = run_mirror(cfg, task, prof, external=0.0)
+    n = max(1, len(own.records))
+    return min(load, max(0.0, cores - own.own_cpu_s / n / measured_s))
 
 
 def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow],
@@ -162,7 +213,7 @@ def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow],
 
 
 def resimulate(base: str | Path, profile: str | Path | None = None,
-               log: Any = print) -> list[SystemRow]:
+               log: Any = print, load_model: str = "series") -> list[SystemRow]:
     """Simulate a finished comparison again (a changed simulator, another profile; default
     the comparison's own): the real runs are read from `base` (OUT/compare.json, or, where a
     comparison stopped before writing it, the run folders `SYSTEM-ROUND`, at the profile's
@@ -177,8 +228,10 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     rows: dict[str, SystemRow] = {}
     cfgs: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
+    sampled: dict[str, tuple[list, list]] = {}  # the rounds' series and makespans, if saved
     for r in saved.get("rows", []):
         loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
+        sampled[r["system"]] = (r.get("other_series", []), r.get("makespan_s", []))
     for run in sorted(base.glob("*-[0-9]*")):
         system, _, rnd = run.name.rpartition("-")
         metrics = run / "metrics.jsonl"
@@ -196,11 +249,14 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     if not rows:
         raise ConfigError(f"{base}: no comparison runs (SYSTEM-ROUND folders) in it")
     table = list(rows.values())
+    for row in table:
+        row.other_series, row.makespan_s = sampled.get(row.system, ([], []))
     first = next(iter(cfgs.values()))
-    simulate_rows(table, cfgs, prepare(first), prof)
+    simulate_rows(table, cfgs, prepare(first), prof, load_model)
     print_table(first.name, table, max(len(r.s_per_iteration) for r in table),
                 first.train.iterations, False)
-    save_rows(base, {"resimulated_with": str(profile)}, table, "compare_resimulated.json")
+    save_rows(base, {"resimulated_with": str(profile), "load_model": load_model}, table,
+              "compare_resimulated.json")
     return table
 
 

@@ -107,6 +107,7 @@ class OtherLoad:
     unless this process is niced itself. With `every` > 0 a thread also samples it every
     `every` seconds (the tree's CPU time from /proc/PID/stat, live workers included) into
     `series`: [(seconds since the start, other CPUs over the interval ending then), ...].
+    Each reading is held to the CPUs this run's tree did not take (`_clamped`).
     0.0 (and no series) where /proc/stat is missing."""
 
     def __init__(self, every: float = 0.0) -> None:
@@ -139,10 +140,18 @@ class OtherLoad:
             if None in now or None in last or now[0] <= last[0]:
                 last = now
                 continue
-            other = (now[1] - last[1]) - (now[2] - last[2])  # type: ignore[operator]
-            self.series.append((round(now[0], 3), round(max(0.0, other / (now[0] - last[0])),
-                                                        3)))
+            dt = now[0] - last[0]
+            own = (now[2] - last[2]) / dt  # type: ignore[operator]
+            other = ((now[1] - last[1]) - (now[2] - last[2])) / dt  # type: ignore[operator]
+            self.series.append((round(now[0], 3), round(self._clamped(other, own), 3)))
             last = now
+
+    @staticmethod
+    def _clamped(other: float, own: float) -> float:
+        """Others' CPUs, at most the CPUs this run did not take: /proc's 10 ms ticks, and a
+        child's CPU time missing from the tree between its exit and its reaping, can make the
+        difference of two readings exceed the machine (2.21 of 2 CPUs was read)."""
+        return max(0.0, min(other, float(os.cpu_count() or 1) - max(0.0, own)))
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -153,8 +162,8 @@ class OtherLoad:
         if busy is None or self._busy0 is None or every is None or self._all0 is None \
                 or wall <= 0:
             return
-        other = (busy - self._busy0) - (_own_cpu_s() - self._own0)
-        self.cpus = max(0.0, other / wall)
+        own = _own_cpu_s() - self._own0
+        self.cpus = self._clamped(((busy - self._busy0) - own) / wall, own / wall)
         self.measured = True
         self.niced = max(0.0, ((every - self._all0) - (busy - self._busy0)) / wall)
 

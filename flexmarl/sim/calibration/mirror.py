@@ -72,13 +72,27 @@ class CpuShare:
     costs hold no load at all: each of n busy processes next to E other runnable gets
     processor sharing's min(1, cores / (n + E)) of a CPU, and a CPU second of its work runs at
     the curve's speed read at n + E busy (`curve[k-1]`: work per CPU second with k busy over
-    one alone, held past its last point); `profiled_external` plays no part."""
+    one alone, held past its last point); `profiled_external` plays no part.
+
+    With `taken` (and `cpu_seconds`) `external` is not the others' runnable work but the CPU
+    time they took, as a real run sampled it window by window (`OtherLoad.series`): the run's
+    n busy processes share what the others left, each min(1, (cores - c) / n) of a CPU while
+    the others take c. That is processor sharing with the others' runnable work inferred at
+    each moment (D = c while n + c <= cores; else cores * D / (n + D) = c, D = c n / (cores
+    - c)), and it holds for any CFS weights of theirs (nice levels): with weight w their share
+    is cores * wD / (n + wD) = c, so wD, and ours, are the same. Bursty load costs what it
+    cost: a window where the others took 1.6 of 2 CPUs leaves 0.4 to the run's one busy
+    process whatever the mean over the run. (c is held below `cores`: a sampled window can
+    read above it, `OtherLoad.series` clamps it to the CPUs the run did not take.)"""
+
+    MIN_LEFT = 0.05  # with `taken`: the CPUs the others leave, at least (a reading's guard)
 
     def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
                  profiled_external: float = 0.0, curve: list[float] | None = None,
-                 cpu_seconds: bool = False) -> None:
+                 cpu_seconds: bool = False, taken: bool = False) -> None:
         self.cores = max(1.0, float(cores))
         self.cpu_seconds = cpu_seconds
+        self.taken = taken and cpu_seconds
         if isinstance(external, (int, float)):
             series = [(0.0, float(external))]
         else:
@@ -125,6 +139,9 @@ class CpuShare:
         """How fast each of `n` busy simulated processes progresses next to `external` other
         runnable work (default: the current), relative to the profiled speed of one alone."""
         e = self.external if external is None else max(0.0, external)
+        if self.taken:
+            left = max(self.MIN_LEFT, self.cores - e)
+            return min(1.0, left / max(1.0, n)) * self.efficiency(n + e)
         if self.cpu_seconds:
             return min(1.0, self.cores / max(1.0, n + e)) * self.efficiency(n + e)
         shifted = n + e - self.profiled_external
@@ -146,7 +163,9 @@ class CpuShare:
     def _advance(self, now: float) -> None:
         if self.last is not None:
             e = self.external
-            if e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
+            if self.taken:  # what they took, by construction
+                self.others_s += (now - self.last) * min(e, self.cores - self.MIN_LEFT)
+            elif e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
                 self.others_s += (now - self.last) * e * min(
                     1.0, self.cores / max(1.0, len(self.jobs) + e))
             if self.jobs:
@@ -565,6 +584,7 @@ class MirrorResult:
     train_calls: int = 0
     other_cpus: float = 0.0  # CPUs' worth of time the other load got over the makespan
     other_runnable: float = 0.0  # the other runnable work simulated (`run_mirror_measured`)
+    own_cpu_s: float = 0.0  # the CPU seconds of the run's own simulated work
 
 
 def per_iteration(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -591,13 +611,15 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
                cores: float | None = None,
                external: float | Sequence[tuple[float, float]] | None = None,
-               profiled_external: float | None = None) -> MirrorResult:
+               profiled_external: float | None = None, taken: bool = False) -> MirrorResult:
     """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
     profile's CPU count; `external` is the simulated run's other runnable work in CPUs (a
     number, or a series `[(virtual t, cpus), ...]`, see `CpuShare`) next to the
     `profiled_external` the profile was measured under (default `machine.profiled_load`: other
     users' work during the profiling, or an older profile's probe); with `external` None the run
-    sees the profile's load, and the profiled costs and curve are used as measured."""
+    sees the profile's load, and the profiled costs and curve are used as measured. With
+    `taken` (a CPU-second profile) `external` is the CPU time the others took, not their
+    runnable work (`CpuShare`)."""
     cfg = mirror_config(cfg, iterations, mode)
     rt = cfg.runtime
     agents = list(cfg.agents)
@@ -630,7 +652,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         elif cpu_seconds:  # costs without load: the profile's own load, simulated
             ext = profiled_load(machine)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
-                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
+                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds,
+                       taken=taken and external is not None)
         shares.append(cpu)
         parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
@@ -672,7 +695,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     others = shares[0].others_cpu_s(makespan) / makespan if shares and makespan > 0 else 0.0
     runnable = shares[0].external if shares else 0.0
     return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
-                        runnable)
+                        runnable, shares[0].busy_s if shares else 0.0)
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,
@@ -705,3 +728,42 @@ def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_
         if abs(sim.other_cpus - other_cpus) < abs(best.other_cpus - other_cpus):
             best = sim
     return best
+
+
+def series_on_progress(series: Sequence[tuple[float, float]], makespan: float,
+                       simulated: float) -> list[tuple[float, float]]:
+    """A real run's other load over its iterations (`[(t, cpus), ...]`, t in seconds since
+    its first iteration began, each point the load over the interval ending at t) as
+    piecewise-constant points in a simulated run's virtual time (`CpuShare`: from t on): the
+    load at a fraction of the real iterations elapsed applies at that fraction of the
+    simulated ones."""
+    points: list[tuple[float, float]] = []
+    prev = 0.0
+    for t, v in series:
+        if float(t) > prev and makespan > 0:
+            points.append((prev / makespan * simulated, float(v)))
+        prev = float(t)
+    return points or [(0.0, 0.0)]
+
+
+def run_mirror_series(cfg: RunConfig, task: Any, profile: LocalProfile,
+                      series: Sequence[tuple[float, float]], makespan: float,
+                      passes: int = 3, **kw: Any) -> MirrorResult:
+    """The mirror next to the CPU time other users took window by window during a real run
+    (`series`: `[(t, cpus), ...]` over its iterations, t since the first began; `makespan`:
+    their real length), each window at the same fraction of the simulated iterations
+    (`series_on_progress`): the first pass at their time-weighted mean throughout, each further
+    pass mapped onto the previous pass's simulated makespan. A CPU-second profile only (the
+    others' work is what they took: `CpuShare` `taken`)."""
+    total = weight = 0.0
+    prev = 0.0
+    for t, v in series:
+        total += float(v) * max(0.0, float(t) - prev)
+        weight += max(0.0, float(t) - prev)
+        prev = float(t)
+    mean = total / weight if weight > 0 else 0.0
+    sim = run_mirror(cfg, task, profile, external=mean, taken=True, **kw)
+    for _ in range(max(0, passes - 1)):
+        sim = run_mirror(cfg, task, profile, taken=True, external=series_on_progress(
+            series, makespan, sim.makespan_s), **kw)
+    return sim
