@@ -327,9 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resimulate", action="store_true",
                    help="compare: CONFIG is a finished comparison's folder (its --out): "
                         "simulate its real runs again, with its profile or --profile")
-    b.add_argument("--load-model", choices=["series", "mean"], default="series",
-                   help="compare --resimulate: the others' load window by window (series, where "
-                        "the comparison sampled it) or their mean over each run's iterations")
+    b.add_argument("--load-model", choices=["mean", "series"], default="mean",
+                   help="compare --resimulate: the others' runnable work level over each run's "
+                        "iterations (mean) or following their sampled load window by window "
+                        "(series, where the comparison sampled it)")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("simulate", help="the real orchestrator on a simulated cluster, with "
                                          "baselines side by side")

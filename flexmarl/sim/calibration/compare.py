@@ -32,12 +32,7 @@ from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load, window_load
-from flexmarl.sim.calibration.mirror import (
-    per_iteration,
-    run_mirror,
-    run_mirror_measured,
-    run_mirror_series,
-)
+from flexmarl.sim.calibration.mirror import per_iteration, run_mirror, run_mirror_measured
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
 
@@ -164,26 +159,27 @@ def window_series(series: list[tuple[float, float]], start: float,
 
 
 def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
-                  prof: LocalProfile, load_model: str = "series") -> None:
+                  prof: LocalProfile, load_model: str = "mean") -> None:
     """Each system's prediction: the mirror of each of its real runs, with the other load
     that run saw (one round's load may be far from another's), the median over its rounds,
-    as the measured figure is. `load_model` "series": a round with a sampled series (and a
-    CPU-second profile) is simulated next to the CPU time the others took window by window
-    (`run_mirror_series`); "mean", or a round without one: next to their mean over the
-    iterations, read as runnable work inferred (`run_mirror_measured`), that mean held to
-    the CPUs the run's own work left (`own_share_cap`)."""
+    as the measured figure is. The others' runnable work is inferred from the CPU time they
+    got over the round's iterations (`run_mirror_measured`), that mean held to the CPUs the
+    run's own work left (`own_share_cap`); with `load_model` "series" and a round that
+    sampled it, the runnable work follows the series window by window (bursts), "mean" holds
+    it level."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
         row.simulated_rounds, row.simulated_runnable = [], []
         for r, load in enumerate(row.other_load or [prof_load]):
             cfg = cfgs[row.system]
+            if r < len(row.s_per_iteration):
+                load = own_share_cap(cfg, task, prof, load, row.s_per_iteration[r])
             series = row.other_series[r] if r < len(row.other_series) else []
-            if load_model == "series" and series and prof.clock == "cpu":
-                sim = run_mirror_series(cfg, task, prof, [(t, v) for t, v in series],
-                                        row.makespan_s[r])
+            if load_model == "series" and series:
+                sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load,
+                                          series=[(t, v) for t, v in series],
+                                          makespan=row.makespan_s[r])
             else:
-                if r < len(row.s_per_iteration):
-                    load = own_share_cap(cfg, task, prof, load, row.s_per_iteration[r])
                 sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load)
             row.simulated_rounds.append(sim.per_iteration_s)
             row.simulated_runnable.append(sim.other_runnable)
@@ -213,7 +209,7 @@ def save_rows(base: Path, saved: dict[str, Any], rows: list[SystemRow],
 
 
 def resimulate(base: str | Path, profile: str | Path | None = None,
-               log: Any = print, load_model: str = "series") -> list[SystemRow]:
+               log: Any = print, load_model: str = "mean") -> list[SystemRow]:
     """Simulate a finished comparison again (a changed simulator, another profile; default
     the comparison's own): the real runs are read from `base` (OUT/compare.json, or, where a
     comparison stopped before writing it, the run folders `SYSTEM-ROUND`, at the profile's

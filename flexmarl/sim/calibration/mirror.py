@@ -74,25 +74,16 @@ class CpuShare:
     the curve's speed read at n + E busy (`curve[k-1]`: work per CPU second with k busy over
     one alone, held past its last point); `profiled_external` plays no part.
 
-    With `taken` (and `cpu_seconds`) `external` is not the others' runnable work but the CPU
-    time they took, as a real run sampled it window by window (`OtherLoad.series`): the run's
-    n busy processes share what the others left, each min(1, (cores - c) / n) of a CPU while
-    the others take c. That is processor sharing with the others' runnable work inferred at
-    each moment (D = c while n + c <= cores; else cores * D / (n + D) = c, D = c n / (cores
-    - c)), and it holds for any CFS weights of theirs (nice levels): with weight w their share
-    is cores * wD / (n + wD) = c, so wD, and ours, are the same. Bursty load costs what it
-    cost: a window where the others took 1.6 of 2 CPUs leaves 0.4 to the run's one busy
-    process whatever the mean over the run. (c is held below `cores`: a sampled window can
-    read above it, `OtherLoad.series` clamps it to the CPUs the run did not take.)"""
-
-    MIN_LEFT = 0.05  # with `taken`: the CPUs the others leave, at least (a reading's guard)
+    Nice weights need no term of their own: the others' runnable work is inferred from the
+    CPU time they got (`run_mirror_measured`), and under CFS, D runnable at weight w next to
+    the run's n at weight 1 share the CPUs as wD at weight 1 would (each cores / (n + wD) while
+    no one's cap of one CPU binds): what is inferred is wD."""
 
     def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
                  profiled_external: float = 0.0, curve: list[float] | None = None,
-                 cpu_seconds: bool = False, taken: bool = False) -> None:
+                 cpu_seconds: bool = False) -> None:
         self.cores = max(1.0, float(cores))
         self.cpu_seconds = cpu_seconds
-        self.taken = taken and cpu_seconds
         if isinstance(external, (int, float)):
             series = [(0.0, float(external))]
         else:
@@ -139,9 +130,6 @@ class CpuShare:
         """How fast each of `n` busy simulated processes progresses next to `external` other
         runnable work (default: the current), relative to the profiled speed of one alone."""
         e = self.external if external is None else max(0.0, external)
-        if self.taken:
-            left = max(self.MIN_LEFT, self.cores - e)
-            return min(1.0, left / max(1.0, n)) * self.efficiency(n + e)
         if self.cpu_seconds:
             return min(1.0, self.cores / max(1.0, n + e)) * self.efficiency(n + e)
         shifted = n + e - self.profiled_external
@@ -163,9 +151,7 @@ class CpuShare:
     def _advance(self, now: float) -> None:
         if self.last is not None:
             e = self.external
-            if self.taken:  # what they took, by construction
-                self.others_s += (now - self.last) * min(e, self.cores - self.MIN_LEFT)
-            elif e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
+            if e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
                 self.others_s += (now - self.last) * e * min(
                     1.0, self.cores / max(1.0, len(self.jobs) + e))
             if self.jobs:
@@ -611,15 +597,13 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
                cores: float | None = None,
                external: float | Sequence[tuple[float, float]] | None = None,
-               profiled_external: float | None = None, taken: bool = False) -> MirrorResult:
+               profiled_external: float | None = None) -> MirrorResult:
     """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
     profile's CPU count; `external` is the simulated run's other runnable work in CPUs (a
     number, or a series `[(virtual t, cpus), ...]`, see `CpuShare`) next to the
     `profiled_external` the profile was measured under (default `machine.profiled_load`: other
     users' work during the profiling, or an older profile's probe); with `external` None the run
-    sees the profile's load, and the profiled costs and curve are used as measured. With
-    `taken` (a CPU-second profile) `external` is the CPU time the others took, not their
-    runnable work (`CpuShare`)."""
+    sees the profile's load, and the profiled costs and curve are used as measured."""
     cfg = mirror_config(cfg, iterations, mode)
     rt = cfg.runtime
     agents = list(cfg.agents)
@@ -652,8 +636,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         elif cpu_seconds:  # costs without load: the profile's own load, simulated
             ext = profiled_load(machine)
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
-                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds,
-                       taken=taken and external is not None)
+                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
         shares.append(cpu)
         parent = ParentProcess(cpu)
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
@@ -699,7 +682,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,
-                        tries: int = 6, **kw: Any) -> MirrorResult:
+                        tries: int = 6, series: Sequence[tuple[float, float]] | None = None,
+                        makespan: float = 0.0, **kw: Any) -> MirrorResult:
     """The mirror next to other users' work as a real run measured it: `other_cpus`, the CPU
     time they got during the run (`OtherLoad`), in CPUs. For a CPU-second profile that is not
     their runnable work: on a saturated machine they get only their processor share of it
@@ -707,11 +691,33 @@ def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_
     they get 1.5 CPUs). The runnable work is inferred so that, in the simulated run, the
     others get the CPU time they got in the real one (secant steps on the runnable work,
     `tries` runs at most, within 3%). A wall-clock profile is simulated with `other_cpus` as
-    its other load."""
+    its other load.
+
+    With `series` (what they got window by window over the real iterations, `[(t, cpus),
+    ...]`, t since the first began; `makespan` the iterations' real length) the runnable work
+    follows the series' shape (each window's in proportion to what the others got in it,
+    placed at the same fraction of the simulated iterations, `series_on_progress`) and its
+    level is inferred as above, starting from the mean's: load that comes in bursts costs
+    what it cost, not what its mean would."""
     if profile.clock != "cpu" or other_cpus <= 0:
         return run_mirror(cfg, task, profile, external=other_cpus, **kw)
-    runnable = other_cpus
-    sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+    mean = _series_mean(series) if series else 0.0
+    if series and mean > 0 and makespan > 0:
+        sim = run_mirror_measured(cfg, task, profile, other_cpus, tries=3, **kw)
+        level, placed = max(1e-3, sim.other_runnable), sim.makespan_s
+
+        def external(runnable: float) -> Any:
+            return [(t, runnable * v / mean)
+                    for t, v in series_on_progress(series, makespan, placed)]
+    else:
+        level = other_cpus
+
+        def external(runnable: float) -> Any:
+            return runnable
+
+    runnable = level
+    sim = run_mirror(cfg, task, profile, external=external(runnable), **kw)
+    sim.other_runnable = runnable
     best = sim
     last: tuple[float, float] | None = None
     for _ in range(tries - 1):
@@ -724,10 +730,24 @@ def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_
             step = runnable * other_cpus / got
         last = (runnable, got)
         runnable = min(64.0, max(1e-3, step))
-        sim = run_mirror(cfg, task, profile, external=runnable, **kw)
+        if series and mean > 0 and makespan > 0:
+            placed = sim.makespan_s  # the series follows the simulated run's length
+        sim = run_mirror(cfg, task, profile, external=external(runnable), **kw)
+        sim.other_runnable = runnable
         if abs(sim.other_cpus - other_cpus) < abs(best.other_cpus - other_cpus):
             best = sim
     return best
+
+
+def _series_mean(series: Sequence[tuple[float, float]]) -> float:
+    """The time-weighted mean of `[(t, value), ...]` (each value over the interval ending
+    at t, the first from 0)."""
+    total = weight = prev = 0.0
+    for t, v in series:
+        total += float(v) * max(0.0, float(t) - prev)
+        weight += max(0.0, float(t) - prev)
+        prev = float(t)
+    return total / weight if weight > 0 else 0.0
 
 
 def series_on_progress(series: Sequence[tuple[float, float]], makespan: float,
@@ -745,25 +765,3 @@ def series_on_progress(series: Sequence[tuple[float, float]], makespan: float,
         prev = float(t)
     return points or [(0.0, 0.0)]
 
-
-def run_mirror_series(cfg: RunConfig, task: Any, profile: LocalProfile,
-                      series: Sequence[tuple[float, float]], makespan: float,
-                      passes: int = 3, **kw: Any) -> MirrorResult:
-    """The mirror next to the CPU time other users took window by window during a real run
-    (`series`: `[(t, cpus), ...]` over its iterations, t since the first began; `makespan`:
-    their real length), each window at the same fraction of the simulated iterations
-    (`series_on_progress`): the first pass at their time-weighted mean throughout, each further
-    pass mapped onto the previous pass's simulated makespan. A CPU-second profile only (the
-    others' work is what they took: `CpuShare` `taken`)."""
-    total = weight = 0.0
-    prev = 0.0
-    for t, v in series:
-        total += float(v) * max(0.0, float(t) - prev)
-        weight += max(0.0, float(t) - prev)
-        prev = float(t)
-    mean = total / weight if weight > 0 else 0.0
-    sim = run_mirror(cfg, task, profile, external=mean, taken=True, **kw)
-    for _ in range(max(0, passes - 1)):
-        sim = run_mirror(cfg, task, profile, taken=True, external=series_on_progress(
-            series, makespan, sim.makespan_s), **kw)
-    return sim
