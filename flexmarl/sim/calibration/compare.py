@@ -58,6 +58,9 @@ class SystemRow:
     # `OtherLoad.series`) and the iterations' real length; older comparisons have neither
     other_series: list[list[list[float]]] = field(default_factory=list)
     makespan_s: list[float] = field(default_factory=list)
+    # per round: the CPUs the run's own processes took over its iterations (what the mirror's
+    # CPU seconds an iteration over the measured s/iteration should match)
+    own_load: list[float] = field(default_factory=list)
 
     @property
     def measured_s(self) -> float:
@@ -123,6 +126,8 @@ def compare(config: str | Path, overrides: list[str] | None = None,
             rows[system].other_series.append(window_series(during.series, start,
                                                            start + makespan))
             rows[system].makespan_s.append(makespan)
+            rows[system].own_load.append(window_load(during.own_series, start,
+                                                     start + makespan, 0.0))
             log(f"  round {r + 1}/{rounds} {system:<24} "
                 f"{rows[system].s_per_iteration[-1]:.3f} s/iteration")
     table = list(rows.values())
@@ -163,10 +168,10 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
     """Each system's prediction: the mirror of each of its real runs, with the other load
     that run saw (one round's load may be far from another's), the median over its rounds,
     as the measured figure is. The others' runnable work is inferred from the CPU time they
-    got over the round's iterations (`run_mirror_measured`), that mean held to the CPUs the
-    run's own work left (`own_share_cap`); with `load_model` "series" and a round that
-    sampled it, the runnable work follows the series window by window (bursts), "mean" holds
-    it level."""
+    got over the round's iterations (`run_mirror_measured`; a mean read above the machine is
+    held to what the run's own work left, `own_share_cap`); with `load_model` "series" and a
+    round that sampled it, the runnable work follows the series window by window (bursts),
+    "mean" holds it level."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
         row.simulated_rounds, row.simulated_runnable = [], []
@@ -188,13 +193,13 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
 
 def own_share_cap(cfg: Any, task: Any, prof: LocalProfile, load: float,
                   measured_s: float) -> float:
-    """Others' mean CPUs held to what the run's own work left of the machine: a run that
-    needed W CPU seconds an iteration (the mirror's) over its measured s/iteration took at
-    least W / s of the CPUs. (A reading of the others above that is a sampling artifact;
-    older comparisons hold one, 2.21 of 2 CPUs.) Only checked where the others read above
-    all but one CPU."""
+    """Others' mean CPUs read at or above the machine's (a sampling artifact older
+    comparisons hold, 2.21 of 2 CPUs; `OtherLoad` now holds each reading to what the run left)
+    held to what the run's own work left of it: a run that needed W CPU seconds an iteration
+    (the mirror's) over its measured s/iteration took W / s of the CPUs. Uses the measured
+    time, so only for a reading no machine can give; a plausible one is kept as read."""
     cores = float(prof.machine.get("cpus") or os.cpu_count() or 1)
-    if prof.clock != "cpu" or load <= cores - 1.0 or measured_s <= 0:
+    if prof.clock != "cpu" or load < cores or measured_s <= 0:
         return load
     own = run_mirror(cfg, task, prof, external=0.0)
     n = max(1, len(own.records))

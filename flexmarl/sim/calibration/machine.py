@@ -107,12 +107,14 @@ class OtherLoad:
     unless this process is niced itself. With `every` > 0 a thread also samples it every
     `every` seconds (the tree's CPU time from /proc/PID/stat, live workers included) into
     `series`: [(seconds since the start, other CPUs over the interval ending then), ...].
-    Each reading is held to the CPUs this run's tree did not take (`_clamped`).
+    Each reading is held to the CPUs this run's tree did not take (`_clamped`); the tree's own
+    CPUs over the same intervals go into `own_series`.
     0.0 (and no series) where /proc/stat is missing."""
 
     def __init__(self, every: float = 0.0) -> None:
         self.every = every
         self.series: list[tuple[float, float]] = []
+        self.own_series: list[tuple[float, float]] = []  # this run's own CPUs, alike
 
     def __enter__(self) -> OtherLoad:
         return self.start()
@@ -124,6 +126,7 @@ class OtherLoad:
         self.cpus = self.niced = 0.0
         self.measured = False  # /proc/stat was read at both ends
         self.series = []
+        self.own_series = []
         self._t0, self._busy0, self._own0 = time.perf_counter(), _peers_s(), _own_cpu_s()
         self._all0 = _machine_busy_s()
         self._stop = threading.Event()
@@ -144,6 +147,7 @@ class OtherLoad:
             own = (now[2] - last[2]) / dt  # type: ignore[operator]
             other = ((now[1] - last[1]) - (now[2] - last[2])) / dt  # type: ignore[operator]
             self.series.append((round(now[0], 3), round(self._clamped(other, own), 3)))
+            self.own_series.append((round(now[0], 3), round(max(0.0, own), 3)))
             last = now
 
     @staticmethod

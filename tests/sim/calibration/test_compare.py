@@ -60,7 +60,8 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     saved = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert len(saved["rows"]) == 2
     # each round's others' load window by window over its iterations, for --resimulate
-    assert all(len(r["other_series"]) == 1 and r["makespan_s"][0] > 0 for r in saved["rows"])
+    assert all(len(r["other_series"]) == 1 and r["makespan_s"][0] > 0 and len(r["own_load"]) == 1
+               for r in saved["rows"])
     # --resimulate: the same real runs simulated again (the mirror is deterministic)
     again = {r.system: r for r in resimulate(tmp_path / "out")}
     for r in rows:
