@@ -8,10 +8,10 @@ rollout busy time R and training busy time T per iteration (seconds of a worker 
 what a perfect overlap of rollout and training would reach, if neither slowed the other. Also
 the training-state swaps per iteration of each mode (agents time-sharing training slots).
 
-Then where each mode's time goes (`idle_breakdown`, from each run's OUT/trace.json): per
-iteration, the seconds the rollout replica sat idle, and of them the seconds it waited for a
-new version (an idle gap that a weight load ends: the on-policy gate, iteration k+1's nodes of
-agent a wait for a's step on k), and the seconds the training slot sat idle. The ideal above
+Then where each mode's time goes (`idle_breakdown`, from each run's OUT/trace.json): the share
+of the wall time the rollout replica sat idle, and of it the share it waited for a new version
+(an idle gap that a weight load ends: the on-policy gate, iteration k+1's nodes of agent a wait
+for a's step on k), and the share the training slot sat idle. The ideal above
 assumes rollout and training independent; the gate is why an on-policy pipeline falls short of
 it when the rows that finish last (a long tail) belong to the agents whose steps the next
 iteration needs first.
@@ -35,21 +35,22 @@ def run_mode(config: str, overrides: list[str], mode: str, out: Path) -> list[di
 
 
 def idle_breakdown(out: Path) -> dict[str, float]:
-    """Per iteration of a finished run (OUT/trace.json, OUT/metrics.jsonl), after its first
-    iteration's rollout: `rollout_idle` s, of which `version_wait` (idle gaps a weight load
-    ends), and `train_idle` s; each pool's worker 0. Empty without a trace."""
-    trace, metrics = out / "trace.json", out / "metrics.jsonl"
-    if not trace.exists() or not metrics.exists():
+    """Shares of a finished run's wall time (OUT/trace.json, from its first iteration's
+    rollout done to its last span): `rollout_idle`, of it `version_wait` (idle gaps a weight
+    load ends), and `train_idle`; each pool's worker 0. Empty without a trace."""
+    trace = out / "trace.json"
+    if not trace.exists():
         return {}
     events = json.loads(trace.read_text())["traceEvents"]
-    n = sum(1 for line in metrics.read_text().splitlines() if line.startswith('{"iteration"'))
     pools = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     spans = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, pools.get(e["pid"], ""),
                     e["name"]) for e in events if e.get("ph") == "X" and e.get("tid") == 0)
     plans = [e["ts"] / 1e6 for e in events if e.get("name") == "rollout_plan"]
-    if n < 2 or not plans or not spans:
+    if not plans or not spans:
         return {}
     lo, hi = min(plans), max(end for _, end, _, _ in spans)
+    if hi <= lo:
+        return {}
     figures = {"rollout_idle": 0.0, "version_wait": 0.0, "train_idle": 0.0}
     for pool, key in (("rollout", "rollout_idle"), ("train", "train_idle")):
         cur = lo
@@ -60,7 +61,7 @@ def idle_breakdown(out: Path) -> dict[str, float]:
                     figures["version_wait"] += start - cur
             cur = max(cur, end)
         figures[key] += max(0.0, hi - cur)
-    return {k: v / (n - 1) for k, v in figures.items()}
+    return {k: v / (hi - lo) for k, v in figures.items()}
 
 
 def bench_pipeline(
@@ -105,8 +106,8 @@ def bench_pipeline(
               f"{s['swaps']:>9.1f} {s['success']:>14.3f}")
     print(f"async/sync wall-time ratio: {ratio:.3f}   ideal max(R, T) / (R + T): {ideal:.3f} "
           f"(sync R = {roll_s:.3f} s, T = {train_s:.3f} s per iteration)")
-    print("idle per iteration (s; trace, after the first rollout): "
-          + "; ".join(f"{m} rollout {summary[m]['rollout_idle']:.3f} (waiting for a version "
-                      f"{summary[m]['version_wait']:.3f}), training {summary[m]['train_idle']:.3f}"
+    print("idle share of the wall time (trace, after the first rollout): "
+          + "; ".join(f"{m} rollout {summary[m]['rollout_idle']:.2f} (waiting for a version "
+                      f"{summary[m]['version_wait']:.2f}), training {summary[m]['train_idle']:.2f}"
                       for m in ("sync", "async")))
     return {"summary": summary, "ratio": ratio, "ideal": ideal}

@@ -31,6 +31,7 @@ def test_idle_gaps_split_into_version_waits_and_training_idle(tmp_path: Path) ->
         ("train", 0.5, 0.9, "acc:a:4"), ("train", 1.2, 2.5, "acc:a:4"),
     ], plans=[1.0, 2.0], iterations=3)
     got = idle_breakdown(tmp_path)
+    # shares of the 2 s from the first plan to the last span
     assert got["rollout_idle"] == pytest.approx(0.7 / 2, abs=1e-9)
     assert got["version_wait"] == pytest.approx(0.5 / 2, abs=1e-9)
     assert got["train_idle"] == pytest.approx(0.7 / 2, abs=1e-9)
