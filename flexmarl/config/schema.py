@@ -1000,9 +1000,12 @@ class RunConfig(Strict):
         self._check_env_fields()
         if "mode" not in self.pipeline.model_fields_set:
             self.pipeline.mode = "sync"
-        if self.pipeline.mode != "sync" or self.pipeline.train_agents != "together":
-            raise ValueError(f"pipeline.mode: an environment run rolls out iteration k, then "
-                             f"steps every policy on it (sync); got {self.pipeline.mode!r}")
+        if self.pipeline.mode == "one_step_off" or self.pipeline.train_agents != "together":
+            # on-policy: rollout k needs every policy's step k-1; async streams each rollout
+            # worker's rows to the learners as it ends (docs/marl.md, "Pipeline modes")
+            raise ValueError(f"pipeline.mode: an environment run is on-policy: sync or async "
+                             f"(every policy together); got {self.pipeline.mode!r}, "
+                             f"train_agents {self.pipeline.train_agents!r}")
         for name, agent in self.agents.items():
             llm = [f for f in ("model", "backend", "algorithm", "sampling", "optim", "lora",
                                "trainable")

@@ -61,7 +61,7 @@ from flexmarl.orchestrator.checkpoint import (
 )
 from flexmarl.orchestrator.checkpointing import BoundaryCheckpoints
 from flexmarl.orchestrator.run import host_run, release_signals, stop_on_signals
-from flexmarl.orchestrator.schedules import SyncSchedule
+from flexmarl.orchestrator.schedules import schedule_for
 from flexmarl.runtime.local.runtime import EnvRuntime, EnvWorkers
 from flexmarl.runtime.local.workers import from_numpy
 from flexmarl.runtime.ray.runtime import RayEnvRuntime
@@ -118,6 +118,11 @@ class MarlRun:
         self.evaluator: Any = None  # train.eval_every: marl/evaluate.py's GreedyEvaluator
         self.n_iter = 0
         self._start = self._t_iter = 0.0
+        # the schedule's signals, per iteration k: ("version", k) every policy is at version
+        # k; ("started", k) / ("rolled", k) its rollout began / ended; ("put", k, i) rollout
+        # worker i's results are in the sampler
+        self._events: dict[tuple[Any, ...], asyncio.Event] = defaultdict(asyncio.Event)
+        self._trained: dict[int, set[str]] = defaultdict(set)
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -128,9 +133,29 @@ class MarlRun:
 
     # --- the schedule's halves ---------------------------------------------------------------
     async def rollout_iteration(self, k: int) -> None:
+        """Iteration k on every rollout worker once every policy is at version k; each
+        worker's results go to the sampler as it ends, in worker order (so the rows, and what
+        each step is handed, never depend on timing)."""
+        await self._events["version", k].wait()
         t0 = time.perf_counter()
-        self.put_rows(k, await self.runtime.rollout.rollout(k))
+        pool = self.runtime.rollout
+        running = [asyncio.ensure_future(pool.rollout_on(i, k)) for i in range(pool.n_workers)]
+        self._events["started", k].set()
+        try:
+            for i, result in enumerate(running):
+                self.put_rows(k, [await result])
+                self._events["put", k, i].set()
+        finally:
+            for result in running:
+                result.cancel()
         self.rollout_s = time.perf_counter() - t0
+        self._events["rolled", k].set()
+
+    def started_event(self, k: int) -> asyncio.Event:
+        return self._events["started", k]
+
+    async def iterations_ready(self, k: int) -> None:
+        await self._events["rolled", k].wait()
 
     def put_rows(self, k: int, results: list[RolloutResult]) -> None:
         """Iteration k's results of every rollout worker, held by the sampler for step k."""
@@ -150,11 +175,14 @@ class MarlRun:
         against the step's audit, then version k+1 to the rollout workers."""
         train = self.runtime.train
         await self.checkpoints.step_allowed.wait()  # a checkpoint reads the learners' states
-        # queued together, in order: the pool's runner then holds one slot lease from the
-        # first micro-batch to the step (a queue of micro-batches alone does not evict another
-        # policy from a shared slot)
-        acc = [asyncio.ensure_future(train.accumulate(policy, samples))
-               for samples in self.sampler.batches(policy, k)]
+        # each rollout worker's micro-batches as its results are in (all at once after a
+        # sync rollout), then the step: queued in order, so the pool's runner holds one slot
+        # lease from the last worker's micro-batches to the step
+        acc = []
+        for i in range(self.runtime.rollout.n_workers):
+            await self._events["put", k, i].wait()
+            acc += [asyncio.ensure_future(train.accumulate(policy, samples))
+                    for samples in self.sampler.batches(policy, k)]
         stepped = asyncio.ensure_future(train.step(policy))
         await asyncio.gather(*acc)
         metrics, wire = await stepped
@@ -165,6 +193,15 @@ class MarlRun:
         await self.runtime.rollout.publish(policy, k + 1, wire)
         self.published[policy] = (k + 1, wire)
         self.metrics_k.update(self.sampler.step_metrics(policy, metrics))
+        self._trained[k].add(policy)
+        if len(self._trained[k]) == len(self.layouts):  # rollout k+1 may start
+            self._events["version", k + 1].set()
+
+    def _maybe_finish(self, k: int) -> None:
+        """The async schedule: record iteration k once it is rolled out and trained."""
+        if self._events["rolled", k].is_set() and len(self._trained[k]) == len(self.layouts):
+            if not self.records or self.records[-1]["iteration"] < k:
+                self._finish(k)
 
     # --- the run -----------------------------------------------------------------------------
     async def run_loop(self, telemetry: Telemetry, out: Path | None, on_iteration, n_iter: int,
@@ -194,11 +231,15 @@ class MarlRun:
             for name in self.layouts:  # version `first`, from each policy's slot
                 await self.runtime.rollout.publish(name, first,
                                                    await self.runtime.train.weights(name))
+            self._events["version", first].set()
             if on_runtime is not None:
                 on_runtime(self.runtime)
             self._t_iter = time.perf_counter()
-            schedule = SyncSchedule(self, self, self.runtime.train, list(self.layouts),
-                                    self._finish)
+            # sync, or async: each policy's micro-batches stream from each rollout worker as
+            # it ends (module docstring); never one_step_off (refused by the config)
+            schedule = schedule_for(self.cfg.pipeline.mode, self, self, None,
+                                    self.runtime.train, list(self.layouts), self._finish,
+                                    self._maybe_finish)
             handled = stop_on_signals(self.checkpoints.request_stop)
             try:
                 await self.checkpoints.run_until_stop(schedule.drive(first, n_iter),
@@ -231,6 +272,8 @@ class MarlRun:
         if self.on_iteration is not None:
             self.on_iteration(rec)
         self._reset_iteration()
+        for key in [key for key in self._events if key[1] == k and key[0] != "rolled"]:
+            del self._events[key]  # ("rolled", k) stays: the async schedule's last check
         if self.checkpoints.due(k):
             self.checkpoints.capture(k, list(self.layouts))
 
