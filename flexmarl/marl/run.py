@@ -4,26 +4,31 @@
 the replay learner's table; the one thing on- and off-policy runs differ in besides their
 rollout and learner.
 
-Iteration k, with the orchestrator's `SyncSchedule` (docs/design.md section 5):
-1. rollout: every rollout worker process steps its `num_envs` environments for
-   `rollout_steps` steps with version k of every policy (one forward pass per policy covers
-   its environments and agents) and sends back one row payload per (agent, environment);
-2. the rows go into the agent's table of the `ExperienceStore`: sample_id
-   `{k}-{env}_{agent index}_0`, policy_version k, the version vector, the arrays by
-   reference; ready once the chain's rewards are in;
+Iteration k, with the orchestrator's schedule of `pipeline.mode` (docs/design.md section 5),
+this driver being its rollout and its trainer:
+1. rollout: once every policy is at version k, every rollout worker process steps its
+   `num_envs` environments for `rollout_steps` steps with version k of every policy (one
+   forward pass per policy covers its environments and agents) and sends back one row
+   payload per (agent, environment);
+2. each worker's rows go into the agent's table of the `ExperienceStore` as it ends, in
+   worker order: sample_id `{k}-{env}_{agent index}_0`, policy_version k, the version
+   vector, the arrays by reference; ready once the chain's rewards are in;
 3. per policy (MAPPO / IPPO; VDN / QMIX: `ReplayTransitions`): its agents' ready rows of
-   version k are taken for step k (the store checks
-   the iteration, the version and the vector and hands each row out once) and queued on the
-   training pool (`accumulate`, one micro-batch per agent); `step` runs `epochs` x
-   `minibatches` PPO steps on exactly those rows in the policy's training slot and returns
-   the new weights with the audit of the rows each epoch used; the driver checks the audit,
+   version k are taken for step k (the store checks the iteration, the version and the
+   vector and hands each row out once) and queued on the training pool (`accumulate`, one
+   micro-batch per agent and rollout worker: after the last worker with `SyncSchedule`, as
+   each worker ends with `AsyncSchedule`); `step` runs `epochs` x `minibatches` PPO steps on
+   exactly those rows, in one order, in the policy's training slot and returns the new
+   weights with the audit of the rows each epoch used; the driver checks the audit,
    releases and evicts the rows and publishes version k+1 to every rollout worker.
 
 No overlap of iteration k+1's rollout with step k: MAPPO/IPPO are on-policy with one version
-per iteration, so rollout k+1 needs step k's weights (version k+1) before its first action;
-running it on version k would make it one step off-policy (the LLM path's `one_step_off`),
-which PPO's ratio would then have to absorb. What does run concurrently: the rollout
-workers with each other, and the policies' steps when they have a slot each.
+per iteration, and every policy acts in every environment step, so rollout k+1 needs every
+policy's step k; running it on version k would make it one step off-policy (the LLM path's
+`one_step_off`, refused here). What runs concurrently: the rollout workers with each other,
+the policies' steps when they have a slot each, and (async) the early workers' row transfer
+with the later workers' stepping. Checkpoints and stop requests are the orchestrator's
+`BoundaryCheckpoints`, as in an LLM run.
 """
 
 from __future__ import annotations
