@@ -36,15 +36,19 @@ def final_weights(out: Path) -> dict[str, dict[str, np.ndarray]]:
     # one network shared by 3 agents: each step's micro-batches come per (agent, worker)
     ("mpe2.simple_spread_v3", True, {}),
     # two policies time-sharing one training slot: their micro-batches interleave on it
-    pytest.param("mpe2.simple_speaker_listener_v4", False, {"train_workers": 1},
+    pytest.param("mpe2.simple_speaker_listener_v4", False, {"runtime.train_workers": 1},
+                 marks=pytest.mark.slow),
+    # VDN / QMIX: each worker's transitions go to the replay learner in worker order
+    pytest.param("mpe2.simple_spread_v3", True,
+                 {"algorithm": {"name": "qmix", "min_size": 100, "batch_size": 16,
+                                "mixing_embed": 8, "eps_decay_steps": 300}},
                  marks=pytest.mark.slow),
 ])
 def test_async_equals_sync_bit_for_bit(tmp_path, env_id, share, over) -> None:
     """Four short runs of 2 rollout workers (process starts dominate: ~40 s at load 6)."""
     results = {}
     for mode in ("sync", "async"):
-        cfg = marl_cfg(raw(env_id, share), **{"pipeline.mode": mode},
-                       **{f"runtime.{k}": v for k, v in over.items()})
+        cfg = marl_cfg(raw(env_id, share), **{"pipeline.mode": mode, **over})
         results[mode] = train_marl(cfg, tmp_path / mode)
     sync, pipelined = results["sync"], results["async"]
     assert len(sync.records) == len(pipelined.records) == 3
