@@ -60,7 +60,8 @@ def run_team(tmp_path: Path, algorithms: dict, judge: Path, iterations: int = 20
             "top": "agent/judge/top_response_frac",
             # the judge's reward on episodes whose answer was right / wrong (`label=`)
             "right": "agent/judge/reward_mean/True", "wrong": "agent/judge/reward_mean/False"}
-    return {k: np.array([r[key] for r in records]) for k, key in keys.items()}
+    # (an iteration whose answers were all right has no reward on wrong ones: NaN)
+    return {k: np.array([r.get(key, np.nan) for r in records]) for k, key in keys.items()}
 
 
 def test_a_yes_saying_judge_judges_again_with_the_judge_settings(tmp_path):
@@ -86,6 +87,6 @@ def test_without_them_the_judge_stays_a_yes_sayer(tmp_path):
     curve = run_team(tmp_path, {"answerer": {"name": "grpo"}, "judge": {"name": "grpo"}},
                      yes_sayer(tmp_path / "judge"))
     assert curve["top"].min() > 0.95
-    assert curve["right"].min() > 0.95 and curve["wrong"].max() < 0.05
+    assert np.nanmin(curve["right"]) > 0.95 and np.nanmax(curve["wrong"]) < 0.05
     assert (curve["judge"] - curve["answerer"])[10:].mean() <= 0.02
     assert np.nanmean(((curve["right"] + curve["wrong"]) / 2)[10:]) < 0.52
