@@ -298,29 +298,26 @@ class TrainHost:
         self.trainers[agent].set_state(arrays, meta)
         return int(meta["version"])
 
+    def weights_pipe(self, agent: str) -> Any:
+        """The weights as they go through a pipe (never through the publisher)."""
+        return published(self.trainers[agent], None, self.rank)
+
+    # the slot protocol's commands (methods of this class) and their span labels
+    SPAN_LABELS = {"bind": "swap", "accumulate": "acc", "step": "step", "weights": "weights",
+                   "weights_pipe": "weights", "save": "save", "get_state": "state",
+                   "set_state": "restore"}
+
     def handle(self, command: str, payload: Any) -> tuple[Any, str]:
-        """Run one command of the slot protocol; returns its result and its span label."""
-        if command == "bind":
-            agent, incoming = payload
-            return self.bind(agent, incoming), f"swap:{agent}"
-        if command == "accumulate":
-            agent, samples = payload
-            return self.accumulate(agent, samples), f"acc:{agent}:{len(samples)}"
-        if command == "step":
-            return self.step(payload), f"step:{payload}"
-        if command == "weights":
-            return self.weights(payload), f"weights:{payload}"
-        if command == "weights_pipe":
-            return published(self.trainers[payload], None, self.rank), f"weights:{payload}"
-        if command == "save":
-            agent, directory = payload
-            return self.save(agent, directory), f"save:{agent}"
-        if command == "get_state":
-            return self.get_state(payload), f"state:{payload}"
-        if command == "set_state":
-            agent, arrays, meta = payload
-            return self.set_state(agent, arrays, meta), f"restore:{agent}"
-        raise ValueError(f"training slot: unknown command {command!r}")
+        """Run one command of the slot protocol; returns its result and its span label. A
+        command's payload is its agent, or a tuple of the agent and the method's other
+        arguments."""
+        prefix = self.SPAN_LABELS.get(command)
+        if prefix is None:
+            raise ValueError(f"training slot: unknown command {command!r}")
+        args = payload if isinstance(payload, tuple) else (payload,)
+        result = getattr(self, command)(*args)
+        count = f":{len(args[1])}" if command == "accumulate" else ""
+        return result, f"{prefix}:{args[0]}{count}"
 
 
 # --- driver side ----------------------------------------------------------------------------
