@@ -616,7 +616,8 @@ class RuntimeConfig(Strict):
     slot_size: int = Field(1, gt=0)
     # Slots of different sizes, e.g. [4, 2, 2]: replaces train_workers (set to its length, the
     # number of slots) and slot_size; the planner binds the heaviest agent to the largest slot.
-    slot_sizes: list[int] | None = None
+    # Leave it out for train_workers x slot_size.
+    slot_sizes: list[Annotated[int, Field(gt=0)]] | None = Field(None, min_length=1)
     # on_demand: a trainable agent takes whichever training slot frees first (agent-centric);
     # fixed: each agent has its own slot for the whole run, agents dealt to the slots in turn
     # (the static allocation baseline, `flexmarl-static-alloc`; slots of different sizes:
@@ -705,18 +706,6 @@ class RuntimeConfig(Strict):
                              f"{self.rollout_workers}, max {top}) grows onto Ray nodes that "
                              f"join; it needs runtime.kind=ray (kind is {self.kind!r})")
         return self
-
-    @field_validator("slot_sizes")
-    @classmethod
-    def _slot_sizes(cls, value: list[int] | None) -> list[int] | None:
-        if value is None:
-            return value
-        if not value:
-            raise ValueError("an empty list (leave the field out for train_workers x slot_size)")
-        bad = [k for k in value if k <= 0]
-        if bad:
-            raise ValueError(f"slot sizes must be > 0, got {value}")
-        return value
 
     def train_slot_sizes(self, n_trainable: int | None = None) -> list[int]:
         """The size (devices, ranks) of each training slot, largest first: `slot_sizes`, or
