@@ -532,11 +532,7 @@ class ShardedAgentTrainer(AgentTrainer):
                        options=StateDictOptions(full_state_dict=True,
                                                 strict=self.cfg.lora is None))
         self.version = int(meta["version"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self._nonfinite = None
+        self._clear_step()
 
     # --- publication -----------------------------------------------------------------------
     def weight_buckets(self, dtype: torch.dtype | None = None,
@@ -675,9 +671,5 @@ class ShardedAgentTrainer(AgentTrainer):
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
         self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, directory,
-                                      self.group,
-                                      names=self._canonical)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self._nonfinite = None
+                                      self.group, names=self._canonical)
+        self._clear_step()

@@ -560,10 +560,7 @@ class AgentTrainer:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
         if "dcp" in meta:
             self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, meta["dcp"])
-            self._rows = 0
-            self._seen.clear()
-            self._sums = {}
-            self._nonfinite = None
+            self._clear_step()
             return
         for part, module in self._state_modules().items():
             prefix = f"{part}."
