@@ -421,10 +421,6 @@ class AgentConfig(Strict):
     # `lora` are the LLM's and stay unset
     network: AgentNetworkConfig | None = None
 
-    @property
-    def is_network(self) -> bool:
-        return self.network is not None
-
     @model_validator(mode="after")
     def _applies(self) -> AgentConfig:
         if self.network is not None:
