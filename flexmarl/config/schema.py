@@ -207,13 +207,7 @@ class LoraConfig(Strict):
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "v_proj"]
-
-    @model_validator(mode="after")
-    def _targets(self) -> LoraConfig:
-        if not self.target_modules:
-            raise ValueError("lora.target_modules: at least one module name is required")
-        return self
+    target_modules: list[str] = Field(["q_proj", "v_proj"], min_length=1)
 
 
 class SamplingConfig(Strict):
@@ -227,17 +221,8 @@ class SamplingConfig(Strict):
     # cut (as in verl and OpenRLHF), so the trainer's recomputation matches them exactly.
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(64, gt=0)
-    stop: list[str] = []
+    stop: list[Annotated[str, Field(min_length=1)]] = []
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: list[str]) -> list[str]:
-        for i, s in enumerate(value):
-            if not s:
-                raise ValueError(f"stop[{i}] is empty: a stop string needs at least one "
-                                 "character")
-        return value
 
 
 class OptimConfig(Strict):
