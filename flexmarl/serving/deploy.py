@@ -224,7 +224,8 @@ class AgentDeployment:
             self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,
                                          run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr,
                                          cfg.online_algorithm)
-            self._resume()
+            assert service.capture is not None
+            self.learner.resume(self.store, service.capture, name, self._log)
 
     # --- scoring ---------------------------------------------------------------------------
     def _heldout(self, model: torch.nn.Module) -> float | None:
@@ -376,33 +377,11 @@ class AgentDeployment:
             self.last_snapshot = time.monotonic()
         if self.learner is None:
             return
-        arrays, meta = self.learner.state()
-        t0 = time.perf_counter()
-        path = self.store.write(self.name, arrays, meta)
+        self.learner.save_snapshot(self.store, self.name, self._log)
         self.last_snapshot = time.monotonic()
-        self.events.log("training_snapshot", self.name, steps=self.learner.steps,
-                        policy_version=meta["version"], url=path,
-                        write_s=round(time.perf_counter() - t0, 4))
 
-    def _resume(self) -> None:
-        """Recovery after a crash: restore the last snapshot's parameters and optimizer, then
-        hand back every row claimed after the snapshot's step (claimed but not trained, or
-        trained into weights the crash lost), so each is trained into the restored lineage
-        exactly once; rows the snapshot holds stay consumed. Logs each phase's time."""
-        assert self.learner is not None and self.service.capture is not None
-        t0 = time.perf_counter()
-        snap = self.store.read(self.name)
-        steps = self.learner.restore_snapshot(snap)
-        t1 = time.perf_counter()
-        ids = self.service.capture.release(self.name, steps)
-        t2 = time.perf_counter()
-        if snap is None and not ids:
-            return  # a first start: nothing to recover
-        self.events.log("training_resumed", self.name, steps=steps,
-                        policy_version=snap[1]["version"] if snap is not None else None,
-                        snapshot=snap is not None, url=self.store.url,
-                        restore_s=round(t1 - t0, 4), redeliver_s=round(t2 - t1, 4),
-                        redelivered=len(ids), redelivered_ids=ids)
+    def _log(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.events.log(event, self.name, **fields)
 
     # --- the loop --------------------------------------------------------------------------
     def tick(self) -> None:
@@ -411,24 +390,20 @@ class AgentDeployment:
         with self.lock:
             self.beat = time.monotonic()
             lr, capture = self.learner, self.service.capture
-            tenants = self.service.learning_tenants  # None: no tenants, every row
-            due = time.monotonic() - self.last_update >= self.cfg.update_every_s
-            if lr is not None and capture is not None and due and capture.available(
-                    self.name, self.cfg.min_temperature, tenants) >= self.cfg.batch:
-                self.last_update = time.monotonic()
-                rows = capture.claim(self.name, self.cfg.batch, lr.steps + 1,
-                                     self.cfg.min_temperature, tenants)
-                if rows:
-                    rep = lr.train(rows, self.spec.model, capture,
-                                   self.service.run.cfg.train.micro_batch_size)
-                    self.events.log(
-                        "train_step" if rep.applied else "kl_stop", self.name, step=rep.step,
-                        rows=len(rep.ids), ids=rep.ids, kl=rep.kl, kl_max=self.cfg.kl_max,
-                        mean_reward=rep.mean_reward, is_weight_mean=rep.is_weight_mean,
-                        is_weight_min=rep.is_weight_min, is_weight_max=rep.is_weight_max,
-                        truncated=rep.truncated, off_policy=rep.off_policy,
-                        policy_version=lr.trainer.version, shadow_version=self.spec.version.number)
-                    self.since_candidate += rep.applied
+            started = time.monotonic()
+            rep = None
+            if lr is not None and capture is not None and \
+                    started - self.last_update >= self.cfg.update_every_s:
+                rep = lr.train_ready(capture, self.name, self.cfg.batch,
+                                     self.cfg.min_temperature, self.spec.model,
+                                     self.service.run.cfg.train.micro_batch_size,
+                                     self.service.learning_tenants)  # None: every row
+            if lr is not None and rep is not None:
+                self.last_update = started
+                self._log("train_step" if rep.applied else "kl_stop", **rep.fields(),
+                          kl_max=self.cfg.kl_max, policy_version=lr.trainer.version,
+                          shadow_version=self.spec.version.number)
+                self.since_candidate += rep.applied
             if lr is not None and self.canary is None and \
                     self.service.team_canary is None and \
                     self.since_candidate >= self.cfg.canary_every:
