@@ -499,16 +499,19 @@ class SlotPool(TrainPool):
         """The step and, with recovery on, the restart point after it, under one lease: a loss
         of either restores the last restart point, replays the journal and steps again."""
         self._per_iteration[agent] = self._since_step.pop(agent, 0)
+        return await self._then_restart_point(agent, ("step", agent), self._priority(agent, 0))
+
+    async def _then_restart_point(self, agent: str, command: Command,
+                                  priority: tuple = ()) -> Any:
+        """`command`, then (recovery on) the restart point after it, under one lease."""
         recovers = self._recovers()
-        commands: list[Command] = [("step", agent)]
-        if recovers:
-            commands.append(self._keep_command(agent))
+        commands = [command, self._keep_command(agent)] if recovers else [command]
 
         def restart_point(results: list[Any]) -> None:
             if recovers:
                 self._kept(agent, results[1])
 
-        results = await self._submit(agent, lambda _: commands, self._priority(agent, 0),
+        results = await self._submit(agent, lambda _: commands, priority,
                                      on_done=restart_point)
         return results[0]
 
@@ -527,16 +530,7 @@ class SlotPool(TrainPool):
         return await self._call(agent, "get_state", agent)
 
     async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
-        recovers = self._recovers()
-        commands: list[Command] = [("set_state", (agent, *state))]
-        if recovers:
-            commands.append(self._keep_command(agent))
-
-        def restart_point(results: list[Any]) -> None:
-            if recovers:
-                self._kept(agent, results[1])
-
-        await self._submit(agent, lambda _: commands, on_done=restart_point)
+        await self._then_restart_point(agent, ("set_state", (agent, *state)))
 
     async def weights(self, agent: str) -> Any:
         return await self._call(agent, "weights", agent)
