@@ -21,6 +21,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,14 +161,20 @@ class OnlineTrainer:
             self.snapshot()
         return rep is not None
 
-    def run_forever(self) -> None:
-        print(f"online trainer of {self.agent}: {self.capture.path} -> {self.server.url}",
-              flush=True)
+    def loop(self, done: Callable[[], bool] = lambda: False) -> None:
+        """Rounds until `done()`; a snapshot on the way out (a stop, an error)."""
         try:
-            while True:
+            while not done():
                 if not self.step():
                     time.sleep(self.cfg.poll_s)
         finally:
             if self.learner.steps:
                 self.snapshot()
+
+    def run_forever(self) -> None:
+        print(f"online trainer of {self.agent}: {self.capture.path} -> {self.server.url}",
+              flush=True)
+        try:
+            self.loop()
+        finally:
             self.capture.close()
