@@ -33,6 +33,12 @@ def bundle_of(b: RayBundle) -> dict[str, float]:
     return {k: v for k, v in out.items() if v > 0}
 
 
+def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
+    """An actor's `options` asking for exactly `bundle`."""
+    return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
+            "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
+
+
 class RayPools:
     """The cluster session and the two pools' placement groups of one run."""
 
@@ -160,23 +166,15 @@ class RayPools:
 
     def rank_options(self) -> dict[str, Any]:
         """One rank of a sharded slot: a `train_bundle` (its placement: `ranks.RayRanks`)."""
-        bundle = self.bundles["train"]
-        return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
-                "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
+        return actor_resources(self.bundles["train"])
 
     def options(self, pool: str, index: int) -> dict[str, Any]:
         """Worker `index` of `pool`: its bundle (rank 0's, bundle 0, for a sharded slot);
         the supervisor restarts it, not Ray."""
-        bundle = self._rank_bundles(pool, index)[0]
         group, at = self._group(pool, index)
-        return {
-            "num_cpus": bundle.get("CPU", 0.0),
-            "num_gpus": bundle.get("GPU", 0.0),
-            "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=at),
-            "max_restarts": 0,
-        }
+        return {**actor_resources(self._rank_bundles(pool, index)[0]), "max_restarts": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=at)}
 
     def launcher(self) -> RayLauncher:
         return RayLauncher(self.options)

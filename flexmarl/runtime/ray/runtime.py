@@ -86,10 +86,6 @@ class RayRuntime(LocalRuntime):
     async def start(self) -> None:
         try:
             await self.ray.place()
-        except BaseException:
-            self.ray.release()
-            raise
-        try:
             await super().start()
         except BaseException:
             self.ray.release()
