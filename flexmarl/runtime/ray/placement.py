@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -100,6 +101,16 @@ class RayPools:
                     f"runtime.ray.{pool}_bundle: the {pool} pool's placement group "
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
+
+    async def start(self, runtime_start: Callable[[], Awaitable[None]]) -> None:
+        """Reserve both pools, then run `runtime_start` on them; if either fails, the
+        placement groups and the session are given back."""
+        try:
+            await self.place()
+            await runtime_start()
+        except BaseException:
+            self.release()
+            raise
 
     def room_for(self, pool: str, index: int) -> bool:
         """Whether the cluster has free resources for worker `index`'s bundle now."""
