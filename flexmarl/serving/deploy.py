@@ -33,6 +33,7 @@ an engine thread that died is replaced by a fresh one over the same shadow and c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import threading
@@ -45,6 +46,8 @@ import numpy as np
 import torch
 
 from flexmarl.config.schema import ConfigError
+from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.executor import GraphExecutor
 from flexmarl.graph.meg import EpisodeContext
 from flexmarl.serving.adapters import save_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
@@ -135,42 +138,46 @@ class EventLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line]
 
 
-def heldout_score(task: Any, models: dict[str, torch.nn.Module], inputs: list[dict],
-                  temperatures: dict[str, float], seed: int) -> float:
-    """Mean episode reward of the task's graph on `inputs` with `models`, every node decoded
-    with noise keyed by (seed, input, node): two versions see the same noise."""
+def heldout_score(executor: GraphExecutor, models: dict[str, torch.nn.Module],
+                  inputs: list[dict], temperatures: dict[str, float], seed: int) -> float:
+    """Mean episode reward of the graph on `inputs` with `models`, every node decoded with
+    noise keyed by (seed, input, node): two versions see the same noise. The nodes are the
+    executor's (conditions, rendered prompts, text decoding, rewards), walked level by level
+    so that each node's requests of all the episodes decode as one batch."""
     from flexmarl.policy.model import stable_seed
     from flexmarl.policy.sampling import generate
     from flexmarl.types import GenerationRequest
 
-    graph = task.graph
     ctxs = [EpisodeContext(f"heldout-{i}", 0, dict(d)) for i, d in enumerate(inputs)]
     ran: list[dict[str, bool]] = [{} for _ in ctxs]
-    for name in graph.topological_order():
-        node = graph.nodes[name]
-        reqs = []
+    for name in executor.order:
+        calls = {}
         for i, ctx in enumerate(ctxs):
-            if not all(ran[i].get(d) for d in node.inputs) or (
-                    node.when is not None and not node.when(ctx)):
-                ran[i][name] = False
-                continue
-            p = node.prompt(ctx)
-            reqs.append(GenerationRequest(str(i), node.agent, 0, list(p.tokens),
-                                          p.max_new_tokens, p.allowed_tokens,
-                                          list(p.stop_tokens), temperatures[node.agent],
-                                          noise_seed=stable_seed(seed, i, name)))
+            inputs_ran = all(ran[i].get(d) for d in executor.graph.nodes[name].inputs)
+            call = executor.prepare(ctx, name) if inputs_ran else None
+            ran[i][name] = call is not None
+            if call is not None:
+                calls[i] = call
+        agent = executor.graph.nodes[name].agent
+        reqs = [GenerationRequest(str(i), agent, 0, list(c.prompt.tokens),
+                                  c.prompt.max_new_tokens, c.prompt.allowed_tokens,
+                                  list(c.prompt.stop_tokens), temperatures[agent],
+                                  stop=list(c.prompt.stop),
+                                  noise_seed=stable_seed(seed, i, name))
+                for i, c in calls.items()]
         with torch.no_grad():
-            for res in generate(models[node.agent], reqs):
-                i = int(res.sample_id)
-                ctxs[i].outputs[name] = res.tokens
-                ran[i][name] = True
-    rewards = []
-    for i, ctx in enumerate(ctxs):
-        if graph.episode_reward is not None:
-            rewards.append(float(graph.episode_reward(ctx)))
-        else:
-            rewards.append(sum(float(graph.nodes[n].reward(ctx)) for n in graph.nodes
-                               if graph.nodes[n].reward is not None and ran[i].get(n)))
+            results = generate(models[agent], reqs,
+                               tokenizer=functools.partial(executor.renderer.tokenizer, agent))
+        for res in results:
+            i = int(res.sample_id)
+            ctxs[i].outputs[name] = res.tokens
+            if calls[i].is_text:
+                ctxs[i].texts[name] = executor.renderer.decode(agent, res.tokens,
+                                                               calls[i].prompt.stop)
+    rewards = [executor.team_reward(ctx) if executor.graph.episode_reward is not None
+               else sum(executor.node_rewards(ctx, [n for n in executor.order if ran[i][n]])
+                        .values())
+               for i, ctx in enumerate(ctxs)]
     return float(np.mean(rewards)) if rewards else 0.0
 
 
@@ -239,7 +246,9 @@ class AgentDeployment:
         models = {n: s.model for n, s in svc.run.agents.items()}
         models[self.name] = model
         temps = {n: s.cfg.sampling.temperature for n, s in svc.run.agents.items()}
-        return heldout_score(task, models, inputs, temps, self.cfg.heldout_seed)
+        executor = GraphExecutor(task.graph, PromptRenderer(svc.run.cfg.agents, task.vocab_size),
+                                 svc.run.agents)
+        return heldout_score(executor, models, inputs, temps, self.cfg.heldout_seed)
 
     def _shadow_heldout(self) -> float | None:
         v = self.spec.version.number
