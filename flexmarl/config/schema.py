@@ -138,11 +138,12 @@ class GRPOConfig(_AlgorithmBase):
     # by position, not by timing, so sync and async runs stay identical. Group normalisation.
     dynamic_sampling: bool = False
     # Label-balanced advantages, for judges and classifiers: with `normalize: agent`, the
-    # agent's rows are grouped by their node's true class (`MEG.node(label=...)`); each row's
-    # baseline is its class's mean reward and each class weighs the same in the loss (weight
-    # n / (classes x n_class)). The objective becomes balanced accuracy, so answering the
-    # majority class to every input (a judge saying No while its partner is mostly wrong, then
-    # stuck there once the partner improves) earns nothing over chance.
+    # agent's rows are grouped by their node's true class (`MEG.node(label=...)`); each class
+    # weighs the same in the loss (weight n / (classes x n_class)) and every row's baseline is
+    # the balanced mean (the mean of the classes' mean rewards). The objective becomes balanced
+    # accuracy, so answering the majority class to every input (a judge saying No while its
+    # partner is mostly wrong, then stuck there once the partner improves) earns nothing over
+    # chance, and a judge answering one thing still gets a signal on every class.
     balance_labels: bool = False
 
     @model_validator(mode="after")
