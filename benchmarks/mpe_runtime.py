@@ -11,9 +11,10 @@
 subprocess (its in-process driver); every variant of this tree runs in a subprocess too, so
 each run pays its own imports and, here, its worker processes' start. Prints one row per
 variant: the whole run's env steps/s (wall clock from the call to the result, worker start
-included), the steady-state figure (median of the iterations' env_steps_per_s) and the
-return of the last 10% of iterations. The machine is shared: rounds alternate so that load
-changes hit every variant, and the figures are floors.
+included), the steady-state figure (median of the iterations' env_steps_per_s), the median
+iteration's seconds after its rollout ended (`train_s`: the steps, and what of their inputs
+did not overlap the rollout) and the return of the last 10% of iterations. The machine is
+shared: rounds alternate so that load changes hit every variant, and the figures are floors.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def main():
     tail = recs[-max(1, len(recs) // 10):]
     rets = [r["return_mean"] for r in tail if "return_mean" in r]
     steady = sorted(r["env_steps_per_s"] for r in recs[1:] or recs)
+    after = sorted(r.get("train_s", float("nan")) for r in recs[1:] or recs)
     print(json.dumps({"env_steps": res.env_steps, "wall_s": wall,
-                      "steady": steady[len(steady) // 2],
+                      "steady": steady[len(steady) // 2], "train_s": after[len(after) // 2],
                       "return": sum(rets) / max(len(rets), 1)}))
 if __name__ == "__main__":
     main()
@@ -100,7 +102,7 @@ def main() -> None:
     ap.add_argument("--num-envs", type=int, default=None, help="env.num_envs override")
     ap.add_argument("--variants", default="before,after,after-2rollout,after-2slots",
                     help="before | after | after-2rollout | after-2slots | after-nosup | "
-                         "after-ckpt | ray")
+                         "after-ckpt | ray | after-2rollout-sync | after-2rollout-async")
     args = ap.parse_args()
     config = ROOT / EXAMPLES[args.scenario]
     base = [f"train.env_steps={args.steps}"]
@@ -121,6 +123,15 @@ def main() -> None:
                            [*base, "runtime.rollout_workers=2", f"env.num_envs={half}"]),
         "after-2slots": ("runtime: 1 rollout worker, 2 training slots", ROOT,
                          [*base, "runtime.train_workers=2"]),
+        # pipeline.mode async (docs/marl.md, "Pipeline modes"): each rollout worker's rows go
+        # to the learners as it ends; the step still waits for the last worker
+        "after-2rollout-async": (f"runtime: 2 rollout workers x {half} envs, 2 slots, async",
+                                 ROOT, [*base, "runtime.rollout_workers=2",
+                                        f"env.num_envs={half}", "runtime.train_workers=2",
+                                        "pipeline.mode=async"]),
+        "after-2rollout-sync": (f"runtime: 2 rollout workers x {half} envs, 2 slots, sync",
+                                ROOT, [*base, "runtime.rollout_workers=2",
+                                       f"env.num_envs={half}", "runtime.train_workers=2"]),
         # reliability (docs/reliability.md): without the supervisor (no environment state
         # captured, no restart points kept) vs with it (the default, `after`), and with a
         # checkpoint generation written every iteration
@@ -154,14 +165,16 @@ def main() -> None:
           f"steps per run, {args.rounds} rounds "
           f"alternating, mean over rounds (before = {args.before})\n")
     print("| variant | whole run env steps/s | steady-state env steps/s (median iteration) "
-          "| wall s | return (last 10%) |")
-    print("|---|---|---|---|---|")
+          "| wall s | after the last rollout worker, s (median iteration) "
+          "| return (last 10%) |")
+    print("|---|---|---|---|---|---|")
     for v in chosen:
         rs = results[v]
         whole = statistics.mean(x["env_steps"] / x["wall_s"] for x in rs)
         print(f"| {variants[v][0]} | {whole:.0f} | "
               f"{statistics.mean(x['steady'] for x in rs):.0f} | "
               f"{statistics.mean(x['wall_s'] for x in rs):.1f} | "
+              f"{statistics.mean(x.get('train_s', float('nan')) for x in rs):.3f} | "
               f"{statistics.mean(x['return'] for x in rs):.2f} |")
 
 

@@ -264,7 +264,8 @@ def collapse_remedy(run: Run, agent: str) -> str:
     """The option that moves a collapsed agent again, from the run's own config: a KL to the
     frozen reference (`kl_coef`) pulls a policy drifting onto one answer back toward its initial
     spread whatever the rewards say (the team default, docs/training.md); a judge's classes
-    weighed equally (`balance_labels`) take away the majority answer's pay; a GRPO agent
+    weighed equally around one balanced baseline (`balance_labels`) take away the majority
+    answer's pay and still move a judge that answers one thing; a GRPO agent
     normalised per group has zero advantage on every group whose samples agree (all of them,
     once it answers one thing), while an agent-wide baseline (`normalize: agent`) still pays
     the inputs where the one answer is right over those where it is wrong; clip-higher lets
@@ -279,11 +280,14 @@ def collapse_remedy(run: Run, agent: str) -> str:
     if not algo.get("kl_coef"):
         steps.append(f"agents.{agent}.algorithm.kl_coef: 0.1 (a KL to the frozen reference "
                      "pulls a policy drifting onto one answer back toward its initial spread, "
-                     "whatever its partner does)")
+                     "whatever its partner does; not when the starting checkpoint itself "
+                     "answers one thing)")
     if algo.get("name", "grpo") == "grpo" and not algo.get("balance_labels"):
         steps.append(f"a judge or classifier: label= on its node and agents.{agent}.algorithm."
                      "balance_labels: true with normalize: agent (every true class weighs the "
-                     "same, so the majority answer earns nothing over chance)")
+                     "same around one balanced baseline: the majority answer earns nothing over "
+                     "chance, and an agent answering one thing still gets a signal on every "
+                     "class)")
     if algo.get("name", "grpo") == "grpo" and algo.get("normalize", "group") == "group":
         group_size = (run.config.get("train") or {}).get("group_size")
         size = f" {group_size}" if group_size else ""

@@ -13,74 +13,139 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flexmarl.config.schema import ConfigError, RunConfig, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.errors import UserError
+from flexmarl.telemetry.curves import reward_curves
 from flexmarl.telemetry.samples import SampleTail, format_sample
+
+
+@dataclass
+class _RunKind:
+    """What `flexmarl train` shows of a run: a task run's success, or an environment run's
+    return; the rest (folders, resume, progress, stop, exit codes) is one path for both."""
+
+    header: str
+    train: Callable[..., Any]  # train(cfg, out, on_iteration, resume=...) -> result
+    progress: str  # the progress bar's figure
+    figure: Callable[[dict], float]
+    speed: Callable[[dict], str]
+    final: Callable[[Any], list[str]]
+
+
+def _task_kind(cfg: RunConfig, out: Path) -> _RunKind:
+    from flexmarl.orchestrator.run import prepare, train
+
+    prepare(cfg)  # fail fast, before any worker starts
+
+    def final(result: Any) -> list[str]:
+        failed = sum(r["episodes/failed"] for r in result.records)
+        n = cfg.task_config.options.get("num_candidates")
+        chance = f" (chance {1 / max(n, 1):.3f})" if n is not None else ""
+        lines = [f"final success rate: {result.final_success:.3f}{chance}",
+                 f"wall time: {result.wall_s:.1f} s, failed episodes: {failed}",
+                 *reward_curves(result.records, [a for a in cfg.agents
+                                                 if cfg.agents[a].trainable]),
+                 f"metrics:     {out / 'metrics.jsonl'}",
+                 f"trace:       {out / 'trace.json'}  (open in chrome://tracing or "
+                 "ui.perfetto.dev)"]
+        for agent, path in result.checkpoints.items():
+            # an LLM agent's save is a model folder, a network agent's the safetensors file
+            shown = path if path.suffix == ".safetensors" else path / "model.safetensors"
+            lines.append(f"checkpoint:  {shown}  [{agent}]")
+        return lines
+
+    return _RunKind(f"{len(cfg.agents)} agents, pipeline={cfg.pipeline.mode}, "
+                    f"runtime={cfg.runtime.kind}, {cfg.train.iterations} iterations",
+                    train, "success", lambda rec: rec["task/success_rate"],
+                    lambda rec: f"{rec['wall_s']:.2f}s/it", final)
+
+
+def _env_kind(cfg: RunConfig, out: Path) -> _RunKind:
+    # imported here: the MARL stack (PettingZoo, the networks) is only needed for these runs
+    from flexmarl.marl.run import MarlRun, train_marl
+
+    run = MarlRun(cfg)  # environments probed: spaces and agents checked before any worker
+    env, n_iter = cfg.environment, cfg.train.iterations
+    envs = env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
+
+    def final(result: Any) -> list[str]:
+        # the schedule's wall time, workers' start to stop (a resumed run: this process's)
+        steps_here, wall = result.env_steps - result.resumed_env_steps, result.wall_s
+        tail = result.records[-max(1, len(result.records) // 10):]
+        rets = [r["return_mean"] for r in tail if "return_mean" in r]
+        lines = ["final mean episode return per agent (last 10% of iterations): "
+                 f"{sum(rets) / max(len(rets), 1):.2f}"]
+        for key in sorted({k for r in tail for k in r if k.startswith("task/")}):
+            vals = [r[key] for r in tail if key in r]
+            lines.append(f"{key}: {sum(vals) / len(vals):.3f}")
+        resumed = (f" (resumed after {result.resumed_env_steps})"
+                   if result.resumed_env_steps else "")
+        lines.append(f"wall time: {wall:.1f} s for {steps_here} env steps{resumed}, "
+                     f"{steps_here / wall:.0f} env steps/s")
+        lines += reward_curves(result.records, run.agents)  # episode return per agent
+        lines.append(f"metrics:     {out / 'metrics.jsonl'}")
+        lines += [f"checkpoint:  {path}" for path in
+                  sorted((out / "checkpoints" / "final").glob("*/model.safetensors"))]
+        return lines
+
+    return _RunKind(f"{env.id}, {len(run.agents)} agents, {len(run.layouts)} networks, "
+                    f"{cfg.env_algorithm.name}, pipeline={cfg.pipeline.mode}, "
+                    f"runtime={cfg.runtime.kind}, {envs} envs, {n_iter} iterations "
+                    f"({n_iter * envs * cfg.train.rollout_steps} env steps)",
+                    train_marl, "return", lambda rec: rec.get("return_mean", 0.0),
+                    lambda rec: f"{rec['env_steps_per_s']:.0f} steps/s", final)
 
 
 def _train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from flexmarl.orchestrator.checkpoint import find_checkpoints
+    from flexmarl.orchestrator.joint import FailureBudgetExceeded, RunInterrupted
+    from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
+
     cfg = load_config(args.config, args.set)  # config errors surface before torch loads
-    if cfg.env is not None:  # an environment run: network-policy agents (docs/marl.md)
-        if args.system:
-            raise ConfigError(f"--system {args.system}: the simulator's systems are presets of "
-                              f"task runs; {args.config} is an environment run (`env:`)")
-        return _train_classic(args, cfg)
-    console = Console(stderr=True)
+    if args.system and cfg.env is not None:
+        raise ConfigError(f"--system {args.system}: the simulator's systems are presets of "
+                          f"task runs; {args.config} is an environment run (`env:`)")
     if args.system:  # a system preset's settings come first, the user's --set after them
         args.set = [*system_overrides(args.system), *args.set]
         cfg = load_config(args.config, args.set)
-    assert cfg.task is not None
-    if args.show_samples > cfg.logging.samples_per_agent:  # keep as many as are shown
-        cfg = load_config(args.config,
+    if cfg.env is None and args.show_samples > cfg.logging.samples_per_agent:
+        cfg = load_config(args.config,  # keep as many samples as are shown
                           [*args.set, f"logging.samples_per_agent={args.show_samples}"])
-    from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
-    from flexmarl.orchestrator.run import prepare, train
-
+    console = Console(stderr=True)
     resume = Path(args.resume) if args.resume else None
     if resume is not None:
         check_resume_dir(resume)
     default_out = resume.parent if resume and resume.name == "checkpoints" else resume
     out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
-    prepare(cfg)  # fail fast, before any worker starts
+    kind = _task_kind(cfg, out) if cfg.env is None else _env_kind(cfg, out)
     check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
                                                  "out (the run's output folder)"))
+    done = 0
     if resume is not None:  # no checkpoint there: say so now (train() verifies the files)
-        from flexmarl.orchestrator.checkpoint import find_checkpoints
-
-        find_checkpoints(resume)
-    console.print(
-        f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {len(cfg.agents)} agents, "
-        f"pipeline={cfg.pipeline.mode}, runtime={cfg.runtime.kind}, "
-        f"{cfg.train.iterations} iterations -> {out}"
-    )
+        name = find_checkpoints(resume).latest_name() or "gen-0"
+        done = int(name.rsplit("-", 1)[-1] or 0)  # the resumed iterations are done
+    console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {kind.header} -> {out}")
     progress = Progress(
-        TextColumn("[bold blue]iteration {task.completed}/{task.total}"),
-        BarColumn(),
-        TextColumn("success {task.fields[success]:.3f}"),
-        TextColumn("{task.fields[speed]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
+        TextColumn("[bold blue]iteration {task.completed}/{task.total}"), BarColumn(),
+        TextColumn(f"{kind.progress} {{task.fields[figure]:.3f}}"),
+        TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console)
     with progress:
-        bar = progress.add_task("train", total=cfg.train.iterations, success=0.0, speed="")
-        if resume is not None:  # the resumed iterations are already done
-            from flexmarl.orchestrator.checkpoint import find_checkpoints
-
-            name = find_checkpoints(resume).latest_name() or "gen-0"
-            progress.update(bar, completed=int(name.rsplit("-", 1)[-1] or 0))
-
+        bar = progress.add_task("train", total=cfg.train.iterations, figure=0.0, speed="",
+                                completed=done)
         tail = SampleTail(out / "samples.jsonl")
 
         def on_iteration(record: dict) -> None:
-            progress.update(bar, advance=1, success=record["task/success_rate"],
-                            speed=f"{record['wall_s']:.2f}s/it")
+            progress.update(bar, advance=1, figure=kind.figure(record),
+                            speed=kind.speed(record))
             shown: dict[str, int] = {}
             for sample in tail.new():  # --show-samples: what each agent said, N per agent
                 if shown.get(sample["agent"], 0) < args.show_samples:
@@ -88,11 +153,9 @@ def _train(args: argparse.Namespace) -> int:
                     progress.console.print(format_sample(sample), markup=False,
                                            highlight=False)
 
-        from flexmarl.orchestrator.joint import FailureBudgetExceeded, RunInterrupted
-
         try:
-            result = train(cfg, out, on_iteration, resume=resume)
-        except RunInterrupted as exc:
+            result = kind.train(cfg, out, on_iteration, resume=resume)
+        except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
             progress.stop()
             print(f"interrupted: {exc}", file=sys.stderr)
             return 143
@@ -102,97 +165,24 @@ def _train(args: argparse.Namespace) -> int:
             print(f"no final checkpoint was written; metrics: {out / 'metrics.jsonl'}",
                   file=sys.stderr)
             return 1
-    failed = sum(r["episodes/failed"] for r in result.records)
-    print(f"final success rate: {result.final_success:.3f} "
-          f"(chance {1 / max(cfg.task_config.options.get('num_candidates', 1), 1):.3f})"
-          if "num_candidates" in cfg.task_config.options
-          else f"final success rate: {result.final_success:.3f}")
-    print(f"wall time: {result.wall_s:.1f} s, failed episodes: {failed}")
-    from flexmarl.telemetry.curves import reward_curves
-
-    for line in reward_curves(result.records, [a for a in cfg.agents if cfg.agents[a].trainable]):
+    for line in kind.final(result):
         print(line)
-    print(f"metrics:     {out / 'metrics.jsonl'}")
-    print(f"trace:       {out / 'trace.json'}  (open in chrome://tracing or ui.perfetto.dev)")
-    for agent, path in result.checkpoints.items():
-        # an LLM agent's save is a model folder, a network agent's the safetensors file
-        shown = path if path.suffix == ".safetensors" else path / "model.safetensors"
-        print(f"checkpoint:  {shown}  [{agent}]")
     print(f"next:        flexmarl doctor {out}   |   flexmarl report {out}")
     return 0
 
 
-def _train_classic(args: argparse.Namespace, cfg: RunConfig) -> int:
-    """`flexmarl train` of a classic MARL run: the same output folder, resume, stop and
-    summary as an LLM run's (both hosted by `orchestrator.run.host_run`)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    # imported here: the MARL stack (PettingZoo, the networks) is only needed for these runs
-    from flexmarl.marl.run import MarlRun, train_marl
-    from flexmarl.orchestrator.checkpoint import find_checkpoints
-    from flexmarl.orchestrator.checkpointing import RunInterrupted
-    from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
-
-    env = cfg.environment
-    resume = Path(args.resume) if args.resume else None
-    if resume is not None:
-        check_resume_dir(resume)
-    default_out = resume.parent if resume and resume.name == "checkpoints" else resume
-    out = Path(args.out or default_out or cfg.out or Path("runs") / cfg.name)
-    check_out_dir(out, "--out" if args.out else ("--resume" if default_out else
-                                                 "out (the run's output folder)"))
-    done = find_checkpoints(resume).load().completed if resume is not None else 0
-    run = MarlRun(cfg)  # environments probed: spaces and agents checked before any worker
-    console = Console(stderr=True)
-    envs = env.num_envs * cfg.runtime.rollout_workers  # every rollout worker's
-    n_iter = cfg.train.iterations
-    console.print(f"[bold]flexmarl[/] training [cyan]{cfg.name}[/]: {env.id}, "
-                  f"{len(run.agents)} agents, {len(run.layouts)} networks, "
-                  f"{cfg.env_algorithm.name}, {envs} envs, {n_iter} iterations "
-                  f"({n_iter * envs * cfg.train.rollout_steps} env steps) -> {out}")
-    progress = Progress(TextColumn("[bold blue]iteration {task.completed}/{task.total}"),
-                        BarColumn(), TextColumn("return {task.fields[ret]:.2f}"),
-                        TextColumn("{task.fields[speed]}"), TimeElapsedColumn(),
-                        console=console)
-    with progress:
-        bar = progress.add_task("train", total=n_iter, ret=0.0, speed="",
-                                completed=done)
-
-        def on_iteration(rec: dict) -> None:
-            progress.update(bar, advance=1, ret=rec.get("return_mean", 0.0),
-                            speed=f"{rec['env_steps_per_s']:.0f} steps/s")
-
-        try:
-            result = train_marl(cfg, out, on_iteration, resume=resume)
-        except RunInterrupted as exc:  # SIGTERM / Ctrl-C, after the boundary's checkpoint
-            progress.stop()
-            print(f"interrupted: {exc}", file=sys.stderr)
-            return 143
-    # the schedule's wall time, workers' start to stop (a resumed run's: this process's part)
-    steps_here, wall = result.env_steps - result.resumed_env_steps, result.wall_s
-    tail = result.records[-max(1, len(result.records) // 10):]
-    rets = [r["return_mean"] for r in tail if "return_mean" in r]
-    print(f"final mean episode return per agent (last 10% of iterations): "
-          f"{sum(rets) / max(len(rets), 1):.2f}")
-    for key in sorted({k for r in tail for k in r if k.startswith("task/")}):
-        vals = [r[key] for r in tail if key in r]
-        print(f"{key}: {sum(vals) / len(vals):.3f}")
-    resumed = f" (resumed after {result.resumed_env_steps})" if result.resumed_env_steps else ""
-    print(f"wall time: {wall:.1f} s for {steps_here} env steps{resumed}, "
-          f"{steps_here / wall:.0f} env steps/s")
-    from flexmarl.telemetry.curves import reward_curves
-
-    for line in reward_curves(result.records, run.agents):  # episode return per agent
-        print(line)
-    print(f"metrics:     {out / 'metrics.jsonl'}")
-    for path in sorted((out / "checkpoints" / "final").glob("*/model.safetensors")):
-        print(f"checkpoint:  {path}")
-    print(f"next:        flexmarl doctor {out}   |   flexmarl report {out}")
-    return 0
+def _refuse_env_run(config: str, sets: list[str], command: str) -> None:
+    """The simulator's systems, calibration and the pipeline bench measure task runs (their
+    graph, replicas and trainers); an environment run is refused by its field, up front."""
+    if load_config(config, sets).env is not None:
+        raise ConfigError(f"{config}: env: `flexmarl {command}` measures task runs (`task:`); "
+                          "an environment run is measured by `flexmarl train` (env steps/s "
+                          "in metrics.jsonl) and benchmarks/mpe.py")
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if not (args.what == "compare" and args.resimulate):
+        _refuse_env_run(args.config, args.set, f"bench {args.what}")
     if args.what == "compare":
         # start-up cost: the simulator and the runtime load only for the command that runs
         from flexmarl.sim.calibration.compare import DEFAULT_SYSTEMS, compare, resimulate
@@ -214,6 +204,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.profile_local:
         from flexmarl.sim.calibration.calibrate import calibrate
 
+        _refuse_env_run(args.workload, args.set, "simulate --profile-local")
         calibrate(args.workload, args.set, iterations=args.iterations or 5, out=args.out,
                   profile=args.profile)
         return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -248,8 +247,3 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     path = out_dir / "index.html"
     path.write_text(page)
     return path
-
-
-def report_images(html_text: str) -> list[str]:
-    """The data URIs of a report's images (tests)."""
-    return re.findall(r'src="(data:image/png;base64,[^"]+)"', html_text)

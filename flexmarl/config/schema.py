@@ -138,11 +138,12 @@ class GRPOConfig(_AlgorithmBase):
     # by position, not by timing, so sync and async runs stay identical. Group normalisation.
     dynamic_sampling: bool = False
     # Label-balanced advantages, for judges and classifiers: with `normalize: agent`, the
-    # agent's rows are grouped by their node's true class (`MEG.node(label=...)`); each row's
-    # baseline is its class's mean reward and each class weighs the same in the loss (weight
-    # n / (classes x n_class)). The objective becomes balanced accuracy, so answering the
-    # majority class to every input (a judge saying No while its partner is mostly wrong, then
-    # stuck there once the partner improves) earns nothing over chance.
+    # agent's rows are grouped by their node's true class (`MEG.node(label=...)`); each class
+    # weighs the same in the loss (weight n / (classes x n_class)) and every row's baseline is
+    # the balanced mean (the mean of the classes' mean rewards). The objective becomes balanced
+    # accuracy, so answering the majority class to every input (a judge saying No while its
+    # partner is mostly wrong, then stuck there once the partner improves) earns nothing over
+    # chance, and a judge answering one thing still gets a signal on every class.
     balance_labels: bool = False
 
     @model_validator(mode="after")
@@ -207,13 +208,7 @@ class LoraConfig(Strict):
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "v_proj"]
-
-    @model_validator(mode="after")
-    def _targets(self) -> LoraConfig:
-        if not self.target_modules:
-            raise ValueError("lora.target_modules: at least one module name is required")
-        return self
+    target_modules: list[str] = Field(["q_proj", "v_proj"], min_length=1)
 
 
 class SamplingConfig(Strict):
@@ -227,17 +222,8 @@ class SamplingConfig(Strict):
     # cut (as in verl and OpenRLHF), so the trainer's recomputation matches them exactly.
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(64, gt=0)
-    stop: list[str] = []
+    stop: list[Annotated[str, Field(min_length=1)]] = []
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: list[str]) -> list[str]:
-        for i, s in enumerate(value):
-            if not s:
-                raise ValueError(f"stop[{i}] is empty: a stop string needs at least one "
-                                 "character")
-        return value
 
 
 class OptimConfig(Strict):
@@ -420,10 +406,6 @@ class AgentConfig(Strict):
     # environment (`EnvSegment`); `model`, `backend`, `algorithm`, `sampling`, `optim` and
     # `lora` are the LLM's and stay unset
     network: AgentNetworkConfig | None = None
-
-    @property
-    def is_network(self) -> bool:
-        return self.network is not None
 
     @model_validator(mode="after")
     def _applies(self) -> AgentConfig:
@@ -616,7 +598,8 @@ class RuntimeConfig(Strict):
     slot_size: int = Field(1, gt=0)
     # Slots of different sizes, e.g. [4, 2, 2]: replaces train_workers (set to its length, the
     # number of slots) and slot_size; the planner binds the heaviest agent to the largest slot.
-    slot_sizes: list[int] | None = None
+    # Leave it out for train_workers x slot_size.
+    slot_sizes: list[Annotated[int, Field(gt=0)]] | None = Field(None, min_length=1)
     # on_demand: a trainable agent takes whichever training slot frees first (agent-centric);
     # fixed: each agent has its own slot for the whole run, agents dealt to the slots in turn
     # (the static allocation baseline, `flexmarl-static-alloc`; slots of different sizes:
@@ -705,18 +688,6 @@ class RuntimeConfig(Strict):
                              f"{self.rollout_workers}, max {top}) grows onto Ray nodes that "
                              f"join; it needs runtime.kind=ray (kind is {self.kind!r})")
         return self
-
-    @field_validator("slot_sizes")
-    @classmethod
-    def _slot_sizes(cls, value: list[int] | None) -> list[int] | None:
-        if value is None:
-            return value
-        if not value:
-            raise ValueError("an empty list (leave the field out for train_workers x slot_size)")
-        bad = [k for k in value if k <= 0]
-        if bad:
-            raise ValueError(f"slot sizes must be > 0, got {value}")
-        return value
 
     def train_slot_sizes(self, n_trainable: int | None = None) -> list[int]:
         """The size (devices, ranks) of each training slot, largest first: `slot_sizes`, or
@@ -1000,9 +971,12 @@ class RunConfig(Strict):
         self._check_env_fields()
         if "mode" not in self.pipeline.model_fields_set:
             self.pipeline.mode = "sync"
-        if self.pipeline.mode != "sync" or self.pipeline.train_agents != "together":
-            raise ValueError(f"pipeline.mode: an environment run rolls out iteration k, then "
-                             f"steps every policy on it (sync); got {self.pipeline.mode!r}")
+        if self.pipeline.mode == "one_step_off" or self.pipeline.train_agents != "together":
+            # on-policy: rollout k needs every policy's step k-1; async streams each rollout
+            # worker's rows to the learners as it ends (docs/marl.md, "Pipeline modes")
+            raise ValueError(f"pipeline.mode: an environment run is on-policy: sync or async "
+                             f"(every policy together); got {self.pipeline.mode!r}, "
+                             f"train_agents {self.pipeline.train_agents!r}")
         for name, agent in self.agents.items():
             llm = [f for f in ("model", "backend", "algorithm", "sampling", "optim", "lora",
                                "trainable")

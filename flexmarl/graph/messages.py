@@ -101,7 +101,6 @@ class MessageBus:
         self.fp16, self.min_zstd = fp16, min_zstd
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self.bytes_sent = 0
 
     def send(self, sender: str, receiver: str, payload: Any, reply_to: int | None = None
              ) -> int:
@@ -109,7 +108,6 @@ class MessageBus:
             raise KeyError(f"message to {receiver!r}: no such agent (agents: "
                            f"{', '.join(self.mailboxes)})")
         data = encode(payload, self.fp16, self.min_zstd)
-        self.bytes_sent += len(data)
         env = Envelope(sender, receiver, next(self._ids), reply_to, data)
         waiter = self._waiting.pop(reply_to, None) if reply_to is not None else None
         if waiter is not None:  # a reply goes straight to whoever awaits it
@@ -129,6 +127,5 @@ class MessageBus:
         mid = next(self._ids)
         self._waiting[mid] = fut
         data = encode(payload, self.fp16, self.min_zstd)
-        self.bytes_sent += len(data)
         self.mailboxes[receiver].put_nowait(Envelope(sender, receiver, mid, None, data))
         return await fut

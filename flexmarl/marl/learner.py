@@ -29,6 +29,13 @@ class PolicyLearner(NetPolicyLearner):
         super().__init__(layout.name, cfg.env_algorithm, build_net(cfg, layout),
                          cfg.seed * 1009 + layout.index + 7)
 
+    def step(self) -> dict[str, float]:
+        """The step's rows in one order, agent by agent (the policy's columns), each agent's
+        by sample id: the sync pipeline's micro-batches arrive so; the async pipeline's arrive
+        per rollout worker, and the same order makes its step bit-identical."""
+        self.pending.sort(key=lambda row: (row.agent_index, row.sample_id))
+        return super().step()
+
 
 if TYPE_CHECKING:
     AnyLearner = PolicyLearner | QLearner

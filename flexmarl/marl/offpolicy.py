@@ -1,7 +1,8 @@
 """VDN / QMIX on the local MARL runtime: epsilon-greedy rollout workers, a replay learner in a
 training slot, weights published by version (the MAPPO path's machinery, `run.py`).
 
-Iteration k, with the orchestrator's `SyncSchedule`:
+Iteration k, with the orchestrator's `SyncSchedule` (`AsyncSchedule`: each worker's
+transitions go to the learner as that worker ends, in worker order; the same step):
 1. every rollout worker (`QRollout`) steps its `env.num_envs` environments `rollout_steps`
    times with version k of the Q-network, epsilon-greedy (epsilon from the run's global env
    step count), and returns the iteration's joint transitions ([T, E, ...] arrays);

@@ -4,26 +4,31 @@
 the replay learner's table; the one thing on- and off-policy runs differ in besides their
 rollout and learner.
 
-Iteration k, with the orchestrator's `SyncSchedule` (docs/design.md section 5):
-1. rollout: every rollout worker process steps its `num_envs` environments for
-   `rollout_steps` steps with version k of every policy (one forward pass per policy covers
-   its environments and agents) and sends back one row payload per (agent, environment);
-2. the rows go into the agent's table of the `ExperienceStore`: sample_id
-   `{k}-{env}_{agent index}_0`, policy_version k, the version vector, the arrays by
-   reference; ready once the chain's rewards are in;
+Iteration k, with the orchestrator's schedule of `pipeline.mode` (docs/design.md section 5),
+this driver being its rollout and its trainer:
+1. rollout: once every policy is at version k, every rollout worker process steps its
+   `num_envs` environments for `rollout_steps` steps with version k of every policy (one
+   forward pass per policy covers its environments and agents) and sends back one row
+   payload per (agent, environment);
+2. each worker's rows go into the agent's table of the `ExperienceStore` as it ends, in
+   worker order: sample_id `{k}-{env}_{agent index}_0`, policy_version k, the version
+   vector, the arrays by reference; ready once the chain's rewards are in;
 3. per policy (MAPPO / IPPO; VDN / QMIX: `ReplayTransitions`): its agents' ready rows of
-   version k are taken for step k (the store checks
-   the iteration, the version and the vector and hands each row out once) and queued on the
-   training pool (`accumulate`, one micro-batch per agent); `step` runs `epochs` x
-   `minibatches` PPO steps on exactly those rows in the policy's training slot and returns
-   the new weights with the audit of the rows each epoch used; the driver checks the audit,
+   version k are taken for step k (the store checks the iteration, the version and the
+   vector and hands each row out once) and queued on the training pool (`accumulate`, one
+   micro-batch per agent and rollout worker: after the last worker with `SyncSchedule`, as
+   each worker ends with `AsyncSchedule`); `step` runs `epochs` x `minibatches` PPO steps on
+   exactly those rows, in one order, in the policy's training slot and returns the new
+   weights with the audit of the rows each epoch used; the driver checks the audit,
    releases and evicts the rows and publishes version k+1 to every rollout worker.
 
 No overlap of iteration k+1's rollout with step k: MAPPO/IPPO are on-policy with one version
-per iteration, so rollout k+1 needs step k's weights (version k+1) before its first action;
-running it on version k would make it one step off-policy (the LLM path's `one_step_off`),
-which PPO's ratio would then have to absorb. What does run concurrently: the rollout
-workers with each other, and the policies' steps when they have a slot each.
+per iteration, and every policy acts in every environment step, so rollout k+1 needs every
+policy's step k; running it on version k would make it one step off-policy (the LLM path's
+`one_step_off`, refused here). What runs concurrently: the rollout workers with each other,
+the policies' steps when they have a slot each, and (async) the early workers' row transfer
+with the later workers' stepping. Checkpoints and stop requests are the orchestrator's
+`BoundaryCheckpoints`, as in an LLM run.
 """
 
 from __future__ import annotations
@@ -59,9 +64,9 @@ from flexmarl.orchestrator.checkpoint import (
     CheckpointManager,
     find_checkpoints,
 )
-from flexmarl.orchestrator.checkpointing import RunInterrupted
+from flexmarl.orchestrator.checkpointing import BoundaryCheckpoints
 from flexmarl.orchestrator.run import host_run, release_signals, stop_on_signals
-from flexmarl.orchestrator.schedules import SyncSchedule
+from flexmarl.orchestrator.schedules import schedule_for
 from flexmarl.runtime.local.runtime import EnvRuntime, EnvWorkers
 from flexmarl.runtime.local.workers import from_numpy
 from flexmarl.runtime.ray.runtime import RayEnvRuntime
@@ -111,16 +116,18 @@ class MarlRun:
         self.audit: dict[str, list[tuple[str, int, int, int]]] = defaultdict(list)
         self.runtime: Any = None
         self.telemetry: Any = None
-        # the checkpoint being written, and its learner states being read (steps wait)
-        self._writing: asyncio.Future | None = None
-        self._states_taken: asyncio.Future | None = None
-        self.last_checkpoint: str | None = None
-        self._stop_requests = 0
-        self._can_save = False
-        self._drive: asyncio.Future | None = None
-        self._stop_after = False  # the boundary's checkpoint is taken: stop
+        self.checkpoints: Any = None  # orchestrator.checkpointing.BoundaryCheckpoints
+        self.records: list[dict[str, Any]] = []
+        self.episodes: list[dict[str, Any]] = []
         self.published: dict[str, tuple[int, Any]] = {}  # per policy: its latest weights
         self.evaluator: Any = None  # train.eval_every: marl/evaluate.py's GreedyEvaluator
+        self.n_iter = 0
+        self._start = self._t_iter = 0.0
+        # the schedule's signals, per iteration k: ("version", k) every policy is at version
+        # k; ("started", k) / ("rolled", k) its rollout began / ended; ("put", k, i) rollout
+        # worker i's results are in the sampler
+        self._events: dict[tuple[Any, ...], asyncio.Event] = defaultdict(asyncio.Event)
+        self._trained: dict[int, set[str]] = defaultdict(set)
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -131,14 +138,29 @@ class MarlRun:
 
     # --- the schedule's halves ---------------------------------------------------------------
     async def rollout_iteration(self, k: int) -> None:
-        if self._stop_after:  # SIGTERM / Ctrl-C: the boundary's checkpoint, then stop
-            if self._writing is not None:
-                await self._writing
-            raise RunInterrupted(f"stopped after iteration {k - 1}; resume from "
-                                 f"{self.last_checkpoint}", self.last_checkpoint)
+        """Iteration k on every rollout worker once every policy is at version k; each
+        worker's results go to the sampler as it ends, in worker order (so the rows, and what
+        each step is handed, never depend on timing)."""
+        await self._events["version", k].wait()
         t0 = time.perf_counter()
-        self.put_rows(k, await self.runtime.rollout.rollout(k))
+        pool = self.runtime.rollout
+        running = [asyncio.ensure_future(pool.rollout_on(i, k)) for i in range(pool.n_workers)]
+        self._events["started", k].set()
+        try:
+            for i, result in enumerate(running):
+                self.put_rows(k, [await result])
+                self._events["put", k, i].set()
+        finally:
+            for result in running:
+                result.cancel()
         self.rollout_s = time.perf_counter() - t0
+        self._events["rolled", k].set()
+
+    def started_event(self, k: int) -> asyncio.Event:
+        return self._events["started", k]
+
+    async def iterations_ready(self, k: int) -> None:
+        await self._events["rolled", k].wait()
 
     def put_rows(self, k: int, results: list[RolloutResult]) -> None:
         """Iteration k's results of every rollout worker, held by the sampler for step k."""
@@ -157,13 +179,15 @@ class MarlRun:
         """Step k of `policy` in its training slot on what the sampler hands it, checked
         against the step's audit, then version k+1 to the rollout workers."""
         train = self.runtime.train
-        if self._states_taken is not None:  # a checkpoint reads the learners' states first
-            await asyncio.shield(self._states_taken)
-        # queued together, in order: the pool's runner then holds one slot lease from the
-        # first micro-batch to the step (a queue of micro-batches alone does not evict another
-        # policy from a shared slot)
-        acc = [asyncio.ensure_future(train.accumulate(policy, samples))
-               for samples in self.sampler.batches(policy, k)]
+        await self.checkpoints.step_allowed.wait()  # a checkpoint reads the learners' states
+        # each rollout worker's micro-batches as its results are in (all at once after a
+        # sync rollout), then the step: queued in order, so the pool's runner holds one slot
+        # lease from the last worker's micro-batches to the step
+        acc = []
+        for i in range(self.runtime.rollout.n_workers):
+            await self._events["put", k, i].wait()
+            acc += [asyncio.ensure_future(train.accumulate(policy, samples))
+                    for samples in self.sampler.batches(policy, k)]
         stepped = asyncio.ensure_future(train.step(policy))
         await asyncio.gather(*acc)
         metrics, wire = await stepped
@@ -174,117 +198,96 @@ class MarlRun:
         await self.runtime.rollout.publish(policy, k + 1, wire)
         self.published[policy] = (k + 1, wire)
         self.metrics_k.update(self.sampler.step_metrics(policy, metrics))
+        self._trained[k].add(policy)
+        if len(self._trained[k]) == len(self.layouts):  # rollout k+1 may start
+            self._events["version", k + 1].set()
+
+    def _maybe_finish(self, k: int) -> None:
+        """The async schedule: record iteration k once it is rolled out and trained."""
+        if self._events["rolled", k].is_set() and len(self._trained[k]) == len(self.layouts):
+            if not self.records or self.records[-1]["iteration"] < k:
+                self._finish(k)
 
     # --- the run -----------------------------------------------------------------------------
     async def run_loop(self, telemetry: Telemetry, out: Path | None, on_iteration, n_iter: int,
                        resume: Checkpoint | None = None, on_runtime=None) -> MarlResult:
         """The schedule over the runtime's pools, hosted by `orchestrator.run.host_run` (which
-        owns the files, the telemetry and the event loop)."""
-        records: list[dict[str, Any]] = []
-        episodes: list[dict[str, Any]] = []
+        owns the files, the telemetry and the event loop); checkpoints and stop requests are
+        the orchestrator's `BoundaryCheckpoints`, as in an LLM run."""
         first = 0
         if resume is not None:  # the host already put the checkpoint's records on disk
-            first = resume.completed
-            records += resume.position["records"]
-            episodes += resume.position["episodes"]
-            for policy, trail in resume.position["audit"].items():
-                self.audit[policy] = [(sid, int(v), int(s), int(e)) for sid, v, s, e in trail]
+            first = self._load_position(resume)
         self.runtime = env_runtime(self.cfg, self.layouts, telemetry)
-        self.telemetry = telemetry
+        self.telemetry, self.on_iteration, self.n_iter = telemetry, on_iteration, n_iter
         manager = (CheckpointManager(out / "checkpoints", self.cfg.train.keep_checkpoints)
                    if out is not None else None)
-        start = time.perf_counter()
+        self.checkpoints = BoundaryCheckpoints(
+            self.cfg, telemetry, self.runtime.train,
+            manager.save if manager is not None and self.runtime.capture else None,
+            self._snapshot)
+        self._start = time.perf_counter()
         await self.runtime.start()
         try:
-            if resume is not None:
-                await self._restore(resume)
+            if resume is not None:  # each policy's learner and each worker's environments
+                await self.checkpoints.restore_trainers(list(self.layouts), resume)
+                await self.runtime.rollout.restore([
+                    resume.extra[f"rollout-{i}.pkl"]
+                    for i in range(self.cfg.runtime.rollout_workers)])
             for name in self.layouts:  # version `first`, from each policy's slot
                 await self.runtime.rollout.publish(name, first,
                                                    await self.runtime.train.weights(name))
+            self._events["version", first].set()
             if on_runtime is not None:
                 on_runtime(self.runtime)
-            t_iter = time.perf_counter()
-
-            def finish(k: int) -> None:
-                nonlocal t_iter
-                now = time.perf_counter()
-                rec = self._record(k, t_iter, now, start)
-                rec.update(self._evaluate(k, n_iter))
-                t_iter = now
-                episodes.extend({"iteration": k, "env_steps": rec["env_steps"], **e}
-                                for e in self.episodes_k)
-                records.append(rec)
-                telemetry.log(rec)
-                if on_iteration is not None:
-                    on_iteration(rec)
-                self._reset_iteration()
-                every = self.cfg.train.checkpoint_every
-                if self._can_save and (self._stop_requests > 0
-                                       or (every is not None and (k + 1) % every == 0)):
-                    assert manager is not None
-                    self._checkpoint(manager, k, records, episodes)
-                    self._stop_after = self._stop_requests > 0
-
-            schedule = SyncSchedule(self, self, self.runtime.train, list(self.layouts), finish)
-            self._drive = asyncio.ensure_future(schedule.drive(first, n_iter))
-            self._can_save = manager is not None and self.runtime.capture
-            handled = stop_on_signals(self.request_stop)
+            self._t_iter = time.perf_counter()
+            # sync, or async: each policy's micro-batches stream from each rollout worker as
+            # it ends (module docstring); never one_step_off (refused by the config)
+            schedule = schedule_for(self.cfg.pipeline.mode, self, self, None,
+                                    self.runtime.train, list(self.layouts), self._finish,
+                                    self._maybe_finish)
+            handled = stop_on_signals(self.checkpoints.request_stop)
             try:
-                await self._drive
-            except asyncio.CancelledError:
-                if self._stop_requests == 0:
-                    raise
-                raise RunInterrupted("stopped at once (a second stop request, or no "
-                                     "checkpoint to write); resume from "
-                                     f"{self.last_checkpoint}", self.last_checkpoint) from None
+                await self.checkpoints.run_until_stop(schedule.drive(first, n_iter),
+                                                      lambda: len(self.records))
             finally:
                 release_signals(handled)
-            if self._writing is not None:
-                await self._writing  # re-raises a failed save
             if out is not None:
                 for name in self.layouts:
                     await self.runtime.train.save(name, str(out / "checkpoints" / "final" / name))
             placement = self.runtime.placement()
             faults = self.runtime.fault_counts()
         finally:
-            if self._writing is not None and not self._writing.done():
-                self._writing.cancel()
             await self.runtime.stop()
-        return MarlResult(out, records, dict(self.audit), self.store.stats(),
-                          time.perf_counter() - start, n_iter * self.num_envs
-                          * self.cfg.train.rollout_steps, episodes, placement, faults,
+        return MarlResult(out, self.records, dict(self.audit), self.store.stats(),
+                          time.perf_counter() - self._start, n_iter * self.num_envs
+                          * self.cfg.train.rollout_steps, self.episodes, placement, faults,
                           first * self.num_envs * self.cfg.train.rollout_steps)
 
-    def request_stop(self) -> None:
-        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop (the LLM
-        run's behaviour); a second request, or a run that cannot checkpoint, stops at once."""
-        self._stop_requests += 1
-        self.telemetry.fault("stop_requested", count=self._stop_requests)
-        if (self._stop_requests > 1 or not self._can_save) and self._drive is not None:
-            self._drive.cancel()
+    def _finish(self, k: int) -> None:
+        """Iteration k is rolled out and every policy stepped: its record (and evaluation),
+        and the checkpoint of its boundary when one is due."""
+        now = time.perf_counter()
+        rec = self._record(k, self._t_iter, now, self._start)
+        rec.update(self._evaluate(k, self.n_iter))
+        self._t_iter = now
+        self.episodes.extend({"iteration": k, "env_steps": rec["env_steps"], **e}
+                             for e in self.episodes_k)
+        self.records.append(rec)
+        self.telemetry.log(rec)
+        if self.on_iteration is not None:
+            self.on_iteration(rec)
+        self._reset_iteration()
+        for key in [key for key in self._events if key[1] == k and key[0] != "rolled"]:
+            del self._events[key]  # ("rolled", k) stays: the async schedule's last check
+        if self.checkpoints.due(k):
+            self.checkpoints.capture(k, list(self.layouts))
 
-    async def _restore(self, ckpt: Checkpoint) -> None:
-        """Resume: each policy's learner and each rollout worker's environments as the
-        checkpoint holds them (the states after iteration `completed - 1`)."""
-        missing = sorted(set(self.layouts) - set(ckpt.trainer_states))
-        if missing or sorted(ckpt.trainer_states) != sorted(self.layouts):
-            raise CheckpointError(f"resume {ckpt.path}: the checkpoint has policies "
-                                  f"{sorted(ckpt.trainer_states)}, the config has "
-                                  f"{sorted(self.layouts)} (the agents' network.base?)")
-        n = int(ckpt.position["rollout_workers"])
-        if n != self.cfg.runtime.rollout_workers:
-            raise CheckpointError(f"resume {ckpt.path}: the checkpoint holds the environments "
-                                  f"of {n} rollout workers; set runtime.rollout_workers={n}")
-        for name in self.layouts:
-            await self.runtime.train.set_state(name, ckpt.trainer_states[name])
-        await self.runtime.rollout.restore([ckpt.extra[f"rollout-{i}.pkl"] for i in range(n)])
-
-    def _checkpoint(self, manager: CheckpointManager, k: int, records: list[dict[str, Any]],
-                    episodes: list[dict[str, Any]]) -> None:
-        """A generation after iteration k: the position and the environment states (each
-        worker's, as its rollout k left them) now, the learners' states before any may step
-        again (`train_iteration` waits for them), the files in a thread meanwhile."""
-        position = {"completed": k + 1, "records": list(records), "episodes": list(episodes),
+    def _snapshot(self, completed: int) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                                 dict[str, bytes]]:
+        """A boundary's position and each rollout worker's environment state (as its last
+        rollout left them); the rows are all trained on, so the store has none to keep."""
+        position = {"completed": completed, "records": list(self.records),
+                    "episodes": list(self.episodes),
                     "audit": {p: [list(t) for t in trail] for p, trail in self.audit.items()},
                     "seed": self.cfg.seed, "policies": list(self.layouts),
                     "rollout_workers": self.cfg.runtime.rollout_workers}
@@ -292,26 +295,24 @@ class MarlRun:
         for i, blob in enumerate(self.runtime.rollout.env_state):
             assert blob is not None  # captured: checkpoint_every is set
             extra[f"rollout-{i}.pkl"] = blob
-        train, telemetry, previous = self.runtime.train, self.telemetry, self._writing
-        names = list(self.layouts)
-        states = asyncio.ensure_future(asyncio.gather(*(train.get_state(n) for n in names)))
-        self._states_taken = states
+        return position, [], extra
 
-        async def write() -> None:
-            got = dict(zip(names, await states, strict=True))
-            for name, (_, meta) in got.items():
-                if int(meta["version"]) != k + 1:
-                    raise RuntimeError(f"checkpoint after iteration {k}: the learner of "
-                                       f"{name!r} is at version {meta['version']}")
-            if previous is not None:  # generations are written one after another
-                await previous
-            t0 = time.perf_counter()
-            path = await asyncio.to_thread(manager.save, k + 1, position, got, [], extra)
-            self.last_checkpoint = str(path)
-            telemetry.fault("checkpoint", completed=k + 1, path=str(path),
-                            save_s=time.perf_counter() - t0)
-
-        self._writing = asyncio.ensure_future(write())
+    def _load_position(self, ckpt: Checkpoint) -> int:
+        """Resume: the records, episodes and audit trail after iteration `completed - 1`,
+        checked against this config before any worker starts."""
+        if sorted(ckpt.trainer_states) != sorted(self.layouts):
+            raise CheckpointError(f"resume {ckpt.path}: the checkpoint has policies "
+                                  f"{sorted(ckpt.trainer_states)}, the config has "
+                                  f"{sorted(self.layouts)} (the agents' network.base?)")
+        n = int(ckpt.position["rollout_workers"])
+        if n != self.cfg.runtime.rollout_workers:
+            raise CheckpointError(f"resume {ckpt.path}: the checkpoint holds the environments "
+                                  f"of {n} rollout workers; set runtime.rollout_workers={n}")
+        self.records += ckpt.position["records"]
+        self.episodes += ckpt.position["episodes"]
+        for policy, trail in ckpt.position["audit"].items():
+            self.audit[policy] = [(sid, int(v), int(s), int(e)) for sid, v, s, e in trail]
+        return ckpt.completed
 
     def _evaluate(self, k: int, n_iter: int) -> dict[str, float]:
         """`train.eval_every`: after iterations eval_every - 1, 2 * eval_every - 1, ... and the

@@ -30,7 +30,8 @@ class IterationSampler(Protocol):
         """Iteration k's results of every rollout worker (in worker order)."""
 
     def batches(self, policy: str, k: int) -> list[list[MarlSample]]:
-        """The micro-batches of `policy`'s step k, taken once."""
+        """The micro-batches of `policy`'s step k among the results put so far, each taken
+        once (the async pipeline calls it after each rollout worker's results)."""
 
     def check(self, policy: str, k: int, audit: Audit) -> None:
         """Raise `ConsistencyError` unless step k trained on exactly what `batches` gave."""
@@ -52,6 +53,7 @@ class OnPolicyRows:
                  layouts: dict[str, PolicyLayout], num_envs: int) -> None:
         self.store, self.agents, self.layouts, self.num_envs = store, agents, layouts, num_envs
         self._taken: dict[str, list[Row]] = {}
+        self._put: dict[tuple[int, str], list[str]] = {}  # (k, agent): ids put, not taken
 
     def put(self, k: int, results: list[RolloutResult]) -> None:
         """Iteration k's rows into the store, ready for step k: sample_id
@@ -62,6 +64,7 @@ class OnPolicyRows:
             for r in res.rows:
                 ai = self.agents.index(r.agent)
                 sid = make_sample_id(f"{k}-{r.env}", ai, 0)
+                self._put.setdefault((k, r.agent), []).append(sid)
                 self.store.add(Row(sample_id=sid, agent=r.agent, node=r.agent,
                                    input_id=f"{k}-{r.env}", turn=ai, trajectory_id=0,
                                    iteration=k, policy_version=k, version_vector=vector))
@@ -73,11 +76,16 @@ class OnPolicyRows:
                 self.store.set_ready(r.agent, sid, total)
 
     def take(self, policy: str, k: int) -> dict[str, tuple[list[Row], list[MarlSample]]]:
-        """Policy's rows of iteration k for step k, per agent, taken from the store once."""
+        """Policy's rows of iteration k put so far, per agent (in sample id order), taken
+        from the store once."""
         vector = dict.fromkeys(self.agents, k)
         out = {}
         for a in self.layouts[policy].agents:
-            rows = self.store.take_ready(a, k, self.num_envs, k, expected_vector=vector)
+            ids = sorted(self._put.pop((k, a), []))
+            if not ids:
+                continue
+            rows = self.store.take_ready(a, k, len(ids), k, expected_vector=vector,
+                                         sample_ids=ids)
             out[a] = (rows, [
                 MarlSample(r.sample_id, r.iteration, r.policy_version,
                            int(r.data["agent_index"]),
@@ -88,12 +96,13 @@ class OnPolicyRows:
 
     def batches(self, policy: str, k: int) -> list[list[MarlSample]]:
         taken = self.take(policy, k)
-        self._taken[policy] = [r for rows, _ in taken.values() for r in rows]
+        self._taken.setdefault(policy, []).extend(r for rows, _ in taken.values() for r in rows)
         return [samples for _, samples in taken.values()]
 
     def check(self, policy: str, k: int, audit: Audit) -> None:
         expected = {r.sample_id for r in self._taken[policy]}
-        if {sid for sid, *_ in audit} != expected or any(
+        complete = len(expected) == self.num_envs * len(self.layouts[policy].agents)
+        if not complete or {sid for sid, *_ in audit} != expected or any(
                 v != k or s != k for _, v, s, _ in audit):
             raise ConsistencyError(f"policy {policy!r}: step {k} trained on rows other than "
                                    f"iteration {k}'s ({len(expected)} taken)")
@@ -114,7 +123,7 @@ class ReplayTransitions:
     """VDN / QMIX's transitions, for the replay learner's table (module docstring)."""
 
     def __init__(self) -> None:
-        self.transitions: list[QRolloutResult] = []
+        self.transitions: list[QRolloutResult] = []  # iteration k's, in worker order
         self._sent: list[str] = []
 
     def put(self, k: int, results: list[RolloutResult]) -> None:
@@ -123,13 +132,14 @@ class ReplayTransitions:
             self.transitions.append(res)
 
     def batches(self, policy: str, k: int) -> list[list[MarlSample]]:
+        first = len(self._sent)
         samples = [MarlSample(make_sample_id(f"{k}-w{i}", 0, 0), k, k, i, res.transitions)
-                   for i, res in enumerate(self.transitions)]
-        self._sent = sorted(s.sample_id for s in samples)
+                   for i, res in enumerate(self.transitions[first:], start=first)]
+        self._sent += [s.sample_id for s in samples]
         return [[s] for s in samples]
 
     def check(self, policy: str, k: int, audit: Audit) -> None:
-        if sorted(sid for sid, *_ in audit) != self._sent or any(
+        if sorted(sid for sid, *_ in audit) != sorted(self._sent) or any(
                 v != k or s != k for _, v, s, _ in audit):
             raise ConsistencyError(f"policy {policy!r}: step {k} added transitions other than "
                                    f"iteration {k}'s ({len(self._sent)} micro-batches sent)")

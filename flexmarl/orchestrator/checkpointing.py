@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flexmarl.api.runtime import TrainPool
@@ -23,9 +23,12 @@ from flexmarl.orchestrator.versions import Versions
 from flexmarl.store.experience import ExperienceStore, Status
 from flexmarl.telemetry.recorder import Telemetry
 
-# save(completed, position, trainer_states, rows) -> path: the checkpoint writer (blocking; it
-# runs in a thread while the pipeline goes on).
-SaveCheckpoint = Callable[[int, dict[str, Any], dict[str, Any], list[dict[str, Any]]], Any]
+# save(completed, position, trainer_states, rows[, extra]) -> path: the checkpoint writer
+# (blocking; it runs in a thread while the pipeline goes on); `extra` (a driver's own files,
+# `checkpoint.py`) only when the snapshot has some.
+SaveCheckpoint = Callable[..., Any]
+# snapshot(completed) -> (position, rows, extra): what a boundary holds besides trainer states
+Snapshot = Callable[[int], tuple[dict[str, Any], list[dict[str, Any]], dict[str, bytes]]]
 
 
 class RunInterrupted(RuntimeError):
@@ -37,34 +40,138 @@ class RunInterrupted(RuntimeError):
         self.checkpoint = checkpoint
 
 
-class CheckpointCoordinator:
-    """Saves a generation every `train.checkpoint_every` iterations and on a stop request;
-    restores the orchestrator's position from `resume` (a `checkpoint.Checkpoint`).
+class BoundaryCheckpoints:
+    """When and how a driver saves, whatever it drives (the LLM orchestrator, a classic
+    environment run): a generation every `train.checkpoint_every` iterations and on a stop
+    request, at an iteration boundary. `snapshot(completed)` gives what the boundary holds
+    besides the trainer states: the position, the store's rows, the driver's extra files.
 
     `stop` is set when the run should end now (after the requested checkpoint, or at once);
     `step_allowed` is cleared while the trainer states of a boundary are being read."""
+
+    def __init__(self, cfg: RunConfig, telemetry: Telemetry, train: TrainPool,
+                 save: SaveCheckpoint | None, snapshot: Snapshot,
+                 step_allowed: asyncio.Event | None = None) -> None:
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self.train = train
+        self.save = save
+        self.snapshot = snapshot
+        self.last_checkpoint: str | None = None
+        self.step_allowed = step_allowed if step_allowed is not None else asyncio.Event()
+        self.step_allowed.set()
+        self._writing: asyncio.Future | None = None
+        self.stop_requests = 0
+        self.stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop. A second
+        request, or a run that cannot checkpoint, stops at once."""
+        self.stop_requests += 1
+        self.telemetry.fault("stop_requested", count=self.stop_requests)
+        if self.stop_requests > 1 or self.save is None:
+            self.stop.set()
+
+    def due(self, k: int) -> bool:
+        """Whether the boundary after iteration k takes a checkpoint."""
+        every = self.cfg.train.checkpoint_every
+        if self.save is None:
+            return False
+        return self.stop_requests > 0 or (every is not None and (k + 1) % every == 0)
+
+    def capture(self, k: int, trainable: list[str]) -> None:
+        """Checkpoint at the boundary after iteration k: the snapshot is taken now
+        (synchronously), the trainer states next, before any trainer may step again, and the
+        files are written in a thread while the run goes on."""
+        position, rows, extra = self.snapshot(k + 1)
+        self.step_allowed.clear()
+        previous = self._writing
+        save = self.save
+        assert save is not None
+
+        async def capture() -> None:
+            try:
+                if previous is not None:  # generations are written one after another
+                    await previous
+                states = dict(zip(trainable, await asyncio.gather(
+                    *(self.train.get_state(a) for a in trainable)), strict=True))
+                for agent, (_, meta) in states.items():
+                    if int(meta["version"]) != k + 1:
+                        raise RuntimeError(f"checkpoint after iteration {k}: trainer of "
+                                           f"{agent!r} is at version {meta['version']}")
+            finally:
+                self.step_allowed.set()
+            t0 = self.telemetry.now()
+            args = (k + 1, position, states, rows, extra) if extra else (
+                k + 1, position, states, rows)
+            path = await asyncio.to_thread(save, *args)
+            self.last_checkpoint = str(path)
+            self.telemetry.fault("checkpoint", completed=k + 1, path=str(path),
+                                 rows_in_flight=len(rows), save_s=self.telemetry.now() - t0)
+            if self.stop_requests > 0:
+                self.stop.set()
+
+        self._writing = asyncio.ensure_future(capture())
+        self._writing.add_done_callback(self._write_done)
+
+    def _write_done(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self.telemetry.fault("checkpoint_failed", error=str(fut.exception()))
+            self.stop.set()  # a failed save stops the run loudly (run() re-raises it)
+
+    async def wait_writes(self) -> None:
+        if self._writing is not None:
+            await self._writing  # re-raises a failed save
+
+    async def restore_trainers(self, trainable: list[str], resume: Any) -> None:
+        """Resumed: the trainers get their states from the checkpoint."""
+        if resume is not None:
+            for agent in trainable:
+                await self.train.set_state(agent, resume.trainer_states[agent])
+
+    async def run_until_stop(self, drive: Awaitable[None], done: Callable[[], int]) -> None:
+        """Run `drive` (the schedule) until it ends or a stop is due: then the checkpoint, if
+        one was requested, is written, and `RunInterrupted` says where to resume from."""
+        main = asyncio.ensure_future(drive)
+        stop = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            main.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if main.done():
+            main.result()
+            await self.wait_writes()
+            return
+        main.cancel()  # stop requested: the checkpoint (if any) is written, end here
+        await asyncio.gather(main, return_exceptions=True)
+        await self.wait_writes()
+        last = self.last_checkpoint
+        where = f"; resume from {last}" if last else ""
+        raise RunInterrupted(f"stopped after {done()} iterations{where}", last)
+
+
+class CheckpointCoordinator(BoundaryCheckpoints):
+    """The LLM orchestrator's checkpoints: its position (versions, records, the rows each
+    trainer consumed, the audit, evictions) and the store's rows not yet trained on; restores
+    that position from `resume` (a `checkpoint.Checkpoint`)."""
 
     def __init__(self, cfg: RunConfig, telemetry: Telemetry, store: ExperienceStore,
                  train: TrainPool, versions: Versions, episodes: EpisodeRunner,
                  trainer: MicroBatchTrainer, records: list[dict[str, Any]],
                  agents: list[str], save: SaveCheckpoint | None, resume: Any) -> None:
-        self.cfg = cfg
-        self.telemetry = telemetry
+        super().__init__(cfg, telemetry, train, save,
+                         lambda done: (self.position(done), store.snapshot(done), {}),
+                         trainer.step_allowed)
         self.store = store
-        self.train = train
         self.versions = versions
         self.episodes = episodes
         self.trainer = trainer
         self.records = records
         self.agents = agents
-        self.save = save
         self.resume = resume
-        self.last_checkpoint: str | None = None
-        self.step_allowed = trainer.step_allowed
-        self.step_allowed.set()
-        self._writing: asyncio.Future | None = None
-        self.stop_requests = 0
-        self.stop = asyncio.Event()
         if versions.staleness:
             if resume is not None:
                 raise ConfigError(f"resume {getattr(resume, 'path', resume)}: checkpoints are "
@@ -74,14 +181,6 @@ class CheckpointCoordinator:
             self.save = None
         if resume is not None:
             self._load_position(resume)
-
-    def request_stop(self) -> None:
-        """SIGTERM / Ctrl-C: checkpoint at the next iteration boundary, then stop. A second
-        request stops at once, without a checkpoint."""
-        self.stop_requests += 1
-        self.telemetry.fault("stop_requested", count=self.stop_requests)
-        if self.stop_requests > 1 or self.save is None:
-            self.stop.set()
 
     def position(self, completed: int) -> dict[str, Any]:
         """What a checkpoint after `completed` iterations records besides states and rows."""
@@ -134,58 +233,3 @@ class CheckpointCoordinator:
             if rows and all(d["status"] in (Status.REWARDED.value, Status.READY.value)
                             and "logprobs" in d["arrays"] for d in rows):
                 self.episodes.restored[key] = rows
-
-    async def restore_trainers(self, trainable: list[str]) -> None:
-        """Resumed: the trainers get their states from the checkpoint."""
-        if self.resume is not None:
-            for agent in trainable:
-                await self.train.set_state(agent, self.resume.trainer_states[agent])
-
-    def due(self, k: int) -> bool:
-        """Whether the boundary after iteration k takes a checkpoint."""
-        every = self.cfg.train.checkpoint_every
-        if self.save is None:
-            return False
-        return self.stop_requests > 0 or (every is not None and (k + 1) % every == 0)
-
-    def capture(self, k: int, trainable: list[str]) -> None:
-        """Checkpoint at the boundary after iteration k: the position and the store are taken
-        now (synchronously), the trainer states next, before any trainer may step again."""
-        position = self.position(k + 1)
-        rows = self.store.snapshot(k + 1)
-        self.step_allowed.clear()
-        previous = self._writing
-        save = self.save
-        assert save is not None
-
-        async def capture() -> None:
-            try:
-                if previous is not None:  # generations are written one after another
-                    await previous
-                states = dict(zip(trainable, await asyncio.gather(
-                    *(self.train.get_state(a) for a in trainable)), strict=True))
-                for agent, (_, meta) in states.items():
-                    if int(meta["version"]) != k + 1:
-                        raise RuntimeError(f"checkpoint after iteration {k}: trainer of "
-                                           f"{agent!r} is at version {meta['version']}")
-            finally:
-                self.step_allowed.set()
-            t0 = self.telemetry.now()
-            path = await asyncio.to_thread(save, k + 1, position, states, rows)
-            self.last_checkpoint = str(path)
-            self.telemetry.fault("checkpoint", completed=k + 1, path=str(path),
-                                 rows_in_flight=len(rows), save_s=self.telemetry.now() - t0)
-            if self.stop_requests > 0:
-                self.stop.set()
-
-        self._writing = asyncio.ensure_future(capture())
-        self._writing.add_done_callback(self._write_done)
-
-    def _write_done(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            self.telemetry.fault("checkpoint_failed", error=str(fut.exception()))
-            self.stop.set()  # a failed save stops the run loudly (run() re-raises it)
-
-    async def wait_writes(self) -> None:
-        if self._writing is not None:
-            await self._writing  # re-raises a failed save

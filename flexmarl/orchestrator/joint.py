@@ -155,28 +155,15 @@ class JointOrchestrator:
         self._start = self._last_done = self.telemetry.now()
         if self.records:  # resumed: time keeps counting from where the run stopped
             self._start -= float(self.records[-1].get("time_s", 0.0))
-        await self.checkpoints.restore_trainers(self.trainable)
+        await self.checkpoints.restore_trainers(self.trainable, self.checkpoints.resume)
         # Version 0 (or the resumed version) comes from the trainers, so rollout and training
         # start from the same weights.
         for agent in self.trainable:
             await self.rollout.publish(agent, self.versions[agent],
                                        await self.train.weights(agent))
-        main = asyncio.ensure_future(self.schedule.drive(self.episodes.start_iteration,
-                                                         self.cfg.train.iterations))
-        stop = asyncio.ensure_future(self.checkpoints.stop.wait())
-        try:
-            await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not main.done():  # stop requested: the checkpoint (if any) is written, end here
-            main.cancel()
-            await asyncio.gather(main, return_exceptions=True)
-            await self.checkpoints.wait_writes()
-            last = self.checkpoints.last_checkpoint
-            where = f"; resume from {last}" if last else ""
-            raise RunInterrupted(f"stopped after {len(self.records)} iterations{where}", last)
-        main.result()
-        await self.checkpoints.wait_writes()
+        await self.checkpoints.run_until_stop(
+            self.schedule.drive(self.episodes.start_iteration, self.cfg.train.iterations),
+            lambda: len(self.records))
         return self.records
 
     def _plan_next(self, it: IterationState) -> dict[str, Any] | None:

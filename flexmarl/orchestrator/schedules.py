@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flexmarl.api.runtime import RolloutPool, TrainPool
-from flexmarl.orchestrator.episodes import EpisodeRunner
-from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
 
 
@@ -28,6 +26,15 @@ class IterationRollout(Protocol):
     """What `SyncSchedule` needs of a rollout: `EpisodeRunner`, or the classic MARL driver."""
 
     async def rollout_iteration(self, k: int) -> Any: ...
+
+
+class PipelinedRollout(IterationRollout, Protocol):
+    """What `AsyncSchedule` needs besides: when iteration k's rollout has started (its rows
+    may appear) and when it is complete."""
+
+    def started_event(self, k: int) -> asyncio.Event: ...
+
+    async def iterations_ready(self, k: int) -> None: ...
 
 
 class IterationTrainer(Protocol):
@@ -96,11 +103,13 @@ class SyncSchedule(Schedule):
 
 @dataclass
 class AsyncSchedule(Schedule):
-    """`maybe_finish(k)` records iteration k if it is complete and not yet recorded."""
+    """`maybe_finish(k)` records iteration k if it is complete and not yet recorded.
+    `versions`: one_step_off's held versions (None: an environment run, whose rollout of k+1
+    waits for every policy's version k+1 itself)."""
 
-    episodes: EpisodeRunner
-    trainer: MicroBatchTrainer
-    versions: Versions
+    episodes: PipelinedRollout
+    trainer: IterationTrainer
+    versions: Versions | None
     trainable: list[str]
     maybe_finish: Callable[[int], None]
 
@@ -146,6 +155,7 @@ class AsyncSchedule(Schedule):
 
 class OneStepOffSchedule(AsyncSchedule):
     async def train_iteration(self, agent: str, k: int) -> None:
+        assert self.versions is not None
         held = self.versions.held.pop(agent, None)
         if held is None:
             await self.trainer.train_iteration(agent, k)
@@ -157,11 +167,12 @@ class OneStepOffSchedule(AsyncSchedule):
         """Publish the version the last step made once the iteration generated with its
         predecessor (iteration `version`) is rolled out."""
         await self.episodes.iterations_ready(version)
+        assert self.versions is not None
         await self.versions.publish(agent, version, weights)
 
 
-def schedule_for(mode: str, episodes: EpisodeRunner, trainer: MicroBatchTrainer,
-                 versions: Versions, train: TrainPool, trainable: list[str],
+def schedule_for(mode: str, episodes: PipelinedRollout, trainer: IterationTrainer,
+                 versions: Versions | None, train: TrainPool, trainable: list[str],
                  finish: Callable[[int], None],
                  maybe_finish: Callable[[int], None], *,
                  colocated: RolloutPool | None = None,

@@ -196,10 +196,6 @@ class StackedLoRA:
         for name in names:
             self.refresh(name)
 
-    def set_rows(self, slots: list[int], device: torch.device) -> None:
-        self.only = slots[0] if len(set(slots)) == 1 else None
-        self.rows = torch.tensor(slots, dtype=torch.long, device=device)
-
     def use_rows(self, rows: torch.Tensor | None, only: int | None) -> None:
         """`rows`: the slot of each row, already on the device (an engine keeps it with its
         batch, so a decode step copies nothing from the host); `only`: their one slot, if

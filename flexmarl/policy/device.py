@@ -102,19 +102,20 @@ def pool_devices(rollout: int | list[int] | None, train: int | list[int] | None,
     start = (max(r) + 1) if r else 0
     t = _pool_list("train_devices", train, start if isinstance(train, int) else 0, gpu_count) \
         if train is not None else None
+
+    def rest(taken: list[int], field: str, other: str) -> list[int]:
+        """The GPUs `taken` leaves for the other pool, or (nothing left) the same ones."""
+        left = [d for d in range(gpu_count) if d not in taken]
+        if not left and not share and gpu_count > 1:
+            raise PlacementError(f"runtime.{field} takes every GPU; leave some for {other} "
+                                 "or set runtime.share_devices: true")
+        return left or list(taken)
+
     if r is None:  # train given: rollout takes what is left, or shares when nothing is
         assert t is not None
-        rest = [d for d in range(gpu_count) if d not in t]
-        r = rest or list(t)
-        if not rest and not share and gpu_count > 1:
-            raise PlacementError("runtime.train_devices takes every GPU; leave some for "
-                                 "rollout or set runtime.share_devices: true")
+        r = rest(t, "train_devices", "rollout")
     if t is None:
-        rest = [d for d in range(gpu_count) if d not in r]
-        t = rest or list(r)
-        if not rest and not share and gpu_count > 1:
-            raise PlacementError("runtime.rollout_devices takes every GPU; leave some for "
-                                 "training or set runtime.share_devices: true")
+        t = rest(r, "rollout_devices", "training")
     both = sorted(set(r) & set(t))
     if both and not share and gpu_count > 1:
         raise PlacementError(f"runtime.rollout_devices {r} and runtime.train_devices {t} share "

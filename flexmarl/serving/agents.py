@@ -23,6 +23,7 @@ from flexmarl.config.schema import AgentConfig, ConfigError, RunConfig, load_con
 from flexmarl.errors import UserError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.policy.adapters import adapter_name, adapter_tensors, add_adapter, load_adapter
+from flexmarl.policy.tokenizer import TOKENIZER_FILES
 from flexmarl.serving.adapters import (
     ADAPTER_FILE,
     PEFT_ADAPTER_FILE,
@@ -30,8 +31,6 @@ from flexmarl.serving.adapters import (
     read_adapter_file,
     tenant_adapter,
 )
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class ServeError(UserError, ValueError):

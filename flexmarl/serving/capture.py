@@ -18,10 +18,12 @@ consumed:     response_id (primary key), agent, step, outcome, created: a row th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,14 @@ class Capture:
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction (BEGIN IMMEDIATE: the write lock first); committed at the
+        end, rolled back on an error. The caller holds `_lock`."""
+        self._db.execute("BEGIN IMMEDIATE")
+        with self._db:
+            yield
+
     def record(self, rid: str, agent: str, version: dict[str, Any], endpoint: str,
                prompt: list[int], tokens: list[int], logprobs: list[float], text: str,
                finish_reason: str, temperature: float | None = None, top_p: float | None = None,
@@ -120,17 +130,11 @@ class Capture:
                 raise FeedbackError(404, f"id: no captured response or episode {rid!r}")
             now = time.time()
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?)",
-                                     [(i, reward, comment, now) for i in ids])
-                self._db.execute("COMMIT")
+                with self._transaction():
+                    self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?)",
+                                         [(i, reward, comment, now) for i in ids])
             except sqlite3.IntegrityError:
-                self._db.execute("ROLLBACK")
                 raise FeedbackError(409, f"id: response {rid!r} already has feedback") from None
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
             return len(ids)
 
     def served(self, rid: str) -> list[tuple[str, int, str | None]]:
@@ -152,8 +156,7 @@ class Capture:
         adapter's learner, which counts its own steps."""
         where, params = _tenant_filter(tenants)
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 rows = self._db.execute(
                     "SELECT i.id, i.agent, i.version, i.prompt, i.response, i.logprobs, "
                     "i.temperature, i.allowed, f.reward FROM interactions i "
@@ -166,10 +169,6 @@ class Capture:
                 self._db.executemany("INSERT INTO consumed VALUES (?,?,?,?,?)",
                                      [(r[0], learner or agent, step, "claimed", now)
                                       for r in rows])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
         return [CapturedRow(r[0], r[1], r[2], json.loads(r[3]), json.loads(r[4]),
                             json.loads(r[5]), float(r[6]),
                             json.loads(r[7]) if r[7] is not None else None, float(r[8]))
@@ -191,17 +190,12 @@ class Capture:
         training snapshot does not contain: claimed before a crash, or trained into weights the
         crash lost), so the next claims deliver them again; returns their ids."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 ids = [r[0] for r in self._db.execute(
                     "SELECT response_id FROM consumed WHERE agent = ? AND step > ? "
                     "ORDER BY step, response_id", (agent, after_step))]
                 self._db.execute("DELETE FROM consumed WHERE agent = ? AND step > ?",
                                  (agent, after_step))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
         return ids
 
     def settle(self, ids: list[str], outcome: str) -> None:

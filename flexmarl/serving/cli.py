@@ -77,25 +77,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
                    help="share of new requests a canary gets (default 0.05)")
     d.add_argument("--promote-margin", type=float, default=0.0,
                    help="promote a canary when its score >= the shadow's + this (default 0)")
-    d.add_argument("--kl-max", type=float, default=0.5,
-                   help="undo an online update whose KL to the shadow exceeds this "
-                        "(nats per token, default 0.5)")
-    d.add_argument("--online-algorithm", choices=["auto", "grpo", "ppo"], default="auto",
-                   help="the online loss: GRPO (the batch is the group) or PPO (a critic, GAE; "
-                        "the clipped ratio to the served log-probs); auto: the agent's "
-                        "algorithm (default)")
-    d.add_argument("--is-max", type=float, default=2.0,
-                   help="truncation of the off-policy importance weights (default 2)")
-    d.add_argument("--online-lr", type=float, default=None,
-                   help="learning rate of online updates (default: the agent's optim.lr)")
-    d.add_argument("--online-batch", type=int, default=64,
-                   help="captured rows per online update (default 64)")
-    d.add_argument("--update-every", type=duration, default=0.0, metavar="DURATION",
-                   help="at most one online update per this long: seconds or 30s / 15m / 1h "
-                        "(default 0: whenever a batch is ready; the enterprise document's "
-                        "cadence is 15m)")
-    d.add_argument("--canary-every", type=int, default=10,
-                   help="applied online updates between canary candidates (default 10)")
+    add_online_update_options(d)
     d.add_argument("--canary-min-feedback", type=int, default=20,
                    help="feedback rewards on canary responses before it is scored (default 20)")
     d.add_argument("--canary-max-s", type=float, default=300.0,
@@ -104,14 +86,37 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse
                    help="held-out task inputs a version is scored on (0: feedback only)")
     d.add_argument("--feedback-weight", type=float, default=0.5,
                    help="weight of traffic feedback in a version's score (default 0.5)")
-    d.add_argument("--snapshot-every", type=duration, default=300.0, metavar="DURATION",
-                   help="snapshot the training policy's state this often: seconds or 30s / "
-                        "5m / 1h (default 300)")
     d.add_argument("--snapshot-url", default=None, metavar="URL",
                    help="where training snapshots go, through fsspec: a folder (default "
                         "RUN_DIR/serving), file://..., memory://..., s3://... (with s3fs)")
     add_serve_learn_parser(sub)
     return s
+
+
+def add_online_update_options(group) -> None:  # noqa: ANN001 - a parser or an argument group
+    """The online learner's settings: `serve --learn` and `serve-learn` take the same ones."""
+    group.add_argument("--kl-max", type=float, default=0.5,
+                       help="undo an online update whose KL to the shadow exceeds this "
+                            "(nats per token, default 0.5)")
+    group.add_argument("--online-algorithm", choices=["auto", "grpo", "ppo"], default="auto",
+                       help="the online loss: GRPO (the batch is the group) or PPO (a critic, GAE; "
+                            "the clipped ratio to the served log-probs); auto: the agent's "
+                            "algorithm (default)")
+    group.add_argument("--is-max", type=float, default=2.0,
+                       help="truncation of the off-policy importance weights (default 2)")
+    group.add_argument("--online-lr", type=float, default=None,
+                       help="learning rate of online updates (default: the agent's optim.lr)")
+    group.add_argument("--online-batch", type=int, default=64,
+                       help="captured rows per online update (default 64)")
+    group.add_argument("--update-every", type=duration, default=0.0, metavar="DURATION",
+                       help="at most one online update per this long: seconds or 30s / 15m / 1h "
+                            "(default 0: whenever a batch is ready; the enterprise document's "
+                            "cadence is 15m)")
+    group.add_argument("--canary-every", type=int, default=10,
+                       help="applied online updates between canary candidates (default 10)")
+    group.add_argument("--snapshot-every", type=duration, default=300.0, metavar="DURATION",
+                       help="snapshot the training policy's state this often: seconds or 30s / "
+                            "5m / 1h (default 300)")
 
 
 def add_serve_learn_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - argparse's
@@ -127,14 +132,7 @@ def add_serve_learn_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - ar
                    help="the server, e.g. http://127.0.0.1:8000 (started with --deploy)")
     t.add_argument("--api-key", default=None,
                    help="an admin key of the server (default $FLEXMARL_API_KEY)")
-    t.add_argument("--online-batch", type=int, default=64)
-    t.add_argument("--online-lr", type=float, default=None)
-    t.add_argument("--canary-every", type=int, default=10)
-    t.add_argument("--kl-max", type=float, default=0.5)
-    t.add_argument("--is-max", type=float, default=2.0)
-    t.add_argument("--online-algorithm", choices=["auto", "grpo", "ppo"], default="auto")
-    t.add_argument("--update-every", type=duration, default=0.0, metavar="DURATION")
-    t.add_argument("--snapshot-every", type=duration, default=300.0, metavar="DURATION")
+    add_online_update_options(t)
     t.add_argument("--snapshot-url", default=None, metavar="URL",
                    help="fsspec URL of the trainer's snapshots (default RUN_DIR/serving/trainer)")
     t.add_argument("--threads", type=int, default=None, help="torch threads of the trainer")

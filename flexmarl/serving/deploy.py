@@ -33,6 +33,7 @@ an engine thread that died is replaced by a fresh one over the same shadow and c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import threading
@@ -45,6 +46,8 @@ import numpy as np
 import torch
 
 from flexmarl.config.schema import ConfigError
+from flexmarl.graph.chat import PromptRenderer
+from flexmarl.graph.executor import GraphExecutor
 from flexmarl.graph.meg import EpisodeContext
 from flexmarl.serving.adapters import save_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
@@ -135,42 +138,46 @@ class EventLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line]
 
 
-def heldout_score(task: Any, models: dict[str, torch.nn.Module], inputs: list[dict],
-                  temperatures: dict[str, float], seed: int) -> float:
-    """Mean episode reward of the task's graph on `inputs` with `models`, every node decoded
-    with noise keyed by (seed, input, node): two versions see the same noise."""
+def heldout_score(executor: GraphExecutor, models: dict[str, torch.nn.Module],
+                  inputs: list[dict], temperatures: dict[str, float], seed: int) -> float:
+    """Mean episode reward of the graph on `inputs` with `models`, every node decoded with
+    noise keyed by (seed, input, node): two versions see the same noise. The nodes are the
+    executor's (conditions, rendered prompts, text decoding, rewards), walked level by level
+    so that each node's requests of all the episodes decode as one batch."""
     from flexmarl.policy.model import stable_seed
     from flexmarl.policy.sampling import generate
     from flexmarl.types import GenerationRequest
 
-    graph = task.graph
     ctxs = [EpisodeContext(f"heldout-{i}", 0, dict(d)) for i, d in enumerate(inputs)]
     ran: list[dict[str, bool]] = [{} for _ in ctxs]
-    for name in graph.topological_order():
-        node = graph.nodes[name]
-        reqs = []
+    for name in executor.order:
+        calls = {}
         for i, ctx in enumerate(ctxs):
-            if not all(ran[i].get(d) for d in node.inputs) or (
-                    node.when is not None and not node.when(ctx)):
-                ran[i][name] = False
-                continue
-            p = node.prompt(ctx)
-            reqs.append(GenerationRequest(str(i), node.agent, 0, list(p.tokens),
-                                          p.max_new_tokens, p.allowed_tokens,
-                                          list(p.stop_tokens), temperatures[node.agent],
-                                          noise_seed=stable_seed(seed, i, name)))
+            inputs_ran = all(ran[i].get(d) for d in executor.graph.nodes[name].inputs)
+            call = executor.prepare(ctx, name) if inputs_ran else None
+            ran[i][name] = call is not None
+            if call is not None:
+                calls[i] = call
+        agent = executor.graph.nodes[name].agent
+        reqs = [GenerationRequest(str(i), agent, 0, list(c.prompt.tokens),
+                                  c.prompt.max_new_tokens, c.prompt.allowed_tokens,
+                                  list(c.prompt.stop_tokens), temperatures[agent],
+                                  stop=list(c.prompt.stop),
+                                  noise_seed=stable_seed(seed, i, name))
+                for i, c in calls.items()]
         with torch.no_grad():
-            for res in generate(models[node.agent], reqs):
-                i = int(res.sample_id)
-                ctxs[i].outputs[name] = res.tokens
-                ran[i][name] = True
-    rewards = []
-    for i, ctx in enumerate(ctxs):
-        if graph.episode_reward is not None:
-            rewards.append(float(graph.episode_reward(ctx)))
-        else:
-            rewards.append(sum(float(graph.nodes[n].reward(ctx)) for n in graph.nodes
-                               if graph.nodes[n].reward is not None and ran[i].get(n)))
+            results = generate(models[agent], reqs,
+                               tokenizer=functools.partial(executor.renderer.tokenizer, agent))
+        for res in results:
+            i = int(res.sample_id)
+            ctxs[i].outputs[name] = res.tokens
+            if calls[i].is_text:
+                ctxs[i].texts[name] = executor.renderer.decode(agent, res.tokens,
+                                                               calls[i].prompt.stop)
+    rewards = [executor.team_reward(ctx) if executor.graph.episode_reward is not None
+               else sum(executor.node_rewards(ctx, [n for n in executor.order if ran[i][n]])
+                        .values())
+               for i, ctx in enumerate(ctxs)]
     return float(np.mean(rewards)) if rewards else 0.0
 
 
@@ -224,7 +231,8 @@ class AgentDeployment:
             self.learner = OnlineLearner(self.spec, run.task.vocab_size, run.task.max_seq_len,
                                          run.cfg.seed, run.device, cfg.kl_max, cfg.is_max, cfg.lr,
                                          cfg.online_algorithm)
-            self._resume()
+            assert service.capture is not None
+            self.learner.resume(self.store, service.capture, name, self._log)
 
     # --- scoring ---------------------------------------------------------------------------
     def _heldout(self, model: torch.nn.Module) -> float | None:
@@ -238,7 +246,9 @@ class AgentDeployment:
         models = {n: s.model for n, s in svc.run.agents.items()}
         models[self.name] = model
         temps = {n: s.cfg.sampling.temperature for n, s in svc.run.agents.items()}
-        return heldout_score(task, models, inputs, temps, self.cfg.heldout_seed)
+        executor = GraphExecutor(task.graph, PromptRenderer(svc.run.cfg.agents, task.vocab_size),
+                                 svc.run.agents)
+        return heldout_score(executor, models, inputs, temps, self.cfg.heldout_seed)
 
     def _shadow_heldout(self) -> float | None:
         v = self.spec.version.number
@@ -376,33 +386,11 @@ class AgentDeployment:
             self.last_snapshot = time.monotonic()
         if self.learner is None:
             return
-        arrays, meta = self.learner.state()
-        t0 = time.perf_counter()
-        path = self.store.write(self.name, arrays, meta)
+        self.learner.save_snapshot(self.store, self.name, self._log)
         self.last_snapshot = time.monotonic()
-        self.events.log("training_snapshot", self.name, steps=self.learner.steps,
-                        policy_version=meta["version"], url=path,
-                        write_s=round(time.perf_counter() - t0, 4))
 
-    def _resume(self) -> None:
-        """Recovery after a crash: restore the last snapshot's parameters and optimizer, then
-        hand back every row claimed after the snapshot's step (claimed but not trained, or
-        trained into weights the crash lost), so each is trained into the restored lineage
-        exactly once; rows the snapshot holds stay consumed. Logs each phase's time."""
-        assert self.learner is not None and self.service.capture is not None
-        t0 = time.perf_counter()
-        snap = self.store.read(self.name)
-        steps = self.learner.restore_snapshot(snap)
-        t1 = time.perf_counter()
-        ids = self.service.capture.release(self.name, steps)
-        t2 = time.perf_counter()
-        if snap is None and not ids:
-            return  # a first start: nothing to recover
-        self.events.log("training_resumed", self.name, steps=steps,
-                        policy_version=snap[1]["version"] if snap is not None else None,
-                        snapshot=snap is not None, url=self.store.url,
-                        restore_s=round(t1 - t0, 4), redeliver_s=round(t2 - t1, 4),
-                        redelivered=len(ids), redelivered_ids=ids)
+    def _log(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.events.log(event, self.name, **fields)
 
     # --- the loop --------------------------------------------------------------------------
     def tick(self) -> None:
@@ -411,24 +399,20 @@ class AgentDeployment:
         with self.lock:
             self.beat = time.monotonic()
             lr, capture = self.learner, self.service.capture
-            tenants = self.service.learning_tenants  # None: no tenants, every row
-            due = time.monotonic() - self.last_update >= self.cfg.update_every_s
-            if lr is not None and capture is not None and due and capture.available(
-                    self.name, self.cfg.min_temperature, tenants) >= self.cfg.batch:
-                self.last_update = time.monotonic()
-                rows = capture.claim(self.name, self.cfg.batch, lr.steps + 1,
-                                     self.cfg.min_temperature, tenants)
-                if rows:
-                    rep = lr.train(rows, self.spec.model, capture,
-                                   self.service.run.cfg.train.micro_batch_size)
-                    self.events.log(
-                        "train_step" if rep.applied else "kl_stop", self.name, step=rep.step,
-                        rows=len(rep.ids), ids=rep.ids, kl=rep.kl, kl_max=self.cfg.kl_max,
-                        mean_reward=rep.mean_reward, is_weight_mean=rep.is_weight_mean,
-                        is_weight_min=rep.is_weight_min, is_weight_max=rep.is_weight_max,
-                        truncated=rep.truncated, off_policy=rep.off_policy,
-                        policy_version=lr.trainer.version, shadow_version=self.spec.version.number)
-                    self.since_candidate += rep.applied
+            started = time.monotonic()
+            rep = None
+            if lr is not None and capture is not None and \
+                    started - self.last_update >= self.cfg.update_every_s:
+                rep = lr.train_ready(capture, self.name, self.cfg.batch,
+                                     self.cfg.min_temperature, self.spec.model,
+                                     self.service.run.cfg.train.micro_batch_size,
+                                     self.service.learning_tenants)  # None: every row
+            if lr is not None and rep is not None:
+                self.last_update = started
+                self._log("train_step" if rep.applied else "kl_stop", **rep.fields(),
+                          kl_max=self.cfg.kl_max, policy_version=lr.trainer.version,
+                          shadow_version=self.spec.version.number)
+                self.since_candidate += rep.applied
             if lr is not None and self.canary is None and \
                     self.service.team_canary is None and \
                     self.since_candidate >= self.cfg.canary_every:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,10 @@ from flexmarl.policy.sampling import TokenBatch, make_token_batch, response_forw
 from flexmarl.serving.adapters import with_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError
 from flexmarl.serving.capture import Capture, CapturedRow
+from flexmarl.serving.snapshots import SnapshotStore
+
+# an event log's `log` with the agent (and tenant) already given: log(event, **fields)
+EventSink = Callable[..., Any]
 
 
 def importance_weights(train_logprobs: list[list[float]], serve_logprobs: list[list[float]],
@@ -101,6 +107,13 @@ class StepReport:
     truncated: int  # rows whose weight hit is_max
     off_policy: int  # rows served by a version other than the training policy's weights
     metrics: dict[str, float]
+
+    def fields(self) -> dict[str, Any]:
+        """The update as the events log writes it."""
+        return {"step": self.step, "rows": len(self.ids), "ids": self.ids, "kl": self.kl,
+                "mean_reward": self.mean_reward, "is_weight_mean": self.is_weight_mean,
+                "is_weight_min": self.is_weight_min, "is_weight_max": self.is_weight_max,
+                "truncated": self.truncated, "off_policy": self.off_policy}
 
 
 class OnlineLearner:
@@ -249,3 +262,43 @@ class OnlineLearner:
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         arrays, meta = self.trainer.get_state()
         return arrays, {**meta, "steps": self.steps, "applied": self.applied}
+
+    # --- recovery and the update round: the in-process deployment, a tenant's learner and
+    # the serve-learn process run the same ones, under their snapshot and claims key -----------
+    def resume(self, store: SnapshotStore, capture: Capture, key: str, log: EventSink) -> None:
+        """Recovery after a crash: restore the last snapshot's parameters and optimizer, then
+        hand back every row claimed after the snapshot's step (claimed but not trained, or
+        trained into weights the crash lost), so each is trained into the restored lineage
+        exactly once; rows the snapshot holds stay consumed. Logs each phase's time."""
+        t0 = time.perf_counter()
+        snap = store.read(key)
+        steps = self.restore_snapshot(snap)
+        t1 = time.perf_counter()
+        ids = capture.release(key, steps)
+        if snap is None and not ids:
+            return  # a first start: nothing to recover
+        log("training_resumed", steps=steps,
+            policy_version=snap[1]["version"] if snap is not None else None,
+            snapshot=snap is not None, url=store.url, restore_s=round(t1 - t0, 4),
+            redeliver_s=round(time.perf_counter() - t1, 4), redelivered=len(ids),
+            redelivered_ids=ids)
+
+    def save_snapshot(self, store: SnapshotStore, key: str, log: EventSink) -> None:
+        """The training policy's full state to the snapshot store (atomic for readers)."""
+        arrays, meta = self.state()
+        t0 = time.perf_counter()
+        path = store.write(key, arrays, meta)
+        log("training_snapshot", steps=self.steps, policy_version=meta["version"], url=path,
+            write_s=round(time.perf_counter() - t0, 4))
+
+    def train_ready(self, capture: Capture, agent: str, batch: int, min_temperature: float,
+                    shadow: torch.nn.Module, micro_batch: int,
+                    tenants: list[str] | None = None,
+                    key: str | None = None) -> StepReport | None:
+        """An update on the oldest `batch` rewarded rows of `agent` (served to `tenants`;
+        claimed under `key`'s claims journal) when that many are ready; None when not."""
+        if capture.available(agent, min_temperature, tenants) < batch:
+            return None
+        rows = capture.claim(agent, batch, self.steps + 1, min_temperature, tenants,
+                             learner=key)
+        return self.train(rows, shadow, capture, micro_batch) if rows else None

@@ -46,10 +46,6 @@ class Limits:
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False,
            "logit_bias": None, "suffix": None, "tools": None, "functions": None,
            "tool_choice": "none", "response_format": None, "parallel_tool_calls": None}
-IGNORED = {"model", "user", "stream", "stream_options", "n", "metadata", "store", "service_tier",
-           "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-           "stop", "seed", "logprobs", "top_logprobs", "stop_token_ids", "allowed_token_ids",
-           "return_tokens_as_token_ids", "skip_special_tokens", "flexmarl"}
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:

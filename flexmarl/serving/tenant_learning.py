@@ -68,45 +68,27 @@ class TenantLearner:
     def resume(self) -> None:
         """As the shared learner's recovery: the snapshot's state, then the rows claimed
         after it handed back to this tenant's learner alone."""
-        capture = self.dep.service.capture
-        t0 = time.perf_counter()
-        snap = self.dep.store.read(self.key)
-        steps = self.learner.restore_snapshot(snap)
-        t1 = time.perf_counter()
-        ids = capture.release(self.key, steps)
-        if snap is not None or ids:
-            self.dep.events.log("training_resumed", self.dep.name, tenant=self.tenant,
-                                steps=steps, snapshot=snap is not None,
-                                restore_s=round(t1 - t0, 4),
-                                redeliver_s=round(time.perf_counter() - t1, 4),
-                                redelivered=len(ids), redelivered_ids=ids)
+        self.learner.resume(self.dep.store, self.dep.service.capture, self.key, self._log)
 
     def snapshot(self) -> None:
-        arrays, meta = self.learner.state()
-        t0 = time.perf_counter()
-        path = self.dep.store.write(self.key, arrays, meta)
-        self.dep.events.log("training_snapshot", self.dep.name, tenant=self.tenant,
-                            steps=self.learner.steps, url=path,
-                            write_s=round(time.perf_counter() - t0, 4))
+        self.learner.save_snapshot(self.dep.store, self.key, self._log)
+
+    def _log(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.dep.events.log(event, self.dep.name, tenant=self.tenant, **fields)
 
     def tick(self) -> None:
         """An update on this tenant's rows when a batch is ready; a publication when due."""
-        cfg, capture = self.dep.cfg, self.dep.service.capture
-        lr = self.learner
-        due = time.monotonic() - self.last_update >= cfg.update_every_s
-        if due and capture.available(self.dep.name, cfg.min_temperature,
-                                     [self.tenant]) >= cfg.batch:
-            self.last_update = time.monotonic()
-            rows = capture.claim(self.dep.name, cfg.batch, lr.steps + 1, cfg.min_temperature,
-                                 [self.tenant], learner=self.key)
-            if rows:
-                rep = lr.train(rows, self.served, capture,
-                               self.dep.service.run.cfg.train.micro_batch_size)
-                self.dep.events.log(
-                    "train_step" if rep.applied else "kl_stop", self.dep.name,
-                    tenant=self.tenant, step=rep.step, rows=len(rep.ids), ids=rep.ids,
-                    kl=rep.kl, kl_max=cfg.kl_max, mean_reward=rep.mean_reward,
-                    off_policy=rep.off_policy)
+        cfg = self.dep.cfg
+        started = time.monotonic()
+        if started - self.last_update >= cfg.update_every_s:
+            rep = self.learner.train_ready(self.dep.service.capture, self.dep.name, cfg.batch,
+                                           cfg.min_temperature, self.served,
+                                           self.dep.service.run.cfg.train.micro_batch_size,
+                                           [self.tenant], key=self.key)
+            if rep is not None:
+                self.last_update = started
+                self._log("train_step" if rep.applied else "kl_stop", **rep.fields(),
+                          kl_max=cfg.kl_max)
                 self.since_candidate += rep.applied
         if self.since_candidate >= cfg.canary_every:
             self.candidate()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from flexmarl.policy.tokenizer import BYTE_CHAT_TEMPLATE, BYTE_SPECIALS
+
 SENTENCES = [
     "The speaker sees a target object and sends a short message.",
     "The listener reads the message and names one of the candidates.",
@@ -20,11 +22,6 @@ SENTENCES = [
     "Continuous batching keeps the batch full while long generations run.",
     "One two three four five six seven eight nine ten.",
 ]
-SPECIALS = ["<pad>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def make_tokenizer(folder: Path, vocab_size: int = 320):
@@ -34,11 +31,11 @@ def make_tokenizer(folder: Path, vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=BYTE_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(SENTENCES * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = BYTE_CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
     return fast
 

@@ -43,19 +43,10 @@ class TrainerActor:
             ) -> dict[str, Any]:
         """Train until `stop()`, `max_applied` applied updates, or `timeout_s`; snapshots on
         the way out (as the process does on exit). Returns `status()`."""
-        t = self.trainer
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            while not self._stop.is_set():
-                if max_applied is not None and t.learner.applied >= max_applied:
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-                if not t.step():
-                    time.sleep(t.cfg.poll_s)
-        finally:
-            if t.learner.steps:
-                t.snapshot()
+        self.trainer.loop(lambda: self._stop.is_set() or (
+            max_applied is not None and self.trainer.learner.applied >= max_applied) or (
+            deadline is not None and time.monotonic() > deadline))
         return self.status()
 
     def stop(self) -> None:

@@ -21,6 +21,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,25 +94,14 @@ class OnlineTrainer:
         self.resume()
 
     def resume(self) -> None:
-        t0 = time.perf_counter()
-        snap = self.store.read(self.agent)
-        steps = self.learner.restore_snapshot(snap)
-        t1 = time.perf_counter()
-        ids = self.capture.release(self.agent, steps)
-        t2 = time.perf_counter()
-        if snap is not None or ids:
-            self.events.log("training_resumed", self.agent, steps=steps,
-                            snapshot=snap is not None, url=self.store.url,
-                            restore_s=round(t1 - t0, 4), redeliver_s=round(t2 - t1, 4),
-                            redelivered=len(ids), redelivered_ids=ids)
+        self.learner.resume(self.store, self.capture, self.agent, self._log)
 
     def snapshot(self) -> None:
-        arrays, meta = self.learner.state()
-        t0 = time.perf_counter()
-        self.store.write(self.agent, arrays, meta)
+        self.learner.save_snapshot(self.store, self.agent, self._log)
         self.last_snapshot = time.monotonic()
-        self.events.log("training_snapshot", self.agent, steps=self.learner.steps,
-                        write_s=round(time.perf_counter() - t0, 4))
+
+    def _log(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.events.log(event, self.agent, **fields)
 
     def publish(self) -> None:
         model = self.learner.snapshot_model(self.spec.model)
@@ -155,34 +145,36 @@ class OnlineTrainer:
         """One round; True when an update ran."""
         cfg = self.cfg
         self.follow()
-        ran = False
-        due = time.monotonic() - self.last_update >= cfg.update_every_s
-        if due and self.capture.available(self.agent, cfg.min_temperature) >= cfg.batch:
-            self.last_update = time.monotonic()
-            rows = self.capture.claim(self.agent, cfg.batch, self.learner.steps + 1,
-                                      cfg.min_temperature)
-            if rows:
-                rep = self.learner.train(rows, self.shadow, self.capture,
-                                         self.run.cfg.train.micro_batch_size)
-                self.events.log("train_step" if rep.applied else "kl_stop", self.agent,
-                                step=rep.step, ids=rep.ids, kl=rep.kl,
-                                mean_reward=rep.mean_reward)
-                self.since_candidate += rep.applied
-                ran = True
+        started = time.monotonic()
+        rep = None
+        if started - self.last_update >= cfg.update_every_s:
+            rep = self.learner.train_ready(self.capture, self.agent, cfg.batch,
+                                           cfg.min_temperature, self.shadow,
+                                           self.run.cfg.train.micro_batch_size)
+        if rep is not None:
+            self.last_update = started
+            self._log("train_step" if rep.applied else "kl_stop", **rep.fields())
+            self.since_candidate += rep.applied
         if self.pending is None and self.since_candidate >= cfg.canary_every:
             self.publish()
         if time.monotonic() - self.last_snapshot >= cfg.snapshot_every_s:
             self.snapshot()
-        return ran
+        return rep is not None
 
-    def run_forever(self) -> None:
-        print(f"online trainer of {self.agent}: {self.capture.path} -> {self.server.url}",
-              flush=True)
+    def loop(self, done: Callable[[], bool] = lambda: False) -> None:
+        """Rounds until `done()`; a snapshot on the way out (a stop, an error)."""
         try:
-            while True:
+            while not done():
                 if not self.step():
                     time.sleep(self.cfg.poll_s)
         finally:
             if self.learner.steps:
                 self.snapshot()
+
+    def run_forever(self) -> None:
+        print(f"online trainer of {self.agent}: {self.capture.path} -> {self.server.url}",
+              flush=True)
+        try:
+            self.loop()
+        finally:
             self.capture.close()

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.serving.adapters import light_copy
@@ -38,31 +37,13 @@ from flexmarl.types import GenerationRequest, GenerationResult
 
 @dataclass
 class ServeRequest(GenerationRequest):
-    top_p: float = 1.0
     adapter: str | None = None  # a LoRA agent: the adapter to decode with (None: the shadow's)
 
 
 class ServeEngine(HFEngine):
-    """The engine plus nucleus (top-p) sampling: tokens outside the smallest set holding
-    `top_p` of the (masked, tempered) probability are masked before the keyed draw, so
-    reported log-probs are those of the distribution actually sampled."""
-
-    def _sample(self, start: int = 0) -> list[GenerationResult]:
-        seqs = self.seqs[start:]
-        tops = [getattr(s.request, "top_p", 1.0) for s in seqs]
-        if self.logits is not None and any(t < 1.0 for t in tops):
-            logits = self.logits / self._temps[start:]
-            if any(s.mask is not None for s in seqs):
-                full = torch.ones(self.vocab, dtype=torch.bool, device=self.device)
-                masks = torch.stack([full if s.mask is None else s.mask for s in seqs])
-                logits = logits.masked_fill(~masks, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            sorted_p, idx = probs.sort(dim=-1, descending=True)
-            top = torch.tensor(tops, dtype=sorted_p.dtype, device=self.device).unsqueeze(1)
-            drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top  # the first always stays
-            drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
-            self.logits = self.logits.masked_fill(drop, float("-inf"))
-        return super()._sample(start)
+    """The engine with per-request adapters (a training tenant's requests decode through its
+    own). Nucleus sampling is the engine's: inside the nucleus, log-probs of the tempered,
+    masked distribution before the cut, as training records them."""
 
     def _adapter_of(self, request: GenerationRequest) -> str | None:
         """A LoRA agent's request decodes through its tenant's adapter when it names one."""

@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 from flexmarl.errors import UserError
 
-BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 _MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 

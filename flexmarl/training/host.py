@@ -298,29 +298,26 @@ class TrainHost:
         self.trainers[agent].set_state(arrays, meta)
         return int(meta["version"])
 
+    def weights_pipe(self, agent: str) -> Any:
+        """The weights as they go through a pipe (never through the publisher)."""
+        return published(self.trainers[agent], None, self.rank)
+
+    # the slot protocol's commands (methods of this class) and their span labels
+    SPAN_LABELS = {"bind": "swap", "accumulate": "acc", "step": "step", "weights": "weights",
+                   "weights_pipe": "weights", "save": "save", "get_state": "state",
+                   "set_state": "restore"}
+
     def handle(self, command: str, payload: Any) -> tuple[Any, str]:
-        """Run one command of the slot protocol; returns its result and its span label."""
-        if command == "bind":
-            agent, incoming = payload
-            return self.bind(agent, incoming), f"swap:{agent}"
-        if command == "accumulate":
-            agent, samples = payload
-            return self.accumulate(agent, samples), f"acc:{agent}:{len(samples)}"
-        if command == "step":
-            return self.step(payload), f"step:{payload}"
-        if command == "weights":
-            return self.weights(payload), f"weights:{payload}"
-        if command == "weights_pipe":
-            return published(self.trainers[payload], None, self.rank), f"weights:{payload}"
-        if command == "save":
-            agent, directory = payload
-            return self.save(agent, directory), f"save:{agent}"
-        if command == "get_state":
-            return self.get_state(payload), f"state:{payload}"
-        if command == "set_state":
-            agent, arrays, meta = payload
-            return self.set_state(agent, arrays, meta), f"restore:{agent}"
-        raise ValueError(f"training slot: unknown command {command!r}")
+        """Run one command of the slot protocol; returns its result and its span label. A
+        command's payload is its agent, or a tuple of the agent and the method's other
+        arguments."""
+        prefix = self.SPAN_LABELS.get(command)
+        if prefix is None:
+            raise ValueError(f"training slot: unknown command {command!r}")
+        args = payload if isinstance(payload, tuple) else (payload,)
+        result = getattr(self, command)(*args)
+        count = f":{len(args[1])}" if command == "accumulate" else ""
+        return result, f"{prefix}:{args[0]}{count}"
 
 
 # --- driver side ----------------------------------------------------------------------------
@@ -502,16 +499,19 @@ class SlotPool(TrainPool):
         """The step and, with recovery on, the restart point after it, under one lease: a loss
         of either restores the last restart point, replays the journal and steps again."""
         self._per_iteration[agent] = self._since_step.pop(agent, 0)
+        return await self._then_restart_point(agent, ("step", agent), self._priority(agent, 0))
+
+    async def _then_restart_point(self, agent: str, command: Command,
+                                  priority: tuple = ()) -> Any:
+        """`command`, then (recovery on) the restart point after it, under one lease."""
         recovers = self._recovers()
-        commands: list[Command] = [("step", agent)]
-        if recovers:
-            commands.append(self._keep_command(agent))
+        commands = [command, self._keep_command(agent)] if recovers else [command]
 
         def restart_point(results: list[Any]) -> None:
             if recovers:
                 self._kept(agent, results[1])
 
-        results = await self._submit(agent, lambda _: commands, self._priority(agent, 0),
+        results = await self._submit(agent, lambda _: commands, priority,
                                      on_done=restart_point)
         return results[0]
 
@@ -530,16 +530,7 @@ class SlotPool(TrainPool):
         return await self._call(agent, "get_state", agent)
 
     async def set_state(self, agent: str, state: tuple[dict, dict]) -> None:
-        recovers = self._recovers()
-        commands: list[Command] = [("set_state", (agent, *state))]
-        if recovers:
-            commands.append(self._keep_command(agent))
-
-        def restart_point(results: list[Any]) -> None:
-            if recovers:
-                self._kept(agent, results[1])
-
-        await self._submit(agent, lambda _: commands, on_done=restart_point)
+        await self._then_restart_point(agent, ("set_state", (agent, *state)))
 
     async def weights(self, agent: str) -> Any:
         return await self._call(agent, "weights", agent)

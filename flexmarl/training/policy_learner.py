@@ -160,19 +160,13 @@ class PolicyLearner(NetworkLearner):
             tensors[f"w/vnorm/{k}"] = v.clone()
         groups: dict[str, Any] = {}
         for oname, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
-            sd = opt.state_dict()
-            for idx, slots in sd["state"].items():
-                for key, value in slots.items():
-                    tensors[f"o/{oname}/{idx}/{key}"] = torch.as_tensor(value).detach().clone()
-            groups[oname] = [dict(g) for g in sd["param_groups"]]
+            opt_tensors, groups[oname] = st.optimizer_tensors(opt, f"o/{oname}/")
+            tensors.update(opt_tensors)
         tensors["rng/gen"] = self.gen.get_state()
-        pending = []
-        for i, s in enumerate(self.pending):
-            for name, arr in s.arrays.items():
-                tensors[f"p/{i}/{name}"] = torch.from_numpy(np.array(arr, copy=True))
-            pending.append({"sample_id": s.sample_id, "iteration": s.iteration,
-                            "version": s.version, "agent_index": s.agent_index,
-                            "codec": s.codec, "names": list(s.arrays)})
+        tensors.update(st.pending_tensors(self.pending))
+        pending = [{"sample_id": s.sample_id, "iteration": s.iteration, "version": s.version,
+                    "agent_index": s.agent_index, "codec": s.codec, "names": list(s.arrays)}
+                   for s in self.pending]
         meta = {"agent": self.agent, "version": self.version, "param_groups": groups,
                 "pending": pending}
         return st.TrainingState(tensors, meta)
@@ -183,14 +177,7 @@ class PolicyLearner(NetworkLearner):
         self.net.load_state_dict({k[6:]: v for k, v in t.items() if k.startswith("w/net/")})
         self.vnorm.load_state_dict({k[8:]: v for k, v in t.items() if k.startswith("w/vnorm/")})
         for oname, opt in (("actor", self.actor_opt), ("critic", self.critic_opt)):
-            opt_state: dict[int, dict[str, torch.Tensor]] = {}
-            for k, v in t.items():
-                if k.startswith(f"o/{oname}/"):
-                    _, _, idx, key = k.split("/", 3)
-                    opt_state.setdefault(int(idx), {})[key] = v.clone()
-            groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
-                      for g in state.meta["param_groups"][oname]]
-            opt.load_state_dict({"state": opt_state, "param_groups": groups})
+            st.load_optimizer(opt, t, state.meta["param_groups"][oname], f"o/{oname}/")
         self.gen.set_state(t["rng/gen"].clone())
         self.version = int(state.meta["version"])
         self.pending = [

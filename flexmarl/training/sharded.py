@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -44,7 +43,6 @@ from flexmarl.config.schema import AgentConfig, ModelConfig
 from flexmarl.policy import adapters
 from flexmarl.policy.device import process_device
 from flexmarl.policy.model import skeleton, stable_seed
-from flexmarl.policy.tokenizer import base_model_name
 from flexmarl.training import dcp as dcp_state
 from flexmarl.training import lora
 from flexmarl.training.state import TrainingState
@@ -532,11 +530,7 @@ class ShardedAgentTrainer(AgentTrainer):
                        options=StateDictOptions(full_state_dict=True,
                                                 strict=self.cfg.lora is None))
         self.version = int(meta["version"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self._nonfinite = None
+        self._clear_step()
 
     # --- publication -----------------------------------------------------------------------
     def weight_buckets(self, dtype: torch.dtype | None = None,
@@ -644,25 +638,17 @@ class ShardedAgentTrainer(AgentTrainer):
         tensors = self.full_weights()
         adapter = {} if self.cfg.lora is None else {  # PEFT's names: <layer>.lora_A.weight
             f"{k}.weight": v for bucket in self._adapter_buckets() for k, v in bucket.items()}
+
+        def write_adapter(folder: Path, base: str) -> None:
+            folder.mkdir(exist_ok=True)
+            save_file(adapter, str(folder / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+            peft_cfg = self.model.peft_config[self.adapter]
+            peft_cfg.base_model_name_or_path = base
+            peft_cfg.save_pretrained(str(folder))
+
         if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-            inner = self.model.get_base_model() if self.cfg.lora else self.model
-            inner.config.save_pretrained(str(directory))
-            if self.cfg.lora is not None:
-                (directory / "adapter").mkdir(exist_ok=True)
-                save_file(adapter, str(directory / "adapter" / "adapter_model.safetensors"),
-                          metadata={"format": "pt"})
-                peft_cfg = self.model.peft_config[self.adapter]
-                peft_cfg.base_model_name_or_path = base_model_name(self.agent, self.cfg.model)
-                peft_cfg.save_pretrained(str(directory / "adapter"))
-            tokenizer = self._tokenizer()
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(directory))
-            (directory / "flexmarl.json").write_text(json.dumps(
-                {"agent": self.agent, "policy_version": self.version,
-                 "base_model": base_model_name(self.agent, self.cfg.model),
-                 "lora": self.cfg.lora is not None, "tokenizer": tokenizer is not None}) + "\n")
+            self._write_folder(directory, tensors, write_adapter)
         dist.barrier(group=self.group)
         return directory
 
@@ -675,9 +661,5 @@ class ShardedAgentTrainer(AgentTrainer):
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load a checkpoint written by `save_checkpoint` at any K (resharded on read)."""
         self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, directory,
-                                      self.group,
-                                      names=self._canonical)
-        self._rows = 0
-        self._seen.clear()
-        self._sums = {}
-        self._nonfinite = None
+                                      self.group, names=self._canonical)
+        self._clear_step()

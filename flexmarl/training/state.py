@@ -280,12 +280,9 @@ def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
         for k, p in mod.named_parameters():
             if p.grad is not None:
                 tensors[f"g/{prefix}/{k}"] = p.grad.detach().clone()
-    opt = trainer.optimizer.state_dict()
-    for idx, slots in opt["state"].items():
-        for key, value in slots.items():
-            tensors[f"o/{idx}/{key}"] = torch.as_tensor(value).detach().clone()
+    opt_tensors, groups = optimizer_tensors(trainer.optimizer)
+    tensors.update(opt_tensors)
     tensors["rng/torch"] = torch.get_rng_state()
-    groups = [{k: v for k, v in g.items()} for g in opt["param_groups"]]
     meta = {
         "agent": trainer.agent, "version": trainer.version, "rows": trainer._rows,
         "seen": sorted(trainer._seen), "sums": trainer._sums, "param_groups": groups,
@@ -294,6 +291,35 @@ def capture(trainer: AgentTrainer, frozen: bool = True) -> TrainingState:
         "kept": [dataclasses.asdict(s) for s in getattr(trainer, "_kept", [])],
     }
     return TrainingState(tensors, meta)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str = "o/"
+                      ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """An optimizer's exact state: its tensors as `{prefix}{param index}/{slot}`, copied, and
+    its param groups."""
+    sd = opt.state_dict()
+    tensors = {f"{prefix}{idx}/{key}": torch.as_tensor(value).detach().clone()
+               for idx, slots in sd["state"].items() for key, value in slots.items()}
+    return tensors, [dict(g) for g in sd["param_groups"]]
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                   groups: list[dict[str, Any]], prefix: str = "o/") -> None:
+    """Load `optimizer_tensors`' output (the groups may have been through JSON)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith(prefix):
+            idx, key = k[len(prefix):].split("/", 1)
+            state.setdefault(int(idx), {})[key] = v.clone()
+    opt.load_state_dict({"state": state, "param_groups": [
+        {k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in groups]})
+
+
+def pending_tensors(rows: list[Any]) -> dict[str, torch.Tensor]:
+    """The arrays of rows a learner holds but has not trained on, copied, as
+    `p/{row}/{name}` (what a capture carries)."""
+    return {f"p/{i}/{name}": torch.from_numpy(np.array(arr, copy=True))
+            for i, row in enumerate(rows) for name, arr in row.arrays.items()}
 
 
 def restore(trainer: AgentTrainer, state: TrainingState) -> None:
@@ -314,14 +340,7 @@ def restore(trainer: AgentTrainer, state: TrainingState) -> None:
         for k, p in mod.named_parameters():
             g = state.tensors.get(f"g/{prefix}/{k}")
             p.grad = None if g is None else g.clone().to(p.device)
-    opt_state: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in state.tensors.items():
-        if k.startswith("o/"):
-            _, idx, key = k.split("/", 2)
-            opt_state.setdefault(int(idx), {})[key] = v.clone()
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}  # JSON made it a list
-              for g in state.meta["param_groups"]]
-    trainer.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    load_optimizer(trainer.optimizer, state.tensors, state.meta["param_groups"])
     torch.set_rng_state(state.tensors["rng/torch"])
     trainer.version = state.meta["version"]
     trainer._rows = state.meta["rows"]

@@ -452,21 +452,30 @@ class AgentTrainer:
         template when it has one (`AutoTokenizer.from_pretrained(dir)`), and for a LoRA agent
         its adapter alone in PEFT's format under `adapter/` (`PeftModel.from_pretrained(base,
         dir / "adapter")`), the base named in it and in flexmarl.json."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in self.full_weights().items()}
+
+        def write_adapter(folder: Path, base: str) -> None:
+            for peft_cfg in self.model.peft_config.values():
+                peft_cfg.base_model_name_or_path = base
+            # the embeddings are the base's (not trained): no look-up of the base's config
+            self.model.save_pretrained(str(folder), save_embedding_layers=False)
+
+        return self._write_folder(Path(directory), tensors, write_adapter)
+
+    def _write_folder(self, directory: Path, tensors: dict[str, torch.Tensor],
+                      write_adapter: Callable[[Path, str], None]) -> Path:
+        """`save`'s folder from the full weights; `write_adapter(folder, base name)` writes a
+        LoRA agent's adapter in PEFT's format."""
+        directory.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        config = self.model.get_base_model().config if self.cfg.lora else self.model.config
-        config.save_pretrained(str(directory))
+        inner = self.model.get_base_model() if self.cfg.lora else self.model
+        inner.config.save_pretrained(str(directory))
         tokenizer = self._tokenizer()
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         base = base_model_name(self.agent, self.cfg.model)
-        if self.cfg.lora:
-            for peft_cfg in self.model.peft_config.values():
-                peft_cfg.base_model_name_or_path = base
-            # the embeddings are the base's (not trained): no look-up of the base's config
-            self.model.save_pretrained(str(directory / "adapter"), save_embedding_layers=False)
+        if self.cfg.lora is not None:
+            write_adapter(directory / "adapter", base)
         (directory / "flexmarl.json").write_text(json.dumps(
             {"agent": self.agent, "policy_version": self.version, "base_model": base,
              "lora": self.cfg.lora is not None, "tokenizer": tokenizer is not None}) + "\n")
@@ -560,10 +569,7 @@ class AgentTrainer:
             raise TrainingError(f"agent {self.agent!r}: state of agent {meta.get('agent')!r}")
         if "dcp" in meta:
             self.version = dcp_state.load(self.checkpoint_root(), self.optimizer, meta["dcp"])
-            self._rows = 0
-            self._seen.clear()
-            self._sums = {}
-            self._nonfinite = None
+            self._clear_step()
             return
         for part, module in self._state_modules().items():
             prefix = f"{part}."

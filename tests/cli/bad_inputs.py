@@ -107,6 +107,11 @@ CASES = [
     Case("config fields", "failure budget out of range",
          train("--set", "train.max_failed_fraction=2"),
          "train.max_failed_fraction: Input should be less than or equal to 1"),
+    *(Case("config fields", f"environment run given to {' '.join(cmd)}",
+           lambda t, cmd=cmd: [*cmd, str(ROOT / "examples" / "mpe_spread.yaml")],
+           f"mpe_spread.yaml: env: `flexmarl {' '.join(cmd)}` measures task runs")
+      for cmd in (("bench", "compare"), ("bench", "pipeline"),
+                  ("simulate", "--profile-local"))),
     # --- output and resume folders ---
     Case("folders", "--out is a file", out_is_file, "exists and is not a folder"),
     Case("folders", "--out under a file", out_under_file, "is not a folder"),

@@ -66,7 +66,7 @@ def test_an_env_run_counts_iterations_from_env_steps_and_runs_sync() -> None:
     ({"train.credit": {"team": 0.5}}, "train.credit: a task run's"),
     ({"runtime.colocate": True}, "runtime.colocate: places, pins or publishes LLM"),
     ({"runtime.kind": "sim"}, "runtime.kind: an environment run runs on the local and ray"),
-    ({"pipeline.mode": "async"}, "pipeline.mode: an environment run rolls out iteration k"),
+    ({"pipeline.mode": "one_step_off"}, "pipeline.mode: an environment run is on-policy"),
     ({"rollout.max_batch_seqs": 8}, "rollout: the LLM replicas' batching"),
     ({"models": {"base": {}}}, "models: shared LLM bases"),
     ({"agents.agent_0": {"network": {"base": "shared"}, "sampling": {"temperature": 0.5}}},

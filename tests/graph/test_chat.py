@@ -67,7 +67,8 @@ def test_byte_tokenizer_needs_room_in_the_random_models_vocabulary():
 
 def test_stop_strings_in_the_config_must_be_non_empty_strings():
     base = {"task": {"builder": "x:y"}, "agents": {"a": {"sampling": {"stop": ["ok", ""]}}}}
-    with pytest.raises(Exception, match=r"agents.a.sampling.stop: stop\[1\] is empty"):
+    with pytest.raises(Exception, match=r"agents.a.sampling.stop.1: String should have at "
+                                        "least 1 character"):
         config_from_dict(base)
     base["agents"]["a"]["sampling"]["stop"] = ["ok", 3]
     with pytest.raises(Exception, match=r"agents.a.sampling.stop.1: Input should be a valid "

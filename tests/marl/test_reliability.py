@@ -257,7 +257,7 @@ def _kill_during(pool: str, method: str, n: int, state: dict):
 
 def test_rollout_worker_killed_mid_iteration_redoes_it_exactly(tmp_path, reference):
     out, state = tmp_path / "run", {}
-    res = train_marl(cfg(), out, on_runtime=_kill_during("rollout", "rollout", 1, state))
+    res = train_marl(cfg(), out, on_runtime=_kill_during("rollout", "rollout_on", 1, state))
     assert "pid" in state  # iteration 1's rollout
     failed, recovered = events(out, "worker_failed"), events(out, "worker_recovered")
     assert failed[0]["pool"] == "rollout" and failed[0]["pid"] == state["pid"]
@@ -283,7 +283,7 @@ def test_without_restarts_a_killed_worker_fails_the_run(tmp_path):
 
     with pytest.raises(WorkerLost, match="rollout worker 0 lost"):
         train_marl(cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None}),
-                   tmp_path / "run", on_runtime=_kill_during("rollout", "rollout", 0, {}))
+                   tmp_path / "run", on_runtime=_kill_during("rollout", "rollout_on", 0, {}))
     # hosted like an LLM run: the failure is on disk for doctor and report
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error_type"] == "WorkerLost"

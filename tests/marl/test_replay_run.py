@@ -139,7 +139,7 @@ def test_qmix_stopped_after_two_iterations_then_resumed_equals_uninterrupted(tmp
 
 def test_rollout_worker_killed_mid_iteration_redoes_it_exactly(tmp_path, reference):
     out, state = tmp_path / "run", {}
-    res = train_marl(cfg(), out, on_runtime=_kill_during("rollout", "rollout", 2, state))
+    res = train_marl(cfg(), out, on_runtime=_kill_during("rollout", "rollout_on", 2, state))
     assert "pid" in state
     failed, recovered = events(out, "worker_failed"), events(out, "worker_recovered")
     assert failed[0]["pool"] == "rollout" and failed[0]["pid"] == state["pid"]

@@ -25,8 +25,10 @@ def test_slot_sizes_replace_train_workers_largest_first():
     assert RuntimeConfig(train_workers=3, slot_size=2).train_slot_sizes() == [2, 2, 2]
     with pytest.raises(ValueError, match="slot_sizes .* replaces runtime.slot_size"):
         RuntimeConfig(slot_sizes=[2], slot_size=2)
-    with pytest.raises(ValueError, match="slot sizes must be > 0"):
+    with pytest.raises(ValueError, match=r"slot_sizes\.1\n.*greater than 0"):
         RuntimeConfig(slot_sizes=[2, 0])
+    with pytest.raises(ValueError, match=r"slot_sizes\n.*at least 1 item"):
+        RuntimeConfig(slot_sizes=[])
 
 
 def test_a_slot_larger_than_the_training_gpus_is_refused():

@@ -1,7 +1,9 @@
 """The co-adaptation trap of an answer/judge team (issue 34), on tiny random models: a judge
 that answers YES to everything (what pays while its partner is mostly right) must get out of
-it and judge again with the team settings docs/training.md recommends (`kl_coef: 0.1` for both
-agents, `normalize: agent` for the judge), and stays stuck without them."""
+it and judge again with the judge settings docs/training.md recommends (`normalize: agent`
+with `balance_labels: true`: every true class weighs the same around one balanced baseline),
+and stays stuck without them. Its reference is the YES-sayer itself, so it takes no KL (the KL
+would hold it there); the answerer keeps the team's `kl_coef: 0.1`."""
 
 from pathlib import Path
 
@@ -17,7 +19,7 @@ YES, NO = 3 + 2 * N, 4 + 2 * N
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
          "init_std": 0.1}
 TEAM = {"answerer": {"name": "grpo", "kl_coef": 0.1},
-        "judge": {"name": "grpo", "normalize": "agent", "kl_coef": 0.1}}
+        "judge": {"name": "grpo", "normalize": "agent", "balance_labels": True}}
 
 
 def yes_sayer(out: Path) -> Path:
@@ -39,14 +41,14 @@ def yes_sayer(out: Path) -> Path:
     return out
 
 
-def run_team(tmp_path: Path, algorithms: dict, judge: Path,
-             iterations: int = 20) -> dict[str, np.ndarray]:
+def run_team(tmp_path: Path, algorithms: dict, judge: Path, iterations: int = 20,
+             seed: int = 0) -> dict[str, np.ndarray]:
     """Per-iteration answerer and judge rewards and the judge's top answer fraction."""
     agents = {name: {"model": MODEL, "algorithm": algo, "optim": {"lr": 0.003}}
               for name, algo in algorithms.items()}
     agents["judge"]["model"] = {**MODEL, "checkpoint": str(judge)}
     cfg = config_from_dict({
-        "seed": 0,
+        "seed": seed,
         "task": {"builder": "flexmarl.tasks.answer_judge:build_token_answer_judge",
                  "options": {"num_objects": N}},
         "agents": agents,
@@ -58,23 +60,26 @@ def run_team(tmp_path: Path, algorithms: dict, judge: Path,
             "top": "agent/judge/top_response_frac",
             # the judge's reward on episodes whose answer was right / wrong (`label=`)
             "right": "agent/judge/reward_mean/True", "wrong": "agent/judge/reward_mean/False"}
-    return {k: np.array([r[key] for r in records]) for k, key in keys.items()}
+    # (an iteration whose answers were all right has no reward on wrong ones: NaN)
+    return {k: np.array([r.get(key, np.nan) for r in records]) for k, key in keys.items()}
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "not robust across sampling draws (issue 34): with the keyed inverse-CDF sampler of "
-    "2026-12-06 the judge leaves YES (top answer < 0.8) on seeds 1-4 of 0-4 but beats "
-    "always-YES over the second half on none; with the earlier Gumbel draws it passed on "
-    "seeds 0, 2, 3 of 0-4. Kept running so a fix shows as XPASS"))
-def test_a_yes_saying_judge_judges_again_with_the_team_settings(tmp_path):
-    curve = run_team(tmp_path, TEAM, yes_sayer(tmp_path / "judge"))
+def test_a_yes_saying_judge_judges_again_with_the_judge_settings(tmp_path):
+    # seed 1: with a baseline per class (balance_labels before 2026-12-06) this judge stayed
+    # on YES (balanced accuracy 0.498 over the second half); seeds 0-4 measured in
+    # docs/training.md ("Teams that co-adapt")
+    curve = run_team(tmp_path, TEAM, yes_sayer(tmp_path / "judge"), seed=1)
     assert curve["top"][0] > 0.9  # it starts collapsed: YES is right on right answers only
     assert curve["right"][0] > 0.9 and curve["wrong"][0] < 0.1
     assert curve["answerer"][-5:].mean() > curve["answerer"][:5].mean() + 0.2
-    # it answers both ways again, and judges better than saying YES to everything (which
-    # earns exactly the answerer's accuracy) over the second half
+    # it answers both ways again, and over the second half judges better than saying one
+    # thing to every input: its balanced accuracy (the mean of its reward on right and on
+    # wrong answers; always-YES: exactly 0.5). Its raw reward is no test: once the answerer
+    # is right 95% of the time, always-YES earns 0.95 and a judge cannot beat it by a margin
+    # that stands out of the noise of the few wrong answers it sees.
     assert curve["top"][1:].min() < 0.8
-    assert (curve["judge"] - curve["answerer"])[10:].mean() > 0.02
+    balanced = (curve["right"] + curve["wrong"]) / 2
+    assert np.nanmean(balanced[10:]) > 0.58
 
 
 @pytest.mark.slow
@@ -82,5 +87,6 @@ def test_without_them_the_judge_stays_a_yes_sayer(tmp_path):
     curve = run_team(tmp_path, {"answerer": {"name": "grpo"}, "judge": {"name": "grpo"}},
                      yes_sayer(tmp_path / "judge"))
     assert curve["top"].min() > 0.95
-    assert curve["right"].min() > 0.95 and curve["wrong"].max() < 0.05
+    assert np.nanmin(curve["right"]) > 0.95 and np.nanmax(curve["wrong"]) < 0.05
     assert (curve["judge"] - curve["answerer"])[10:].mean() <= 0.02
+    assert np.nanmean(((curve["right"] + curve["wrong"]) / 2)[10:]) < 0.52

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from flexmarl.config.schema import AgentConfig
 from flexmarl.policy.adapters import adapter_name
@@ -169,10 +170,11 @@ def test_k2_lora_restart_point_resumes_on_one_device(k2, one_device):
         assert all(len(tr.optimizer.state[p]) == 3 for p in tr.actor_params)
 
 
-def test_one_rank_shared_base_adapter_trains_alone_and_publishes_only_itself(one_rank):
+def test_one_rank_shared_base_adapter_trains_alone_and_publishes_only_itself(one_rank, tmp_path):
     """The sharded shared-base path in seconds: one FSDP rank, two adapters on one base; a
     step of one agent equals the one-device trainer's and leaves the other adapter and the
-    base untouched; swaps and publication hold the agent's adapter only."""
+    base untouched; swaps and publication hold the agent's adapter only; its saved folder
+    is the one-device trainer's (files, merged weights, adapter, flexmarl.json)."""
     own = ShardedAgentTrainer("a", _own(), VOCAB, 16, run_seed=SEED, device="cpu")
     policy = shard_shared_base(_shared_base(), SHARED, SEED, own.mesh)
     sharded = {a: ShardedAgentTrainer(a, c, VOCAB, 16, run_seed=SEED, device="cpu",
@@ -198,3 +200,14 @@ def test_one_rank_shared_base_adapter_trains_alone_and_publishes_only_itself(one
     other = next(n for n, _ in sharded["speaker"].named_trainable)
     assert sharded["listener"]._canonical(other) is None
     assert len(sharded["listener"].optimizer.param_groups[0]["params"]) == len(params)
+    folders = {"sharded": sharded["listener"].save(tmp_path / "sharded"),
+               "plain": plain.save(tmp_path / "plain")}
+    files = {k: sorted(str(f.relative_to(d)) for f in d.rglob("*")  # peft adds a README
+                       if f.is_file() and f.name != "README.md") for k, d in folders.items()}
+    assert files["sharded"] == files["plain"] and "adapter/adapter_model.safetensors" in \
+        files["plain"]
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        _close(load_file(folders["sharded"] / name), load_file(folders["plain"] / name),
+               atol=1e-6)
+    assert (folders["sharded"] / "flexmarl.json").read_text() == \
+        (folders["plain"] / "flexmarl.json").read_text()

@@ -785,10 +785,11 @@ class EnvRolloutPool(RolloutPool):
 
     async def rollout(self, k: int) -> list[Any]:
         """Iteration k on every worker at once, in worker order."""
-        return list(await asyncio.gather(*(self._rollout_on(i, k)
+        return list(await asyncio.gather(*(self.rollout_on(i, k)
                                            for i in range(len(self.workers)))))
 
-    async def _rollout_on(self, i: int, k: int) -> Any:
+    async def rollout_on(self, i: int, k: int) -> Any:
+        """Iteration k on worker i (the async pipeline takes each worker's rows as it ends)."""
         while True:
             worker = self.workers[i]
             try:

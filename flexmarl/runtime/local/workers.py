@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
-
 from flexmarl.policy.device import Placement
 from flexmarl.runtime.heap import settle as settle_heap
 from flexmarl.training.state import from_numpy, publish_form, state_to_numpy  # noqa: F401 - the workers' wire forms
@@ -130,10 +128,6 @@ def _setup_torch(spec: WorkerSpec) -> None:
         pass
     if spec.deterministic:
         torch.use_deterministic_algorithms(True)
-
-
-def to_numpy(weights: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in weights.items()}
 
 
 def _error(exc: BaseException) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -31,6 +32,12 @@ POOLS = ("rollout", "train")
 def bundle_of(b: RayBundle) -> dict[str, float]:
     out = {"CPU": b.cpus, "GPU": b.gpus, **b.resources}
     return {k: v for k, v in out.items() if v > 0}
+
+
+def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
+    """An actor's `options` asking for exactly `bundle`."""
+    return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
+            "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
 
 
 class RayPools:
@@ -94,6 +101,16 @@ class RayPools:
                     f"runtime.ray.{pool}_bundle: the {pool} pool's placement group "
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
+
+    async def start(self, runtime_start: Callable[[], Awaitable[None]]) -> None:
+        """Reserve both pools, then run `runtime_start` on them; if either fails, the
+        placement groups and the session are given back."""
+        try:
+            await self.place()
+            await runtime_start()
+        except BaseException:
+            self.release()
+            raise
 
     def room_for(self, pool: str, index: int) -> bool:
         """Whether the cluster has free resources for worker `index`'s bundle now."""
@@ -160,23 +177,15 @@ class RayPools:
 
     def rank_options(self) -> dict[str, Any]:
         """One rank of a sharded slot: a `train_bundle` (its placement: `ranks.RayRanks`)."""
-        bundle = self.bundles["train"]
-        return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
-                "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}}
+        return actor_resources(self.bundles["train"])
 
     def options(self, pool: str, index: int) -> dict[str, Any]:
         """Worker `index` of `pool`: its bundle (rank 0's, bundle 0, for a sharded slot);
         the supervisor restarts it, not Ray."""
-        bundle = self._rank_bundles(pool, index)[0]
         group, at = self._group(pool, index)
-        return {
-            "num_cpus": bundle.get("CPU", 0.0),
-            "num_gpus": bundle.get("GPU", 0.0),
-            "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=at),
-            "max_restarts": 0,
-        }
+        return {**actor_resources(self._rank_bundles(pool, index)[0]), "max_restarts": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=at)}
 
     def launcher(self) -> RayLauncher:
         return RayLauncher(self.options)

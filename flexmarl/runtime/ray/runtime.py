@@ -84,16 +84,7 @@ class RayRuntime(LocalRuntime):
         return socket.gethostbyname(socket.gethostname())
 
     async def start(self) -> None:
-        try:
-            await self.ray.place()
-        except BaseException:
-            self.ray.release()
-            raise
-        try:
-            await super().start()
-        except BaseException:
-            self.ray.release()
-            raise
+        await self.ray.start(super().start)
         self._report()
         try:
             self._gcs = gcs_client(self.ray.session.gcs_address or "")
@@ -274,12 +265,7 @@ class RayEnvRuntime(EnvRuntime):
         return self.ray.launcher()
 
     async def start(self) -> None:
-        try:
-            await self.ray.place()
-            await super().start()
-        except BaseException:
-            self.ray.release()
-            raise
+        await self.ray.start(super().start)
 
     async def stop(self) -> None:
         await super().stop()

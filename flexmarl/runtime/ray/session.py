@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from flexmarl.errors import UserError
@@ -20,22 +21,18 @@ class RayRuntimeError(UserError, RuntimeError):
     """A Ray cluster problem the user can fix (address, resources), with the setting at fault."""
 
 
+@dataclass
 class RaySession:
-    def __init__(
-        self,
-        address: str | None,
-        num_cpus: int | None = None,
-        temp_dir: str | None = None,
-        resources: dict[str, float] | None = None,
-    ) -> None:
-        self.address = address
-        self.num_cpus = num_cpus
-        self.temp_dir = temp_dir
-        self.resources = resources or {}
-        self.connected_here = False  # we called ray.init, so we call ray.shutdown
-        self.started_cluster = False  # ... and that init started a local cluster
-        self._made_temp: str | None = None
-        self.gcs_address: str | None = None
+    """`address` None: a private local cluster of `num_cpus` with custom `resources`."""
+
+    address: str | None
+    num_cpus: int | None = None
+    temp_dir: str | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+    connected_here: bool = field(default=False, init=False)  # we called ray.init: we shut down
+    started_cluster: bool = field(default=False, init=False)  # ... a cluster that init started
+    gcs_address: str | None = field(default=None, init=False)
+    _made_temp: str | None = field(default=None, init=False)
 
     def start(self) -> None:
         import ray

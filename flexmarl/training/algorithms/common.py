@@ -56,6 +56,12 @@ def entropy_coef(cfg, step: int) -> float:
     return cfg.entropy_coef * max(0.0, 1.0 - step / cfg.entropy_decay_steps)
 
 
+def rewards_as_advantages(rewards: list[float], cfg: object) -> list[float]:
+    """Sequence advantages of a critic-free or critic-based algorithm without a group baseline:
+    the rewards themselves (the critic or the batch normalisation supplies the baseline)."""
+    return list(rewards)
+
+
 def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] scalar rewards placed on each row's last response token: [B, R]."""
     out = torch.zeros_like(mask)

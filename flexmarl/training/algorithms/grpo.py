@@ -9,7 +9,7 @@ Read top to bottom:
    both wait for the iteration's last episode (`normalized_advantages`). `agent_previous`
    takes the agent's mean and std of the previous iteration (`baseline_advantages`): no
    wait, and a signal even when a group's samples agree. `balance_labels` (with `agent`)
-   takes a baseline per true class of the rows and weighs the classes equally
+   weighs the true classes of the rows equally around their balanced mean
    (`label_balanced_advantages`);
 2. every response token of a row carries the row's advantage; with `kl_mode: reward` the
    per-token KL penalty to the reference is added to it;
@@ -64,22 +64,24 @@ def baseline_advantages(rewards: list[float], mean: float, std: float,
 
 def label_balanced_advantages(rewards: list[float], labels: list[str],
                               cfg: GRPOConfig) -> list[float]:
-    """`balance_labels`: w_c * (r - mean_c) / (std + eps) for a row of class c, where mean_c is
-    the class's mean reward, std the pooled within-class std and w_c = n / (C * n_c) (C classes
-    among the n rows). The estimator of balanced accuracy's gradient: per-class baselines are
-    valid (a row's class does not depend on what the agent answered), the weights give every
-    class the same total."""
+    """`balance_labels`: w_c * (r - b) / (std + eps) for a row of class c, where
+    w_c = n / (C * n_c) (C classes among the n rows) gives every class the same total weight,
+    b = sum(w * r) / n is the balanced mean (the mean of the classes' mean rewards) and std the
+    weighted std around it. The estimator of balanced accuracy's gradient with one baseline for
+    all rows: an agent answering one thing to every input (right on one class, wrong on the
+    other) still gets a signal on each class, toward its own answer where that is right and away
+    from it where it is wrong, which per-class baselines (each class all right or all wrong:
+    every advantage 0) would not give."""
     r = np.asarray(rewards, dtype=np.float64)
     lab = np.asarray(labels, dtype=object)
     classes = sorted(set(labels))
-    centered = np.empty_like(r)
     weight = np.empty_like(r)
     for c in classes:
         rows = lab == c
-        centered[rows] = r[rows] - r[rows].mean()
         weight[rows] = len(r) / (len(classes) * int(rows.sum()))
+    centered = r - float(np.mean(weight * r))
     if cfg.scale_by_std:
-        centered = centered / (math.sqrt(float(np.mean(centered ** 2))) + cfg.adv_eps)
+        centered = centered / (math.sqrt(float(np.mean(weight * centered ** 2))) + cfg.adv_eps)
     return (weight * centered).tolist()
 
 

@@ -22,14 +22,13 @@ from flexmarl.training.algorithms.common import (
     last_token_rewards,
     policy_loss,
     reward_kl,
+    rewards_as_advantages,
     row_mean,
     whiten,
 )
 
-
-def sequence_advantages(rewards: list[float], cfg: PPOConfig) -> list[float]:
-    """No group baseline: the critic is the baseline."""
-    return list(rewards)
+# No group baseline: the critic is the baseline.
+sequence_advantages = rewards_as_advantages
 
 
 def gae(

@@ -22,13 +22,12 @@ from flexmarl.training.algorithms.common import (
     last_token_rewards,
     policy_loss,
     reward_kl,
+    rewards_as_advantages,
     whiten,
 )
 
-
-def sequence_advantages(rewards: list[float], cfg: ReinforcePPConfig) -> list[float]:
-    """No group baseline: the trainer normalises over the batch."""
-    return list(rewards)
+# No group baseline: the trainer normalises over the batch.
+sequence_advantages = rewards_as_advantages
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor,

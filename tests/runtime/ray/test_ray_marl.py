@@ -40,7 +40,7 @@ def test_rollout_actor_killed_mid_iteration_redoes_it_exactly(tmp_path, ray_head
                                                               reference):  # noqa: F811
     out, state = tmp_path / "run", {}
     res = train_marl(_on_ray(ray_head), out,
-                     on_runtime=_kill_during("rollout", "rollout", 1, state))
+                     on_runtime=_kill_during("rollout", "rollout_on", 1, state))
     failed, recovered = events(out, "worker_failed"), events(out, "worker_recovered")
     assert failed[0]["pool"] == "rollout" and failed[0]["pid"] == state["pid"]
     assert recovered[0]["pool"] == "rollout" and recovered[0]["pid"] != state["pid"]

@@ -71,8 +71,8 @@ def test_referential_game_learns_on_ray(tmp_path, ray_head):
 
 
 def test_bf16_agents_train_and_publish_on_ray(tmp_path, ray_head):
-    """bf16 weights have no numpy dtype: publication travels in the wire form (it crashed in
-    `to_numpy`); replicas compute in bf16, trainers keep fp32 masters under autocast."""
+    """bf16 weights have no numpy dtype: publication travels in the wire form (a numpy conversion
+    crashed on them); replicas compute in bf16, trainers keep fp32 masters under autocast."""
     cfg = load_config(EXAMPLES / "referential_game.yaml", [
         "runtime.kind=ray", f"runtime.address={ray_head}", "train.iterations=3",
         "agents.speaker.model.dtype=bfloat16", "agents.listener.model.dtype=bfloat16",

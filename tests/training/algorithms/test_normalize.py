@@ -101,9 +101,9 @@ def test_orchestrator_normalises_over_the_chosen_rows(tmp_path, speaker_mode):
     elif speaker_mode == "agent":  # the speaker's four rows: mean 0.25, std sqrt(3)/4
         std = math.sqrt(3) / 4
         expected = [0.75 / (std + EPS)] + [-0.25 / (std + EPS)] * 3
-    elif speaker_mode == "balanced":  # class y [1, 0] (mean 0.5), class n [0, 0]: weights 1
-        std = math.sqrt((0.25 + 0.25) / 4) + EPS
-        expected = [0.5 / std, -0.5 / std, 0.0, 0.0]
+    elif speaker_mode == "balanced":  # class y [1, 0], class n [0, 0]: weights 1, balanced
+        std = math.sqrt(3) / 4  # mean (0.5 + 0) / 2: here the same as the agent's own mean
+        expected = [0.75 / (std + EPS)] + [-0.25 / (std + EPS)] * 3
     else:  # every trainable agent's eight rows: mean 9/8
         pooled = np.array([1, 0, 0, 0, 2, 2, 4, 0], dtype=float)
         expected = [(r - pooled.mean()) / (pooled.std() + EPS) for r in (1, 0, 0, 0)]
@@ -168,19 +168,25 @@ def test_agent_previous_takes_the_previous_iterations_statistics(tmp_path):
 
 
 def test_label_balanced_advantages_by_hand():
-    # class n: rewards 1,1,1,0 (mean 0.75); class y: 1,0 (mean 0.5). Pooled within-class std
-    # sqrt((3 * 0.25^2 + 0.75^2 + 2 * 0.5^2) / 6); weights 6 / (2 * 4) and 6 / (2 * 2).
+    # class n: rewards 1,1,1,0 (mean 0.75); class y: 1,0 (mean 0.5). Weights 6 / (2 * 4) and
+    # 6 / (2 * 2); the balanced mean (0.75 + 0.5) / 2 = 0.625 is every row's baseline; the std
+    # is the weighted one around it.
     rewards, labels = [1, 1, 1, 0, 1, 0], ["n", "n", "n", "n", "y", "y"]
-    std = math.sqrt((3 * 0.0625 + 0.5625 + 0.5) / 6) + EPS
-    expect = [0.75 * 0.25 / std] * 3 + [0.75 * -0.75 / std, 1.5 * 0.5 / std, 1.5 * -0.5 / std]
+    w = [0.75] * 4 + [1.5] * 2
+    centered = [r - 0.625 for r in rewards]
+    std = math.sqrt(sum(wi * c * c for wi, c in zip(w, centered, strict=True)) / 6) + EPS
+    expect = [wi * c / std for wi, c in zip(w, centered, strict=True)]
     got = label_balanced_advantages(rewards, labels, GRPOConfig(normalize="agent",
                                                                 balance_labels=True))
     assert got == pytest.approx(expect)
-    # every class carries the same total weight: a constant answer earns nothing over chance
-    # (always "no": class n all right, class y all wrong; each class's baseline is its mean)
-    assert label_balanced_advantages([1, 1, 1, 0, 0], ["n", "n", "n", "y", "y"],
-                                     GRPOConfig(normalize="agent", balance_labels=True)) == \
-        pytest.approx([0.0] * 5)
+    # a judge answering "no" to everything (class n all right, class y all wrong) still gets a
+    # signal: toward "no" on class n, away from it on class y, each class the same total
+    # (weights 5/6 and 5/4 around the balanced mean 0.5, std 0.5)
+    collapsed = label_balanced_advantages([1, 1, 1, 0, 0], ["n", "n", "n", "y", "y"],
+                                          GRPOConfig(normalize="agent", balance_labels=True))
+    assert collapsed == pytest.approx([5 / 6 * 0.5 / (0.5 + EPS)] * 3
+                                      + [-5 / 4 * 0.5 / (0.5 + EPS)] * 2)
+    assert sum(collapsed) == pytest.approx(0.0)
     # one class only: the agent-wide normalisation
     assert label_balanced_advantages([1, 0], ["a", "a"], GRPOConfig()) == \
         pytest.approx(normalized_advantages([1, 0], [1, 0], GRPOConfig()))
