@@ -367,24 +367,18 @@ class QLearner(NetworkLearner):
         for mname, mod in self._modules().items():
             for k, v in mod.state_dict().items():
                 tensors[f"w/{mname}/{k}"] = v.detach().clone()
-        sd = self.opt.state_dict()
-        for idx, slots in sd["state"].items():
-            for key, value in slots.items():
-                tensors[f"o/{idx}/{key}"] = torch.as_tensor(value).detach().clone()
+        opt_tensors, param_groups = st.optimizer_tensors(self.opt)
+        tensors.update(opt_tensors)
         r, n = self.replay, self.replay.size
         for name, arr in r.fields.items():
             tensors[f"r/f/{name}"] = torch.from_numpy(np.array(arr[:n], copy=True))
         tensors["r/priority"] = torch.from_numpy(r.priority[:n].copy())
         tensors["r/inserted"] = torch.from_numpy(r.inserted[:n].copy())
-        pending = []
-        for i, s in enumerate(self.pending):
-            for name, arr in s.arrays.items():
-                tensors[f"p/{i}/{name}"] = torch.from_numpy(np.array(arr, copy=True))
-            pending.append({"sample_id": s.sample_id, "iteration": s.iteration,
-                            "version": s.version, "worker": s.agent_index,
-                            "names": list(s.arrays)})
+        tensors.update(st.pending_tensors(self.pending))
+        pending = [{"sample_id": s.sample_id, "iteration": s.iteration, "version": s.version,
+                    "worker": s.agent_index, "names": list(s.arrays)} for s in self.pending]
         meta = {"agent": self.agent, "version": self.version, "updates": self.updates,
-                "param_groups": [dict(g) for g in sd["param_groups"]],
+                "param_groups": param_groups,
                 "replay": {"size": n, "cursor": r.cursor, "fields": list(r.fields)},
                 "rng": self.rng.bit_generator.state,  # plain ints: JSON keeps them exact
                 "pending": pending}
@@ -397,14 +391,7 @@ class QLearner(NetworkLearner):
             prefix = f"w/{mname}/"
             mod.load_state_dict({k[len(prefix):]: v.clone() for k, v in t.items()
                                  if k.startswith(prefix)})
-        opt_state: dict[int, dict[str, torch.Tensor]] = {}
-        for k, v in t.items():
-            if k.startswith("o/"):
-                _, idx, key = k.split("/", 2)
-                opt_state.setdefault(int(idx), {})[key] = v.clone()
-        groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()}
-                  for g in meta["param_groups"]]
-        self.opt.load_state_dict({"state": opt_state, "param_groups": groups})
+        st.load_optimizer(self.opt, t, meta["param_groups"])
         r, info = self.replay, meta["replay"]
         n = int(info["size"])
         if n > r.capacity:
