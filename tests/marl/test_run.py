@@ -121,6 +121,7 @@ def test_a_swapped_out_learner_resumes_exactly() -> None:
         assert torch.equal(value, b.weights()[key]), key
 
 
+@pytest.mark.slow  # 12 s; a smoke of two policy kinds (make test keeps its 15 minutes)
 def test_gru_shared_and_gaussian_policies_run() -> None:
     gru = cfg(**{"env.id": "mpe2.simple_spread_v3", "share": True,
                  "network.kind": "gru", "algorithm.name": "ippo",
