@@ -23,19 +23,25 @@ The slot protocol (command, payload) -> result:
   weights_pipe agent -> published weights in wire form, whatever the publication
   get_state agent -> (arrays, meta);        set_state (agent, arrays, meta) -> version
 A state in transit is `("host", wire)`, `("disk", path)` or a runtime's own form (Ray: an
-object-store reference, resolved by the actor before it reaches `bind`).
+object-store reference, resolved by the actor before it reaches `bind`). A state coming back
+to the process it left is `("kept", token)` (`bind`'s `parked` timing; runtimes that opt in
+with `SlotPool._slot_generation`): the agent's kept trainer still holds it, so nothing moves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flexmarl.api.runtime import TrainPool, WorkerLost
+import torch
+
+from flexmarl.api.runtime import TrainPool, WorkerError, WorkerLost
 from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training import state as st
 from flexmarl.training.allocator import Lease, SlotAllocator
@@ -44,8 +50,6 @@ from flexmarl.training.policy_learner import agent_learner
 from flexmarl.training.state import state_to_numpy
 
 if TYPE_CHECKING:
-    import torch
-
     from flexmarl.config.schema import RunConfig
     from flexmarl.planning.planner import Plan
 
@@ -54,6 +58,10 @@ Command = tuple[str, Any]
 
 class SlotError(RuntimeError):
     """A command for an agent that is not resident on this slot."""
+
+
+# a slot's refusal of `("kept", token)` (it is another process, or the token is stale)
+NOT_KEPT = "no state kept on this slot"
 
 
 class _Resident(dict):
@@ -118,6 +126,14 @@ class TrainHost:
         # sharded once over the slot's ranks (`training.sharded.shard_shared_base`)
         self.sharded_bases: dict[str, Any] = {}
         self.builds = 0  # trainers built (a swap never builds one)
+        # agents whose trainer holds its whole state in the object (one-device LLM trainers:
+        # `st.capture` reads only the trainer and torch's RNG), and for those swapped out of
+        # this process: (token, torch RNG at the swap-out). Swapped back in here, a kept
+        # trainer is exactly its swapped-out state once the RNG is put back.
+        self.parkable: set[str] = set()
+        self.parked: dict[str, tuple[int, Any]] = {}
+        # tokens of this process only: a restarted slot never honours a predecessor's
+        self._park_ids = itertools.count(int.from_bytes(os.urandom(3), "big") << 20)
         # runtime.publication collective (local runtime): keeps and sends published weights
         self.publisher: Any = None
 
@@ -148,6 +164,7 @@ class TrainHost:
                                                process_device())
             shared = self.bases[name]
         self.builds += 1
+        self.parkable.add(agent)
         return AgentTrainer(agent, acfg, self.vocab_size, self.max_seq_len,
                             self.cfg.seed, total_steps=self.cfg.train.iterations,
                             max_staleness=self.cfg.pipeline.max_staleness, shared_base=shared)
@@ -212,22 +229,42 @@ class TrainHost:
     def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
-        state, as built from its config, or a restart point `set_state` loads next)."""
+        state, as built from its config, or a restart point `set_state` loads next;
+        `("kept", token)`: the state it left this process with, still in its kept trainer).
+        `timings["parked"]`: the swapped-out agent's token for a later `("kept", token)`."""
         timings: dict[str, float] = {}
         out_agent: str | None = None
         out_state: tuple[str, Any] | None = None
+        kept_in = isinstance(incoming, tuple) and incoming[0] == "kept"
+        if kept_in and agent not in self.trainers:  # refused before anything moves
+            parked = self.parked.get(agent)
+            if parked is None or agent not in self.kept or float(parked[0]) != incoming[1]:
+                raise SlotError(f"agent {agent!r}: {NOT_KEPT} for token "
+                                f"{incoming[1]!r} (the driver still holds its state)")
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
             captured = trainer.capture()  # a frozen base is kept in the object
             out_state = self._swap_out(captured, resident)
             out_agent = resident
+            if self.world == 1 and resident in self.parkable:
+                token = next(self._park_ids)
+                self.parked[resident] = (token, captured.tensors["rng/torch"])
+                timings["parked"] = float(token)
             timings["swap_out_s"] = time.perf_counter() - t0
             timings["swap_bytes"] = float(captured.nbytes)
             del captured
         if agent not in self.trainers:
             t0 = time.perf_counter()
+            parked = self.parked.pop(agent, None)
             kept = self.kept.get(agent)
+            if kept_in:
+                assert parked is not None and kept is not None  # checked above
+                torch.set_rng_state(parked[1])  # the rest never left the kept trainer
+                self.trainers[agent] = kept
+                timings["swap_in_s"] = time.perf_counter() - t0
+                timings["kept_in"] = 1.0
+                return out_agent, out_state, timings
             if kept is None:  # first binding in this process: built once, then kept
                 trainer = self.kept[agent] = self._build(agent)
             else:
@@ -372,6 +409,9 @@ class SlotPool(TrainPool):
         if len(set(self.slot_sizes)) > 1:
             self.allocator.sizes = self.slot_sizes
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot
+        # agent -> (slot, that slot's process generation, token): where its kept trainer
+        # still holds the state it was last swapped out with (`TrainHost.bind`'s "kept")
+        self.parked_on: dict[str, tuple[int, Any, float]] = {}
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
         # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
@@ -407,6 +447,12 @@ class SlotPool(TrainPool):
 
     async def _recover(self, slot: int, lost: WorkerLost) -> None:
         raise lost
+
+    def _slot_generation(self, slot: int) -> Any:
+        """Which process serves `slot` now (a restarted slot's differs), for runtimes whose
+        slots are `TrainHost`s that keep swapped-out trainers: an agent swapped back in to
+        the process it left is sent `("kept", token)` instead of its state. None: never."""
+        return None
 
     # --- command forms (the local slot protocol; a runtime may override) ----------------------
     def _accumulate_command(self, agent: str, batch: Any, replay: bool) -> Command:
@@ -641,9 +687,23 @@ class SlotPool(TrainPool):
     async def _swap_in(self, agent: str, lease: Lease) -> None:
         await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
         incoming = self.swapped.pop(agent, None)
+        parked = self.parked_on.pop(agent, None)
+        generation = self._slot_generation(lease.slot)
+        sent = incoming
+        if (incoming is not None and parked is not None and generation is not None
+                and parked[:2] == (lease.slot, generation)):
+            sent = ("kept", parked[2])  # back where it left: the slot still holds it
         try:
-            out_agent, out_state, timings = await self._run(lease.slot, "bind",
-                                                            (agent, incoming))
+            try:
+                out_agent, out_state, timings = await self._run(lease.slot, "bind",
+                                                                (agent, sent))
+            except (SlotError, WorkerError) as refused:  # (over a pipe: a WorkerError)
+                if sent is incoming or isinstance(refused, WorkerLost) or (
+                        NOT_KEPT not in str(refused)):
+                    raise
+                # the slot no longer keeps it (refused before anything moved): the state
+                out_agent, out_state, timings = await self._run(lease.slot, "bind",
+                                                                (agent, incoming))
         except BaseException as exc:
             if incoming is not None:  # not delivered: it is still the state
                 self.swapped[agent] = incoming
@@ -652,6 +712,8 @@ class SlotPool(TrainPool):
             raise
         if out_agent is not None:
             self.swapped[out_agent] = out_state
+            if "parked" in timings and generation is not None:
+                self.parked_on[out_agent] = (lease.slot, generation, timings["parked"])
         if lease.evict is not None:
             self.allocator.state_arrived(lease.evict)
         self.swaps_in[agent] += 1
@@ -683,6 +745,7 @@ class SlotPool(TrainPool):
                 return {a: v for a, v in versions.items() if self.binding.get(a) == slot}
             for agent in todo:
                 self.swapped.pop(agent, None)  # a swap-in the loss interrupted: superseded
+                self.parked_on.pop(agent, None)
                 out_agent, out_state, _ = await run("bind", (agent, None))
                 if out_agent is not None:  # restored here a moment ago: exact
                     self.swapped[out_agent] = out_state

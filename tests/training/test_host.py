@@ -29,6 +29,7 @@ def _samples(tag: str, n: int = 4) -> list[Sample]:
 
 
 def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
+    """Through its wire form, then (`kept`) from its own process's kept trainer."""
     cfg = load_config(RELAY, ["runtime.deterministic=true"])
     swapped, plain = TrainHost(cfg, VOCAB, SEQ), TrainHost(cfg, VOCAB, SEQ)
     plain.bind("speaker", None)
@@ -42,10 +43,26 @@ def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
     swapped.handle("accumulate", ("relay", _samples("r")))
     with pytest.raises(SlotError, match="'speaker' is not resident"):
         swapped.handle("accumulate", ("speaker", _samples("b")))
-    assert swapped.bind("speaker", out_state)[0] == "relay"
+    back, relay_state, _ = swapped.bind("speaker", out_state)
+    assert back == "relay"
     assert swapped.kept["speaker"] is speaker and swapped.builds == 2  # loaded, not rebuilt
     for host in (swapped, plain):
         host.handle("accumulate", ("speaker", _samples("b")))
+    # back into the process it left, `("kept", token)`: nothing moves; the kept trainer holds
+    # the state, torch's RNG (moved by other work here) is put back. Another process, or a
+    # stale token, is refused before anything moves (the driver then sends the state).
+    rng_out = torch.get_rng_state()
+    _, _, timings = swapped.bind("relay", relay_state)
+    torch.rand(7)
+    token = timings["parked"]
+    with pytest.raises(SlotError, match="no state kept on this slot"):
+        TrainHost(cfg, VOCAB, SEQ).bind("speaker", ("kept", token))
+    with pytest.raises(SlotError, match="no state kept on this slot"):
+        swapped.bind("speaker", ("kept", token + 1.0))
+    assert swapped.trainers.keys() == {"relay"}
+    out_agent, _, timings = swapped.bind("speaker", ("kept", token))
+    assert out_agent == "relay" and timings["kept_in"] == 1.0 and swapped.builds == 2
+    assert torch.equal(torch.get_rng_state(), rng_out)
     (_, a), _ = swapped.handle("step", "speaker")
     (_, b), _ = plain.handle("step", "speaker")
     wa, wb = st.from_wire(a).tensors, st.from_wire(b).tensors

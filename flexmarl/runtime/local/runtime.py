@@ -536,6 +536,11 @@ class LocalTrainPool(SlotPool):
         assert self.on_lost is not None
         await self.on_lost(slot)
 
+    def _slot_generation(self, slot: int) -> Any:
+        """The slot's worker process (a restarted one is another generation): an agent
+        swapped back in to the process it left comes back from its kept trainer."""
+        return getattr(self.workers[slot], "generation", None)  # (a test's stand-in: none)
+
 
 class LocalRuntime(Runtime):
     def __init__(
