@@ -202,11 +202,16 @@ class FakeSlotPool(SlotPool):
     restart (shared by the others) brings up a fresh host restored through
     `SlotPool.restore_slot`, as the runtimes' supervisors do."""
 
-    def __init__(self, n_slots: int, recover: bool = False, yields: int = 2) -> None:
+    def __init__(self, n_slots: int, recover: bool = False, yields: int = 2,
+                 parks: bool = False) -> None:
+        """`parks`: the hosts keep swapped-out states, as `TrainHost`s do on the local
+        runtime (`SlotPool._slot_generation`: a restarted host is another generation)."""
         super().__init__(n_slots)
         self.recover = recover
         self.yields = yields
-        self.hosts = [FakeSlotHost() for _ in range(n_slots)]
+        self.parks = parks
+        self.hosts = [FakeSlotHost(parks) for _ in range(n_slots)]
+        self.generations = [0] * n_slots  # a restarted host is the next
         self.doomed: dict[int, int] = {}  # slot -> commands left before it is lost
         self.dead: set[int] = set()
         self.restarts = 0
@@ -231,6 +236,9 @@ class FakeSlotPool(SlotPool):
     def _recovers(self) -> bool:
         return self.recover
 
+    def _slot_generation(self, slot: int) -> Any:
+        return self.generations[slot] if self.parks else None
+
     async def _recover(self, slot: int, lost: WorkerLost) -> None:
         if not self.recover:
             raise lost
@@ -243,7 +251,7 @@ class FakeSlotPool(SlotPool):
 
     async def _restart(self, slot: int) -> None:
         self.restarts += 1
-        fresh = FakeSlotHost()
+        fresh = FakeSlotHost(self.parks)
 
         async def run(command: str, payload: Any) -> Any:
             await _yields(self.yields)
@@ -251,4 +259,5 @@ class FakeSlotPool(SlotPool):
 
         await self.restore_slot(slot, run)
         self.hosts[slot] = fresh  # in place with no await since restore_slot's last check
+        self.generations[slot] += 1
         self.dead.discard(slot)

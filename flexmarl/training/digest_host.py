@@ -10,6 +10,7 @@ runs that trained the same rows in the same micro-batches end with the same dige
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import defaultdict
 from typing import Any
 
@@ -37,13 +38,51 @@ class DigestSlotHost:
     """One training slot without models: the slot protocol of `training.host.TrainHost`
     (bind, accumulate, step, weights, save, get_state, set_state) over digest states, with
     the same rule that only the resident agent takes commands. A state is
-    `(weights digest, version, pending micro-batch digests)`."""
+    `(weights digest, version, pending micro-batch digests)`.
 
-    def __init__(self) -> None:
+    `parks`: like a `TrainHost` whose trainers keep their states, a swapped-out state stays
+    here too under a token (`bind`'s "parked" timing): `("kept", token)` swaps it back in,
+    and with `send_out` False it is the only copy (the driver's restart point is the same)."""
+
+    def __init__(self, parks: bool = False) -> None:
         self.resident: str | None = None
         self.states: dict[str, tuple[str, int, list[str]]] = {}
         self.builds: dict[str, int] = defaultdict(int)  # initial states made, per agent
         self.commands: list[tuple[str, str]] = []  # (command, agent), in order
+        self.parks = parks
+        self.parked: dict[str, tuple[float, tuple[str, int, list[str]]]] = {}
+        self._tokens = itertools.count(1)
+        self.kept_in = self.kept_out = 0  # swaps in from a parked state; swaps out kept here
+
+    def _bind(self, agent: str, incoming: Any, send_out: bool = True,
+              ) -> tuple[str | None, Any, dict[str, float]]:
+        timings = {"swap_in_s": 0.0}
+        kept = incoming is not None and incoming[0] == "kept"
+        if kept and (agent not in self.parked or self.parked[agent][0] != incoming[1]):
+            raise WorkerError(f"agent {agent!r}: no state kept on this slot for token "
+                              f"{incoming[1]!r}")  # (`training.host.NOT_KEPT`)
+        out_agent, out_state = None, None
+        if self.resident is not None and self.resident != agent:
+            out_agent, state = self.resident, self.states.pop(self.resident)
+            out_state = ("host", state)
+            if self.parks:
+                self.parked[out_agent] = (float(next(self._tokens)), state)
+                timings["parked"] = self.parked[out_agent][0]
+                if not send_out:
+                    out_state = ("restart", None)
+                    self.kept_out += 1
+        parked = self.parked.pop(agent, None)
+        if kept:
+            assert parked is not None
+            self.states[agent] = parked[1]
+            self.kept_in += 1
+        elif incoming is not None:
+            self.states[agent] = incoming[1]
+        elif agent not in self.states:
+            self.builds[agent] += 1
+            self.states[agent] = (digest("init", agent), 0, [])
+        self.resident = agent
+        return out_agent, out_state, timings
 
     def _state(self, agent: str) -> tuple[str, int, list[str]]:
         if agent != self.resident:
@@ -55,17 +94,7 @@ class DigestSlotHost:
         agent = payload if isinstance(payload, str) else payload[0]
         self.commands.append((command, agent))
         if command == "bind":
-            _, incoming = payload
-            out_agent, out_state = None, None
-            if self.resident is not None and self.resident != agent:
-                out_agent, out_state = self.resident, ("host", self.states.pop(self.resident))
-            if incoming is not None:
-                self.states[agent] = incoming[1]
-            elif agent not in self.states:
-                self.builds[agent] += 1
-                self.states[agent] = (digest("init", agent), 0, [])
-            self.resident = agent
-            return out_agent, out_state, {"swap_in_s": 0.0}
+            return self._bind(agent, payload[1], *payload[2:])
         weights, version, pending = self._state(agent)
         if command == "accumulate":
             rows = payload[1]

@@ -226,12 +226,16 @@ class TrainHost:
         state (its base is shared); any other agent its whole model and optimizer."""
         return self.resident_bytes([agent]) - self.resident_bytes([])
 
-    def bind(self, agent: str, incoming: Any) -> tuple[str | None, Any, dict[str, float]]:
+    def bind(self, agent: str, incoming: Any, send_out: bool = True,
+             ) -> tuple[str | None, Any, dict[str, float]]:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config, or a restart point `set_state` loads next;
         `("kept", token)`: the state it left this process with, still in its kept trainer).
-        `timings["parked"]`: the swapped-out agent's token for a later `("kept", token)`."""
+        `timings["parked"]`: the swapped-out agent's token for a later `("kept", token)`.
+        `send_out=False`: the driver holds the resident's state already (its restart point,
+        taken after its last step, nothing accumulated since): a parkable resident's state
+        then stays in its kept trainer only and goes back as `("restart", None)`."""
         timings: dict[str, float] = {}
         out_agent: str | None = None
         out_state: tuple[str, Any] | None = None
@@ -244,9 +248,16 @@ class TrainHost:
         for resident in [a for a in self.trainers if a != agent]:
             t0 = time.perf_counter()
             trainer = self.trainers.pop(resident)
+            out_agent = resident
+            if not send_out and self.world == 1 and resident in self.parkable:
+                token = next(self._park_ids)
+                self.parked[resident] = (token, torch.get_rng_state())
+                timings["parked"] = float(token)
+                out_state = ("restart", None)
+                timings["swap_out_s"] = time.perf_counter() - t0
+                continue
             captured = trainer.capture()  # a frozen base is kept in the object
             out_state = self._swap_out(captured, resident)
-            out_agent = resident
             if self.world == 1 and resident in self.parkable:
                 token = next(self._park_ids)
                 self.parked[resident] = (token, captured.tensors["rng/torch"])
@@ -687,23 +698,33 @@ class SlotPool(TrainPool):
     async def _swap_in(self, agent: str, lease: Lease) -> None:
         await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
         incoming = self.swapped.pop(agent, None)
+        # ("restart", None): it left its state in its kept trainer; the restart point (after
+        # its last step, nothing since) is the same state wherever the kept trainer is not
+        state = None if incoming is not None and incoming[0] == "restart" else incoming
         parked = self.parked_on.pop(agent, None)
         generation = self._slot_generation(lease.slot)
-        sent = incoming
+        sent = state
         if (incoming is not None and parked is not None and generation is not None
                 and parked[:2] == (lease.slot, generation)):
             sent = ("kept", parked[2])  # back where it left: the slot still holds it
+        # one slot (the evicted agent can only come back here), its restart point current:
+        # the evicted state need not travel (`TrainHost.bind`'s send_out)
+        evicted = lease.evict
+        skip_out = (evicted is not None and generation is not None and self.slots == 1
+                    and self._recovers() and evicted in self.saved_state
+                    and not self.journal[evicted])
+        payload = (agent, sent, False) if skip_out else (agent, sent)
         try:
             try:
-                out_agent, out_state, timings = await self._run(lease.slot, "bind",
-                                                                (agent, sent))
+                out_agent, out_state, timings = await self._run(lease.slot, "bind", payload)
             except (SlotError, WorkerError) as refused:  # (over a pipe: a WorkerError)
-                if sent is incoming or isinstance(refused, WorkerLost) or (
+                if sent is state or isinstance(refused, WorkerLost) or (
                         NOT_KEPT not in str(refused)):
                     raise
                 # the slot no longer keeps it (refused before anything moved): the state
+                sent = state
                 out_agent, out_state, timings = await self._run(lease.slot, "bind",
-                                                                (agent, incoming))
+                                                                (agent, state, *payload[2:]))
         except BaseException as exc:
             if incoming is not None:  # not delivered: it is still the state
                 self.swapped[agent] = incoming
@@ -717,7 +738,7 @@ class SlotPool(TrainPool):
         if lease.evict is not None:
             self.allocator.state_arrived(lease.evict)
         self.swaps_in[agent] += 1
-        if incoming is None and agent in self.saved_state:
+        if sent is None and agent in self.saved_state:
             # its state went down with a slot (lost mid-swap): the restart point after its
             # last step, plus the micro-batches accumulated since
             await self._run(lease.slot, *self._restore_command(agent, self.saved_state[agent]))

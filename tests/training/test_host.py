@@ -108,9 +108,10 @@ async def _iterations(pool, agents: list[str], iterations: int, batches: int,
 AGENTS = ["speaker", "relay", "listener"]
 
 
-def test_one_slot_is_sticky_and_ends_with_the_weights_of_one_slot_per_agent():
+@pytest.mark.parametrize("parks", [False, True])
+def test_one_slot_is_sticky_and_ends_with_the_weights_of_one_slot_per_agent(parks):
     async def run(slots: int):
-        pool = FakeSlotPool(slots)
+        pool = FakeSlotPool(slots, parks=parks)
         swaps: list[dict[str, int]] = []
         weights = await _iterations(pool, AGENTS, iterations=4, batches=6, per_iteration=swaps)
         return pool, swaps, weights
@@ -130,13 +131,16 @@ def test_one_slot_is_sticky_and_ends_with_the_weights_of_one_slot_per_agent():
     assert all(n == 0 for it in own_swaps[1:] for n in it.values())
 
 
+@pytest.mark.parametrize("parks", [False, True])
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("after", [0, 1, 3, 9, 17])
-def test_a_lost_slot_is_restored_from_the_journal_exactly(after, slots):
+def test_a_lost_slot_is_restored_from_the_journal_exactly(after, slots, parks):
     """Other agents' calls that reach the lost slot meanwhile wait for its restart (and may
-    bind it while it is restored); every agent ends as without the loss."""
+    bind it while it is restored); every agent ends as without the loss. `parks`: states
+    swapped out stay on the slot (lost with it: the parked agents come back from their
+    restart points) and, one slot and restart point current, never leave it."""
     async def run(lose: bool):
-        pool = FakeSlotPool(slots, recover=True)
+        pool = FakeSlotPool(slots, recover=True, parks=parks)
         for agent in AGENTS:  # restart points at the start, as the supervisors keep them
             await pool.keep_restart_point(agent)
         await _iterations(pool, AGENTS, iterations=1, batches=3)
@@ -146,9 +150,11 @@ def test_a_lost_slot_is_restored_from_the_journal_exactly(after, slots):
         return pool, weights
 
     lost, weights = asyncio.run(run(True))
-    _, expected = asyncio.run(run(False))
+    plain, expected = asyncio.run(run(False))
     assert lost.restarts == 1
     assert weights == expected  # no micro-batch lost, none counted twice
+    if parks:  # swapped back in from the slot's own copy; one slot: some never left it
+        assert plain.hosts[0].kept_in > 0 and (plain.hosts[0].kept_out > 0) == (slots == 1)
 
 
 def test_without_recovery_a_lost_slot_fails_the_call_naming_it():
