@@ -61,7 +61,8 @@ class DigestSlotHost:
         if kept and (agent not in self.parked or self.parked[agent][0] != incoming[1]):
             raise WorkerError(f"agent {agent!r}: no state kept on this slot for token "
                               f"{incoming[1]!r}")  # (`training.host.NOT_KEPT`)
-        out_agent, out_state = None, None
+        out_agent: str | None = None
+        out_state: tuple[str, Any] | None = None
         if self.resident is not None and self.resident != agent:
             out_agent, state = self.resident, self.states.pop(self.resident)
             out_state = ("host", state)
