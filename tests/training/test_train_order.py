@@ -69,3 +69,41 @@ def test_a_less_critical_agent_waits_until_the_holder_is_done() -> None:
     calls = serve(["late", "early"])
     assert calls == [("accumulate", "late")] * 4 + [("step", "late")] + [
         ("accumulate", "early")] * 2 + [("step", "early")]
+
+
+class Row:
+    def __init__(self, sample_id: str) -> None:
+        self.sample_id = sample_id
+
+
+def test_before_any_plan_the_agent_earlier_in_the_graph_goes_first() -> None:
+    """No plan yet (the first iteration): the slot's order is the rows' turn in the episode
+    graph. `mid` (turn 1) holds the slot; `last` (turn 2), then `first` (turn 0) queue their
+    whole iteration: `first` takes the slot at mid's next call boundary, `last` waits for both
+    (the next iteration's episodes need the first nodes' versions first)."""
+
+    async def main() -> list[tuple[str, str]]:
+        slot = RecordingSlot()
+        pool = LocalTrainPool([slot])  # type: ignore[list-item]
+
+        def batch(agent: str, turn: int) -> list[Row]:
+            return [Row(f"0-{agent}{i}_{turn}_0") for i in range(2)]
+
+        calls = [asyncio.ensure_future(pool.accumulate("mid", batch("mid", 1)))
+                 for _ in range(4)]
+        while not slot.calls:
+            await asyncio.sleep(0)
+        for agent, turn in (("last", 2), ("first", 0)):
+            calls += [asyncio.ensure_future(pool.accumulate(agent, batch(agent, turn)))
+                      for _ in range(2)]
+            calls.append(asyncio.ensure_future(pool.step(agent)))
+        calls.append(asyncio.ensure_future(pool.step("mid")))
+        await asyncio.gather(*calls)
+        return [c for c in slot.calls if c[0] != "bind"]
+
+    calls = asyncio.run(main())
+    steps = [agent for command, agent in calls if command == "step"]
+    assert steps == ["first", "mid", "last"]
+    mid = [i for i, call in enumerate(calls) if call == ("accumulate", "mid")]
+    assert mid[0] < calls.index(("step", "first")) < mid[-1]  # at mid's next call boundary
+    assert calls.count(("accumulate", "mid")) == 4 and calls.count(("accumulate", "last")) == 2
