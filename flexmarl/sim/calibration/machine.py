@@ -65,6 +65,41 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def sched_times_s(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process `pid`, summed over
+    its threads, from /proc/PID/task/*/schedstat (nanoseconds, unlike /proc/PID/stat's 10 ms
+    ticks, so a single command of a worker can be read); None where the kernel keeps none."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    on = wait = 0.0
+    seen = False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            on += int(fields[0]) / 1e9
+            wait += int(fields[1]) / 1e9
+            seen = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread gone meanwhile
+    return (on, wait) if seen else None
+
+
+def on_cpu_share(before: tuple[float, float] | None, after: tuple[float, float] | None
+                 ) -> float | None:
+    """The share of a process's runnable time it spent on a CPU between two `sched_times_s`
+    readings (1.0 on a machine nobody else used; less the more others' work preempted it);
+    None where either reading is missing or it was never runnable in between."""
+    if before is None or after is None:
+        return None
+    on, wait = after[0] - before[0], after[1] - before[1]
+    if on <= 0 or wait < 0:
+        return None
+    return on / (on + wait)
+
+
 def tree_cpu_s(root: int | None = None) -> float | None:
     """CPU-seconds of process `root` (default: this one) and all its live descendants, each
     with its reaped children's (/proc/PID/stat utime + stime + cutime + cstime); None where
