@@ -10,9 +10,10 @@ share of the machine's cores the run left idle, and the CPUs other users' work t
 (`OtherLoad`). If async did more work than sync the CPU seconds would show it; if the pipeline
 only overlaps, async's wall time falls by at most what sync left idle.
 
-With `--profile`, each configuration is also simulated once (the mirror, no other load) and
-its charged CPU seconds an iteration by the same kinds are printed beside, over the same
-iterations (`MirrorResult.cpu_by_kind`): the profile's excess or shortfall, kind by kind.
+With `--profile FILE[,FILE...]`, each configuration is also simulated once per profile (the
+mirror, no other load) and its charged CPU seconds an iteration by the same kinds are printed
+under the measured medians, over the same iterations (`MirrorResult.cpu_by_kind`): each
+profile's excess or shortfall, kind by kind.
 """
 
 import argparse
@@ -73,7 +74,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--systems", default="", help="bench compare systems instead of modes")
-    parser.add_argument("--profile", default="", help="also print the mirror's CPU charge")
+    parser.add_argument("--profile", default="",
+                        help="profile.json[,...]: also print the mirror's CPU charge")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="flexmarl-cpu-"))
     overrides = [*args.set, f"train.iterations={args.iterations}"]
@@ -81,25 +83,24 @@ if __name__ == "__main__":
     cfgs = {name: load_config(args.config, [
         *(system_overrides(name) + ["runtime.kind=local"] if args.systems
           else [f"pipeline.mode={name}"]), *overrides]) for name in names}
-    profile = LocalProfile.load(args.profile) if args.profile else None
-    sims = {name: simulated(cfg, profile) for name, cfg in cfgs.items()} if profile else {}
+    profiles = {p: LocalProfile.load(p) for p in args.profile.split(",") if p}
     width = max(6, *(len(n) + 1 for n in names))
     print(f"{'run':<{width}}{'s/it':>7}{'driver':>8}{'rollout':>8}{'train':>8}{'total':>8}"
-          f"{'idle':>6}{'others':>7}   CPU s/it; mirror: driver rollout train total")
+          f"{'idle':>6}{'others':>7}   (CPU s/it over the iterations after the first)")
     got: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             f = run(cfgs[name], base / f"{name}-{r}")
             got[name].append(f)
-            sim = sims.get(name)
-            beside = ("   " + " ".join(f"{sim[k]:.3f}" for k in (*KINDS, "total"))
-                      if sim else "")
             print(f"{name:<{width}}{f['wall']:>7.3f}{f['driver']:>8.3f}{f['rollout']:>8.3f}"
-                  f"{f['train']:>8.3f}{f['total']:>8.3f}{f['idle']:>6.2f}{f['others']:>7.2f}"
-                  + beside, flush=True)
-    print("medians (CPU s/it): " + "; ".join(
-        f"{m} " + " ".join(f"{k} {statistics.median(x[k] for x in v):.3f}"
-                           for k in ("wall", *KINDS, "total"))
-        + (" | mirror " + " ".join(f"{k} {sims[m][k]:.3f}" for k in (*KINDS, "total"))
-           if m in sims else "")
-        for m, v in got.items()))
+                  f"{f['train']:>8.3f}{f['total']:>8.3f}{f['idle']:>6.2f}{f['others']:>7.2f}",
+                  flush=True)
+    print("medians and the mirror's charge for the same work, CPU s/it:")
+    print(f"{'run':<{width}}{'source':<40}{'driver':>8}{'rollout':>8}{'train':>8}{'total':>8}")
+    for name, v in got.items():
+        print(f"{name:<{width}}{'measured (median)':<40}" + "".join(
+            f"{statistics.median(x[k] for x in v):>8.3f}" for k in (*KINDS, "total")))
+        for path, prof in profiles.items():
+            sim = simulated(cfgs[name], prof)
+            print(f"{name:<{width}}{'mirror ' + Path(path).name[-33:]:<40}"
+                  + "".join(f"{sim[k]:>8.3f}" for k in (*KINDS, "total")))
