@@ -103,6 +103,7 @@ class CpuShare:
         # (virtual start, who, profiled CPU seconds) of every piece of work: the run's own CPU
         # by process kind ("rollout", "train", "driver") over any stretch (`cpu_by_kind`)
         self.log: list[tuple[float, str, float]] = []
+        self.got_s = 0.0  # CPU seconds the run's own processes got (`own_cpu_got_s`)
         self.others_s = 0.0  # CPU seconds the other load got (`others_cpu_s`)
 
     def speed(self, n: float) -> float:
@@ -159,6 +160,8 @@ class CpuShare:
                 self.others_s += (now - self.last) * e * min(
                     1.0, self.cores / max(1.0, len(self.jobs) + e))
             if self.jobs:
+                n = len(self.jobs)
+                self.got_s += (now - self.last) * n * min(1.0, self.cores / max(1.0, n + e))
                 done = (now - self.last) * self._rate()
                 for job in self.jobs.values():
                     job[0] -= done
@@ -578,6 +581,9 @@ class MirrorResult:
     other_runnable: float = 0.0  # the other runnable work simulated (`run_mirror_measured`)
     own_cpu_s: float = 0.0  # the CPU seconds of the run's own simulated work
     cpu_log: list[tuple[float, str, float]] = field(default_factory=list)  # `CpuShare.log`
+    # the CPU time the run's own processes got (processor sharing; more than `own_cpu_s`
+    # where contention slows a CPU second): what a real run's own CPUs measure
+    own_cpu_got_s: float = 0.0
 
     def cpu_by_kind(self, after_first: bool = True) -> dict[str, float]:
         """The run's own profiled CPU seconds an iteration by process kind (rollout, train,
@@ -699,7 +705,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     runnable = shares[0].external if shares else 0.0
     return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
                         runnable, shares[0].busy_s if shares else 0.0,
-                        shares[0].log if shares else [])
+                        shares[0].log if shares else [],
+                        shares[0].got_s if shares else 0.0)
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,

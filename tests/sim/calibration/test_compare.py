@@ -67,6 +67,10 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     for r in rows:
         assert again[r.system].measured_s == pytest.approx(r.measured_s)
         assert again[r.system].simulated_s == pytest.approx(r.simulated_s)
+        # the run's own CPUs, measured and simulated, kept beside each other
+        assert again[r.system].own_load == pytest.approx(r.own_load)
+        assert len(r.simulated_own_load) == 1 and 0 < r.simulated_own_load[0] <= 2.0
+    assert "own CPUs" in capsys.readouterr().out
     assert (tmp_path / "out" / "compare_resimulated.json").exists()
     # the colocated preset ran colocated (never pinned apart), and its replicas slept
     marti = load_config(tmp_path / "out" / "marti-0" / "config.yaml")

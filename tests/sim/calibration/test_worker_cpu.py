@@ -16,8 +16,9 @@ import pytest
 
 from flexmarl.graph.task import load_task
 from flexmarl.sim.calibration.machine import on_cpu_share, sched_times_s
-from flexmarl.sim.calibration.mirror import run_mirror
+from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
 from flexmarl.sim.calibration.profile import _OnCpu, _Spans
+from flexmarl.sim.runtime.clock import run_virtual
 from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
 
 SPIN = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass"
@@ -110,3 +111,17 @@ def test_the_mirrors_cpu_charge_by_kind_sums_to_its_own_cpu():
     assert sum(every.values()) * len(res.records) == pytest.approx(res.own_cpu_s, rel=1e-9)
     later = res.cpu_by_kind()
     assert 0 < later["train"] <= every["train"] * len(res.records)
+    # no contention curve, no other load: the CPU time its processes got is what they charged
+    assert res.own_cpu_got_s == pytest.approx(res.own_cpu_s, rel=1e-6)
+
+
+def test_cpu_time_got_grows_where_contention_slows_a_cpu_second():
+    async def main(cpu: CpuShare) -> None:
+        await asyncio.gather(cpu.run(1.0), cpu.run(1.0))
+
+    plain, slowed = CpuShare(2), CpuShare(2, curve=[1.0, 0.8], cpu_seconds=True)
+    for cpu in (plain, slowed):
+        run_virtual(main(cpu))
+    assert plain.got_s == pytest.approx(2.0) and plain.busy_s == pytest.approx(2.0)
+    # two busy on 2 CPUs, each CPU second doing 0.8 of one's work: 2.5 CPU seconds taken
+    assert slowed.got_s == pytest.approx(2.5) and slowed.busy_s == pytest.approx(2.0)
