@@ -31,7 +31,13 @@ from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
-from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load, window_load
+from flexmarl.sim.calibration.machine import (
+    IterationClock,
+    OtherLoad,
+    machine_info,
+    profiled_load,
+    window_load,
+)
 from flexmarl.sim.calibration.mirror import per_iteration, run_mirror, run_mirror_measured
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
@@ -61,6 +67,10 @@ class SystemRow:
     # per round: the CPUs the run's own processes took over its iterations (what the mirror's
     # CPU seconds an iteration over the measured s/iteration should match)
     own_load: list[float] = field(default_factory=list)
+    # per round: the iterations' [start, end] and the run's wall time, in seconds since its
+    # load's sampling began (`IterationClock`), and that whole series, to cut other windows
+    windows: list[list[float]] = field(default_factory=list)
+    series_whole_run: list[list[list[float]]] = field(default_factory=list)
     # per round: the CPUs the mirror's own processes got over its simulated iterations, the
     # figure beside `own_load` (a profile charging too much or too little CPU shows here)
     simulated_own_load: list[float] = field(default_factory=list)
@@ -117,12 +127,16 @@ def compare(config: str | Path, overrides: list[str] | None = None,
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
             with OtherLoad(every=SAMPLE_S) as during:
-                result = train(cfg, base / f"{system}-{r}")
-            # others' CPU time over the iterations (the run's start-up left out): what the
-            # mirror simulates next to them
+                clock = IterationClock(during.t0)
+                result = train(cfg, base / f"{system}-{r}", on_iteration=clock.mark)
+            # others' CPU time over the iterations (the run's start-up and teardown left
+            # out): what the mirror simulates next to them
             whole = during.cpus if during.measured else 0.0
             makespan = float(result.records[-1]["time_s"]) if result.records else 0.0
-            start = max(0.0, result.wall_s - makespan)
+            start, end = clock.window() or (max(0.0, result.wall_s - makespan), result.wall_s)
+            rows[system].windows.append([round(start, 3), round(end, 3),
+                                         round(result.wall_s, 3)])
+            rows[system].series_whole_run.append([[round(t, 3), v] for t, v in during.series])
             add_run(rows[system], result.records,
                     window_load(during.series, start, start + makespan, whole))
             rows[system].other_load_whole_run.append(whole)

@@ -62,6 +62,11 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     # each round's others' load window by window over its iterations, for --resimulate
     assert all(len(r["other_series"]) == 1 and r["makespan_s"][0] > 0 and len(r["own_load"]) == 1
                for r in saved["rows"])
+    # the iterations' window from when they ran, ending before the run's teardown did
+    for r in saved["rows"]:
+        (start, end, wall), = r["windows"]
+        assert end - start == pytest.approx(r["makespan_s"][0], abs=1e-3)
+        assert 0 < start < end < wall + 0.5 and r["series_whole_run"][0]
     # --resimulate: the same real runs simulated again (the mirror is deterministic)
     again = {r.system: r for r in resimulate(tmp_path / "out")}
     for r in rows:

@@ -1,7 +1,7 @@
 """The worker probes' CPU seconds: a worker's busy spans turned into CPU time call by call
 from the scheduler's nanosecond counters (real processes sharing one real CPU), and the
 mirror's CPU charge by process kind (what `benchmarks/pipeline_cpu.py` sets beside a real
-run's)."""
+run's), and the window of a real run's iterations the others' load is read over."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from flexmarl.graph.task import load_task
-from flexmarl.sim.calibration.machine import on_cpu_share, sched_times_s
+from flexmarl.sim.calibration.machine import IterationClock, on_cpu_share, sched_times_s
 from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
 from flexmarl.sim.calibration.profile import _OnCpu, _Spans
 from flexmarl.sim.runtime.clock import run_virtual
@@ -125,3 +125,13 @@ def test_cpu_time_got_grows_where_contention_slows_a_cpu_second():
     assert plain.got_s == pytest.approx(2.0) and plain.busy_s == pytest.approx(2.0)
     # two busy on 2 CPUs, each CPU second doing 0.8 of one's work: 2.5 CPU seconds taken
     assert slowed.got_s == pytest.approx(2.5) and slowed.busy_s == pytest.approx(2.0)
+
+
+def test_the_iterations_window_ends_at_the_last_iteration_not_the_teardown():
+    clock = IterationClock(time.perf_counter() - 10.0)  # the load's sampling began 10 s ago
+    clock.mark({"iteration": 0, "time_s": 0.5})
+    time.sleep(0.02)
+    clock.mark({"iteration": 1, "time_s": 1.0})
+    start, end = clock.window()
+    assert 10.0 < end < 11.0 and end - start == pytest.approx(1.0)
+    assert IterationClock(0.0).window() is None
