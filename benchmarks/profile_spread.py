@@ -63,7 +63,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     config = str(Path(args.config).resolve())
-    out = Path(args.out or tempfile.mkdtemp(prefix="flexmarl-spread-"))
+    out = Path(args.out or tempfile.mkdtemp(prefix="flexmarl-spread-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     codes = {"after": str(Path.cwd())}
     if args.before:
