@@ -170,3 +170,21 @@ def _json_safe(v: Any) -> Any:
         return float(v)
     except (TypeError, ValueError):
         return str(v)
+
+
+def read_trace(path: Path) -> tuple[list[Span], list[dict[str, Any]]] | None:
+    """A trace `Telemetry.write_trace` wrote, back as its spans (times in seconds on the
+    trace's clock) and its instant events (`name`, `time`, and their args); None when the
+    file is missing or not such a trace."""
+    try:
+        events = json.loads(path.read_text())["traceEvents"]
+        pools = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        spans = [Span(pools.get(e["pid"], ""), int(e.get("tid", 0)), e["ts"] / 1e6,
+                      (e["ts"] + e.get("dur", 0.0)) / 1e6, e["name"])
+                 for e in events if e.get("ph") == "X"]
+        instants = [{**(e.get("args") or {}), "name": e["name"], "time": e["ts"] / 1e6}
+                    for e in events if e.get("ph") == "i"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return spans, instants
