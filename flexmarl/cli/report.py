@@ -68,12 +68,11 @@ def _gantt(run: Run, path: Path) -> Path | None:
         return None
     agents = run.agents
     spans = []
-    for s in trace[0]:
-        agent = s.label.split(":")[1] if ":" in s.label else ""
-        if s.pool not in ("rollout", "train") or agent not in agents:
-            continue
-        spans.append(SimpleNamespace(lane=f"{s.pool}/{s.worker}", agent=agent, pool=s.pool,
-                                     start=s.start, end=s.end))
+    for span in trace[0]:
+        agent = span.label.split(":")[1] if ":" in span.label else ""
+        if span.pool in ("rollout", "train") and agent in agents:
+            spans.append(SimpleNamespace(lane=f"{span.pool}/{span.worker}", agent=agent,
+                                         pool=span.pool, start=span.start, end=span.end))
     if not spans:
         return None
     t0 = min(s.start for s in spans)  # the trace's clock starts before the workers do
