@@ -221,17 +221,22 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _serve_model(args: argparse.Namespace) -> int:
-    path = Path(args.path)
     if not 0 < args.port < 65536:
         raise ConfigError(f"serve-model --port {args.port}: must be in 1..65535")
     if args.max_batch_seqs <= 0:
         raise ConfigError(f"serve-model --max-batch-seqs {args.max_batch_seqs}: must be >= 1")
-    if not (path / "config.json").exists():
-        raise ConfigError(f"serve-model: {path} is not a model folder (no config.json); pass a "
-                          "checkpoint such as runs/<name>/checkpoints/final/<agent>")
-    from flexmarl.rollout.server import serve
+    if not (Path(args.path) / "config.json").exists():
+        raise ConfigError(f"serve-model: {args.path} is not a model folder (no config.json); "
+                          "pass a checkpoint such as runs/<name>/checkpoints/final/<agent>")
+    try:
+        from flexmarl.serving.app import serve  # fastapi: the `serve` extra
+    except ImportError as exc:
+        raise ConfigError(f"serve-model: {exc.name} is not installed; pip install "
+                          "'flexmarl[serve]'") from None
+    from flexmarl.serving.agents import load_model_folder
 
-    serve(str(path), args.host, args.port, args.max_batch_seqs)
+    serve(load_model_folder(args.path, args.name, args.device), args.host, args.port,
+          max_batch_seqs=args.max_batch_seqs)
     return 0
 
 
@@ -342,12 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --profile-local: override a config field")
     m.set_defaults(fn=_simulate)
-    s = sub.add_parser("serve-model", help="serve a checkpoint on an OpenAI-compatible "
-                                            "/v1/completions endpoint (token ids, log-probs)")
+    s = sub.add_parser("serve-model", help="serve one model folder on the OpenAI-compatible "
+                                            "endpoints of `flexmarl serve` (token ids, log-probs)")
     s.add_argument("path", help="model folder (config.json + model.safetensors)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--max-batch-seqs", type=int, default=32)
+    s.add_argument("--name", help="the model name requests ask for (default: the folder's)")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     s.set_defaults(fn=_serve_model)
     d = sub.add_parser("doctor", help="read a run's metrics and name likely problems, with "
                                       "the remedy")

@@ -311,11 +311,57 @@ class ServedRun:
     device: str
 
 
-def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None = None
-             ) -> ServedRun:
-    from flexmarl.policy.device import compute_dtype
+def served_agent(name: str, acfg: AgentConfig, source: WeightSource, run_seed: int, dev: str,
+                 vocab: int, max_seq_len: int) -> AgentSpec:
+    """One agent built for serving: its model (with `source`'s weights, or its adapter's), its
+    tokenizer and its first version."""
+    from flexmarl.policy.device import compute_dtype  # transformers: loaded on first use
     from flexmarl.policy.model import build_model
 
+    model: torch.nn.Module = build_model(name, acfg.model, vocab, max_seq_len, run_seed, dev,
+                                         compute_dtype(acfg.model.dtype, dev))
+    adapter = None
+    if acfg.lora is not None:
+        dtype = next(model.parameters()).dtype
+        model = wrap_adapter(name, acfg, model, run_seed).to(device=dev, dtype=dtype)
+        adapter = adapter_name(name)
+        if source.file is not None:
+            load_adapter_file(name, source, model, adapter)
+    elif source.file is not None:
+        load_weights_file(name, source, model)
+    model.eval()
+    # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
+    number = int(source.label.removeprefix("promoted-v")) if source.label.startswith(
+        "promoted-v") and source.label[10:].isdigit() else 1
+    return AgentSpec(name, acfg, model, load_tokenizer(name, acfg, source),
+                     Version(number, source.label, source.policy_version, time.time()),
+                     source.fingerprint, adapter=adapter)
+
+
+def load_model_folder(path: str | Path, name: str | None = None, device: str = "auto"
+                      ) -> ServedRun:
+    """One model folder (`config.json` and weights, as `save_pretrained` writes them) served
+    as one agent, named after the folder unless `name` says otherwise (`flexmarl
+    serve-model`). There is no task, so no episodes; every other setting is its default."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ServeError(f"serve-model: {folder} is not a model folder (no config.json); pass a "
+                         "checkpoint such as runs/<name>/checkpoints/final/<agent>")
+    name = name or folder.name
+    try:
+        acfg = AgentConfig.model_validate({"model": {"kind": "path", "path": str(folder)}})
+    except ValueError as exc:
+        raise ServeError(f"serve-model: {folder}: {exc}") from None
+    # a task-less run: only the sections serving reads (rollout, runtime, seed), as defaults
+    cfg = RunConfig.model_construct(agents={name: acfg})
+    dev = pick_device(device)
+    source = WeightSource(str(folder), None, _policy_version(folder))  # weights: `model.path`
+    return ServedRun(folder, cfg, None, "a model folder has no task",
+                     {name: served_agent(name, acfg, source, cfg.seed, dev, 0, 0)}, dev)
+
+
+def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None = None
+             ) -> ServedRun:
     rd = Path(run_dir)
     cfg_file = rd / "config.yaml"
     if not cfg_file.is_file():
@@ -345,24 +391,6 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
         if acfg.model.kind == "random" and task is None:
             raise ServeError(f"agent {name!r}: a random-init model needs the task's vocabulary, "
                              f"and the task did not load: {task_error}")
-        source = resolve_source(rd, name, acfg)
-        model: torch.nn.Module = build_model(name, acfg.model, vocab, max_seq_len, cfg.seed,
-                                             dev, compute_dtype(acfg.model.dtype, dev))
-        adapter = None
-        if acfg.lora is not None:
-            dtype = next(model.parameters()).dtype
-            model = wrap_adapter(name, acfg, model, cfg.seed).to(device=dev, dtype=dtype)
-            adapter = adapter_name(name)
-            if source.file is not None:
-                load_adapter_file(name, source, model, adapter)
-        elif source.file is not None:
-            load_weights_file(name, source, model)
-        model.eval()
-        # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
-        number = int(source.label.removeprefix("promoted-v")) if source.label.startswith(
-            "promoted-v") and source.label[10:].isdigit() else 1
-        out[name] = AgentSpec(
-            name, acfg, model, load_tokenizer(name, acfg, source),
-            Version(number, source.label, source.policy_version, time.time()),
-            source.fingerprint, adapter=adapter)
+        out[name] = served_agent(name, acfg, resolve_source(rd, name, acfg), cfg.seed, dev,
+                                 vocab, max_seq_len)
     return ServedRun(rd, cfg, task, task_error, out, dev)
