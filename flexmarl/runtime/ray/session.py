@@ -81,11 +81,8 @@ class RaySession:
             ) from None
 
     def info(self) -> dict[str, Any]:
-        return {
-            "address": self.gcs_address,
-            "requested_address": self.address,
-            "started_cluster": self.started_cluster,
-        }
+        return {"address": self.gcs_address, "requested_address": self.address,
+                "started_cluster": self.started_cluster}
 
     def stop(self) -> None:
         """Disconnect if we connected; a cluster we started goes with it, a user's stays up."""
