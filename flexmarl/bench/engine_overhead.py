@@ -141,7 +141,7 @@ def _model(hidden: int, layers: int, vocab: int, inter: int | None = None) -> An
 def requests(n: int, vocab: int, lo: int, prompt: tuple[int, int] = (8, 33), seed: int = 0,
              spread: int = 8) -> list[Any]:
     """Long-tailed requests: output lengths log-normal in [lo, spread*lo], both ends present."""
-    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.types import GenerationRequest
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.exp(rng.normal(np.log(lo * 1.6), 0.7, size=n)), lo,
@@ -214,8 +214,8 @@ def decode_step_costs(model: Any, batch: int, vocab: int, steps: int = 16, round
     """Steady decode steps of `batch` sequences (prompts of 16 tokens): per step host us, aten
     ops, device->host reads, host->device copies; `generate`'s as the difference of an N+steps
     and an N-token run, so its prefill cancels out."""
-    from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.rollout.engine import HFEngine
+    from flexmarl.types import GenerationRequest
 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, vocab, 16).tolist() for _ in range(batch)]
@@ -338,7 +338,7 @@ def grouped_requests(groups: int, group_size: int, vocab: int, prompt_len: int =
                      lo: int = 4, hi: int = 60, seed: int = 0) -> list[Any]:
     """GRPO's case: `groups` prompts of `prompt_len` tokens, each sampled `group_size` times
     (own sample ids, hence own noise streams), output lengths long-tailed in [lo, hi]."""
-    from flexmarl.policy.sampling import GenerationRequest
+    from flexmarl.types import GenerationRequest
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.exp(rng.normal(np.log(lo * 2.5), 0.8, size=groups * group_size)),
@@ -400,8 +400,8 @@ def smollm_requests(n: int, lo: int = 4, hi: int = 64, seed: int = 0,
     installed (`flexmarl.policy.smollm.INSTALL`)."""
     from flexmarl.config.schema import ModelConfig
     from flexmarl.policy.model import build_model
-    from flexmarl.policy.sampling import GenerationRequest
     from flexmarl.policy.smollm import SmolLMUnavailable, load_tokenizer
+    from flexmarl.types import GenerationRequest
 
     try:
         tok = load_tokenizer()

@@ -30,15 +30,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from flexmarl.policy.sampling import (
-    PAD,
-    GenerationRequest,
-    GenerationResult,
-    noise_seed_of,
-    sample_keyed,
-    sampling_key,
-    top_p_mask,
-)
+from flexmarl.policy.sampling import PAD, noise_seed_of, sample_keyed, sampling_key, top_p_mask
 from flexmarl.rollout.paged import (
     NULL_BLOCK,
     BlockAllocator,
@@ -48,6 +40,7 @@ from flexmarl.rollout.paged import (
     block_hashes,
     shared_prompt_tokens,
 )
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 @dataclass
@@ -1041,6 +1034,18 @@ class ContinuousBatcher:
             for res in self.admit(take) + self.step():
                 done[res.sample_id] = res
         return [done[r.sample_id] for r in requests]
+
+
+def generate(
+    model: torch.nn.Module, requests: list[GenerationRequest], max_seqs: int | None = None,
+    tokenizer: Any = None,
+) -> list[GenerationResult]:
+    """Decode `requests` to their own lengths with continuous batching (`ContinuousBatcher`);
+    `tokenizer` (or a function returning it) matches stop strings."""
+    if not requests:
+        return []
+    return ContinuousBatcher(model, max_seqs or len(requests),
+                             tokenizer=tokenizer).run_to_completion(requests)
 
 
 class HFEngine(ContinuousBatcher):

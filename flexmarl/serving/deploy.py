@@ -145,7 +145,7 @@ def heldout_score(executor: GraphExecutor, models: dict[str, torch.nn.Module],
     executor's (conditions, rendered prompts, text decoding, rewards), walked level by level
     so that each node's requests of all the episodes decode as one batch."""
     from flexmarl.policy.model import stable_seed
-    from flexmarl.policy.sampling import generate
+    from flexmarl.rollout.engine import generate
     from flexmarl.types import GenerationRequest
 
     ctxs = [EpisodeContext(f"heldout-{i}", 0, dict(d)) for i, d in enumerate(inputs)]
