@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
+from flexmarl.policy.adapters import BASE_ADAPTER, StackedLoRA, load_adapter
 from flexmarl.policy.sampling import PAD, noise_seed_of, sample_keyed, sampling_key, top_p_mask
 from flexmarl.rollout.paged import (
     NULL_BLOCK,
@@ -390,9 +391,8 @@ class ContinuousBatcher:
     def _hook_adapters(self, model: Any) -> Any:
         """Replace the forward of every LoRA layer by the stacked, batched one (`policy.
         adapters.StackedLoRA`); returns the transformers model inside the peft wrapper."""
-        from peft import PeftModel
+        from peft import PeftModel  # optional: peft (the lora extra)
 
-        from flexmarl.policy.adapters import BASE_ADAPTER, StackedLoRA
 
         if not isinstance(model, PeftModel):  # agents on a base without any adapter
             return model
@@ -1055,7 +1055,6 @@ class HFEngine(ContinuousBatcher):
         """A new version: the model's changed tensors, or (shared base) `agent`'s adapter,
         loaded while other agents' sequences keep running on the base."""
         if self.adapters is not None:
-            from flexmarl.policy.adapters import BASE_ADAPTER, load_adapter
 
             if agent not in self.adapters or self.adapters[agent] == BASE_ADAPTER:
                 raise ValueError(f"agent {agent!r} has no adapter on this model to load into")

@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from flexmarl.config.schema import AgentConfig, ConfigError, RunConfig, load_config
 from flexmarl.errors import UserError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.policy.adapters import adapter_name, adapter_tensors, add_adapter, load_adapter
+from flexmarl.policy.model import check_shapes
+from flexmarl.policy.smollm import load_tokenizer as smollm_tokenizer
 from flexmarl.policy.tokenizer import TOKENIZER_FILES
 from flexmarl.serving.adapters import (
     ADAPTER_FILE,
@@ -31,6 +35,7 @@ from flexmarl.serving.adapters import (
     read_adapter_file,
     tenant_adapter,
 )
+from flexmarl.serving.compress import is_packed, unpack
 
 
 class ServeError(UserError, ValueError):
@@ -133,7 +138,6 @@ def explicit_source(path: str | Path) -> WeightSource:
 def load_tokenizer(agent: str, acfg: AgentConfig, source: WeightSource) -> Any | None:
     """The agent's tokenizer: next to its weights, in `model.path`, or SmolLM2's; None when it
     has none (a token-level agent, such as the referential game's)."""
-    from transformers import AutoTokenizer
 
     folders = []
     if source.file is not None:
@@ -148,7 +152,6 @@ def load_tokenizer(agent: str, acfg: AgentConfig, source: WeightSource) -> Any |
                 raise ServeError(f"agent {agent!r}: tokenizer in {folder} cannot be loaded: "
                                  f"{exc}") from exc
     if acfg.model.kind == "smollm2":
-        from flexmarl.policy.smollm import load_tokenizer as smollm_tokenizer
 
         return smollm_tokenizer()
     return None
@@ -164,10 +167,7 @@ def pick_device(device: str) -> str:
 
 def load_weights_file(agent: str, source: WeightSource, model: torch.nn.Module) -> None:
     """Load `source` into `model` in place; every model tensor must be there, shapes equal."""
-    from safetensors.torch import load_file
 
-    from flexmarl.policy.model import check_shapes
-    from flexmarl.serving.compress import is_packed, unpack
 
     assert source.file is not None
     if is_packed(source.file):  # a compressed blob (compress.pack), e.g. from another process

@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -144,11 +145,10 @@ def serve(run_dir: str | Path | ServedRun, host: str = "127.0.0.1", port: int = 
           tenants: Tenants | None = None, drift: DriftConfig | None = None) -> None:
     """Serve a run folder's agents (or an already loaded `ServedRun`, such as
     `load_model_folder`'s) until interrupted."""
-    import uvicorn
+    import uvicorn  # optional: uvicorn (the serve extra)
 
     run = run_dir if isinstance(run_dir, ServedRun) else load_run(run_dir, device, agents)
     if run.device == "cpu":
-        import torch
 
         # intra-op threads spinning between steps starve the HTTP thread of a CPU
         torch.set_num_threads(torch_threads or run.cfg.runtime.torch_threads)

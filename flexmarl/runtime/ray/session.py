@@ -35,7 +35,7 @@ class RaySession:
     _made_temp: str | None = field(default=None, init=False)
 
     def start(self) -> None:
-        import ray
+        import ray  # optional: ray (the ray extra); RayRuntimeError imports without it
 
         if ray.is_initialized():  # the caller's own session (a notebook, a test): reuse it
             self.gcs_address = ray.get_runtime_context().gcs_address
@@ -86,7 +86,7 @@ class RaySession:
 
     def stop(self) -> None:
         """Disconnect if we connected; a cluster we started goes with it, a user's stays up."""
-        import ray
+        import ray  # optional: ray (the ray extra)
 
         if self.connected_here and ray.is_initialized():
             ray.shutdown()
