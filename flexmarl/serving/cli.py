@@ -179,6 +179,7 @@ def _serve_learn_on_ray(args: argparse.Namespace, cfg: Any, api_key: str | None)
     """The online trainer as a Ray actor (trainer_actor.py) until Ctrl-C."""
     import ray  # the Ray extra, imported only for --ray
 
+    # start-up cost: the session and the learner's actor load only for --ray
     from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
     from flexmarl.serving.trainer_actor import start_trainer_actor
 
