@@ -98,7 +98,7 @@ class EnvSource:
                 try:
                     self.put_rows(k, [await result])
                 except WorkerLost as lost:  # gone for good: the supervisor could not help
-                    it.failed.append(f"rollout worker {i}: {lost}")
+                    it.failed.append(str(lost))  # names the worker and why
                     assert self.telemetry is not None
                     self.telemetry.fault("rollout_failed", iteration=k, worker=i,
                                          error=str(lost))
