@@ -1,24 +1,14 @@
 """An environment run as a rollout source of the orchestrator's schedules
-(`orchestrator/schedules.py`): `EnvSource` is the rollout (`rollout_iteration`,
-`started_event`, `iterations_ready`) and the trainer (`train_iteration`) the schedule of
+(`orchestrator/schedules.py`): `EnvSource` is the rollout and the trainer the schedule of
 `pipeline.mode` drives, over the runtime's environment pools (`env_runtime`) and a sampler
-(`samplers.py`); `marl/run.py` hosts it with the orchestrator's checkpoints, metrics, failure
-budget and `host_run`.
-
-Iteration k:
-1. rollout: once every policy is at version k, every rollout worker steps its `num_envs`
-   environments for `rollout_steps` steps with version k of every policy and sends back one
-   row payload per (agent, environment); each worker's results go to the sampler as it ends,
-   in worker order (so what each step is handed never depends on timing). A worker lost for
-   good (its restarts used up, or none allowed) is a failed rollout: counted against the
-   failure budget (`train.max_failed_fraction` of the rollout workers), the step trains on
-   the other workers' rows;
-2. per policy: the sampler's micro-batches of iteration k are queued on the training pool
-   (`accumulate`: after the last worker with `SyncSchedule`, as each worker ends with
-   `AsyncSchedule`), `step` trains on exactly those rows and returns the new weights with
-   the audit of the rows each epoch used; the audit is checked, the rows released, and
-   version k+1 published to every rollout worker. Rollout k+1 waits for every policy's
-   version k+1 (on-policy: one version per iteration, every policy acts in every step).
+(`samplers.py`); `marl/run.py` hosts it. Iteration k (docs/marl.md):
+1. once every policy is at version k, every rollout worker steps its environments; each
+   worker's results go to the sampler as it ends, in worker order (what a step is handed
+   never depends on timing). A worker lost for good is a failed rollout, counted against the
+   failure budget; the steps train on the other workers' rows;
+2. per policy: the sampler's micro-batches of k are queued on the training pool (after the
+   last worker with `SyncSchedule`, as each worker ends with `AsyncSchedule`), `step` trains
+   on exactly those rows, its audit is checked, and version k+1 goes to every rollout worker.
 """
 
 from __future__ import annotations
@@ -78,21 +68,21 @@ class EnvSource:
         # the schedule's signals, per iteration k: ("version", k) every policy is at version
         # k; ("started", k) / ("rolled", k) its rollout began / ended; ("put", k, i) rollout
         # worker i's results are in the sampler (or it failed)
-        self._events: dict[tuple[Any, ...], asyncio.Event] = defaultdict(asyncio.Event)
+        self.signals: dict[tuple[Any, ...], asyncio.Event] = defaultdict(asyncio.Event)
 
     async def publish(self, policy: str, version: int, weights: Any) -> None:
         await self.runtime.rollout.publish(policy, version, weights)
         self.published[policy] = (version, weights)
         if all(v == version for v, _ in self.published.values()) and len(
                 self.published) == len(self.layouts):  # rollout `version` may start
-            self._events["version", version].set()
+            self.signals["version", version].set()
 
     async def rollout_iteration(self, k: int) -> None:
-        await self._events["version", k].wait()
+        await self.signals["version", k].wait()
         it, pool = self.iterations[k], self.runtime.rollout
         t0 = time.perf_counter()
         running = [asyncio.ensure_future(pool.rollout_on(i, k)) for i in range(pool.n_workers)]
-        self._events["started", k].set()
+        self.signals["started", k].set()
         try:
             for i, result in enumerate(running):
                 try:
@@ -102,7 +92,7 @@ class EnvSource:
                     assert self.telemetry is not None
                     self.telemetry.fault("rollout_failed", iteration=k, worker=i,
                                          error=str(lost))
-                self._events["put", k, i].set()
+                self.signals["put", k, i].set()
         finally:
             for result in running:
                 result.cancel()
@@ -113,14 +103,14 @@ class EnvSource:
             if len(it.failed) == pool.n_workers:  # the budget is off: still nothing to train
                 raise WorkerLost(f"iteration {k}: every rollout worker failed, no rows to "
                                  f"train on; first error: {first}")
-        self._events["rolled", k].set()
+        self.signals["rolled", k].set()
 
     def started_event(self, k: int) -> asyncio.Event:
-        return self._events["started", k]
+        return self.signals["started", k]
 
     async def iterations_ready(self, k: int) -> None:
         if k > self.recorded:
-            await self._events["rolled", k].wait()
+            await self.signals["rolled", k].wait()
 
     def put_rows(self, k: int, results: list[RolloutResult]) -> None:
         """Iteration k's results of rollout workers, held by the sampler for step k."""
@@ -141,7 +131,7 @@ class EnvSource:
         # lease from the last worker's micro-batches to the step
         acc = []
         for i in range(self.runtime.rollout.n_workers):
-            await self._events["put", k, i].wait()
+            await self.signals["put", k, i].wait()
             acc += [asyncio.ensure_future(train.accumulate(policy, samples))
                     for samples in self.sampler.batches(policy, k)]
         stepped = asyncio.ensure_future(train.step(policy))
@@ -158,7 +148,7 @@ class EnvSource:
 
     def complete(self, k: int) -> bool:
         """Iteration k is rolled out and every policy stepped on it, not yet recorded."""
-        return (k > self.recorded and self._events["rolled", k].is_set()
+        return (k > self.recorded and self.signals["rolled", k].is_set()
                 and len(self.iterations[k].trained) == len(self.layouts))
 
     def record(self, k: int, wall_s: float) -> dict[str, Any]:
@@ -166,8 +156,8 @@ class EnvSource:
         metrics), for the orchestrator's common record; its episodes join the run's, and
         its bookkeeping goes."""
         it = self.iterations.pop(k)
-        for signal in [signal for signal in self._events if signal[1] <= k]:
-            del self._events[signal]
+        for signal in [signal for signal in self.signals if signal[1] <= k]:
+            del self.signals[signal]
         self.recorded = k
         n, eps = self.steps_per_iteration, it.episodes
         self.episodes.extend({"iteration": k, "env_steps": (k + 1) * n, **e} for e in eps)

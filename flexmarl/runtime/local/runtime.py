@@ -730,7 +730,7 @@ class LocalRuntime(Runtime):
 
 class EnvRolloutPool(RolloutPool):
     """An environment run's rollout workers (classic MARL): each steps its own environments
-    with the published version of every policy; `rollout(k)` is their one batch of work.
+    with the published version of every policy; `rollout_on(i, k)` is worker i's batch of work.
 
     Each worker owns its environments, so a lost worker's iteration cannot go to another:
     with a supervisor (`wait_worker`), the worker is restarted with every policy's latest
@@ -784,11 +784,6 @@ class EnvRolloutPool(RolloutPool):
                                for w, s in zip(self.workers, states, strict=True)))
         self.env_state = list(states)
         self._proxies = list(self.workers)
-
-    async def rollout(self, k: int) -> list[Any]:
-        """Iteration k on every worker at once, in worker order."""
-        return list(await asyncio.gather(*(self.rollout_on(i, k)
-                                           for i in range(len(self.workers)))))
 
     async def rollout_on(self, i: int, k: int) -> Any:
         """Iteration k on worker i (the async pipeline takes each worker's rows as it ends);
