@@ -48,6 +48,9 @@ class IterationMetrics:
         self.consumed = consumed
         # more per-iteration metrics (GPU utilisation and memory): each called once per record
         self.sources: list[Callable[[], dict[str, Any]]] = []
+        # the spans before this index ended before the last record's window: `common`'s
+        # windows only move forward, so its scans start here (a long run's records stay O(1))
+        self._first = 0
 
     def _train_busy_frac(self, t0: float, t1: float) -> float:
         """Busy device-seconds of the training pool over its devices: a slot of K ranks
@@ -55,7 +58,7 @@ class IterationMetrics:
         sizes = getattr(self.train, "slot_sizes", None) or [1] * self.train.n_workers
         if t1 <= t0 or not sizes:
             return 0.0
-        busy = self.telemetry.busy_by_worker("train", len(sizes), t0, t1)
+        busy = self.telemetry.busy_by_worker("train", len(sizes), t0, t1, self._first)
         return sum(b * k for b, k in zip(busy, sizes, strict=True)) / ((t1 - t0) * sum(sizes))
 
     def rollout_metrics(self, it: IterationState) -> dict[str, Any]:
@@ -95,12 +98,15 @@ class IterationMetrics:
         """What every run's record of iteration k holds, whatever its rollout (a task's
         episodes, an environment run's workers): its window (t0, now], the pools' busy
         fractions, the training-state swaps, and the extra `sources`."""
+        spans = self.telemetry.spans  # those that ended before t0 matter to no later window
+        while self._first < len(spans) and spans[self._first].end <= t0:
+            self._first += 1
         record: dict[str, Any] = {
             "iteration": k,
             "wall_s": now - t0,
             "time_s": now - start,
             "pool/rollout/busy_frac": self.telemetry.busy_frac(
-                "rollout", self.rollout.n_workers, t0, now),
+                "rollout", self.rollout.n_workers, t0, now, self._first),
             "pool/train/busy_frac": self._train_busy_frac(t0, now),
         }
         swaps = self.swaps(t0, now)
@@ -113,7 +119,7 @@ class IterationMetrics:
     def swaps(self, t0: float, now: float) -> dict[str, tuple[int, float]]:
         """Per agent (or policy): training-state swaps (a trainer bound to a slot it was not
         resident on) that ended in the window: agents time-sharing training slots."""
-        return self.telemetry.labelled("train", "swap:", t0, now)
+        return self.telemetry.labelled("train", "swap:", t0, now, self._first)
 
     def record(self, it: IterationState, t0: float, now: float, start: float) -> dict[str, Any]:
         """Iteration `it.index`'s record: its window is (t0, now], `start` the run's start."""
