@@ -451,6 +451,8 @@ class TrainConfig(Strict):
     inputs_per_iteration: int = Field(32, gt=0)
     group_size: int = Field(8, gt=0)
     micro_batch_size: int = Field(64, gt=0)
+    # the logging backends (tensorboard, wandb, mlflow) get every N-th iteration's metrics and
+    # the last one's; OUT/metrics.jsonl (doctor, report) always gets every iteration's
     log_every: int = Field(1, gt=0)
     # A checkpoint generation every N completed iterations (None: only on SIGTERM / Ctrl-C);
     # the last `keep_checkpoints` generations are kept under OUT/checkpoints/.

@@ -187,7 +187,8 @@ def host_run(cfg: Any, out: Path | None, resume: Checkpoint | None,
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                         sort_keys=False))
-    telemetry = Telemetry(out, loggers=make_loggers(cfg, out) if out is not None else None)
+    telemetry = Telemetry(out, loggers=make_loggers(cfg, out) if out is not None else None,
+                          log_every=cfg.train.log_every, last_iteration=cfg.train.iterations - 1)
     if resume is not None:  # metrics.jsonl restarts from the checkpoint's records
         for record in resume.position["records"]:
             telemetry.log(record)

@@ -29,10 +29,12 @@ class Span:
 class Telemetry:
     def __init__(
         self, out_dir: Path | None = None, clock: Callable[[], float] = time.time,
-        loggers: list[Any] | None = None,
+        loggers: list[Any] | None = None, log_every: int = 1, last_iteration: int | None = None,
     ) -> None:
         """`clock` is wall time for real runtimes and the virtual clock for the simulator;
-        `loggers` (telemetry.loggers) get every record's scalars besides metrics.jsonl."""
+        `loggers` (telemetry.loggers) get the scalars of every `log_every`-th iteration's
+        record and of `last_iteration`'s (`train.log_every`), besides metrics.jsonl, which
+        gets every record."""
         self.out_dir = out_dir
         self.now = clock
         self.t0 = clock()
@@ -41,6 +43,7 @@ class Telemetry:
         self._metrics_file = None
         self._samples_file: Any = None
         self.loggers = list(loggers or [])
+        self.log_every, self.last_iteration = log_every, last_iteration
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = (out_dir / "metrics.jsonl").open("w")
@@ -105,8 +108,9 @@ class Telemetry:
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps(clean) + "\n")
             self._metrics_file.flush()
-        if self.loggers:
-            step, values = int(record.get("iteration", 0)), scalars(clean)
+        step = int(record.get("iteration", 0))
+        if self.loggers and ((step + 1) % self.log_every == 0 or step == self.last_iteration):
+            values = scalars(clean)
             for logger in self.loggers:
                 logger.log(step, values)
 
@@ -174,3 +178,21 @@ def _json_safe(v: Any) -> Any:
         return float(v)
     except (TypeError, ValueError):
         return str(v)
+
+
+def read_trace(path: Path) -> tuple[list[Span], list[dict[str, Any]]] | None:
+    """A trace `Telemetry.write_trace` wrote, back as its spans (times in seconds on the
+    trace's clock) and its instant events (`name`, `time`, and their args); None when the
+    file is missing or not such a trace."""
+    try:
+        events = json.loads(path.read_text())["traceEvents"]
+        pools = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        spans = [Span(pools.get(e["pid"], ""), int(e.get("tid", 0)), e["ts"] / 1e6,
+                      (e["ts"] + e.get("dur", 0.0)) / 1e6, e["name"])
+                 for e in events if e.get("ph") == "X"]
+        instants = [{**(e.get("args") or {}), "name": e["name"], "time": e["ts"] / 1e6}
+                    for e in events if e.get("ph") == "i"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return spans, instants
