@@ -4,13 +4,8 @@ over the run's rollout source (`source.EnvSource`), the orchestrator's `Boundary
 `IterationMetrics` and `FailureBudget`. What is MARL's here: the policies' layout (from the
 environment's spaces, checked before any worker starts), the sampler (on- and off-policy
 differ only in it, `samplers.py`), the greedy evaluation, and what a checkpoint holds besides
-the learners (each rollout worker's environments, the episodes, the audit trail).
-
-No overlap of iteration k+1's rollout with step k: MAPPO/IPPO are on-policy with one version
-per iteration and every policy acts in every environment step, so rollout k+1 needs every
-policy's step k (running it on version k would be one step off-policy, refused here). What
-runs concurrently: the rollout workers with each other, the policies' steps when they have a
-slot each, and (async) the early workers' row transfer with the later workers' stepping.
+the learners (each rollout worker's environments, the episodes, the audit trail). Why
+rollout k+1 never overlaps step k (on-policy, every policy acts in every step): docs/marl.md.
 """
 
 from __future__ import annotations
