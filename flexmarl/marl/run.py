@@ -103,7 +103,7 @@ class MarlRun:
         await runtime.start()
         try:
             metrics = IterationMetrics(telemetry, runtime.rollout, runtime.train, self.agents,
-                                       list(self.layouts), {}, {})
+                                       list(self.layouts))
             if resume is not None:  # each policy's learner and each worker's environments
                 await checkpoints.restore_trainers(list(self.layouts), resume)
                 await runtime.rollout.restore([resume.extra[f"rollout-{i}.pkl"]

@@ -34,18 +34,20 @@ def quantile(values: list[float], q: float) -> float:
 
 
 class IterationMetrics:
-    """Builds iteration records from the iteration state, the trace and the training audit."""
+    """Builds iteration records from the trace (`common`: every run's) and, for a task run's
+    iterations (`record`), the iteration state, the versions and the training audit."""
 
     def __init__(self, telemetry: Telemetry, rollout: RolloutPool, train: TrainPool,
-                 agents: list[str], trainable: list[str], versions: dict[str, int],
-                 consumed: dict[str, dict[int, list[str]]]) -> None:
+                 agents: list[str], trainable: list[str],
+                 versions: dict[str, int] | None = None,
+                 consumed: dict[str, dict[int, list[str]]] | None = None) -> None:
         self.telemetry = telemetry
         self.rollout = rollout
         self.train = train
         self.agents = agents
         self.trainable = trainable
-        self.versions = versions
-        self.consumed = consumed
+        self.versions = versions if versions is not None else {}
+        self.consumed = consumed if consumed is not None else {}
         # more per-iteration metrics (GPU utilisation and memory): each called once per record
         self.sources: list[Callable[[], dict[str, Any]]] = []
         # the spans before this index ended before the last record's window: `common`'s

@@ -21,7 +21,7 @@ def test_common_record_equals_a_full_scan_over_successive_windows() -> None:
     rng = random.Random(0)
     telemetry = Telemetry()
     rollout, train = FakeRolloutPool(), FakeTrainPool(["a", "b"])
-    metrics = IterationMetrics(telemetry, rollout, train, ["a", "b"], ["a", "b"], {}, {})
+    metrics = IterationMetrics(telemetry, rollout, train, ["a", "b"], ["a", "b"])
     t0, skipped = 0.0, []
     for k in range(30):
         now = t0 + 1.0
