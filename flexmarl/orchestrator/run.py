@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -23,11 +24,15 @@ from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.device import check_slots
 from flexmarl.policy.memory import check_memory
+from flexmarl.policy.model import check_shapes, checkpoint_shapes, skeleton
 from flexmarl.runtime import heap
+from flexmarl.runtime.local.runtime import LocalRuntime
+from flexmarl.store.experience import Status
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.loggers import check_installed, make_loggers
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.telemetry.train_stats import SlotStatsSource
+from flexmarl.training import lora
 
 
 class HostedResult(Protocol):
@@ -89,8 +94,6 @@ def prepare(cfg: RunConfig) -> Task:
 
 def check_models(cfg: RunConfig, task: Task) -> None:
     """LoRA targets and checkpoint shapes against a meta-device model: no weights loaded."""
-    from flexmarl.policy.model import check_shapes, checkpoint_shapes, skeleton
-    from flexmarl.training import lora
 
     for agent, acfg in cfg.agents.items():
         if acfg.lora is None and acfg.model.checkpoint is None:
@@ -107,7 +110,6 @@ def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> 
     """Futures that failed after the run already had its error (a lost worker's pending calls)
     are recorded as `unretrieved_error` events in metrics.jsonl instead of printing asyncio's
     traceback wall; with FLEXMARL_DEBUG set, asyncio prints them as usual."""
-    import os
 
     if os.environ.get("FLEXMARL_DEBUG"):
         return
@@ -124,11 +126,10 @@ def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> 
 
 def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry) -> Runtime:
     if cfg.runtime.kind == "local":
-        from flexmarl.runtime.local.runtime import LocalRuntime
 
         return LocalRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
     if cfg.runtime.kind == "ray":
-        from flexmarl.runtime.ray.runtime import RayRuntime
+        from flexmarl.runtime.ray.runtime import RayRuntime  # optional: ray (the ray extra)
 
         return RayRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
     raise ValueError(f"runtime.kind: unsupported runtime {cfg.runtime.kind!r}")
@@ -255,7 +256,6 @@ async def _run(cfg, task, telemetry, stops: StopRequests, out: Path, on_iteratio
                                  save_checkpoint=manager.save, resume=ckpt)
         stops.route(orch.request_stop)
         tables = orch.store.tables  # rows the store still holds (doctor: a growing store)
-        from flexmarl.store.experience import Status
 
         orch.metric_sources.append(lambda: {"store/rows_held": sum(
             t.count(st) for t in tables.values() for st in Status)})
