@@ -93,6 +93,10 @@ def _env_kind(cfg: RunConfig, out: Path) -> _RunKind:
                    if result.resumed_env_steps else "")
         lines.append(f"wall time: {wall:.1f} s for {steps_here} env steps{resumed}, "
                      f"{steps_here / wall:.0f} env steps/s")
+        failed = sum(r.get("rollout/workers_failed", 0) for r in result.records)
+        if failed:  # rollout workers lost for good, within the failure budget
+            lines.append(f"failed rollouts: {failed} (rollout workers lost; see `errors` "
+                         "in metrics.jsonl)")
         lines += reward_curves(result.records, run.agents)  # episode return per agent
         lines.append(f"metrics:     {out / 'metrics.jsonl'}")
         lines += [f"checkpoint:  {path}" for path in

@@ -65,27 +65,30 @@ class Telemetry:
             self._metrics_file.write(json.dumps({k: _json_safe(v) for k, v in line.items()}) + "\n")
             self._metrics_file.flush()
 
-    def busy_seconds(self, pool: str, t0: float, t1: float) -> float:
+    # `first`: the index of the first span that may matter (a caller whose windows only move
+    # forward skips the spans that ended before them)
+    def busy_seconds(self, pool: str, t0: float, t1: float, first: int = 0) -> float:
         total = 0.0
-        for s in self.spans:
+        for s in self.spans[first:]:
             if s.pool == pool and s.end > t0 and s.start < t1:
                 total += min(s.end, t1) - max(s.start, t0)
         return total
 
-    def busy_by_worker(self, pool: str, n_workers: int, t0: float, t1: float) -> list[float]:
+    def busy_by_worker(self, pool: str, n_workers: int, t0: float, t1: float,
+                       first: int = 0) -> list[float]:
         """Busy seconds of each worker of `pool` within [t0, t1]."""
         out = [0.0] * n_workers
-        for s in self.spans:
+        for s in self.spans[first:]:
             if s.pool == pool and s.end > t0 and s.start < t1 and 0 <= s.worker < n_workers:
                 out[s.worker] += min(s.end, t1) - max(s.start, t0)
         return out
 
-    def labelled(self, pool: str, prefix: str, t0: float, t1: float
+    def labelled(self, pool: str, prefix: str, t0: float, t1: float, first: int = 0
                  ) -> dict[str, tuple[int, float]]:
         """Spans of `pool` whose label starts with `prefix` and that ended within (t0, t1]:
         per agent (the label's second field), their count and their seconds."""
         out: dict[str, tuple[int, float]] = {}
-        for s in self.spans:
+        for s in self.spans[first:]:
             if s.pool == pool and t0 < s.end <= t1 and s.label.startswith(prefix):
                 parts = s.label.split(":")
                 agent = parts[1] if len(parts) > 1 else ""
@@ -93,10 +96,11 @@ class Telemetry:
                 out[agent] = (n + 1, secs + s.end - s.start)
         return out
 
-    def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float) -> float:
+    def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float,
+                  first: int = 0) -> float:
         if t1 <= t0 or n_workers <= 0:
             return 0.0
-        return self.busy_seconds(pool, t0, t1) / ((t1 - t0) * n_workers)
+        return self.busy_seconds(pool, t0, t1, first) / ((t1 - t0) * n_workers)
 
     # --- metrics -----------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
