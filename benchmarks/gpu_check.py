@@ -51,10 +51,10 @@ sys.path.insert(0, str(ROOT))
 from flexmarl.bench.training import _batches, _plain_iteration  # noqa: E402
 from flexmarl.config.schema import AgentConfig, ModelConfig, load_config  # noqa: E402
 from flexmarl.policy.model import build_model  # noqa: E402
-from flexmarl.policy.sampling import GenerationRequest  # noqa: E402
 from flexmarl.rollout.engine import HFEngine  # noqa: E402
 from flexmarl.training import state as st  # noqa: E402
 from flexmarl.training.trainer import AgentTrainer, Sample  # noqa: E402
+from flexmarl.types import GenerationRequest  # noqa: E402
 
 MB = 1024 * 1024
 RESULTS: dict[str, Any] = {}

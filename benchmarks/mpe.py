@@ -162,7 +162,7 @@ def rollout_throughput(cfg: RunConfig, env_steps: int) -> dict[str, float]:
         for k in range(rounds):
             for actor in env.actors.values():
                 actor.version = k  # the same weights, relabelled: no training here
-            run.put_rows(k, [env.run(k)])
+            run.sampler.put(k, [env.run(k)])
             for a in run.agents:  # hand the rows out and drop them, without training
                 run.store.release(run.store.take_ready(a, k, n, k))
                 run.store.evict(a, k)

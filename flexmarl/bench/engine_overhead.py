@@ -30,6 +30,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flexmarl.config.schema import ModelConfig
+from flexmarl.policy.model import build_model
+from flexmarl.policy.smollm import SmolLMUnavailable, load_tokenizer
+from flexmarl.rollout.engine import HFEngine
+from flexmarl.types import GenerationRequest
+
 _SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select",
              "aten._unique2", "aten.unique_dim", "aten.unique_consecutive"}
 _FREE_OPS = {"aten.detach", "aten.lift_fresh", "aten.empty", "aten.empty_strided",
@@ -130,8 +136,6 @@ def count_host_costs() -> Iterator[Counts]:
 
 # --- the two decoders on the same batch ------------------------------------------------------
 def _model(hidden: int, layers: int, vocab: int, inter: int | None = None) -> Any:
-    from flexmarl.config.schema import ModelConfig
-    from flexmarl.policy.model import build_model
 
     cfg = ModelConfig(hidden_size=hidden, intermediate_size=inter or 2 * hidden,
                       num_layers=layers, num_heads=max(1, hidden // 64) if hidden >= 64 else 4)
@@ -141,7 +145,6 @@ def _model(hidden: int, layers: int, vocab: int, inter: int | None = None) -> An
 def requests(n: int, vocab: int, lo: int, prompt: tuple[int, int] = (8, 33), seed: int = 0,
              spread: int = 8) -> list[Any]:
     """Long-tailed requests: output lengths log-normal in [lo, spread*lo], both ends present."""
-    from flexmarl.policy.sampling import GenerationRequest
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.exp(rng.normal(np.log(lo * 1.6), 0.7, size=n)), lo,
@@ -175,7 +178,6 @@ def generate_static(model: Any, reqs: list[Any], max_seqs: int) -> int:
 
 def engine_run(model: Any, reqs: list[Any], max_seqs: int, engine_cls: Any = None) -> int:
     """The continuous-batching engine on `reqs`; returns the decode steps run."""
-    from flexmarl.rollout.engine import HFEngine
 
     engine = (engine_cls or HFEngine)(model, max_seqs, 1 << 30)
     steps = 0
@@ -214,8 +216,6 @@ def decode_step_costs(model: Any, batch: int, vocab: int, steps: int = 16, round
     """Steady decode steps of `batch` sequences (prompts of 16 tokens): per step host us, aten
     ops, device->host reads, host->device copies; `generate`'s as the difference of an N+steps
     and an N-token run, so its prefill cancels out."""
-    from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.rollout.engine import HFEngine
 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, vocab, 16).tolist() for _ in range(batch)]
@@ -274,7 +274,6 @@ def long_tail_costs(model: Any, reqs: list[Any], max_seqs: int, rounds: int = 3,
     """The whole long-tailed batch through each decoder: useful tok/s (median of `rounds`,
     alternating), and per decode step the aten ops, device->host reads, host->device copies
     (prefills and retirements included)."""
-    from flexmarl.rollout.engine import HFEngine
 
     useful = sum(r.max_new_tokens for r in reqs)
     runs: dict[str, Callable[[], int]] = {
@@ -338,7 +337,6 @@ def grouped_requests(groups: int, group_size: int, vocab: int, prompt_len: int =
                      lo: int = 4, hi: int = 60, seed: int = 0) -> list[Any]:
     """GRPO's case: `groups` prompts of `prompt_len` tokens, each sampled `group_size` times
     (own sample ids, hence own noise streams), output lengths long-tailed in [lo, hi]."""
-    from flexmarl.policy.sampling import GenerationRequest
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.exp(rng.normal(np.log(lo * 2.5), 0.8, size=groups * group_size)),
@@ -357,7 +355,6 @@ def kv_footprint(model: Any, reqs: list[Any], max_seqs: int) -> dict[str, float]
     """KV bytes per held token, averaged over the decode steps of `reqs` through the paged
     engine, against a padded cache (every row as wide as the batch's longest row, as a
     left-padded dynamic cache holds it)."""
-    from flexmarl.rollout.engine import HFEngine
 
     engine = HFEngine(model, max_seqs, 1 << 30)
     queue = list(reqs)
@@ -398,10 +395,6 @@ def smollm_requests(n: int, lo: int = 4, hi: int = 64, seed: int = 0,
     """Case (c): SmolLM2-135M-Instruct and `n` chat prompts through its real tokenizer's chat
     template, output lengths long-tailed in [lo, hi]; None when the model package is not
     installed (`flexmarl.policy.smollm.INSTALL`)."""
-    from flexmarl.config.schema import ModelConfig
-    from flexmarl.policy.model import build_model
-    from flexmarl.policy.sampling import GenerationRequest
-    from flexmarl.policy.smollm import SmolLMUnavailable, load_tokenizer
 
     try:
         tok = load_tokenizer()

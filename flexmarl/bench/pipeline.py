@@ -19,7 +19,6 @@ iteration needs first.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from flexmarl.config.schema import load_config
 from flexmarl.orchestrator.run import train
+from flexmarl.telemetry.recorder import read_trace
 
 
 def run_mode(config: str, overrides: list[str], mode: str, out: Path) -> list[dict[str, Any]]:
@@ -38,14 +38,11 @@ def idle_breakdown(out: Path) -> dict[str, float]:
     """Shares of a finished run's wall time (OUT/trace.json, from its first iteration's
     rollout done to its last span): `rollout_idle`, of it `version_wait` (idle gaps a weight
     load ends), and `train_idle`; each pool's worker 0. Empty without a trace."""
-    trace = out / "trace.json"
-    if not trace.exists():
+    trace = read_trace(out / "trace.json")
+    if trace is None:
         return {}
-    events = json.loads(trace.read_text())["traceEvents"]
-    pools = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    spans = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, pools.get(e["pid"], ""),
-                    e["name"]) for e in events if e.get("ph") == "X" and e.get("tid") == 0)
-    plans = [e["ts"] / 1e6 for e in events if e.get("name") == "rollout_plan"]
+    spans = sorted((s.start, s.end, s.pool, s.label) for s in trace[0] if s.worker == 0)
+    plans = [e["time"] for e in trace[1] if e["name"] == "rollout_plan"]
     if not plans or not spans:
         return {}
     lo, hi = min(plans), max(end for _, end, _, _ in spans)

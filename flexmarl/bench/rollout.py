@@ -16,7 +16,7 @@ from typing import Any
 from flexmarl.config.schema import ModelConfig, load_config
 from flexmarl.orchestrator.run import train
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import generate
+from flexmarl.rollout.engine import generate
 from flexmarl.types import GenerationRequest
 
 

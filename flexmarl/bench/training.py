@@ -185,7 +185,7 @@ def _trl_setup(cfg: AgentConfig, vocab: int, batches: list[list[Sample]]) -> Any
     each row's token mean, then the mean over rows; clip 0.2, no KL), or None without trl.
     Its tokenizer and dataset are placeholders: the benchmark feeds token ids directly."""
     try:  # optional: the `bench` extra
-        from datasets import Dataset
+        from datasets import Dataset  # optional: TRL and its datasets (the bench extra)
         from tokenizers import Tokenizer, models
         from transformers import PreTrainedTokenizerFast
         from trl import GRPOConfig, GRPOTrainer

@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
 from flexmarl.config.schema import ConfigError, RunConfig, load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.errors import UserError
+from flexmarl.serving.cli import add_serve_parser, run_serve
 from flexmarl.telemetry.curves import reward_curves
 from flexmarl.telemetry.samples import SampleTail, format_sample
 
@@ -39,6 +43,7 @@ class _RunKind:
 
 
 def _task_kind(cfg: RunConfig, out: Path) -> _RunKind:
+    # start-up cost: each command loads only its own stack
     from flexmarl.orchestrator.run import prepare, train
 
     prepare(cfg)  # fail fast, before any worker starts
@@ -88,6 +93,10 @@ def _env_kind(cfg: RunConfig, out: Path) -> _RunKind:
                    if result.resumed_env_steps else "")
         lines.append(f"wall time: {wall:.1f} s for {steps_here} env steps{resumed}, "
                      f"{steps_here / wall:.0f} env steps/s")
+        failed = sum(r.get("rollout/workers_failed", 0) for r in result.records)
+        if failed:  # rollout workers lost for good, within the failure budget
+            lines.append(f"failed rollouts: {failed} (rollout workers lost; see `errors` "
+                         "in metrics.jsonl)")
         lines += reward_curves(result.records, run.agents)  # episode return per agent
         lines.append(f"metrics:     {out / 'metrics.jsonl'}")
         lines += [f"checkpoint:  {path}" for path in
@@ -103,9 +112,7 @@ def _env_kind(cfg: RunConfig, out: Path) -> _RunKind:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+    # start-up cost: each command loads only its own stack
     from flexmarl.orchestrator.checkpoint import find_checkpoints
     from flexmarl.orchestrator.joint import FailureBudgetExceeded, RunInterrupted
     from flexmarl.orchestrator.preflight import check_out_dir, check_resume_dir
@@ -194,6 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
         compare(args.config, args.set, systems or DEFAULT_SYSTEMS, rounds=args.rounds,
                 iterations=args.iterations, out=args.out, profile=args.profile, pin=args.pin)
         return 0
+    # start-up cost: each command loads only its own stack
     from flexmarl.bench.pipeline import bench_pipeline
 
     bench_pipeline(args.config, args.set, rounds=args.rounds, out=args.out)
@@ -202,12 +210,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     if args.profile_local:
+        # start-up cost: each command loads only its own stack
         from flexmarl.sim.calibration.calibrate import calibrate
 
         _refuse_env_run(args.workload, args.set, "simulate --profile-local")
         calibrate(args.workload, args.set, iterations=args.iterations or 5, out=args.out,
                   profile=args.profile)
         return 0
+    # start-up cost: each command loads only its own stack
     from flexmarl.sim.simulate import simulate
     from flexmarl.sim.workload import WorkloadError
 
@@ -221,27 +231,35 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _serve_model(args: argparse.Namespace) -> int:
-    path = Path(args.path)
     if not 0 < args.port < 65536:
         raise ConfigError(f"serve-model --port {args.port}: must be in 1..65535")
     if args.max_batch_seqs <= 0:
         raise ConfigError(f"serve-model --max-batch-seqs {args.max_batch_seqs}: must be >= 1")
-    if not (path / "config.json").exists():
-        raise ConfigError(f"serve-model: {path} is not a model folder (no config.json); pass a "
-                          "checkpoint such as runs/<name>/checkpoints/final/<agent>")
-    from flexmarl.rollout.server import serve
+    if not (Path(args.path) / "config.json").exists():
+        raise ConfigError(f"serve-model: {args.path} is not a model folder (no config.json); "
+                          "pass a checkpoint such as runs/<name>/checkpoints/final/<agent>")
+    try:
+        from flexmarl.serving.app import serve  # fastapi: the `serve` extra
+    except ImportError as exc:
+        raise ConfigError(f"serve-model: {exc.name} is not installed; pip install "
+                          "'flexmarl[serve]'") from None
+    # start-up cost: each command loads only its own stack
+    from flexmarl.serving.agents import load_model_folder
 
-    serve(str(path), args.host, args.port, args.max_batch_seqs)
+    serve(load_model_folder(args.path, args.name, args.device), args.host, args.port,
+          max_batch_seqs=args.max_batch_seqs)
     return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    # start-up cost: each command loads only its own stack
     from flexmarl.cli.doctor import run_doctor
 
     return run_doctor(args.run_dir, as_json=args.json)
 
 
 def _report(args: argparse.Namespace) -> int:
+    # start-up cost: each command loads only its own stack
     from flexmarl.cli.report import write_report
 
     path = write_report(args.run_dir, args.out)
@@ -267,7 +285,6 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from flexmarl.serving.cli import run_serve
 
     return run_serve(args)
 
@@ -342,12 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --profile-local: override a config field")
     m.set_defaults(fn=_simulate)
-    s = sub.add_parser("serve-model", help="serve a checkpoint on an OpenAI-compatible "
-                                            "/v1/completions endpoint (token ids, log-probs)")
+    s = sub.add_parser("serve-model", help="serve one model folder on the OpenAI-compatible "
+                                            "endpoints of `flexmarl serve` (token ids, log-probs)")
     s.add_argument("path", help="model folder (config.json + model.safetensors)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--max-batch-seqs", type=int, default=32)
+    s.add_argument("--name", help="the model name requests ask for (default: the folder's)")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     s.set_defaults(fn=_serve_model)
     d = sub.add_parser("doctor", help="read a run's metrics and name likely problems, with "
                                       "the remedy")
@@ -366,7 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--timeout", type=float, default=300.0,
                     help="seconds to wait for the runs to report (default 300)")
     dr.set_defaults(fn=_drain)
-    from flexmarl.serving.cli import add_serve_parser
 
     add_serve_parser(sub).set_defaults(fn=_serve)
     return parser

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 from flexmarl.cli.doctor import Run, diagnose, load_run
 from flexmarl.config.schema import ConfigError
 from flexmarl.sim.simulate import write_gantt
+from flexmarl.telemetry.recorder import read_trace
 from flexmarl.telemetry.samples import clip_text
 
 
@@ -63,25 +63,16 @@ def _curves(run: Run, path: Path, panels: list[tuple[str, list[tuple[str, str]]]
 
 def _gantt(run: Run, path: Path) -> Path | None:
     """trace.json's spans, drawn by the simulator's Gantt code (one lane per worker)."""
-    trace_file = run.path / "trace.json"
-    try:
-        events = json.loads(trace_file.read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError):
+    trace = read_trace(run.path / "trace.json")
+    if trace is None:
         return None
-    pools = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
     agents = run.agents
     spans = []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        pool = pools.get(e.get("pid"))
-        agent = (e.get("args") or {}).get("agent", "")
-        if pool not in ("rollout", "train") or agent not in agents:
-            continue
-        start = e["ts"] / 1e6
-        spans.append(SimpleNamespace(lane=f"{pool}/{e.get('tid', 0)}", agent=agent, pool=pool,
-                                     start=start, end=start + e.get("dur", 0.0) / 1e6))
+    for span in trace[0]:
+        agent = span.label.split(":")[1] if ":" in span.label else ""
+        if span.pool in ("rollout", "train") and agent in agents:
+            spans.append(SimpleNamespace(lane=f"{span.pool}/{span.worker}", agent=agent,
+                                         pool=span.pool, start=span.start, end=span.end))
     if not spans:
         return None
     t0 = min(s.start for s in spans)  # the trace's clock starts before the workers do

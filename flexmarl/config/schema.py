@@ -451,6 +451,8 @@ class TrainConfig(Strict):
     inputs_per_iteration: int = Field(32, gt=0)
     group_size: int = Field(8, gt=0)
     micro_batch_size: int = Field(64, gt=0)
+    # the logging backends (tensorboard, wandb, mlflow) get every N-th iteration's metrics and
+    # the last one's; OUT/metrics.jsonl (doctor, report) always gets every iteration's
     log_every: int = Field(1, gt=0)
     # A checkpoint generation every N completed iterations (None: only on SIGTERM / Ctrl-C);
     # the last `keep_checkpoints` generations are kept under OUT/checkpoints/.
@@ -825,10 +827,10 @@ _LLM_ONLY_RUNTIME = ("colocate", "devices", "rollout_devices", "train_devices", 
                      "rollout_cpus", "train_cpus", "publication", "publication_timeout_s",
                      "deterministic", "slot_size", "slot_sizes", "rollout_workers_max")
 # TrainConfig's fields of runs on a task's graph (episodes of inputs, groups, credit) and of
-# runs on an environment (env steps, greedy evaluation)
+# runs on an environment (env steps, greedy evaluation); the failure budget is both's (an
+# environment run counts its lost rollout workers)
 _TASK_ONLY_TRAIN = ("iterations", "credit", "inputs_per_iteration", "group_size",
-                    "micro_batch_size", "resample_rounds", "max_skipped_steps",
-                    "max_failed_fraction", "max_consecutive_failed_iterations")
+                    "micro_batch_size", "resample_rounds", "max_skipped_steps")
 _ENV_ONLY_TRAIN = ("env_steps", "rollout_steps", "eval_every", "eval_episodes")
 DEFAULT_ENV_STEPS = 200_000
 

@@ -15,6 +15,7 @@ Used by the driver (`train.eval_every`, `eval/*` in metrics.jsonl) and by
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from flexmarl.marl.policies import PolicyLayout
 from flexmarl.marl.policies import layouts as policy_layouts
 from flexmarl.marl.rollout import EnvRollout
 from flexmarl.orchestrator.checkpoint import CheckpointManager, find_checkpoints
+from flexmarl.runtime.local.workers import from_numpy
 
 EVAL_SEED_OFFSET = 7_777_777  # evaluation environments are seeded at seed + this
 MAX_STEPS = 100_000  # per evaluation: an environment that never ends is an error
@@ -147,3 +149,29 @@ def weights_of_state(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
         elif k.startswith("w/vnorm/"):
             out[f"vnorm.{k[8:]}"] = t
     return out
+
+
+class PeriodicEvaluation:
+    """`train.eval_every` in a run: after iterations eval_every - 1, 2 * eval_every - 1, ...
+    and the last one, the greedy evaluation of version k+1 (`eval/*`, with `eval_s`). It reads
+    the published weights only, so training is unchanged by it."""
+
+    def __init__(self, cfg: RunConfig, layouts: dict[str, PolicyLayout], n_iter: int) -> None:
+        self.cfg, self.layouts, self.n_iter = cfg, layouts, n_iter
+        self.evaluator: GreedyEvaluator | None = None
+
+    def after(self, k: int, published: dict[str, tuple[int, Any]]) -> dict[str, float]:
+        every = self.cfg.train.eval_every
+        if every is None or ((k + 1) % every != 0 and k != self.n_iter - 1):
+            return {}
+        t0 = time.perf_counter()
+        if self.evaluator is None:
+            self.evaluator = GreedyEvaluator(self.cfg, self.layouts, self.cfg.train.eval_episodes)
+        for name, (version, wire) in published.items():
+            if version != k + 1:
+                raise RuntimeError(f"evaluation after iteration {k}: policy {name!r} "
+                                   f"published version {version}")
+            self.evaluator.load(name, version, from_numpy(wire))
+        out = self.evaluator.run()
+        out["eval_s"] = time.perf_counter() - t0
+        return out

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexmarl.config.schema import RunConfig
 from flexmarl.marl.policies import PolicyLayout, build_net
+from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 from flexmarl.training.algorithms.mappo import MappoConfig
 from flexmarl.training.host import TrainHost
 from flexmarl.training.policy_learner import LearnerError
@@ -45,6 +46,7 @@ def make_learner(cfg: RunConfig, layout: PolicyLayout) -> AnyLearner:
     """MAPPO / IPPO's `PolicyLearner`, or VDN / QMIX's replay learner (marl/offpolicy.py)."""
     if isinstance(cfg.env_algorithm, MappoConfig):
         return PolicyLearner(cfg, layout)
+    # optional: pettingzoo (the marl extra); a hybrid graph's MAPPO learners run without it
     from flexmarl.marl.offpolicy import QLearner
 
     return QLearner(cfg, layout)
@@ -72,7 +74,6 @@ def slot_host(spec: Any) -> TrainHost:
 def marl_train_worker_main(conn: Connection, spec: Any) -> None:
     """A training slot process for network policies (`MarlWorkerSpec`): the shared slot loop
     (`serve_slot`) over a `TrainHost` of network learners."""
-    from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)

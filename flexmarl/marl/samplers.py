@@ -51,15 +51,21 @@ class OnPolicyRows:
 
     def __init__(self, store: ExperienceStore, agents: list[str],
                  layouts: dict[str, PolicyLayout], num_envs: int) -> None:
+        """`num_envs`: the environments of one rollout worker."""
         self.store, self.agents, self.layouts, self.num_envs = store, agents, layouts, num_envs
         self._taken: dict[str, list[Row]] = {}
         self._put: dict[tuple[int, str], list[str]] = {}  # (k, agent): ids put, not taken
+        # iteration k: the rollout workers whose results were put (a lost one's are missing)
+        self._workers: dict[int, int] = {}
 
     def put(self, k: int, results: list[RolloutResult]) -> None:
         """Iteration k's rows into the store, ready for step k: sample_id
         `{k}-{env}_{agent index}_0`, policy_version k, the version vector, the arrays by
         reference."""
         vector = dict.fromkeys(self.agents, k)
+        if k not in self._workers:  # every step of k-1 is checked: rollout k waited for them
+            self._workers = {k: 0}
+        self._workers[k] += len(results)
         for res in results:
             for r in res.rows:
                 ai = self.agents.index(r.agent)
@@ -101,7 +107,8 @@ class OnPolicyRows:
 
     def check(self, policy: str, k: int, audit: Audit) -> None:
         expected = {r.sample_id for r in self._taken[policy]}
-        complete = len(expected) == self.num_envs * len(self.layouts[policy].agents)
+        complete = len(expected) == (self.num_envs * self._workers.get(k, 0)
+                                     * len(self.layouts[policy].agents))
         if not complete or {sid for sid, *_ in audit} != expected or any(
                 v != k or s != k for _, v, s, _ in audit):
             raise ConsistencyError(f"policy {policy!r}: step {k} trained on rows other than "

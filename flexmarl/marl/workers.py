@@ -8,8 +8,18 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from flexmarl.config.schema import RunConfig
+from flexmarl.marl.offpolicy import QRollout
 from flexmarl.marl.policies import PolicyLayout
-from flexmarl.runtime.local.workers import WorkerSpec
+from flexmarl.marl.rollout import EnvRollout
+from flexmarl.runtime.local.workers import (
+    WorkerSpec,
+    _setup_torch,
+    from_numpy,
+    serve_slot,
+    start_heartbeat,
+)
+from flexmarl.training.algorithms.vdn import VdnConfig
 
 
 @dataclass
@@ -32,10 +42,6 @@ class RolloutHost:
     and, on Ray, by the same main in an actor (`runtime.ray.transport.PipeActor`)."""
 
     def __init__(self, spec: MarlWorkerSpec) -> None:
-        from flexmarl.config.schema import RunConfig
-        from flexmarl.marl.offpolicy import QRollout
-        from flexmarl.marl.rollout import EnvRollout
-        from flexmarl.training.algorithms.vdn import VdnConfig
 
         cfg = RunConfig.model_validate(spec.config)
         # spaces were checked in the driver; VDN / QMIX act epsilon-greedily (marl/offpolicy.py)
@@ -46,7 +52,6 @@ class RolloutHost:
 
     def handle(self, command: str, payload: Any) -> tuple[Any, str]:
         """One command -> (result, span label)."""
-        from flexmarl.runtime.local.workers import from_numpy
 
         if command == "load_weights":
             name, version, weights = payload
@@ -72,7 +77,6 @@ def rollout_host(spec: MarlWorkerSpec) -> RolloutHost:
 def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
     """A rollout worker process: the shared command loop (`serve_slot`) over a
     `RolloutHost`."""
-    from flexmarl.runtime.local.workers import _setup_torch, serve_slot, start_heartbeat
 
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)

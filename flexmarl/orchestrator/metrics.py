@@ -34,20 +34,25 @@ def quantile(values: list[float], q: float) -> float:
 
 
 class IterationMetrics:
-    """Builds iteration records from the iteration state, the trace and the training audit."""
+    """Builds iteration records from the trace (`common`: every run's) and, for a task run's
+    iterations (`record`), the iteration state, the versions and the training audit."""
 
     def __init__(self, telemetry: Telemetry, rollout: RolloutPool, train: TrainPool,
-                 agents: list[str], trainable: list[str], versions: dict[str, int],
-                 consumed: dict[str, dict[int, list[str]]]) -> None:
+                 agents: list[str], trainable: list[str],
+                 versions: dict[str, int] | None = None,
+                 consumed: dict[str, dict[int, list[str]]] | None = None) -> None:
         self.telemetry = telemetry
         self.rollout = rollout
         self.train = train
         self.agents = agents
         self.trainable = trainable
-        self.versions = versions
-        self.consumed = consumed
+        self.versions = versions if versions is not None else {}
+        self.consumed = consumed if consumed is not None else {}
         # more per-iteration metrics (GPU utilisation and memory): each called once per record
         self.sources: list[Callable[[], dict[str, Any]]] = []
+        # the spans before this index ended before the last record's window: `common`'s
+        # windows only move forward, so its scans start here (a long run's records stay O(1))
+        self._first = 0
 
     def _train_busy_frac(self, t0: float, t1: float) -> float:
         """Busy device-seconds of the training pool over its devices: a slot of K ranks
@@ -55,7 +60,7 @@ class IterationMetrics:
         sizes = getattr(self.train, "slot_sizes", None) or [1] * self.train.n_workers
         if t1 <= t0 or not sizes:
             return 0.0
-        busy = self.telemetry.busy_by_worker("train", len(sizes), t0, t1)
+        busy = self.telemetry.busy_by_worker("train", len(sizes), t0, t1, self._first)
         return sum(b * k for b, k in zip(busy, sizes, strict=True)) / ((t1 - t0) * sum(sizes))
 
     def rollout_metrics(self, it: IterationState) -> dict[str, Any]:
@@ -91,38 +96,54 @@ class IterationMetrics:
             out["rollout/plan"] = it.plan
         return out
 
-    def record(self, it: IterationState, t0: float, now: float, start: float) -> dict[str, Any]:
-        """Iteration `it.index`'s record: its window is (t0, now], `start` the run's start."""
-        k = it.index
-        n_ok = it.episodes_total - it.episodes_failed
+    def common(self, k: int, t0: float, now: float, start: float) -> dict[str, Any]:
+        """What every run's record of iteration k holds, whatever its rollout (a task's
+        episodes, an environment run's workers): its window (t0, now], the pools' busy
+        fractions, the training-state swaps, and the extra `sources`."""
+        spans = self.telemetry.spans  # those that ended before t0 matter to no later window
+        while self._first < len(spans) and spans[self._first].end <= t0:
+            self._first += 1
         record: dict[str, Any] = {
             "iteration": k,
             "wall_s": now - t0,
             "time_s": now - start,
+            "pool/rollout/busy_frac": self.telemetry.busy_frac(
+                "rollout", self.rollout.n_workers, t0, now, self._first),
+            "pool/train/busy_frac": self._train_busy_frac(t0, now),
+        }
+        swaps = self.swaps(t0, now)
+        record["pool/train/swaps"] = sum(n for n, _ in swaps.values())
+        record["pool/train/swap_s"] = sum(secs for _, secs in swaps.values())
+        for source in self.sources:
+            record.update(source())
+        return record
+
+    def swaps(self, t0: float, now: float) -> dict[str, tuple[int, float]]:
+        """Per agent (or policy): training-state swaps (a trainer bound to a slot it was not
+        resident on) that ended in the window: agents time-sharing training slots."""
+        return self.telemetry.labelled("train", "swap:", t0, now, self._first)
+
+    def record(self, it: IterationState, t0: float, now: float, start: float) -> dict[str, Any]:
+        """Iteration `it.index`'s record: its window is (t0, now], `start` the run's start."""
+        k = it.index
+        n_ok = it.episodes_total - it.episodes_failed
+        record = self.common(k, t0, now, start)
+        record.update({
             "task/success_rate": it.successes / max(n_ok, 1),
             "episodes/total": it.episodes_total,
             "episodes/failed": it.episodes_failed,
             "episodes/groups_resampled": sum(it.rounds.values()),
-            "pool/rollout/busy_frac": self.telemetry.busy_frac(
-                "rollout", self.rollout.n_workers, t0, now),
-            "pool/train/busy_frac": self._train_busy_frac(t0, now),
             "rollout/makespan_s": it.rollout_finished_at - it.started_at,
-        }
+        })
         record.update(self.rollout_metrics(it))
         record.update(it.pool_stats)
-        for source in self.sources:
-            record.update(source())
         diffs = [it.trained[a] for a in self.trainable
                  if "logprob_diff_mean" in it.trained.get(a, {})]
         if diffs:  # rollout vs trainer log-probs of the same weights, over every agent
             record["rollout/logprob_diff_mean"] = float(np.mean(
                 [d["logprob_diff_mean"] for d in diffs]))
             record["rollout/logprob_diff_max"] = max(d["logprob_diff_max"] for d in diffs)
-        # training-state swaps (a trainer bound to a slot it was not resident on) that ended
-        # in this iteration's window: agents time-sharing training slots
-        swaps = self.telemetry.labelled("train", "swap:", t0, now)
-        record["pool/train/swaps"] = sum(n for n, _ in swaps.values())
-        record["pool/train/swap_s"] = sum(secs for _, secs in swaps.values())
+        swaps = self.swaps(t0, now)
         for agent in self.agents:
             # fsum is exactly rounded, so the mean does not depend on the order in which
             # episodes finished (placement changes that order, never the rewards).
@@ -160,19 +181,25 @@ class FailureBudget:
         self.failed_iterations = 0  # consecutive iterations over the fraction
 
     def check(self, it: IterationState, first_error: str | None) -> None:
+        """An LLM run's iteration: its failed episodes."""
+        self.count(it.index, it.episodes_failed, it.episodes_total, first_error, "episodes")
+
+    def count(self, k: int, failed: int, total: int, first_error: str | None,
+              what: str) -> None:
+        """Iteration k had `failed` of `total` units of rollout fail (`what`: an LLM run's
+        episodes, an environment run's rollout workers)."""
         limit = self.cfg.train.max_failed_fraction
-        fraction = it.episodes_failed / max(it.episodes_total, 1)
-        if it.episodes_failed == 0 or fraction <= limit:
+        fraction = failed / max(total, 1)
+        if failed == 0 or fraction <= limit:
             self.failed_iterations = 0
             return
         self.failed_iterations += 1
         if self.failed_iterations <= self.cfg.train.max_consecutive_failed_iterations:
             return
-        self.telemetry.fault("failure_budget_exceeded", iteration=it.index,
-                             failed=it.episodes_failed, total=it.episodes_total,
-                             first_error=first_error)
+        self.telemetry.fault("failure_budget_exceeded", iteration=k, failed=failed,
+                             total=total, first_error=first_error)
         raise FailureBudgetExceeded(
-            f"iteration {it.index}: {it.episodes_failed} of {it.episodes_total} episodes failed "
+            f"iteration {k}: {failed} of {total} {what} failed "
             f"({fraction:.0%} > train.max_failed_fraction={limit:g}) in "
             f"{self.failed_iterations} consecutive iteration(s) "
             f"(train.max_consecutive_failed_iterations="

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import yaml
 
@@ -19,16 +20,35 @@ from flexmarl.graph import contracts
 from flexmarl.graph.meg import GraphError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.orchestrator.checkpoint import Checkpoint, CheckpointManager, find_checkpoints
+from flexmarl.orchestrator.checkpointing import RunInterrupted
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.policy.device import check_slots
 from flexmarl.policy.memory import check_memory
+from flexmarl.policy.model import check_shapes, checkpoint_shapes, skeleton
 from flexmarl.runtime import heap
+from flexmarl.runtime.local.runtime import LocalRuntime
+from flexmarl.store.experience import Status
 from flexmarl.telemetry.gpu import GpuMonitor
 from flexmarl.telemetry.loggers import check_installed, make_loggers
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.telemetry.train_stats import SlotStatsSource
+from flexmarl.training import lora
 
-R = TypeVar("R")
+
+class HostedResult(Protocol):
+    """What `host_run` reads of a finished run for OUT/summary.json."""
+
+    records: list[dict[str, Any]]
+    placement: dict[str, Any]
+    faults: dict[str, Any] | None
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        """The driver's own summary fields (the host adds iterations, wall_s, placement,
+        faults)."""
+        ...
+
+
+R = TypeVar("R", bound=HostedResult)
 
 
 @dataclass
@@ -46,6 +66,11 @@ class RunResult:
     @property
     def final_success(self) -> float:
         return self.records[-1]["task/success_rate"] if self.records else 0.0
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        self.wall_s = wall_s
+        return {"final_success_rate": self.final_success,
+                "checkpoints": {a: str(p) for a, p in self.checkpoints.items()}}
 
 
 def prepare(cfg: RunConfig) -> Task:
@@ -69,8 +94,6 @@ def prepare(cfg: RunConfig) -> Task:
 
 def check_models(cfg: RunConfig, task: Task) -> None:
     """LoRA targets and checkpoint shapes against a meta-device model: no weights loaded."""
-    from flexmarl.policy.model import check_shapes, checkpoint_shapes, skeleton
-    from flexmarl.training import lora
 
     for agent, acfg in cfg.agents.items():
         if acfg.lora is None and acfg.model.checkpoint is None:
@@ -87,7 +110,6 @@ def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> 
     """Futures that failed after the run already had its error (a lost worker's pending calls)
     are recorded as `unretrieved_error` events in metrics.jsonl instead of printing asyncio's
     traceback wall; with FLEXMARL_DEBUG set, asyncio prints them as usual."""
-    import os
 
     if os.environ.get("FLEXMARL_DEBUG"):
         return
@@ -104,11 +126,10 @@ def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> 
 
 def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry) -> Runtime:
     if cfg.runtime.kind == "local":
-        from flexmarl.runtime.local.runtime import LocalRuntime
 
         return LocalRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
     if cfg.runtime.kind == "ray":
-        from flexmarl.runtime.ray.runtime import RayRuntime
+        from flexmarl.runtime.ray.runtime import RayRuntime  # optional: ray (the ray extra)
 
         return RayRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
     raise ValueError(f"runtime.kind: unsupported runtime {cfg.runtime.kind!r}")
@@ -127,32 +148,48 @@ def train(
     task = prepare(cfg)
     ckpt: Checkpoint | None = find_checkpoints(resume).load() if resume is not None else None
 
-    async def body(telemetry: Telemetry) -> RunResult:
-        return await _run(cfg, task, telemetry, out, on_iteration, ckpt, on_runtime)
+    async def body(telemetry: Telemetry, stops: StopRequests) -> RunResult:
+        return await _run(cfg, task, telemetry, stops, out, on_iteration, ckpt, on_runtime)
 
-    def summary(result: RunResult, wall_s: float) -> dict[str, Any]:
-        result.wall_s = wall_s
-        return {"iterations": len(result.records), "final_success_rate": result.final_success,
-                "wall_s": wall_s,
-                "checkpoints": {a: str(p) for a, p in result.checkpoints.items()},
-                "placement": result.placement}
+    return host_run(cfg, out, ckpt, body)
 
-    return host_run(cfg, out, ckpt, body, summary)
+
+class StopRequests:
+    """SIGTERM / Ctrl-C during a hosted run: routed to the driver's `request_stop` (a
+    checkpoint at the next iteration boundary, then stop; a second request stops at once)
+    once the driver has one; before that (workers starting) the run stops at once."""
+
+    def __init__(self) -> None:
+        self.body: asyncio.Future | None = None  # the hosted driver's task
+        self.handler: Callable[[], None] | None = None
+        self.early = False
+
+    def __call__(self) -> None:
+        if self.handler is not None:
+            self.handler()
+        else:
+            self.early = True
+            if self.body is not None:
+                self.body.cancel()
+
+    def route(self, handler: Callable[[], None]) -> None:
+        self.handler = handler
 
 
 def host_run(cfg: Any, out: Path | None, resume: Checkpoint | None,
-             body: Callable[[Telemetry], Awaitable[R]],
-             summary: Callable[[R, float], dict[str, Any]]) -> R:
-    """What every run does around its loop, an LLM run's orchestrator or a classic MARL run's
-    schedule alike: OUT/config.yaml, the telemetry and its logging backends, metrics.jsonl
-    restarted from a resumed checkpoint's records, the driver's event loop, OUT/summary.json
-    (`status: failed` with the error when the body raises: doctor and report read it), the
-    trace. `out` None (tests, benches): no files, the records in memory only."""
+             body: Callable[[Telemetry, StopRequests], Awaitable[R]]) -> R:
+    """What every run does around its driver, an LLM run's orchestrator or an environment
+    run's alike: OUT/config.yaml, the telemetry and its logging backends, metrics.jsonl
+    restarted from a resumed checkpoint's records, the event loop, SIGTERM / Ctrl-C (routed
+    to the driver by `StopRequests`), OUT/summary.json (`status: failed` with the error when
+    the body raises: doctor and report read it), the trace. `out` None (tests, benches): no
+    files, the records in memory only."""
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"),
                                                         sort_keys=False))
-    telemetry = Telemetry(out, loggers=make_loggers(cfg, out) if out is not None else None)
+    telemetry = Telemetry(out, loggers=make_loggers(cfg, out) if out is not None else None,
+                          log_every=cfg.train.log_every, last_iteration=cfg.train.iterations - 1)
     if resume is not None:  # metrics.jsonl restarts from the checkpoint's records
         for record in resume.position["records"]:
             telemetry.log(record)
@@ -177,51 +214,48 @@ def host_run(cfg: Any, out: Path | None, resume: Checkpoint | None,
             telemetry.write_trace(out / "trace.json")
         telemetry.close(status)
     wall_s = time.time() - started
-    done = summary(result, wall_s)
+    done = {"iterations": len(result.records), "wall_s": wall_s,
+            **result.summary(wall_s), "placement": result.placement, "faults": result.faults}
     if out is not None:
         (out / "summary.json").write_text(json.dumps({"status": "completed", **done}, indent=2))
     return result
 
 
-async def _hosted(body: Callable[[Telemetry], Awaitable[R]], telemetry: Telemetry) -> R:
-    quiet_unretrieved(asyncio.get_running_loop(), telemetry)
-    return await body(telemetry)
-
-
-def stop_on_signals(request_stop: Callable[[], None]) -> list[int]:
-    """SIGTERM / Ctrl-C call `request_stop` (every run: a checkpoint at the next iteration
-    boundary, then stop; a second request stops at once). The signals handled, for
-    `release_signals`; none off the main thread."""
+async def _hosted(body: Callable[[Telemetry, StopRequests], Awaitable[R]],
+                  telemetry: Telemetry) -> R:
     loop = asyncio.get_running_loop()
+    quiet_unretrieved(loop, telemetry)
+    stops = StopRequests()
+    task = stops.body = asyncio.ensure_future(body(telemetry, stops))
     handled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, request_stop)
+            loop.add_signal_handler(sig, stops)
             handled.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
-    return handled
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not stops.early:
+            raise
+        raise RunInterrupted("stopped before the first iteration", None) from None
+    finally:
+        for signum in handled:
+            loop.remove_signal_handler(signum)
 
 
-def release_signals(handled: list[int]) -> None:
-    loop = asyncio.get_running_loop()
-    for signum in handled:
-        loop.remove_signal_handler(signum)
-
-
-async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
+async def _run(cfg, task, telemetry, stops: StopRequests, out: Path, on_iteration, ckpt=None,
                on_runtime=None) -> RunResult:
     runtime = make_runtime(cfg, task, telemetry)
     await runtime.start()
-    handled: list[int] = []
     try:
         telemetry.event("placement", **runtime.placement())
         manager = CheckpointManager(out / "checkpoints", cfg.train.keep_checkpoints)
         orch = JointOrchestrator(cfg, task, runtime.rollout, runtime.train, telemetry, on_iteration,
                                  save_checkpoint=manager.save, resume=ckpt)
-        handled = stop_on_signals(orch.request_stop)
+        stops.route(orch.request_stop)
         tables = orch.store.tables  # rows the store still holds (doctor: a growing store)
-        from flexmarl.store.experience import Status
 
         orch.metric_sources.append(lambda: {"store/rows_held": sum(
             t.count(st) for t in tables.values() for st in Status)})
@@ -244,5 +278,4 @@ async def _run(cfg, task, telemetry, out: Path, on_iteration, ckpt=None,
         return RunResult(out, records, checkpoints, orch.consumed, orch.audit, orch.store.stats(),
                          runtime.placement(), 0.0, runtime.fault_counts())
     finally:
-        release_signals(handled)
         await runtime.stop()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmarl.config.schema import LoraConfig, RunConfig
+from flexmarl.policy.model import build_model, stable_seed
 from flexmarl.policy.quiet import quiet_peft_wrap
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch (a frozen base agent)
@@ -40,7 +41,7 @@ def engine_groups(cfg: RunConfig, agents: list[str]) -> dict[str, list[str]]:
 
 
 def peft_config(cfg: LoraConfig) -> Any:
-    from peft import LoraConfig as PeftLoraConfig
+    from peft import LoraConfig as PeftLoraConfig  # optional: peft (the lora extra)
 
     return PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]
                           lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
@@ -51,7 +52,7 @@ def add_adapter(model: torch.nn.Module, name: str, cfg: LoraConfig, seed: int) -
     """Wrap `model` in peft with adapter `name` (or add `name` to a peft model already). The
     adapter's initial values are drawn from `seed` alone, so a replica and every training slot
     start each agent with the same adapter whatever the order agents were built in."""
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model  # optional: peft (the lora extra)
 
     with torch.random.fork_rng(devices=[]), quiet_peft_wrap():
         torch.manual_seed(seed)
@@ -62,7 +63,7 @@ def add_adapter(model: torch.nn.Module, name: str, cfg: LoraConfig, seed: int) -
 
 
 def _lora_layers(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional: peft (the lora extra)
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
@@ -143,7 +144,6 @@ def build_replica_model(cfg: RunConfig, agents: list[str], vocab_size: int, max_
     """One base (the agents' shared `model.base`) with an adapter per agent that has `lora`,
     for a rollout replica; the adapter of each agent (`BASE_ADAPTER` for none); its memory:
     the base's bytes and the bytes each agent added."""
-    from flexmarl.policy.model import build_model, stable_seed
 
     first = cfg.agents[agents[0]].model
     base = build_model(f"models.{first.base}", first, vocab_size, max_seq_len, cfg.seed,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from flexmarl.errors import UserError
 
@@ -237,7 +238,6 @@ def check_slots(runtime_cfg, sizes: list[int], gpu_count: int | None = None,
     """Whether training slots of `sizes` ranks can run here (before anything starts): a
     slot larger than the training pool's GPUs, on the CPU more training processes than 4x the
     CPU count, or no collective backend for a slot of K > 1 is an error naming the field."""
-    import torch.distributed as dist
 
     n = torch.cuda.device_count() if gpu_count is None else gpu_count
     kind = resolve_kind(runtime_cfg.devices, n)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from flexmarl.config.schema import RunConfig
 from flexmarl.errors import UserError
 from flexmarl.policy.model import approx_params
@@ -123,7 +125,6 @@ def _uses_cuda(cfg: RunConfig) -> bool:
     if cfg.runtime.devices == "cuda":
         return True
     try:
-        import torch
 
         return bool(torch.cuda.is_available())
     except Exception:  # noqa: BLE001 - no torch build with CUDA: the CPU

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from transformers import (
 from flexmarl.config.schema import ModelConfig
 from flexmarl.errors import UserError
 from flexmarl.policy.quiet import quiet_loading
+from flexmarl.policy.smollm import ensure_cache
 
 
 class ModelLoadError(UserError, ValueError):
@@ -36,7 +38,6 @@ def _resolve(cfg: ModelConfig) -> ModelConfig:
     """`smollm2` is a `path` model whose path is the converted cache."""
     if cfg.kind != "smollm2":
         return cfg
-    from flexmarl.policy.smollm import ensure_cache
 
     return cfg.model_copy(update={"kind": "path", "path": str(ensure_cache()), "gguf_file": None})
 
@@ -111,7 +112,6 @@ def approx_params(cfg: ModelConfig, vocab_size: int) -> int:
     if cfg.kind == "path" and cfg.path:
         config_file = Path(cfg.path) / "config.json"
         if config_file.exists():
-            import json
 
             c = json.loads(config_file.read_text())
             hidden = c.get("hidden_size", hidden)

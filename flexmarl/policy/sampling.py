@@ -13,13 +13,13 @@ Log-probs are those of the (masked, tempered) distribution sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from flexmarl.policy.model import stable_seed
-from flexmarl.types import GenerationRequest, GenerationResult
+from flexmarl.types import GenerationRequest
 
 PAD = 0
 
@@ -106,20 +106,6 @@ def top_p_mask(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     keep_sorted[:, 0] = True
     keep = torch.zeros_like(keep_sorted)
     return keep.scatter(1, order, keep_sorted)
-
-
-def generate(
-    model: torch.nn.Module, requests: list[GenerationRequest], max_seqs: int | None = None,
-    tokenizer: Any = None,
-) -> list[GenerationResult]:
-    """Decode `requests` to their own lengths with continuous batching (see rollout.engine);
-    `tokenizer` (or a function returning it) matches stop strings."""
-    from flexmarl.rollout.engine import ContinuousBatcher
-
-    if not requests:
-        return []
-    return ContinuousBatcher(model, max_seqs or len(requests),
-                             tokenizer=tokenizer).run_to_completion(requests)
 
 
 @dataclass

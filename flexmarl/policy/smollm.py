@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 from pathlib import Path
 
 from flexmarl.errors import UserError
@@ -50,12 +51,14 @@ def ensure_cache() -> Path:
     out = cache_dir()
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
+    # start-up cost: transformers loads only when SmolLM2 is built
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
     with quiet_loading():  # a one-time conversion of a few seconds
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    # start-up cost: torch (this module is imported by torch-free ones)
     from safetensors.torch import save_file
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -74,13 +77,13 @@ def ensure_cache() -> Path:
     try:
         tmp.rename(out)
     except OSError:  # another process finished first
-        import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def load_tokenizer():
+    # start-up cost: transformers loads only when SmolLM2 is built
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(ensure_cache()))

@@ -36,6 +36,7 @@ class TokenizerError(UserError, ValueError):
 
 def byte_tokenizer() -> Any:
     """The fallback of random models: byte-level BPE without merges (every byte one token)."""
+    # start-up cost: transformers loads when a tokenizer is built
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +101,7 @@ def agent_tokenizer(agent: str, cfg: ModelConfig, task_vocab: int) -> Any:
     if key in _CACHE:
         return _CACHE[key]
     if cfg.kind == "smollm2":
-        from flexmarl.policy.smollm import load_tokenizer
+        from flexmarl.policy.smollm import load_tokenizer  # start-up cost: transformers
 
         tok = load_tokenizer()
     elif cfg.kind == "path":
@@ -109,6 +110,7 @@ def agent_tokenizer(agent: str, cfg: ModelConfig, task_vocab: int) -> Any:
             raise TokenizerError(
                 f"agent {agent!r}: a text-level node needs a tokenizer, but model.path "
                 f"{str(folder)!r} has none (expected one of {', '.join(TOKENIZER_FILES)})")
+        # start-up cost: transformers loads when a tokenizer is built
         from transformers import AutoTokenizer
 
         try:

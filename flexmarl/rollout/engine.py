@@ -30,15 +30,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from flexmarl.policy.sampling import (
-    PAD,
-    GenerationRequest,
-    GenerationResult,
-    noise_seed_of,
-    sample_keyed,
-    sampling_key,
-    top_p_mask,
-)
+from flexmarl.policy.adapters import BASE_ADAPTER, StackedLoRA, load_adapter
+from flexmarl.policy.sampling import PAD, noise_seed_of, sample_keyed, sampling_key, top_p_mask
 from flexmarl.rollout.paged import (
     NULL_BLOCK,
     BlockAllocator,
@@ -48,6 +41,7 @@ from flexmarl.rollout.paged import (
     block_hashes,
     shared_prompt_tokens,
 )
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 @dataclass
@@ -397,9 +391,8 @@ class ContinuousBatcher:
     def _hook_adapters(self, model: Any) -> Any:
         """Replace the forward of every LoRA layer by the stacked, batched one (`policy.
         adapters.StackedLoRA`); returns the transformers model inside the peft wrapper."""
-        from peft import PeftModel
+        from peft import PeftModel  # optional: peft (the lora extra)
 
-        from flexmarl.policy.adapters import BASE_ADAPTER, StackedLoRA
 
         if not isinstance(model, PeftModel):  # agents on a base without any adapter
             return model
@@ -1043,6 +1036,18 @@ class ContinuousBatcher:
         return [done[r.sample_id] for r in requests]
 
 
+def generate(
+    model: torch.nn.Module, requests: list[GenerationRequest], max_seqs: int | None = None,
+    tokenizer: Any = None,
+) -> list[GenerationResult]:
+    """Decode `requests` to their own lengths with continuous batching (`ContinuousBatcher`);
+    `tokenizer` (or a function returning it) matches stop strings."""
+    if not requests:
+        return []
+    return ContinuousBatcher(model, max_seqs or len(requests),
+                             tokenizer=tokenizer).run_to_completion(requests)
+
+
 class HFEngine(ContinuousBatcher):
     """The `hf` backend on a replica: continuous batching plus in-place weight updates."""
 
@@ -1050,7 +1055,6 @@ class HFEngine(ContinuousBatcher):
         """A new version: the model's changed tensors, or (shared base) `agent`'s adapter,
         loaded while other agents' sequences keep running on the base."""
         if self.adapters is not None:
-            from flexmarl.policy.adapters import BASE_ADAPTER, load_adapter
 
             if agent not in self.adapters or self.adapters[agent] == BASE_ADAPTER:
                 raise ValueError(f"agent {agent!r} has no adapter on this model to load into")

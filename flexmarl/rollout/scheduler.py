@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 class Engine(Protocol):

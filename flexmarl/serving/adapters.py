@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flexmarl.policy.adapters import adapter_tensors, load_adapter
@@ -97,7 +98,6 @@ def is_adapter_file(path: Path) -> bool:
         if is_packed(path):
             names = list(unpack(path.read_bytes()))
         else:
-            from safetensors import safe_open
 
             with safe_open(str(path), "pt") as f:
                 names = list(f.keys())

@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from flexmarl.config.schema import AgentConfig, ConfigError, RunConfig, load_config
 from flexmarl.errors import UserError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.policy.adapters import adapter_name, adapter_tensors, add_adapter, load_adapter
+from flexmarl.policy.model import check_shapes
+from flexmarl.policy.smollm import load_tokenizer as smollm_tokenizer
 from flexmarl.policy.tokenizer import TOKENIZER_FILES
 from flexmarl.serving.adapters import (
     ADAPTER_FILE,
@@ -31,6 +35,7 @@ from flexmarl.serving.adapters import (
     read_adapter_file,
     tenant_adapter,
 )
+from flexmarl.serving.compress import is_packed, unpack
 
 
 class ServeError(UserError, ValueError):
@@ -133,7 +138,6 @@ def explicit_source(path: str | Path) -> WeightSource:
 def load_tokenizer(agent: str, acfg: AgentConfig, source: WeightSource) -> Any | None:
     """The agent's tokenizer: next to its weights, in `model.path`, or SmolLM2's; None when it
     has none (a token-level agent, such as the referential game's)."""
-    from transformers import AutoTokenizer
 
     folders = []
     if source.file is not None:
@@ -148,7 +152,6 @@ def load_tokenizer(agent: str, acfg: AgentConfig, source: WeightSource) -> Any |
                 raise ServeError(f"agent {agent!r}: tokenizer in {folder} cannot be loaded: "
                                  f"{exc}") from exc
     if acfg.model.kind == "smollm2":
-        from flexmarl.policy.smollm import load_tokenizer as smollm_tokenizer
 
         return smollm_tokenizer()
     return None
@@ -164,10 +167,7 @@ def pick_device(device: str) -> str:
 
 def load_weights_file(agent: str, source: WeightSource, model: torch.nn.Module) -> None:
     """Load `source` into `model` in place; every model tensor must be there, shapes equal."""
-    from safetensors.torch import load_file
 
-    from flexmarl.policy.model import check_shapes
-    from flexmarl.serving.compress import is_packed, unpack
 
     assert source.file is not None
     if is_packed(source.file):  # a compressed blob (compress.pack), e.g. from another process
@@ -311,11 +311,57 @@ class ServedRun:
     device: str
 
 
-def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None = None
-             ) -> ServedRun:
-    from flexmarl.policy.device import compute_dtype
+def served_agent(name: str, acfg: AgentConfig, source: WeightSource, run_seed: int, dev: str,
+                 vocab: int, max_seq_len: int) -> AgentSpec:
+    """One agent built for serving: its model (with `source`'s weights, or its adapter's), its
+    tokenizer and its first version."""
+    from flexmarl.policy.device import compute_dtype  # transformers: loaded on first use
     from flexmarl.policy.model import build_model
 
+    model: torch.nn.Module = build_model(name, acfg.model, vocab, max_seq_len, run_seed, dev,
+                                         compute_dtype(acfg.model.dtype, dev))
+    adapter = None
+    if acfg.lora is not None:
+        dtype = next(model.parameters()).dtype
+        model = wrap_adapter(name, acfg, model, run_seed).to(device=dev, dtype=dtype)
+        adapter = adapter_name(name)
+        if source.file is not None:
+            load_adapter_file(name, source, model, adapter)
+    elif source.file is not None:
+        load_weights_file(name, source, model)
+    model.eval()
+    # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
+    number = int(source.label.removeprefix("promoted-v")) if source.label.startswith(
+        "promoted-v") and source.label[10:].isdigit() else 1
+    return AgentSpec(name, acfg, model, load_tokenizer(name, acfg, source),
+                     Version(number, source.label, source.policy_version, time.time()),
+                     source.fingerprint, adapter=adapter)
+
+
+def load_model_folder(path: str | Path, name: str | None = None, device: str = "auto"
+                      ) -> ServedRun:
+    """One model folder (`config.json` and weights, as `save_pretrained` writes them) served
+    as one agent, named after the folder unless `name` says otherwise (`flexmarl
+    serve-model`). There is no task, so no episodes; every other setting is its default."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ServeError(f"serve-model: {folder} is not a model folder (no config.json); pass a "
+                         "checkpoint such as runs/<name>/checkpoints/final/<agent>")
+    name = name or folder.name
+    try:
+        acfg = AgentConfig.model_validate({"model": {"kind": "path", "path": str(folder)}})
+    except ValueError as exc:
+        raise ServeError(f"serve-model: {folder}: {exc}") from None
+    # a task-less run: only the sections serving reads (rollout, runtime, seed), as defaults
+    cfg = RunConfig.model_construct(agents={name: acfg})
+    dev = pick_device(device)
+    source = WeightSource(str(folder), None, _policy_version(folder))  # weights: `model.path`
+    return ServedRun(folder, cfg, None, "a model folder has no task",
+                     {name: served_agent(name, acfg, source, cfg.seed, dev, 0, 0)}, dev)
+
+
+def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None = None
+             ) -> ServedRun:
     rd = Path(run_dir)
     cfg_file = rd / "config.yaml"
     if not cfg_file.is_file():
@@ -345,24 +391,6 @@ def load_run(run_dir: str | Path, device: str = "auto", agents: list[str] | None
         if acfg.model.kind == "random" and task is None:
             raise ServeError(f"agent {name!r}: a random-init model needs the task's vocabulary, "
                              f"and the task did not load: {task_error}")
-        source = resolve_source(rd, name, acfg)
-        model: torch.nn.Module = build_model(name, acfg.model, vocab, max_seq_len, cfg.seed,
-                                             dev, compute_dtype(acfg.model.dtype, dev))
-        adapter = None
-        if acfg.lora is not None:
-            dtype = next(model.parameters()).dtype
-            model = wrap_adapter(name, acfg, model, cfg.seed).to(device=dev, dtype=dtype)
-            adapter = adapter_name(name)
-            if source.file is not None:
-                load_adapter_file(name, source, model, adapter)
-        elif source.file is not None:
-            load_weights_file(name, source, model)
-        model.eval()
-        # a shadow the server promoted keeps its number across restarts (promoted-vN is vN)
-        number = int(source.label.removeprefix("promoted-v")) if source.label.startswith(
-            "promoted-v") and source.label[10:].isdigit() else 1
-        out[name] = AgentSpec(
-            name, acfg, model, load_tokenizer(name, acfg, source),
-            Version(number, source.label, source.policy_version, time.time()),
-            source.fingerprint, adapter=adapter)
+        out[name] = served_agent(name, acfg, resolve_source(rd, name, acfg), cfg.seed, dev,
+                                 vocab, max_seq_len)
     return ServedRun(rd, cfg, task, task_error, out, dev)

@@ -30,10 +30,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from flexmarl.serving.agents import ServeError
+from flexmarl.serving.agents import ServedRun, ServeError, load_run
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.deploy import DeployConfig
 from flexmarl.serving.drift import DriftConfig
@@ -136,19 +137,18 @@ def create_app(service: Service, watch_s: float | None = None) -> FastAPI:
     return app
 
 
-def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
+def serve(run_dir: str | Path | ServedRun, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, device: str = "auto", limits: Limits | None = None,
           watch_s: float | None = None, agents: list[str] | None = None,
           max_batch_seqs: int | None = None, capture: str | Path | None = None,
           torch_threads: int | None = None, deploy: DeployConfig | None = None,
           tenants: Tenants | None = None, drift: DriftConfig | None = None) -> None:
-    import uvicorn
+    """Serve a run folder's agents (or an already loaded `ServedRun`, such as
+    `load_model_folder`'s) until interrupted."""
+    import uvicorn  # optional: uvicorn (the serve extra)
 
-    from flexmarl.serving.agents import load_run
-
-    run = load_run(run_dir, device, agents)
+    run = run_dir if isinstance(run_dir, ServedRun) else load_run(run_dir, device, agents)
     if run.device == "cpu":
-        import torch
 
         # intra-op threads spinning between steps starve the HTTP thread of a CPU
         torch.set_num_threads(torch_threads or run.cfg.runtime.torch_threads)
@@ -158,7 +158,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(service, watch_s)
     names = ", ".join(f"{n} (v{s.version.number}: {s.version.source})"
                       for n, s in run.agents.items())
-    print(f"serving {run_dir} on http://{host}:{port}/v1 on {run.device}: {names}", flush=True)
+    print(f"serving {run.run_dir} on http://{host}:{port}/v1 on {run.device}: {names}",
+          flush=True)
     if tenants is not None:
         print(f"tenants: {', '.join(tenants.by_name)} ({tenants.source})", flush=True)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key and tenants is None:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flexmarl.config.schema import ConfigError
+
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -145,7 +147,6 @@ def add_serve_learn_parser(sub) -> argparse.ArgumentParser:  # noqa: ANN001 - ar
 
 
 def run_serve_learn(args: argparse.Namespace) -> int:
-    from flexmarl.config.schema import ConfigError
 
     if not (Path(args.run_dir) / "config.yaml").is_file():
         raise ConfigError(f"serve-learn: {args.run_dir} is not a run folder (no config.yaml)")
@@ -155,8 +156,9 @@ def run_serve_learn(args: argparse.Namespace) -> int:
     if args.online_batch < 2 or args.canary_every < 1 or args.kl_max <= 0:
         raise ConfigError("serve-learn: --online-batch must be >= 2, --canary-every >= 1, "
                           "--kl-max > 0")
-    import torch
+    import torch  # start-up cost: torch and the learner load only for serve-learn
 
+    # start-up cost: torch and the learner load only for serve-learn
     from flexmarl.serving.trainer_process import OnlineTrainer, TrainerConfig
 
     if args.threads:
@@ -177,7 +179,7 @@ def _serve_learn_on_ray(args: argparse.Namespace, cfg: Any, api_key: str | None)
     """The online trainer as a Ray actor (trainer_actor.py) until Ctrl-C."""
     import ray  # the Ray extra, imported only for --ray
 
-    from flexmarl.config.schema import ConfigError
+    # start-up cost: the session and the learner's actor load only for --ray
     from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
     from flexmarl.serving.trainer_actor import start_trainer_actor
 
@@ -204,12 +206,12 @@ def _serve_learn_on_ray(args: argparse.Namespace, cfg: Any, api_key: str | None)
 
 def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imported lazily
     """The deployment's settings from the flags (None when neither --deploy nor --learn)."""
-    from flexmarl.config.schema import ConfigError
 
     if not args.deploy and not args.learn:
         return None
     if args.learn and not args.capture:
         raise ConfigError("serve: --learn trains on captured interactions: add --capture DB")
+    # start-up cost: the server's stack (torch, fastapi) loads only for the command that runs
     from flexmarl.serving.deploy import DeployConfig
 
     return DeployConfig(
@@ -224,7 +226,6 @@ def deploy_config(args: argparse.Namespace):  # noqa: ANN201 - DeployConfig, imp
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from flexmarl.config.schema import ConfigError
 
     rd = Path(args.run_dir)
     if not (rd / "config.yaml").is_file():
@@ -248,6 +249,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.api_key:
             raise ConfigError("serve: --tenants and --api-key together: each tenant's key is "
                               "in the tenants file; drop --api-key")
+        # start-up cost: the server's stack (torch, fastapi) loads only for the command that runs
         from flexmarl.serving.tenants import load_tenants
 
         tenants = load_tenants(args.tenants)
@@ -260,9 +262,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("serve: --drift-window must be >= 0 (0: off)")
     if not 0 < args.drift_drop < 1:
         raise ConfigError("serve: --drift-drop must be in (0, 1)")
+    # start-up cost: the server's stack (torch, fastapi) loads only for the command that runs
     from flexmarl.serving.drift import DriftConfig
 
     drift = DriftConfig(window=args.drift_window, drop=args.drift_drop)
+    # start-up cost: the server's stack (torch, fastapi) loads only for the command that runs
     from flexmarl.serving.app import serve
     from flexmarl.serving.protocol import Limits
 

@@ -15,9 +15,13 @@ travel in the safetensors metadata.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load, save
+
+from flexmarl.store.compression import check_fp16_range
 
 MAGIC = b"FMW1"
 FP16, ZSTD = 1, 2
@@ -26,9 +30,7 @@ FP16, ZSTD = 1, 2
 def pack(tensors: dict[str, torch.Tensor], fp16: bool = True, zstd_level: int | None = 3
          ) -> bytes:
     """One blob holding `tensors` (FP16 for float32 ones when `fp16`; zstd when a level)."""
-    from safetensors.torch import save
 
-    from flexmarl.store.compression import check_fp16_range
 
     dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
     if fp16:
@@ -41,7 +43,7 @@ def pack(tensors: dict[str, torch.Tensor], fp16: bool = True, zstd_level: int | 
     payload = save(out, metadata={"dtypes": json.dumps(dtypes)})
     flags = FP16 if fp16 else 0
     if zstd_level is not None:
-        import zstandard
+        import zstandard  # optional: zstandard (the serve and marl extras)
 
         payload = zstandard.ZstdCompressor(level=zstd_level, threads=-1).compress(payload)
         flags |= ZSTD
@@ -50,13 +52,12 @@ def pack(tensors: dict[str, torch.Tensor], fp16: bool = True, zstd_level: int | 
 
 def unpack(blob: bytes) -> dict[str, torch.Tensor]:
     """The tensors of a `pack` blob, each in its original dtype."""
-    from safetensors.torch import load
 
     if blob[:4] != MAGIC or len(blob) < 5:
         raise ValueError("not a flexmarl weights blob (expected the FMW1 header)")
     flags, payload = blob[4], blob[5:]
     if flags & ZSTD:
-        import zstandard
+        import zstandard  # optional: zstandard (the serve and marl extras)
 
         payload = zstandard.ZstdDecompressor().decompress(payload)
     tensors = load(payload)
@@ -79,7 +80,6 @@ def is_packed(path: str | Path) -> bool:
 def write(path: str | Path, tensors: dict[str, torch.Tensor], fp16: bool = True,
           zstd_level: int | None = 3) -> int:
     """Write a blob atomically (aside, then renamed); returns its size in bytes."""
-    import os
 
     p = Path(path)
     blob = pack(tensors, fp16, zstd_level)

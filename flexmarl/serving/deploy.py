@@ -44,14 +44,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from flexmarl.config.schema import ConfigError
 from flexmarl.graph.chat import PromptRenderer
 from flexmarl.graph.executor import GraphExecutor
 from flexmarl.graph.meg import EpisodeContext
+from flexmarl.policy.model import stable_seed
+from flexmarl.rollout.engine import generate
 from flexmarl.serving.adapters import save_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError, Version
+from flexmarl.serving.online import OnlineLearner
 from flexmarl.serving.snapshots import SnapshotStore
+from flexmarl.serving.tenant_learning import TenantLearner, training_base
+from flexmarl.types import GenerationRequest
 
 if TYPE_CHECKING:
     from flexmarl.serving.tenant_learning import TenantLearner
@@ -144,9 +150,6 @@ def heldout_score(executor: GraphExecutor, models: dict[str, torch.nn.Module],
     noise keyed by (seed, input, node): two versions see the same noise. The nodes are the
     executor's (conditions, rendered prompts, text decoding, rewards), walked level by level
     so that each node's requests of all the episodes decode as one batch."""
-    from flexmarl.policy.model import stable_seed
-    from flexmarl.policy.sampling import generate
-    from flexmarl.types import GenerationRequest
 
     ctxs = [EpisodeContext(f"heldout-{i}", 0, dict(d)) for i, d in enumerate(inputs)]
     ran: list[dict[str, bool]] = [{} for _ in ctxs]
@@ -194,8 +197,6 @@ class AgentDeployment:
 
     def __init__(self, service: Any, name: str, cfg: DeployConfig, events: EventLog,
                  root: Path, store: SnapshotStore) -> None:
-        from flexmarl.serving.online import OnlineLearner
-        from flexmarl.serving.tenant_learning import TenantLearner, training_base
 
         self.service = service
         self.name = name
@@ -360,7 +361,6 @@ class AgentDeployment:
 
     # --- snapshots -------------------------------------------------------------------------
     def _write_shadow(self, c: Canary) -> Path:
-        from safetensors.torch import save_file
 
         folder = self.root / f"v{c.version.number}"
         folder.mkdir(parents=True, exist_ok=True)

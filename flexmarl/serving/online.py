@@ -46,6 +46,9 @@ from flexmarl.serving.adapters import with_adapter
 from flexmarl.serving.agents import AgentSpec, ServeError
 from flexmarl.serving.capture import Capture, CapturedRow
 from flexmarl.serving.snapshots import SnapshotStore
+from flexmarl.training.algorithms import grpo
+from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import Sample
 
 # an event log's `log` with the agent (and tenant) already given: log(event, **fields)
 EventSink = Callable[..., Any]
@@ -128,7 +131,6 @@ class OnlineLearner:
         published, the base stays shared and frozen. `shared_base`: the agent's base built
         once (float32, on `device`) for every tenant's learner, which wraps a tree over its
         tensors instead of building a base of its own."""
-        from flexmarl.training.trainer import AgentTrainer
 
         cfg = spec.cfg
         if algorithm == "auto":
@@ -212,8 +214,6 @@ class OnlineLearner:
     def train(self, rows: list[CapturedRow], shadow: torch.nn.Module, capture: Capture,
               micro_batch: int) -> StepReport:
         """One update on claimed `rows`, kept only if the KL to `shadow` stays within bound."""
-        from flexmarl.training.algorithms import grpo
-        from flexmarl.types import Sample
 
         self.steps += 1
         batch = self._batch(rows)

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from flexmarl.policy.device import kv_token_budget
 from flexmarl.serving.agents import (
     ServedRun,
     Version,
@@ -58,7 +59,6 @@ class Service:
                  api_key: str | None = None, max_batch_seqs: int | None = None,
                  capture: Capture | None = None, deploy: DeployConfig | None = None,
                  tenants: Tenants | None = None, drift: DriftConfig | None = None) -> None:
-        from flexmarl.policy.device import kv_token_budget
 
         self.run = run
         self.limits = limits or Limits()

@@ -8,9 +8,15 @@ token-id agents, text and chat agents, and the graph. Nothing is downloaded.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 
+import torch
 import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flexmarl.policy.tokenizer import BYTE_CHAT_TEMPLATE, BYTE_SPECIALS
 
@@ -25,8 +31,6 @@ SENTENCES = [
 
 
 def make_tokenizer(folder: Path, vocab_size: int = 320):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -42,8 +46,6 @@ def make_tokenizer(folder: Path, vocab_size: int = 320):
 
 def save_llama(folder: Path, vocab_size: int, seed: int, hidden: int = 32, layers: int = 2,
                max_len: int = 256) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
@@ -83,9 +85,6 @@ def make_toy_run(root: str | Path, listener_seed: int = 0) -> Path:
 def write_final(run: Path, agent: str, model_folder: Path, policy_version: int) -> Path:
     """Publish `model_folder`'s weights as the run's final checkpoint of `agent` (atomically:
     written aside, then renamed), as a trainer would."""
-    import json
-    import os
-    import shutil
 
     dest = run / "checkpoints" / "final" / agent
     dest.mkdir(parents=True, exist_ok=True)

@@ -29,10 +29,12 @@ class Span:
 class Telemetry:
     def __init__(
         self, out_dir: Path | None = None, clock: Callable[[], float] = time.time,
-        loggers: list[Any] | None = None,
+        loggers: list[Any] | None = None, log_every: int = 1, last_iteration: int | None = None,
     ) -> None:
         """`clock` is wall time for real runtimes and the virtual clock for the simulator;
-        `loggers` (telemetry.loggers) get every record's scalars besides metrics.jsonl."""
+        `loggers` (telemetry.loggers) get the scalars of every `log_every`-th iteration's
+        record and of `last_iteration`'s (`train.log_every`), besides metrics.jsonl, which
+        gets every record."""
         self.out_dir = out_dir
         self.now = clock
         self.t0 = clock()
@@ -41,6 +43,7 @@ class Telemetry:
         self._metrics_file = None
         self._samples_file: Any = None
         self.loggers = list(loggers or [])
+        self.log_every, self.last_iteration = log_every, last_iteration
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = (out_dir / "metrics.jsonl").open("w")
@@ -62,27 +65,30 @@ class Telemetry:
             self._metrics_file.write(json.dumps({k: _json_safe(v) for k, v in line.items()}) + "\n")
             self._metrics_file.flush()
 
-    def busy_seconds(self, pool: str, t0: float, t1: float) -> float:
+    # `first`: the index of the first span that may matter (a caller whose windows only move
+    # forward skips the spans that ended before them)
+    def busy_seconds(self, pool: str, t0: float, t1: float, first: int = 0) -> float:
         total = 0.0
-        for s in self.spans:
+        for s in self.spans[first:]:
             if s.pool == pool and s.end > t0 and s.start < t1:
                 total += min(s.end, t1) - max(s.start, t0)
         return total
 
-    def busy_by_worker(self, pool: str, n_workers: int, t0: float, t1: float) -> list[float]:
+    def busy_by_worker(self, pool: str, n_workers: int, t0: float, t1: float,
+                       first: int = 0) -> list[float]:
         """Busy seconds of each worker of `pool` within [t0, t1]."""
         out = [0.0] * n_workers
-        for s in self.spans:
+        for s in self.spans[first:]:
             if s.pool == pool and s.end > t0 and s.start < t1 and 0 <= s.worker < n_workers:
                 out[s.worker] += min(s.end, t1) - max(s.start, t0)
         return out
 
-    def labelled(self, pool: str, prefix: str, t0: float, t1: float
+    def labelled(self, pool: str, prefix: str, t0: float, t1: float, first: int = 0
                  ) -> dict[str, tuple[int, float]]:
         """Spans of `pool` whose label starts with `prefix` and that ended within (t0, t1]:
         per agent (the label's second field), their count and their seconds."""
         out: dict[str, tuple[int, float]] = {}
-        for s in self.spans:
+        for s in self.spans[first:]:
             if s.pool == pool and t0 < s.end <= t1 and s.label.startswith(prefix):
                 parts = s.label.split(":")
                 agent = parts[1] if len(parts) > 1 else ""
@@ -90,10 +96,11 @@ class Telemetry:
                 out[agent] = (n + 1, secs + s.end - s.start)
         return out
 
-    def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float) -> float:
+    def busy_frac(self, pool: str, n_workers: int, t0: float, t1: float,
+                  first: int = 0) -> float:
         if t1 <= t0 or n_workers <= 0:
             return 0.0
-        return self.busy_seconds(pool, t0, t1) / ((t1 - t0) * n_workers)
+        return self.busy_seconds(pool, t0, t1, first) / ((t1 - t0) * n_workers)
 
     # --- metrics -----------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
@@ -101,8 +108,9 @@ class Telemetry:
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps(clean) + "\n")
             self._metrics_file.flush()
-        if self.loggers:
-            step, values = int(record.get("iteration", 0)), scalars(clean)
+        step = int(record.get("iteration", 0))
+        if self.loggers and ((step + 1) % self.log_every == 0 or step == self.last_iteration):
+            values = scalars(clean)
             for logger in self.loggers:
                 logger.log(step, values)
 
@@ -170,3 +178,21 @@ def _json_safe(v: Any) -> Any:
         return float(v)
     except (TypeError, ValueError):
         return str(v)
+
+
+def read_trace(path: Path) -> tuple[list[Span], list[dict[str, Any]]] | None:
+    """A trace `Telemetry.write_trace` wrote, back as its spans (times in seconds on the
+    trace's clock) and its instant events (`name`, `time`, and their args); None when the
+    file is missing or not such a trace."""
+    try:
+        events = json.loads(path.read_text())["traceEvents"]
+        pools = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        spans = [Span(pools.get(e["pid"], ""), int(e.get("tid", 0)), e["ts"] / 1e6,
+                      (e["ts"] + e.get("dur", 0.0)) / 1e6, e["name"])
+                 for e in events if e.get("ph") == "X"]
+        instants = [{**(e.get("args") or {}), "name": e["name"], "time": e["ts"] / 1e6}
+                    for e in events if e.get("ph") == "i"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return spans, instants

@@ -14,6 +14,7 @@ import torch
 
 from flexmarl.config.schema import LoraConfig
 from flexmarl.errors import UserError
+from flexmarl.policy.adapters import add_adapter
 
 
 class LoraTargetError(UserError, ValueError):
@@ -35,7 +36,6 @@ def check_targets(agent: str, model: torch.nn.Module, cfg: LoraConfig) -> None:
 def apply(agent: str, model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Module:
     """`model` wrapped in peft with one adapter, initialised from `seed` alone (the same adapter
     in every process, whatever was built before it)."""
-    from flexmarl.policy.adapters import add_adapter
 
     check_targets(agent, model, cfg)
     return add_adapter(model, "default", cfg, seed)
@@ -45,7 +45,7 @@ def merged_weights(model: torch.nn.Module, full: bool = False) -> dict[str, torc
     """Base-model-named weights with the adapters merged in, without touching `model`.
 
     `full=False`: only the adapted layers' weights (what changes between versions)."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional: peft (the lora extra)
 
     out: dict[str, torch.Tensor] = {}
     prefix = "base_model.model."

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flexmarl.types import Sample
@@ -153,7 +155,6 @@ def _write_disk(state: TrainingState, path: str) -> None:
 
 
 def _read_disk(path: str) -> TrainingState:
-    from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get("flexmarl", "{}"))
@@ -215,7 +216,6 @@ def swap_in(form: tuple[str, Any]) -> TrainingState:
 
 def _comm_device(group: Any = None) -> torch.device:
     """Where a transfer's buffers live: the current GPU for NCCL, else host memory."""
-    import torch.distributed as dist
 
     backend = group.name() if group is not None else dist.get_backend()
     if str(backend).lower() == "nccl":
@@ -224,7 +224,6 @@ def _comm_device(group: Any = None) -> torch.device:
 
 
 def _p2p(op: str, tensor: torch.Tensor, rank: int, group: Any) -> None:
-    import torch.distributed as dist
 
     if group is None:
         (dist.send if op == "send" else dist.recv)(tensor, rank)

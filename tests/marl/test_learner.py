@@ -40,8 +40,8 @@ def test_train_host_swaps_network_learners_exactly() -> None:
     its step (metrics, audit, published weights) equals an unswapped host's, bit for bit."""
     c = mappo_cfg()
     run, env, _ = in_process(c)
-    run.put_rows(0, [env.run(0)])
-    rows = {name: [s for _, ss in run.take(name, 0).values() for s in ss]
+    run.sampler.put(0, [env.run(0)])
+    rows = {name: [s for _, ss in run.sampler.take(name, 0).values() for s in ss]
             for name in run.layouts}
     swapped, plain = learner_host(c, run.layouts), learner_host(c, run.layouts)
     for host in (swapped, plain):

@@ -13,7 +13,8 @@ from safetensors.numpy import load_file
 
 pytest.importorskip("mpe2")
 
-from flexmarl.marl.run import train_marl  # noqa: E402
+from flexmarl.marl.run import MarlRun, train_marl  # noqa: E402
+from flexmarl.orchestrator.run import host_run  # noqa: E402
 from tests.marl.configs import marl_cfg  # noqa: E402
 
 COMPARED = ("return_mean", "env_steps", "episodes/total")
@@ -30,6 +31,13 @@ def raw(env_id: str, share: bool) -> dict:
 def final_weights(out: Path) -> dict[str, dict[str, np.ndarray]]:
     return {p.name: load_file(str(p / "model.safetensors"))
             for p in sorted((out / "checkpoints" / "final").iterdir())}
+
+
+def hosted(cfg, out: Path):
+    """`train_marl`'s path, keeping the run to read its rollout source afterwards."""
+    run = MarlRun(cfg)
+    return run, host_run(cfg, out, None, lambda telemetry, stops: run.run_loop(
+        telemetry, stops, out, None, cfg.train.iterations))
 
 
 @pytest.mark.parametrize(("env_id", "share", "over"), [
@@ -49,7 +57,10 @@ def test_async_equals_sync_bit_for_bit(tmp_path, env_id, share, over) -> None:
     results = {}
     for mode in ("sync", "async"):
         cfg = marl_cfg(raw(env_id, share), **{"pipeline.mode": mode, **over})
-        results[mode] = train_marl(cfg, tmp_path / mode)
+        run, results[mode] = hosted(cfg, tmp_path / mode)
+        # each iteration's bookkeeping went at its record: only version 3's signal is left
+        assert run.source is not None and not run.source.iterations
+        assert set(run.source.signals) == {("version", 3)}, mode
     sync, pipelined = results["sync"], results["async"]
     assert len(sync.records) == len(pipelined.records) == 3
     for a, b in zip(sync.records, pipelined.records, strict=True):

@@ -26,6 +26,7 @@ from flexmarl.marl.learner import PolicyLearner  # noqa: E402
 from flexmarl.marl.rollout import EnvRollout  # noqa: E402
 from flexmarl.marl.run import MarlRun, train_marl  # noqa: E402
 from flexmarl.orchestrator.checkpoint import CheckpointError  # noqa: E402
+from flexmarl.orchestrator.metrics import FailureBudgetExceeded  # noqa: E402
 from tests.marl.configs import marl_cfg, shaped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,12 +280,36 @@ def test_training_slot_killed_mid_step_is_restored_exactly(tmp_path, reference):
 
 
 def test_without_restarts_a_killed_worker_fails_the_run(tmp_path):
-    from flexmarl.api.runtime import WorkerLost
-
-    with pytest.raises(WorkerLost, match="rollout worker 0 lost"):
+    """Its only rollout worker lost for good: 1 of 1 failed is over the failure budget."""
+    with pytest.raises(FailureBudgetExceeded, match=r"iteration 0: 1 of 1 rollout workers "
+                       r"failed .*first error: rollout worker 0 lost"):
         train_marl(cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None}),
                    tmp_path / "run", on_runtime=_kill_during("rollout", "rollout_on", 0, {}))
     # hosted like an LLM run: the failure is on disk for doctor and report
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error_type"] == "WorkerLost"
-    assert "rollout worker 0 lost" in summary["error"]
+    assert summary["status"] == "failed" and summary["error_type"] == "FailureBudgetExceeded"
+    assert "rollout worker 0 lost" in summary["first_error"]
+    assert events(tmp_path / "run", "failure_budget_exceeded")[0]["failed"] == 1
+
+
+@pytest.mark.slow  # a run of 2 rollout workers (about 15 s)
+def test_a_lost_rollout_worker_counts_against_the_failure_budget(tmp_path):
+    """Rollout worker 0 lost for good in iteration 1 (no restarts): iteration 1 trains on
+    worker 1's rows (1 of 2 failed, over the 0.4 fraction: tolerated once), iteration 2 fails
+    again and stops the run with the budget's message."""
+    out = tmp_path / "run"
+    c = cfg(**{"runtime.max_worker_restarts": 0, "train.checkpoint_every": None,
+               "runtime.rollout_workers": 2, "env.num_envs": ENVS // 2,
+               "train.max_failed_fraction": 0.4,
+               "train.max_consecutive_failed_iterations": 1})
+    seen: list[dict] = []
+    # rollout_on calls: (iteration 0: worker 0, 1), (iteration 1: worker 0, ...)
+    with pytest.raises(FailureBudgetExceeded, match=r"iteration 2: 1 of 2 rollout workers "
+                       r"failed \(50% > train.max_failed_fraction=0.4\) in 2 consecutive"):
+        train_marl(c, out, on_iteration=seen.append,
+                   on_runtime=_kill_during("rollout", "rollout_on", 2, {}))
+    assert [r["rollout/workers_failed"] for r in seen] == [0, 1]
+    assert "rollout worker 0" in seen[1]["errors"][0]
+    assert seen[1]["episodes/total"] == seen[0]["episodes/total"] // 2  # worker 1's only
+    failed = events(out, "rollout_failed")
+    assert [(e["iteration"], e["worker"]) for e in failed] == [(1, 0), (2, 0)]

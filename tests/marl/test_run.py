@@ -49,9 +49,9 @@ def in_process(c):
 
 def step_in_process(run, env, learners, k: int) -> None:
     """Iteration k: rollout, store, step of every learner, version k+1 to the rollout."""
-    run.put_rows(k, [env.run(k)])
+    run.sampler.put(k, [env.run(k)])
     for name, learner in learners.items():
-        for _, samples in run.take(name, k).values():
+        for _, samples in run.sampler.take(name, k).values():
             learner.accumulate(samples)
         learner.step()
         env.load(name, k + 1, learner.weights())
@@ -91,10 +91,10 @@ def test_every_epoch_of_step_k_uses_only_iteration_k_rows(tmp_path) -> None:
 def test_a_step_refuses_rows_of_another_iteration() -> None:
     c = cfg()
     run, env, learners = in_process(c)
-    run.put_rows(0, [env.run(0)])
+    run.sampler.put(0, [env.run(0)])
     with pytest.raises(ConsistencyError, match="iteration 0, but step 1"):
         run.store.take_ready("speaker_0", 0, 4, 1)
-    _, samples = run.take("speaker_0", 0)["speaker_0"]
+    _, samples = run.sampler.take("speaker_0", 0)["speaker_0"]
     learners["speaker_0"].version = 1  # a learner past step 0 refuses iteration 0's rows
     with pytest.raises(LearnerError, match="step 1 trains on iteration 1's rows"):
         learners["speaker_0"].accumulate(samples)
@@ -108,9 +108,9 @@ def test_a_swapped_out_learner_resumes_exactly() -> None:
     c = cfg(**{"share": True, "network.kind": "gru"})
     run, env, learners = in_process(c)
     step_in_process(run, env, learners, 0)  # Adam state, statistics, version 1
-    run.put_rows(1, [env.run(1)])
+    run.sampler.put(1, [env.run(1)])
     a = learners["shared"]
-    for _, samples in run.take("shared", 1).values():
+    for _, samples in run.sampler.take("shared", 1).values():
         a.accumulate(samples)
     b = PolicyLearner(c, run.layouts["shared"])
     b.restore(st.from_wire(st.to_wire(a.capture())))
@@ -143,7 +143,7 @@ def test_shared_speaker_listener_pads_discrete_heads() -> None:
     run, env, _ = in_process(cfg(**{"share": True}))
     lay = run.layouts["shared"]
     assert lay.spec.nvec == (5,) and lay.obs_dim == 11
-    run.put_rows(0, [env.run(0)])
+    run.sampler.put(0, [env.run(0)])
     rows = run.store.take_ready("speaker_0", 0, 4, 0)
     actions = np.concatenate([run.store.fetch(r, "actions") for r in rows])
     assert actions.max() < 3  # the speaker's 3 words only: padded actions are masked
@@ -245,10 +245,10 @@ def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
                "store.compress_obs": compress, "train.env_steps": 200})
     run, env, learners = in_process(c)
     step_in_process(run, env, learners, 0)  # obs statistics exist: version 1 normalises
-    run.payload_bytes = [0, 0]
-    run.put_rows(1, [env.run(1)])
+    result = env.run(1)
+    run.sampler.put(1, [result])
     learner = learners["shared"]
-    samples = [s for _, ss in run.take("shared", 1).values() for s in ss]
+    samples = [s for _, ss in run.sampler.take("shared", 1).values() for s in ss]
     batch = learner._batch(samples, 1)
     net = learner.net
     with torch.no_grad():
@@ -256,7 +256,7 @@ def test_trainer_log_probs_equal_the_rollouts(compress: bool) -> None:
                                  batch.starts)
         logp = net.actor.dist(out, batch.action_mask).log_prob(batch.actions)
     torch.testing.assert_close(logp, batch.logp, rtol=0, atol=1e-5)
-    raw, stored = run.payload_bytes
+    raw, stored = result.payload_bytes
     assert raw > 0 and (stored < 0.5 * raw if compress else stored == raw)
 
 

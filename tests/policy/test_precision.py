@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from flexmarl.config.schema import AgentConfig, ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.types import GenerationRequest
 
 VOCAB = 48
 SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,

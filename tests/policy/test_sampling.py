@@ -5,15 +5,15 @@ from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
 from flexmarl.policy.sampling import (
     _M32,
-    GenerationRequest,
     _mul32,
-    generate,
     keyed_uniform,
     make_token_batch,
     response_logprobs,
     sample_keyed,
     sampling_key,
 )
+from flexmarl.rollout.engine import generate
+from flexmarl.types import GenerationRequest
 
 
 def _model():

@@ -5,8 +5,8 @@ import pytest
 
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest, generate
-from flexmarl.rollout.engine import ContinuousBatcher
+from flexmarl.rollout.engine import ContinuousBatcher, generate
+from flexmarl.types import GenerationRequest
 
 
 @pytest.fixture(scope="module")

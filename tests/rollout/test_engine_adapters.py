@@ -9,8 +9,8 @@ import torch
 
 from flexmarl.config.schema import config_from_dict
 from flexmarl.policy import adapters
-from flexmarl.policy.sampling import GenerationRequest, generate
-from flexmarl.rollout.engine import HFEngine
+from flexmarl.rollout.engine import HFEngine, generate
+from flexmarl.types import GenerationRequest
 
 RAW = {
     "task": {"builder": "x:y"},

@@ -8,8 +8,8 @@ import torch
 from flexmarl.bench.engine_overhead import count_host_costs
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.rollout.engine import HFEngine
+from flexmarl.types import GenerationRequest
 
 
 def test_counter_sees_reads_and_ops():

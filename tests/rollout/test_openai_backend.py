@@ -19,8 +19,9 @@ import yaml
 from flexmarl.config.schema import BackendConfig, ModelConfig, config_from_dict
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest, generate
 from flexmarl.rollout.backends.openai import EndpointError, OpenAIBackend
+from flexmarl.rollout.engine import generate
+from flexmarl.types import GenerationRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,9 @@ import torch
 
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest
 from flexmarl.rollout.engine import ContinuousBatcher, HFEngine
 from flexmarl.rollout.paged import NULL_BLOCK, BlockAllocator
+from flexmarl.types import GenerationRequest
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,10 @@ import torch
 
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import (
-    GenerationRequest,
-    generate,
-    make_token_batch,
-    response_logprobs,
-    top_p_mask,
-)
+from flexmarl.policy.sampling import make_token_batch, response_logprobs, top_p_mask
 from flexmarl.policy.tokenizer import byte_tokenizer
-from flexmarl.rollout.engine import ContinuousBatcher
+from flexmarl.rollout.engine import ContinuousBatcher, generate
+from flexmarl.types import GenerationRequest
 
 TOK = byte_tokenizer()
 LETTERS = [TOK.convert_tokens_to_ids(c) for c in "abcde"]

@@ -9,12 +9,12 @@ import pytest
 
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult
 from flexmarl.rollout.engine import HFEngine
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
 from flexmarl.sim.cost import CostModel
 from flexmarl.sim.models import ModelSpec
 from flexmarl.sim.runtime.engine import CostModelEngine
+from flexmarl.types import GenerationRequest, GenerationResult
 
 
 class FakeEngine:

@@ -17,7 +17,7 @@ import yaml
 from peft import PeftModel
 
 from flexmarl.policy.adapters import adapter_tensors
-from flexmarl.policy.sampling import generate
+from flexmarl.rollout.engine import generate
 from flexmarl.serving.adapters import is_adapter_file, read_adapter_file, view
 from flexmarl.serving.agents import explicit_source, load_run
 from flexmarl.serving.capture import Capture

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from flexmarl.policy.sampling import generate, make_token_batch, response_forward
+from flexmarl.policy.sampling import make_token_batch, response_forward
+from flexmarl.rollout.engine import generate
 from flexmarl.serving.agents import load_run
 from flexmarl.serving.capture import Capture
 from flexmarl.serving.compress import pack, unpack

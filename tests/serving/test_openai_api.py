@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from flexmarl.policy.sampling import generate
+from flexmarl.rollout.engine import generate
 from flexmarl.types import GenerationRequest
 from tests.serving.conftest import post
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from flexmarl.cli.main import main
-from flexmarl.policy.sampling import generate
+from flexmarl.rollout.engine import generate
 from flexmarl.serving.toy import save_llama, write_final
 from flexmarl.types import GenerationRequest
 from tests.serving.conftest import free_port, post, start

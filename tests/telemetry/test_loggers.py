@@ -88,3 +88,26 @@ def test_missing_package_is_a_clear_error(monkeypatch):
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(L.LoggerError, match=r"pip install 'flexmarl\[loggers\]'"):
         L.check_installed(["jsonl", "wandb"])
+
+
+def test_log_every_thins_the_backends_not_metrics_jsonl(tmp_path):
+    """`train.log_every: 2` over iterations 0..4: the backends get iterations 1, 3 and the
+    last (4); metrics.jsonl, which doctor and report read, gets all five."""
+
+    class Seen:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, step, values):
+            self.steps.append(step)
+
+        def close(self, status):
+            pass
+
+    seen = Seen()
+    telemetry = Telemetry(tmp_path, loggers=[seen], log_every=2, last_iteration=4)
+    for k in range(5):
+        telemetry.log({"iteration": k, "task/success_rate": 0.1 * k})
+    telemetry.close()
+    assert seen.steps == [1, 3, 4]
+    assert [r["iteration"] for r in L.read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4]

@@ -7,9 +7,10 @@ import torch
 
 from flexmarl.config.schema import AgentConfig, CreditConfig
 from flexmarl.orchestrator.joint import assign_credit
-from flexmarl.policy.sampling import GenerationRequest, generate
+from flexmarl.rollout.engine import generate
 from flexmarl.training import algorithms
 from flexmarl.training.trainer import AgentTrainer, Sample
+from flexmarl.types import GenerationRequest
 
 OBJECTS = list(range(6, 14))
 SYMBOLS = list(range(14, 22))

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flexmarl.config.schema import BackendConfig
-from flexmarl.policy.sampling import GenerationRequest, GenerationResult, noise_seed_of
+from flexmarl.policy.sampling import noise_seed_of
+from flexmarl.types import GenerationRequest, GenerationResult
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 

@@ -35,6 +35,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
+from flexmarl.api.runtime import WorkerError, WorkerLost
+from flexmarl.training.state import TrainingState, _header, _unflat
+
 if TYPE_CHECKING:
     import torch
 
@@ -80,7 +86,6 @@ class PairGroups:
     def get(self, key: str, rank: int, backend: str) -> Any:
         """The pair's group; built (a rendezvous with the peer, up to the timeout) on first
         use. Groups of different pairs may be built at the same time from several threads."""
-        import torch.distributed as dist
 
         with self._lock:
             if self._store is None:
@@ -104,7 +109,6 @@ class PairGroups:
 
 
 def comm_device(backend: str) -> torch.device:
-    import torch
 
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -122,9 +126,7 @@ class SlotPublisher:
 
     def keep(self, agent: str, version: int, weights: dict[str, Any]) -> PublishedRef:
         """Flatten the weights (on their device) and keep them; the driver gets the ref."""
-        import torch
 
-        from flexmarl.training.state import TrainingState, _header
 
         state = TrainingState(weights, {"agent": agent, "version": version})
         parts = [v.detach().contiguous().reshape(-1).view(torch.uint8) for v in weights.values()]
@@ -167,9 +169,7 @@ class SlotPublisher:
 
 def receive(groups: PairGroups, ref: PublishedRef, key: str, backend: str) -> Any:
     """A replica's end: the version's `TrainingState`, on this process's compute device."""
-    import torch
 
-    from flexmarl.training.state import _unflat
 
     try:
         group = groups.get(key, 1, backend)
@@ -220,7 +220,6 @@ class Publisher:
         """Deliver `ref` to the live `replicas`. Returns what the driver should keep as the
         latest: the ref, or the pipe form when the slot was lost and the weights were
         fetched from its restored successor (then delivered through the pipes)."""
-        from flexmarl.api.runtime import WorkerError, WorkerLost
 
         if not restart:
             self._announce(ref.agent, ref.version)

@@ -555,12 +555,7 @@ class LocalRuntime(Runtime):
         trainable = [a for a in agents if cfg.agents[a].trainable]
         self.trainable = trainable
 
-        self._swap_tmp = None
-        swap_dir = None
-        if rt.swap_to == "disk":
-            self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
-            swap_dir = self._swap_tmp.name
-
+        swap_dir = self._swap_dir()
         # agents served by an external endpoint need no model in the replicas, nor network
         # agents (hybrid graphs: they act in the episodes, orchestrator/networks.py)
         local_agents = [a for a in agents if cfg.agents[a].backend.kind != "openai"
@@ -655,6 +650,13 @@ class LocalRuntime(Runtime):
                                                wait_slot, pipe_weights, refetched,
                                                rt.publication_timeout_s)
 
+    def _swap_dir(self) -> str | None:
+        """`runtime.swap_to: disk`: the folder swapped-out trainer states go to (the workers
+        of both runtimes get it in their spec; removed at `stop`)."""
+        self._swap_tmp = (tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
+                          if self.cfg.runtime.swap_to == "disk" else None)
+        return self._swap_tmp.name if self._swap_tmp is not None else None
+
     # --- what a runtime that hosts the same workers elsewhere (Ray) changes ------------------
     def _launcher(self) -> Launcher:
         """Where the workers run: local processes."""
@@ -733,7 +735,7 @@ class LocalRuntime(Runtime):
 
 class EnvRolloutPool(RolloutPool):
     """An environment run's rollout workers (classic MARL): each steps its own environments
-    with the published version of every policy; `rollout(k)` is their one batch of work.
+    with the published version of every policy; `rollout_on(i, k)` is worker i's batch of work.
 
     Each worker owns its environments, so a lost worker's iteration cannot go to another:
     with a supervisor (`wait_worker`), the worker is restarted with every policy's latest
@@ -788,13 +790,10 @@ class EnvRolloutPool(RolloutPool):
         self.env_state = list(states)
         self._proxies = list(self.workers)
 
-    async def rollout(self, k: int) -> list[Any]:
-        """Iteration k on every worker at once, in worker order."""
-        return list(await asyncio.gather(*(self.rollout_on(i, k)
-                                           for i in range(len(self.workers)))))
-
     async def rollout_on(self, i: int, k: int) -> Any:
-        """Iteration k on worker i (the async pipeline takes each worker's rows as it ends)."""
+        """Iteration k on worker i (the async pipeline takes each worker's rows as it ends);
+        `WorkerLost` when the worker is gone and cannot be restarted (the driver counts it
+        against its failure budget)."""
         while True:
             worker = self.workers[i]
             try:
@@ -807,10 +806,13 @@ class EnvRolloutPool(RolloutPool):
                     self._proxies[i] = worker
                     self.redone += 1
                 result = await worker.call("rollout", k)
-            except WorkerLost:
+            except WorkerLost as lost:
                 if self.wait_worker is None:
                     raise
-                await self.wait_worker(i)
+                try:
+                    await self.wait_worker(i)
+                except WorkerError as exc:  # its restarts are used up: lost for good
+                    raise WorkerLost(str(exc)) from lost
                 continue
             if result.state is not None:
                 self.env_state[i] = result.state
@@ -849,12 +851,9 @@ class EnvRuntime(LocalRuntime):
         self.cfg = cfg
         self.sink = sink or NullSink()
         self.trainable = list(workers.policies)
-        self._swap_tmp = self._shard_tmp = None
+        self._shard_tmp = None
         self._store = None
-        swap_dir = None
-        if rt.swap_to == "disk":
-            self._swap_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
-            swap_dir = self._swap_tmp.name
+        swap_dir = self._swap_dir()
         n_train = max(1, min(rt.train_workers, len(workers.policies)))
         self.slot_sizes = [1] * n_train
         self.placements = {}

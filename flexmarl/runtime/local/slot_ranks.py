@@ -200,6 +200,7 @@ def follower_main(setup_torch: Callable[[Any], None], args: tuple | None = None)
     gone). `setup_torch(spec)`: the workers' device, threads and determinism settings.
     `args`: given by a rank actor (Ray ends it with rank 0's actor, its owner); a child
     process reads them from stdin and watches its parent."""
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.config.schema import RunConfig
     from flexmarl.training.host import TrainHost
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from flexmarl.policy.device import Placement
+import torch
+
+from flexmarl.policy.device import Placement, set_process_device
 from flexmarl.runtime.heap import settle as settle_heap
 from flexmarl.training.state import from_numpy, publish_form, state_to_numpy  # noqa: F401 - the workers' wire forms
 
@@ -116,11 +118,7 @@ def start_heartbeat(conn: Connection, spec: WorkerSpec) -> LockedConnection:
 
 def _setup_torch(spec: WorkerSpec) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from flexmarl.policy.device import set_process_device
-
     set_process_device(spec.placement)  # before any CUDA call: this worker sees its GPUs only
-    import torch
-
     torch.set_num_threads(spec.torch_threads)
     try:
         torch.set_num_interop_threads(1)
@@ -143,6 +141,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.config.schema import RunConfig
     from flexmarl.rollout.scheduler import Loaded, Reply
 
@@ -150,6 +149,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     sched, memory = build_scheduler(cfg, spec)
     groups = None
     if spec.publication is not None:
+        # start-up cost: a spawned worker imports only its own role's stack
         from flexmarl.runtime.local.publication import PairGroups
 
         groups = PairGroups(*spec.publication)
@@ -215,6 +215,7 @@ def rollout_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
 
 def receive_collective(groups: Any, ref: Any, key: str, backend: str) -> Any:
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.runtime.local.publication import receive
 
     return receive(groups, ref, key, backend)
@@ -225,6 +226,7 @@ def build_scheduler(cfg: Any, spec: WorkerSpec) -> tuple[Any, dict[str, Any]]:
     whose batch mixes their requests, each row through its agent's adapter) under one
     `ReplicaScheduler`; and what each model holds in memory. Deterministic mode decodes each
     sequence alone: numerics then never depend on which requests shared a batch."""
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.policy.adapters import engine_groups
     from flexmarl.rollout.scheduler import ReplicaScheduler
 
@@ -251,6 +253,7 @@ def make_engine(key: str, agents: list[str], cfg: Any, spec: WorkerSpec, max_seq
     for one agent's own model; for agents on a shared base (`key` "base:NAME"), one hf
     engine over the base with each agent's adapter. The hf model sits on this process's
     device in the agent's compute dtype."""
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.policy.adapters import build_replica_model, resident_bytes
     from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS, compute_dtype, process_device
     from flexmarl.policy.model import build_model
@@ -278,6 +281,7 @@ def make_engine(key: str, agents: list[str], cfg: Any, spec: WorkerSpec, max_seq
 
 def tokenizer_loader(agent: str, acfg: Any, vocab_size: int) -> Any:
     """The agent's tokenizer, loaded on the first request with stop strings."""
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.policy.tokenizer import agent_tokenizer
 
     return lambda: agent_tokenizer(agent, acfg.model, vocab_size)
@@ -286,6 +290,7 @@ def tokenizer_loader(agent: str, acfg: Any, vocab_size: int) -> Any:
 def set_kv_budgets(engines: dict[str, Any], cfg: Any) -> None:
     """Unless `rollout.max_batch_tokens` is set, each hf engine of a GPU replica gets an equal
     share of `rollout.kv_memory_fraction` of the memory left once every model is loaded."""
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.policy.device import kv_token_budget
     from flexmarl.rollout.engine import HFEngine
 
@@ -302,12 +307,14 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
     `LocalTrainPool` (`bind` swaps the resident out and the new agent in)."""
     conn = start_heartbeat(conn, spec)  # type: ignore[assignment]
     _setup_torch(spec)
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.config.schema import RunConfig
     from flexmarl.training.host import TrainHost
 
     cfg = RunConfig.model_validate(spec.config)
     leader = None
     if spec.slot_ranks:  # a sharded slot: this is rank 0, the others follow its commands
+        # start-up cost: a spawned worker imports only its own role's stack
         from flexmarl.runtime.local.slot_ranks import end_rank, form_slot
 
         leader = form_slot(spec)
@@ -315,6 +322,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
                      world=1 + len(spec.slot_ranks), shard_dir=spec.shard_dir)
     side: dict[str, Callable[[Any], tuple[Any, str]]] = {}
     if spec.publication is not None:
+        # start-up cost: a spawned worker imports only its own role's stack
         from flexmarl.runtime.local.publication import PairGroups, SlotPublisher
 
         publisher = host.publisher = SlotPublisher(PairGroups(*spec.publication))
@@ -331,6 +339,7 @@ def train_worker_main(conn: Connection, spec: WorkerSpec) -> None:
 def slot_follower_main(args: tuple | None = None) -> None:
     """The main of ranks 1..K-1 of a sharded training slot (started by rank 0's
     `slot_ranks.form_slot`: its spec on stdin, or `args` from a Ray rank actor)."""
+    # start-up cost: a spawned worker imports only its own role's stack
     from flexmarl.runtime.local.slot_ranks import follower_main
 
     follower_main(_setup_torch, args)

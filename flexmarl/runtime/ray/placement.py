@@ -83,7 +83,7 @@ class RayPools:
         for pool in POOLS:
             if pool == "train" and self.sharded:
                 for i in range(self.sizes[pool]):
-                    if not await self._own_group(pool, i, self.rt.ray.placement_timeout_s,
+                    if not await self.own_group(pool, i, self.rt.ray.placement_timeout_s,
                                                  avoid=False):
                         raise RayRuntimeError(
                             f"runtime.ray.train_bundle: training slot {i}'s placement group "
@@ -112,17 +112,14 @@ class RayPools:
             self.release()
             raise
 
-    def room_for(self, pool: str, index: int) -> bool:
-        """Whether the cluster has free resources for worker `index`'s bundle now."""
-        free = ray.available_resources()
-        return all(free.get(k, 0.0) >= v for k, v in self.bundle(pool, index).items())
-
     async def grow(self, pool: str, index: int, timeout: float) -> bool:
-        """Reserve one more bundle for worker `index` of `pool` (its own placement group);
-        False, with nothing held, when the cluster has no room for it within `timeout`."""
-        if not await asyncio.to_thread(self.room_for, pool, index):
+        """Reserve one more bundle for worker `index` of `pool` (its own placement group), if
+        the cluster has free resources for it now; False, with nothing held, when it has not
+        or the group is not placed within `timeout`."""
+        free = await asyncio.to_thread(ray.available_resources)
+        if any(free.get(k, 0.0) < v for k, v in self.bundle(pool, index).items()):
             return False
-        return await self._own_group(pool, index, timeout)
+        return await self.own_group(pool, index, timeout)
 
     def _rank_bundles(self, pool: str, index: int) -> list[dict[str, float]]:
         """Worker `index`'s own group: one bundle per rank of a sharded slot, else one."""
@@ -130,10 +127,11 @@ class RayPools:
             return [self.bundles[pool]] * self.scale[pool][index]
         return [self.bundle(pool, index)]
 
-    async def _own_group(self, pool: str, index: int, timeout: float,
+    async def own_group(self, pool: str, index: int, timeout: float,
                          avoid: bool = True) -> bool:
         """Worker `index` of `pool` in a placement group of its own (its ranks' bundles
-        packed on one node), off the nodes in `avoid` (Ray's node-id label)."""
+        packed on one node), off the nodes in `avoid` (Ray's node-id label): its next
+        (re)start goes there. False, with nothing held, when none is placed in `timeout`."""
         bundles = self._rank_bundles(pool, index)
         selector = ([{NODE_ID_LABEL_KEY: f"!in({','.join(sorted(self.avoid))})"}]
                     * len(bundles) if self.avoid and avoid else None)
@@ -145,11 +143,6 @@ class RayPools:
         self.shrink(pool, index)
         self.grown[(pool, index)] = pg
         return True
-
-    async def relocate(self, pool: str, index: int, timeout: float) -> bool:
-        """A bundle of its own for worker `index` of `pool`, off the nodes in `avoid`; its
-        next (re)start goes there. False: no room within `timeout`."""
-        return await self._own_group(pool, index, timeout)
 
     def shrink(self, pool: str, index: int) -> None:
         """Give back the bundle `grow` reserved for worker `index` of `pool`."""

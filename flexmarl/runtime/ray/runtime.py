@@ -152,21 +152,19 @@ class RayRuntime(LocalRuntime):
             failed: list[str] = []
             for w in self._workers_on(node):
                 name = f"{w.pool}[{w.index}]"
-                if self.supervisor is not None and self._shrinkable(w):
-                    w.kill(f"drained: node {node[:12]} is leaving (flexmarl drain)")
-                    while w.alive:  # until its death is seen: the pool shrinks (`_retire`)
-                        await asyncio.sleep(0.05)
-                    moved.append({"worker": name, "to_node": None, "retired": True})
-                    continue
+                retire = self.supervisor is not None and self._shrinkable(w)
                 if self.supervisor is None:
                     failed.append(f"{name}: runtime.max_worker_restarts=0, nothing restarts it")
                     continue
-                if not await self.ray.relocate(w.pool, w.index, timeout):
+                if not retire and not await self.ray.own_group(w.pool, w.index, timeout):
                     failed.append(f"{name}: no room elsewhere within {timeout:.0f} s")
                     continue
                 w.kill(f"drained: node {node[:12]} is leaving (flexmarl drain)")
-                while w.alive:  # until its death is seen and its restart under way
-                    await asyncio.sleep(0.05)
+                while w.alive:  # until its death is seen: the pool shrinks (`_retire`), or
+                    await asyncio.sleep(0.05)  # its restart is under way
+                if retire:
+                    moved.append({"worker": name, "to_node": None, "retired": True})
+                    continue
                 await self.supervisor.wait_worker(w.pool, w.index)
                 pool = self.rollout_workers if w.pool == "rollout" else self.train_workers
                 pid = pool[w.index].process.pid  # (asks the actor where it runs)

@@ -35,7 +35,7 @@ class RaySession:
     _made_temp: str | None = field(default=None, init=False)
 
     def start(self) -> None:
-        import ray
+        import ray  # optional: ray (the ray extra); RayRuntimeError imports without it
 
         if ray.is_initialized():  # the caller's own session (a notebook, a test): reuse it
             self.gcs_address = ray.get_runtime_context().gcs_address
@@ -81,15 +81,12 @@ class RaySession:
             ) from None
 
     def info(self) -> dict[str, Any]:
-        return {
-            "address": self.gcs_address,
-            "requested_address": self.address,
-            "started_cluster": self.started_cluster,
-        }
+        return {"address": self.gcs_address, "requested_address": self.address,
+                "started_cluster": self.started_cluster}
 
     def stop(self) -> None:
         """Disconnect if we connected; a cluster we started goes with it, a user's stays up."""
-        import ray
+        import ray  # optional: ray (the ray extra)
 
         if self.connected_here and ray.is_initialized():
             ray.shutdown()

@@ -189,18 +189,16 @@ class ActorConn:
         while not self._received:
             try:
                 got = self._pull()
-            except ray.exceptions.RayActorError as exc:
-                self.process.gone(f"actor died: {exc}".splitlines()[0])
-                raise EOFError from exc
-            except ray.exceptions.RayError as exc:  # e.g. the driver is shutting Ray down
-                self.process.gone(f"{type(exc).__name__}: {exc}".splitlines()[0])
+            except ray.exceptions.RayError as exc:  # dead, or the driver shutting Ray down
+                dead = isinstance(exc, ray.exceptions.RayActorError)
+                self.process.gone(f"{'actor died' if dead else type(exc).__name__}: "
+                                  f"{exc}".splitlines()[0])
                 raise EOFError from exc
             if got is None:
                 self.process.gone("its worker main ended")
                 raise EOFError
             self._received.extend(got)
         return self._received.popleft()
-
 
     def _pull(self) -> list[Any] | None:
         """One long poll; given up as the pipe's EOF once the driver killed the actor (a

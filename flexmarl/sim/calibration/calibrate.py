@@ -30,10 +30,12 @@ from flexmarl.config.schema import RunConfig, load_config
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
+    IterationClock,
     OtherLoad,
     machine_info,
     measure_external_load,
     profiled_load,
+    window_load,
 )
 from flexmarl.sim.calibration.mirror import (
     MirrorResult,
@@ -125,12 +127,15 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
             f"-> {out / f'real-{mode}'}")
         probe = measure_external_load()
         with OtherLoad(every=SAMPLE_S) as during:
-            real = train(mcfg, out / f"real-{mode}")
+            clock = IterationClock(during.t0)
+            real = train(mcfg, out / f"real-{mode}", on_iteration=clock.mark)
         records, wall = real.records, real.wall_s
         probe = (probe + measure_external_load()) / 2  # before and after the run
-        # others' CPU time during the run, as the profile's (`profiled_load`); the probe only
-        # where there is no /proc/stat
-        external = during.cpus if during.measured else probe
+        # others' CPU time over the run's iterations (its start-up and teardown left out, as
+        # `bench compare` reads it); the probe only where there is no /proc/stat
+        window = clock.window()
+        external = probe if not during.measured else (
+            window_load(during.series, *window, during.cpus) if window else during.cpus)
         loads[f"after_{mode}"] = machine_info()["loadavg"]
         # the profiled costs hold the load they were measured under: the mirror simulates the
         # run's other load next to the profile's (`CpuShare`), and without it for comparison

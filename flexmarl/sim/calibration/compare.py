@@ -31,7 +31,13 @@ from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
-from flexmarl.sim.calibration.machine import OtherLoad, machine_info, profiled_load, window_load
+from flexmarl.sim.calibration.machine import (
+    IterationClock,
+    OtherLoad,
+    machine_info,
+    profiled_load,
+    window_load,
+)
 from flexmarl.sim.calibration.mirror import per_iteration, run_mirror, run_mirror_measured
 
 DEFAULT_SYSTEMS = ("flexmarl", "flexmarl-sync", "flexmarl-static-balance", "sync-disaggregated")
@@ -61,6 +67,13 @@ class SystemRow:
     # per round: the CPUs the run's own processes took over its iterations (what the mirror's
     # CPU seconds an iteration over the measured s/iteration should match)
     own_load: list[float] = field(default_factory=list)
+    # per round: the iterations' [start, end] and the run's wall time, in seconds since its
+    # load's sampling began (`IterationClock`), and that whole series, to cut other windows
+    windows: list[list[float]] = field(default_factory=list)
+    series_whole_run: list[list[list[float]]] = field(default_factory=list)
+    # per round: the CPUs the mirror's own processes got over its simulated iterations, the
+    # figure beside `own_load` (a profile charging too much or too little CPU shows here)
+    simulated_own_load: list[float] = field(default_factory=list)
 
     @property
     def measured_s(self) -> float:
@@ -114,12 +127,16 @@ def compare(config: str | Path, overrides: list[str] | None = None,
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
             with OtherLoad(every=SAMPLE_S) as during:
-                result = train(cfg, base / f"{system}-{r}")
-            # others' CPU time over the iterations (the run's start-up left out): what the
-            # mirror simulates next to them
+                clock = IterationClock(during.t0)
+                result = train(cfg, base / f"{system}-{r}", on_iteration=clock.mark)
+            # others' CPU time over the iterations (the run's start-up and teardown left
+            # out): what the mirror simulates next to them
             whole = during.cpus if during.measured else 0.0
             makespan = float(result.records[-1]["time_s"]) if result.records else 0.0
-            start = max(0.0, result.wall_s - makespan)
+            start, end = clock.window() or (max(0.0, result.wall_s - makespan), result.wall_s)
+            rows[system].windows.append([round(start, 3), round(end, 3),
+                                         round(result.wall_s, 3)])
+            rows[system].series_whole_run.append([[round(t, 3), v] for t, v in during.series])
             add_run(rows[system], result.records,
                     window_load(during.series, start, start + makespan, whole))
             rows[system].other_load_whole_run.append(whole)
@@ -174,7 +191,7 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
     "mean" holds it level."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
-        row.simulated_rounds, row.simulated_runnable = [], []
+        row.simulated_rounds, row.simulated_runnable, row.simulated_own_load = [], [], []
         for r, load in enumerate(row.other_load or [prof_load]):
             cfg = cfgs[row.system]
             if r < len(row.s_per_iteration):
@@ -187,6 +204,8 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
             else:
                 sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load)
             row.simulated_rounds.append(sim.per_iteration_s)
+            row.simulated_own_load.append(sim.own_cpu_got_s / sim.makespan_s
+                                          if sim.makespan_s > 0 else 0.0)
             row.simulated_runnable.append(sim.other_runnable)
         row.simulated_s = statistics.median(row.simulated_rounds)
 
@@ -229,9 +248,11 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     rows: dict[str, SystemRow] = {}
     cfgs: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
+    own: dict[str, list[float]] = {}
     sampled: dict[str, tuple[list, list]] = {}  # the rounds' series and makespans, if saved
     for r in saved.get("rows", []):
         loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
+        own[r["system"]] = [float(v) for v in r.get("own_load", [])]
         sampled[r["system"]] = (r.get("other_series", []), r.get("makespan_s", []))
     for run in sorted(base.glob("*-[0-9]*")):
         system, _, rnd = run.name.rpartition("-")
@@ -252,6 +273,7 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     table = list(rows.values())
     for row in table:
         row.other_series, row.makespan_s = sampled.get(row.system, ([], []))
+        row.own_load = own.get(row.system, [])
     first = next(iter(cfgs.values()))
     simulate_rows(table, cfgs, prepare(first), prof, load_model)
     print_table(first.name, table, max(len(r.s_per_iteration) for r in table),
@@ -272,15 +294,21 @@ def print_table(name: str, rows: list[SystemRow], rounds: int, iterations: int,
     print(f"\n{name}: {len(rows)} systems x {rounds} rounds of {iterations} iterations "
           f"({os.cpu_count()} CPUs{apart})")
     print(f"{'system':<24}{'s/iteration':>12}{'flexmarl x':>11}{'rollout busy':>13}"
-          f"{'train busy':>11}{'swaps/it':>9}{'success':>9}{'simulated':>11}{'error':>8}")
+          f"{'train busy':>11}{'swaps/it':>9}{'success':>9}{'simulated':>11}{'error':>8}"
+          f"{'own CPUs':>10}{'sim':>6}")
     for r in rows:
         speedup = f"{r.measured_s / ref:.2f}" if ref else "-"
         print(f"{r.system:<24}{r.measured_s:>12.3f}{speedup:>11}"
               f"{statistics.median(r.rollout_busy):>13.2f}{statistics.median(r.train_busy):>11.2f}"
               f"{statistics.median(r.swaps_per_iteration):>9.1f}"
               f"{statistics.median(r.final_success):>9.3f}{r.simulated_s:>11.3f}"
-              f"{r.error:>+8.1%}")
+              f"{r.error:>+8.1%}{_median(r.own_load):>10.2f}{_median(r.simulated_own_load):>6.2f}")
     print("(medians over the rounds; flexmarl x = the system's s/iteration over FlexMARL's, "
           "FlexMARL's speedup over it; simulated = the median over the rounds of the mirrored "
           "local runtime from one profile with each round's other load; the error is reported, "
-          "not enforced)")
+          "not enforced; own CPUs = the CPUs the run's own processes took over its iterations, "
+          "measured and simulated, nan where not recorded)")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")

@@ -65,6 +65,41 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def sched_times_s(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process `pid`, summed over
+    its threads, from /proc/PID/task/*/schedstat (nanoseconds, unlike /proc/PID/stat's 10 ms
+    ticks, so a single command of a worker can be read); None where the kernel keeps none."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    on = wait = 0.0
+    seen = False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            on += int(fields[0]) / 1e9
+            wait += int(fields[1]) / 1e9
+            seen = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread gone meanwhile
+    return (on, wait) if seen else None
+
+
+def on_cpu_share(before: tuple[float, float] | None, after: tuple[float, float] | None
+                 ) -> float | None:
+    """The share of a process's runnable time it spent on a CPU between two `sched_times_s`
+    readings (1.0 on a machine nobody else used; less the more others' work preempted it);
+    None where either reading is missing or it was never runnable in between."""
+    if before is None or after is None:
+        return None
+    on, wait = after[0] - before[0], after[1] - before[1]
+    if on <= 0 or wait < 0:
+        return None
+    return on / (on + wait)
+
+
 def tree_cpu_s(root: int | None = None) -> float | None:
     """CPU-seconds of process `root` (default: this one) and all its live descendants, each
     with its reaped children's (/proc/PID/stat utime + stime + cutime + cstime); None where
@@ -128,6 +163,7 @@ class OtherLoad:
         self.series = []
         self.own_series = []
         self._t0, self._busy0, self._own0 = time.perf_counter(), _peers_s(), _own_cpu_s()
+        self.t0 = self._t0  # the series' time origin (perf_counter)
         self._all0 = _machine_busy_s()
         self._stop = threading.Event()
         self._thread = None
@@ -170,6 +206,29 @@ class OtherLoad:
         self.cpus = self._clamped(((busy - self._busy0) - own) / wall, own / wall)
         self.measured = True
         self.niced = max(0.0, ((every - self._all0) - (busy - self._busy0)) / wall)
+
+
+class IterationClock:
+    """When a real run's iterations ran, in seconds since `t0` (its `OtherLoad`'s start, so
+    the window can be cut from that load's series): pass `mark` as `train(...,
+    on_iteration=...)`; `window()` is the iterations' [start, end], the last one's end less
+    the run's makespan (its `time_s`, counted from the first iteration's start). A run's
+    start-up and its teardown after the last iteration (stopping the workers, writing the
+    trace: 1.6-10.6 s on this machine under load, next to 6-17 s of iterations) are both
+    left out; reading the window back from the run's total wall time put the teardown in."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.marks: list[tuple[float, float]] = []  # (seconds since t0, the record's time_s)
+
+    def mark(self, record: dict[str, Any]) -> None:
+        self.marks.append((time.perf_counter() - self.t0, float(record.get("time_s", 0.0))))
+
+    def window(self) -> tuple[float, float] | None:
+        if not self.marks:
+            return None
+        end, makespan = self.marks[-1]
+        return max(0.0, end - makespan), end
 
 
 def window_load(series: list[tuple[float, float]], start: float, end: float,

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import pickle
+from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,10 @@ class CpuShare:
         self.last: float | None = None
         self.handle: asyncio.TimerHandle | None = None
         self.busy_s = 0.0
+        # (virtual start, who, profiled CPU seconds) of every piece of work: the run's own CPU
+        # by process kind ("rollout", "train", "driver") over any stretch (`cpu_by_kind`)
+        self.log: list[tuple[float, str, float]] = []
+        self.got_s = 0.0  # CPU seconds the run's own processes got (`own_cpu_got_s`)
         self.others_s = 0.0  # CPU seconds the other load got (`others_cpu_s`)
 
     def speed(self, n: float) -> float:
@@ -155,6 +160,8 @@ class CpuShare:
                 self.others_s += (now - self.last) * e * min(
                     1.0, self.cores / max(1.0, len(self.jobs) + e))
             if self.jobs:
+                n = len(self.jobs)
+                self.got_s += (now - self.last) * n * min(1.0, self.cores / max(1.0, n + e))
                 done = (now - self.last) * self._rate()
                 for job in self.jobs.values():
                     job[0] -= done
@@ -187,11 +194,13 @@ class CpuShare:
         self._advance(loop.time())
         self._reschedule(loop)
 
-    async def run(self, seconds: float) -> None:
-        """`seconds` of one process's profiled CPU work, stretched (or shrunk) by the sharing."""
+    async def run(self, seconds: float, who: str = "") -> None:
+        """`seconds` of one process's profiled CPU work (of a process of kind `who`),
+        stretched (or shrunk) by the sharing."""
         if seconds <= 0:
             return
         loop = asyncio.get_running_loop()
+        self.log.append((loop.time(), who, seconds))
         self._advance(loop.time())
         fut = loop.create_future()
         self.jobs[id(fut)] = [seconds, fut]
@@ -217,7 +226,7 @@ class ParentProcess:
         if seconds <= 0:
             return
         async with self.lock:
-            await self.cpu.run(seconds)
+            await self.cpu.run(seconds, "driver")
 
 
 def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
@@ -469,7 +478,7 @@ class SimRolloutWorker(_Common):
             group = sched.last_group
             cost = self.engines[group].take_cost() if group is not None else 0.0
             if cost:
-                await self.cpu.run(cost * self.profile.scale("rollout"))
+                await self.cpu.run(cost * self.profile.scale("rollout"), "rollout")
             now = loop.time()
             if group is not None:  # busy, as the real one
                 self.sink.span("rollout", self.index, t0, now, f"gen:{group}")
@@ -490,7 +499,7 @@ class SimRolloutWorker(_Common):
             if not isinstance(ev, Loaded):
                 continue
             t0 = loop.time()
-            await self.cpu.run(self.engines[ev.agent].take_cost())
+            await self.cpu.run(self.engines[ev.agent].take_cost(), "rollout")
             self.sink.span("rollout", self.index, t0, loop.time(), f"load:{ev.agent}")
             self._later(self._ipc("ipc_call", bytes=0), ev.key, ev.version)
 
@@ -524,7 +533,7 @@ class SimTrainWorker(_Common):
         async with self.lock:
             t0 = loop.time()
             result, cost, reply_bytes, agent = self._run(command, payload)
-            await self.cpu.run(cost * self.profile.scale(f"train_{command}"))
+            await self.cpu.run(cost * self.profile.scale(f"train_{command}"), "train")
             self.sink.span("train", self.index, t0, loop.time(), f"{command}:{agent}")
         await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
         return result
@@ -571,6 +580,23 @@ class MirrorResult:
     other_cpus: float = 0.0  # CPUs' worth of time the other load got over the makespan
     other_runnable: float = 0.0  # the other runnable work simulated (`run_mirror_measured`)
     own_cpu_s: float = 0.0  # the CPU seconds of the run's own simulated work
+    cpu_log: list[tuple[float, str, float]] = field(default_factory=list)  # `CpuShare.log`
+    # the CPU time the run's own processes got (processor sharing; more than `own_cpu_s`
+    # where contention slows a CPU second): what a real run's own CPUs measure
+    own_cpu_got_s: float = 0.0
+
+    def cpu_by_kind(self, after_first: bool = True) -> dict[str, float]:
+        """The run's own profiled CPU seconds an iteration by process kind (rollout, train,
+        driver), over the iterations after the first (as `benchmarks/pipeline_cpu.py` reads a
+        real run's) or, with `after_first` False, over all of them."""
+        n = len(self.records)
+        start = float(self.records[0]["time_s"]) if after_first and n > 1 else 0.0
+        its = n - 1 if after_first and n > 1 else max(1, n)
+        out: dict[str, float] = defaultdict(float)
+        for t, who, seconds in self.cpu_log:
+            if t >= start - 1e-9:
+                out[who] += seconds / its
+        return dict(out)
 
 
 def per_iteration(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -678,7 +704,9 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     others = shares[0].others_cpu_s(makespan) / makespan if shares and makespan > 0 else 0.0
     runnable = shares[0].external if shares else 0.0
     return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
-                        runnable, shares[0].busy_s if shares else 0.0)
+                        runnable, shares[0].busy_s if shares else 0.0,
+                        shares[0].log if shares else [],
+                        shares[0].got_s if shares else 0.0)
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,

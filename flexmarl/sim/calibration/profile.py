@@ -78,6 +78,8 @@ from flexmarl.sim.calibration.machine import (
     machine_info,
     measure_contention,
     measure_external_load,
+    on_cpu_share,
+    sched_times_s,
     tree_cpu_s,
 )
 from flexmarl.sim.calibration.mirror import ProfiledEngine, mirror_config
@@ -320,24 +322,51 @@ class _Spans(NullSink):
 
 
 class _OnCpu:
-    """The share of a worker's busy wall time it spent on a CPU, over a phase of a probe: its
-    process's CPU seconds (/proc, 10 ms ticks: only a phase is long enough to read) over the
-    busy spans it reported meanwhile; the spans times it are CPU seconds, as the fits are."""
+    """Turns a real worker's busy spans into CPU seconds, one awaited command (or batch) at a
+    time (`measure`): the spans it reported meanwhile times the share of its runnable time
+    the worker spent on a CPU over that call (`machine.on_cpu_share`, from the scheduler's
+    nanosecond counters), so a call that other users' processes preempted reads the same as
+    one they did not, and each round of a probe is converted with its own moment's load.
+    Where the kernel keeps no per-thread counters it falls back to one share over the phase:
+    the process's CPU seconds (/proc/PID/stat, 10 ms ticks) over the spans reported meanwhile
+    (`fraction`); without /proc the spans stay wall time."""
 
     def __init__(self, proxy: Any, sink: _Spans) -> None:
         self.pid = proxy.process.pid
         self.sink = sink
         self.cpu0 = tree_cpu_s(self.pid)
         self.busy = 0.0
+        self.shares: list[float] = []  # per call, where the counters were read
 
-    def add(self, busy: float) -> None:
-        self.busy += busy
+    async def measure(self, awaitable: Any) -> list[tuple[str, float, float | None]]:
+        """Await `awaitable` (work of the worker); the spans reported meanwhile, as (kind,
+        wall seconds, on-CPU share or None)."""
+        first = len(self.sink.spans)
+        before = sched_times_s(self.pid)
+        await awaitable
+        share = on_cpu_share(before, sched_times_s(self.pid))
+        if share is not None:
+            self.shares.append(share)
+        spans = self.sink.spans[first:]
+        self.busy += sum(d for _, d in spans)
+        return [(kind, d, share) for kind, d in spans]
 
     def fraction(self) -> float:
         cpu1 = tree_cpu_s(self.pid)
         if self.cpu0 is None or cpu1 is None or self.busy <= 0:
             return 1.0  # no /proc: wall time, as measured
         return max(0.05, min(1.0, (cpu1 - self.cpu0) / self.busy))
+
+    def cpu_s(self, spans: Sequence[tuple[str, float, float | None]]) -> float:
+        """The CPU seconds of `spans` (from `measure`), at the end of the phase."""
+        fallback: float | None = None
+        total = 0.0
+        for _, d, share in spans:
+            if share is None:
+                fallback = self.fraction() if fallback is None else fallback
+                share = fallback
+            total += d * share
+        return total
 
 
 async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
@@ -416,10 +445,9 @@ async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
                                   rng.integers(3, vocab, size=prompts[agent]).tolist(), out,
                                   allowed.get(agent)) for out in outs], outs
 
-    async def busy(reqs: list[GenerationRequest]) -> float:
-        sink.spans.clear()
-        await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
-        return sink.busy()
+    async def busy(on_cpu: _OnCpu, reqs: list[GenerationRequest]) -> list[Any]:
+        return await on_cpu.measure(asyncio.gather(
+            *(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs))))
 
     try:
         rng = np.random.default_rng(1)
@@ -430,20 +458,19 @@ async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
                 on_cpu = _OnCpu(proxy, sink)
                 for rep in range(reps + 1):
                     reqs, outs = batch(agent, n, rng, "r")
-                    took = await busy(reqs)
-                    on_cpu.add(took)
+                    spans = await busy(on_cpu, reqs)
                     engine, turns = replay_batch(agent, prof, prompts[agent], outs, max_seqs)
                     if rep:
-                        runs.append((took, engine, max(1, turns)))
-                f = on_cpu.fraction()
+                        runs.append((spans, engine, max(1, turns)))
                 xs.append({"requests": _stat([n / t for _, _, t in runs])})
-                ys.append(max(0.0, _stat([(took * f - e) / t for took, e, t in runs])))
+                ys.append(max(0.0, _stat([(on_cpu.cpu_s(spans) - e) / t
+                                          for spans, e, t in runs])))
         over = fit_linear(["1", "requests"], xs, ys)
         for prof in agents.values():
             prof.fits["replica_overhead"] = over
         rng = np.random.default_rng(2)
         n = max(1, min(max_seqs, 32))
-        measured, predicted = [], []
+        rounds, predicted = [], []
         on_cpu = _OnCpu(proxy, sink)
         for rep in range(reps + 1):
             reqs, expect = [], 0.0
@@ -451,13 +478,11 @@ async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
                 more, outs = batch(agent, n, rng, "s")
                 reqs += more
                 expect += replay_batch(agent, prof, prompts[agent], outs, max_seqs)[0]
-            took = await busy(reqs)
-            on_cpu.add(took)
+            spans = await busy(on_cpu, reqs)
             if rep:
-                measured.append(took)
+                rounds.append(spans)
                 predicted.append(expect)
-        f = on_cpu.fraction()
-        measured = [m * f for m in measured]
+        measured = [on_cpu.cpu_s(spans) for spans in rounds]
     finally:
         await proxy.stop()
     ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
@@ -485,18 +510,30 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
     predicted: dict[str, list[float]] = defaultdict(list)
     want: dict[str, float] = defaultdict(float)
 
+    on_cpu = _OnCpu(proxy, sink)
+    spans: list[tuple[str, float, float | None]] = []  # this round's
+
+    async def call(command: str, payload: Any) -> Any:
+        got: list[Any] = []
+
+        async def run() -> None:
+            got.append(await proxy.call(command, payload))
+
+        spans.extend(await on_cpu.measure(run()))
+        return got[0]
+
     async def bind(agent: str) -> None:
-        out_agent, out_state, _ = await proxy.call("bind", (agent, swapped.pop(agent, None)))
+        out_agent, out_state, _ = await call("bind", (agent, swapped.pop(agent, None)))
         if out_agent is not None:
             swapped[out_agent] = out_state
         if len(trainable) > 1:
             want["bind"] += agents[agent].fits["swap_out"]() + agents[agent].fits["swap_in"]()
 
     try:
-        on_cpu = _OnCpu(proxy, sink)
+        rounds: list[tuple[list[Any], dict[str, float]]] = []
         for rep in range(reps + 1):
             want.clear()
-            sink.spans.clear()
+            spans.clear()
             if rep == 1:  # the first round builds the trainers: its CPU time left out
                 on_cpu = _OnCpu(proxy, sink)
             for _ in range(2):  # two micro-batches per agent per round, agents in turn
@@ -506,25 +543,21 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
                     o = max(1, round(statistics.mean(agents[agent].output_lengths or [1])))
                     batch = _samples(rows, p, o, vocab, versions[agent], f"t{next(tags)}",
                                      allowed.get(agent))
-                    await proxy.call("accumulate", (agent, batch))
+                    await call("accumulate", (agent, batch))
                     want["accumulate"] += agents[agent].fits["accumulate"](
                         rows=rows, tokens=rows * (p + o))
             for agent in trainable:
                 await bind(agent)
-                await proxy.call("step", agent)
+                await call("step", agent)
                 versions[agent] += 1
                 want["step"] += agents[agent].fits["step"]()
             if rep:  # the first round builds the trainers
-                on_cpu.add(sink.busy())
-                got: dict[str, float] = defaultdict(float)
-                for kind, d in sink.spans:
-                    if kind in kinds:
-                        got[kinds[kind]] += d
-                for kind, value in want.items():
-                    measured[kind].append(got[kind])
-                    predicted[kind].append(value)
-        f = on_cpu.fraction()
-        measured = {k: [m * f for m in v] for k, v in measured.items()}
+                rounds.append((list(spans), dict(want)))
+        for got_spans, wanted in rounds:
+            for kind, value in wanted.items():
+                mine = [sp for sp in got_spans if kinds.get(sp[0]) == kind]
+                measured[kind].append(on_cpu.cpu_s(mine))
+                predicted[kind].append(value)
     finally:
         await proxy.stop()
     scale = {f"train_{k}": _ratio(measured[k], predicted[k]) for k in measured}

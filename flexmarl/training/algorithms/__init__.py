@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from flexmarl.training.algorithms import grpo, ppo, reinforce_pp
+
 
 def get(name: str) -> ModuleType:
     """The module of an algorithm by its config name (each has `sequence_advantages`, `loss`)."""
-    from flexmarl.training.algorithms import grpo, ppo, reinforce_pp
 
     return {"grpo": grpo, "ppo": ppo, "reinforce_pp": reinforce_pp}[name]

@@ -62,11 +62,20 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     # each round's others' load window by window over its iterations, for --resimulate
     assert all(len(r["other_series"]) == 1 and r["makespan_s"][0] > 0 and len(r["own_load"]) == 1
                for r in saved["rows"])
+    # the iterations' window from when they ran, ending before the run's teardown did
+    for r in saved["rows"]:
+        (start, end, wall), = r["windows"]
+        assert end - start == pytest.approx(r["makespan_s"][0], abs=1e-3)
+        assert 0 < start < end < wall + 0.5 and r["series_whole_run"][0]
     # --resimulate: the same real runs simulated again (the mirror is deterministic)
     again = {r.system: r for r in resimulate(tmp_path / "out")}
     for r in rows:
         assert again[r.system].measured_s == pytest.approx(r.measured_s)
         assert again[r.system].simulated_s == pytest.approx(r.simulated_s)
+        # the run's own CPUs, measured and simulated, kept beside each other
+        assert again[r.system].own_load == pytest.approx(r.own_load)
+        assert len(r.simulated_own_load) == 1 and 0 < r.simulated_own_load[0] <= 2.0
+    assert "own CPUs" in capsys.readouterr().out
     assert (tmp_path / "out" / "compare_resimulated.json").exists()
     # the colocated preset ran colocated (never pinned apart), and its replicas slept
     marti = load_config(tmp_path / "out" / "marti-0" / "config.yaml")

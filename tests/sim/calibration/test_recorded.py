@@ -114,3 +114,31 @@ def test_the_held_out_comparison_shows_the_gap_left():
         assert sum(e > 0.15 for e in errors.values()) >= 4, errors  # the gap: over-predicted
     assert statistics.median(abs(e) for e in bursts.values()) < statistics.median(
         abs(e) for e in level.values())
+
+
+def _dec6() -> tuple[LocalProfile, dict]:
+    """A third comparison (Dec 6, 08:37-08:54 UTC, load average 4.5-7), recorded with the
+    worker probes' call-by-call CPU share and the others' load over each run's iterations as
+    they ran (`IterationClock`, teardown left out), with the profile it took then."""
+    return (LocalProfile.load(DATA / "paper_workload_profile_dec6.json"),
+            json.loads((DATA / "paper_workload_compare_dec6.json").read_text()))
+
+
+@pytest.mark.slow
+def test_the_dec6_comparison_predicts_the_sync_rows_and_misses_the_pipelined_ones():
+    """Not a goal: the errors as measured, so a change that moves them is seen. The
+    synchronous, disaggregated rows are within 8%; the pipelined rows and the colocated
+    `marti` are under-predicted by 28-35%: their real runs spend more CPU an iteration than
+    the mirror charges (the gap left of issue 31's item 5)."""
+    prof, recorded = _dec6()
+    systems = [r["system"] for r in recorded["rows"]]
+    rows = _simulated(prof, recorded, systems, "mean")
+    errors = {s: r.error for s, r in rows.items()}
+    for system in ("flexmarl-sync", "sync-disaggregated", "mas-rl-like"):
+        assert abs(errors[system]) <= 0.08, (system, errors)
+    for system in ("flexmarl", "flexmarl-stage", "flexmarl-static-balance", "one-step-off",
+                   "marti"):
+        assert -0.40 <= errors[system] <= -0.20, (system, errors)
+    # what the command printed when the runs were measured (the mirror is deterministic)
+    for r in recorded["rows"]:
+        assert errors[r["system"]] == pytest.approx(r["error"], abs=1e-6)

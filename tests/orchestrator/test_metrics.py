@@ -1,0 +1,41 @@
+"""The iteration record's common part (`IterationMetrics.common`): its span scans start after
+the spans that ended before the window, and give what a scan of every span gives."""
+
+from __future__ import annotations
+
+import random
+
+from flexmarl.orchestrator.metrics import IterationMetrics
+from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.testing.fakes import FakeRolloutPool, FakeTrainPool
+
+
+def full_scan(t: Telemetry, n_rollout: int, n_train: int, t0: float, t1: float) -> tuple:
+    swaps = t.labelled("train", "swap:", t0, t1)
+    return (t.busy_frac("rollout", n_rollout, t0, t1),
+            sum(t.busy_by_worker("train", n_train, t0, t1)) / ((t1 - t0) * n_train),
+            sum(n for n, _ in swaps.values()), sum(s for _, s in swaps.values()))
+
+
+def test_common_record_equals_a_full_scan_over_successive_windows() -> None:
+    rng = random.Random(0)
+    telemetry = Telemetry()
+    rollout, train = FakeRolloutPool(), FakeTrainPool(["a", "b"])
+    metrics = IterationMetrics(telemetry, rollout, train, ["a", "b"], ["a", "b"])
+    t0, skipped = 0.0, []
+    for k in range(30):
+        now = t0 + 1.0
+        for _ in range(12):  # spans ending in this window, some started windows earlier
+            end = rng.uniform(t0, now)
+            start = end - rng.uniform(0.0, 2.5)
+            pool = rng.choice(["rollout", "train"])
+            label = rng.choice(["step:a", "swap:b:in", "swap:a:in", "rollout"])
+            telemetry.span(pool, rng.randrange(2), start, end, label)
+        rec = metrics.common(k, t0, now, 0.0)
+        want = full_scan(telemetry, rollout.n_workers, train.n_workers, t0, now)
+        got = (rec["pool/rollout/busy_frac"], rec["pool/train/busy_frac"],
+               rec["pool/train/swaps"], rec["pool/train/swap_s"])
+        assert got == want, k
+        skipped.append(metrics._first)
+        t0 = now
+    assert skipped[-1] > 250  # the scans start near the window, not at the run's first span
