@@ -285,7 +285,6 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-
     return run_serve(args)
 
 

@@ -913,7 +913,6 @@ class RunConfig(Strict):
                              "pipeline.mode=async")
         return self
 
-
     def _check_task_run(self) -> None:
         """What only an environment run has, and a graph's network agents' limits."""
         for field in _ENV_ONLY_TRAIN:

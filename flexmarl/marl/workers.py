@@ -42,7 +42,6 @@ class RolloutHost:
     and, on Ray, by the same main in an actor (`runtime.ray.transport.PipeActor`)."""
 
     def __init__(self, spec: MarlWorkerSpec) -> None:
-
         cfg = RunConfig.model_validate(spec.config)
         # spaces were checked in the driver; VDN / QMIX act epsilon-greedily (marl/offpolicy.py)
         self.env: EnvRollout | QRollout = (

@@ -126,7 +126,6 @@ def quiet_unretrieved(loop: asyncio.AbstractEventLoop, telemetry: Telemetry) -> 
 
 def make_runtime(cfg: RunConfig, task: Task, telemetry: Telemetry) -> Runtime:
     if cfg.runtime.kind == "local":
-
         return LocalRuntime(cfg, task.vocab_size, task.max_seq_len, telemetry)
     if cfg.runtime.kind == "ray":
         from flexmarl.runtime.ray.runtime import RayRuntime  # optional: ray (the ray extra)

@@ -42,12 +42,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flexmarl.api.runtime import TrainPool, WorkerError, WorkerLost
+from flexmarl.policy import adapters
+from flexmarl.policy.device import process_device
+from flexmarl.policy.model import build_model
 from flexmarl.store.experience import parse_sample_id, sample_iteration
 from flexmarl.training import state as st
 from flexmarl.training.allocator import Lease, SlotAllocator
 from flexmarl.training.learner import Learner, NetworkLearner, published_form
 from flexmarl.training.policy_learner import agent_learner
 from flexmarl.training.state import state_to_numpy
+from flexmarl.training.trainer import AgentTrainer
 
 if TYPE_CHECKING:
     from flexmarl.config.schema import RunConfig
@@ -141,9 +145,6 @@ class TrainHost:
         if self.build_learner is not None:
             self.builds += 1
             return self.build_learner(agent)
-        from flexmarl.policy.device import process_device
-        from flexmarl.policy.model import build_model
-        from flexmarl.training.trainer import AgentTrainer
 
         assert self.cfg is not None
         if agent not in self.cfg.agents:
@@ -173,9 +174,6 @@ class TrainHost:
         """A `ShardedAgentTrainer` over this slot's ranks; an agent on a shared base trains
         its adapter of the slot's one sharded peft model over that base (built at the first
         such agent, with an adapter for every trainable agent on the base)."""
-        from flexmarl.policy import adapters
-        from flexmarl.policy.device import process_device
-        from flexmarl.policy.model import build_model
         from flexmarl.training import sharded  # torch.distributed: only sharded slots
 
         assert self.cfg is not None
@@ -204,7 +202,6 @@ class TrainHost:
     def resident_bytes(self, agents: list[str] | None = None) -> int:
         """Memory the slot holds: the kept trainers' (of `agents`, default all) weights,
         gradients and optimizer states, each shared base once."""
-        from flexmarl.policy import adapters
 
         if self.world > 1:  # this rank's shards (parameters, gradients, optimizer state)
             total = sum(  # the shared bases' frozen shards, once (adapters: the trainers')

@@ -109,7 +109,6 @@ class PairGroups:
 
 
 def comm_device(backend: str) -> torch.device:
-
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -126,7 +125,6 @@ class SlotPublisher:
 
     def keep(self, agent: str, version: int, weights: dict[str, Any]) -> PublishedRef:
         """Flatten the weights (on their device) and keep them; the driver gets the ref."""
-
 
         state = TrainingState(weights, {"agent": agent, "version": version})
         parts = [v.detach().contiguous().reshape(-1).view(torch.uint8) for v in weights.values()]
@@ -169,7 +167,6 @@ class SlotPublisher:
 
 def receive(groups: PairGroups, ref: PublishedRef, key: str, backend: str) -> Any:
     """A replica's end: the version's `TrainingState`, on this process's compute device."""
-
 
     try:
         group = groups.get(key, 1, backend)

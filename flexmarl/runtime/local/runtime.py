@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import itertools
 import multiprocessing as mp
 import queue
@@ -16,6 +17,8 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+
+import torch.distributed as dist
 
 from flexmarl.api.runtime import (
     NullSink,
@@ -293,7 +296,6 @@ def publication_mode(asked: str, pipeline_mode: str = "async") -> str:
     than the pipes through the driver; between GPUs NCCL also skips host memory. On a GPU
     shared by both pools the pair uses gloo (through host memory, as the pipes do, with no
     driver in the path)."""
-    import torch.distributed as dist
 
     if asked != "auto":
         return asked
@@ -575,10 +577,6 @@ class LocalRuntime(Runtime):
         self._store: Any = None
         publication: tuple[str, int, float] | None = None
         if self.publication == "collective" and trainable:
-            import datetime
-
-            import torch.distributed as dist
-
             # the rendezvous of every pair group (workers connect as clients)
             host = self._rendezvous_host()
             self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,

@@ -606,7 +606,6 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     """Measure `cfg`'s agents on this machine (see the module docstring)."""
     import torch  # start-up cost: torch only where it runs
 
-
     log = log or (lambda s: None)
     started = time.perf_counter()
     log("machine load: other runnable work, in CPUs")
