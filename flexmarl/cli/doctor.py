@@ -153,6 +153,21 @@ def check_failures(run: Run) -> list[Finding]:
             f"{int(worst[1])} of {int(worst[2])}" + (f"; first error: {first}" if first else ""),
             "the error names the node and the function (prompt builder, reward, endpoint); fix "
             "it there. train.max_failed_fraction stops a run whose episodes keep failing"))
+    its, lost = run.series("rollout/workers_failed")  # an environment run's
+    bad_its = [i for i, n in zip(its, lost, strict=True) if n > 0]
+    if bad_its:
+        workers = int((run.config.get("runtime") or {}).get("rollout_workers", 1) or 1)
+        first = next((r["errors"][0] for r in run.records
+                      if r.get("iteration") in bad_its and r.get("errors")), None)
+        out.append(Finding(
+            "rollout workers lost", "error" if max(lost) >= workers else "warning",
+            "rollout/workers_failed", bad_its,
+            f"{int(sum(lost))} rollout worker losses of {workers} workers per iteration"
+            + (f"; first error: {first}" if first else ""),
+            "a worker is lost for good once runtime.max_worker_restarts is used up (or is 0): "
+            "the error says why (killed: memory, take fewer env.num_envs per worker); those "
+            "iterations trained on the other workers' rows, and train.max_failed_fraction "
+            "stops a run that keeps losing them"))
     skipped = [e for e in run.events if e.get("event") == "step_skipped"]
     if skipped:
         out.append(Finding(

@@ -281,3 +281,24 @@ def test_a_policy_thrown_onto_one_answer_in_its_first_steps_is_a_learning_rate(t
     first = diagnose(load_run(run))[0]
     assert "learning rate too high" in first.problem and first.metric == "agent/a/entropy"
     assert first.iterations == [0, 1, 2] and "within 2 steps" in first.evidence
+
+
+def test_doctor_names_an_environment_runs_lost_rollout_workers(tmp_path):
+    """An environment run's `rollout/workers_failed` (a worker lost for good): a warning while
+    other workers stepped, an error for an iteration that lost them all, with the error."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("runtime: {rollout_workers: 2}\n")
+    lost = {3: 1, 7: 2}
+    lines = [{"iteration": k, "episodes/total": 16, "rollout/workers_failed": lost.get(k, 0),
+              **({"errors": [f"rollout worker {k % 2} lost: killed by SIGKILL"]}
+                 if k in lost else {})} for k in range(10)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    found = {f.problem: f for f in diagnose(load_run(run))}["rollout workers lost"]
+    assert found.iterations == [3, 7] and found.severity == "error"
+    assert "3 rollout worker losses of 2" in found.evidence
+    assert "rollout worker 1 lost: killed by SIGKILL" in found.evidence
+    lines[7]["rollout/workers_failed"] = 1
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    found = {f.problem: f for f in diagnose(load_run(run))}["rollout workers lost"]
+    assert found.severity == "warning"
