@@ -520,12 +520,12 @@ def bench_logprob_diff(device: torch.device, small: bool, vocab: int) -> None:
 
 
 # --- 5. multi-agent run, sync vs async ------------------------------------------------------
-def bench_run(device: torch.device, iterations: int) -> None:
+def bench_run(device: torch.device, iterations: int, run_dir: str | None) -> None:
     section("multi-agent run on the device: relay chain, sync vs async")
     from flexmarl.orchestrator.run import train
 
     rows = {}
-    base = Path(tempfile.mkdtemp(prefix="flexmarl-gpu-run-"))
+    base = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="flexmarl-gpu-run-"))
     for mode in ("sync", "async"):
         cfg = load_config(str(ROOT / "examples/relay_chain.yaml"), [
             f"pipeline.mode={mode}", f"train.iterations={iterations}",
@@ -575,7 +575,14 @@ def main() -> None:
                         default="rollout,cases,llama,training,fsdp,transfers,logprob,run")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine's run")
+    parser.add_argument("--json", default=None,
+                        help="where the figures go, rewritten after each section "
+                             "(default $OUT/gpu_check.json when $OUT is set)")
+    parser.add_argument("--run-dir", default=None,
+                        help="keep the multi-agent runs' folders (trace, metrics) here")
     args = parser.parse_args()
+    json_path = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json")
+                              if os.environ.get("OUT") else None)
     global PROFILE
     PROFILE = args.profile
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -596,7 +603,7 @@ def main() -> None:
     steps.append(("transfers", lambda: trainer_box and bench_transfers(
         device, args.small, vocab, trainer_box[0])))
     steps.append(("logprob", lambda: bench_logprob_diff(device, args.small, vocab)))
-    steps.append(("run", lambda: bench_run(device, args.iterations)))
+    steps.append(("run", lambda: bench_run(device, args.iterations, args.run_dir)))
     by_key = dict(steps)
     for key in [k for k in args.only.split(",") if k in by_key]:  # in the order given
         fn = by_key[key]
@@ -614,10 +621,9 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if json_path:  # after every section, so a run cut short keeps what it measured
+            Path(json_path).write_text(json.dumps(RESULTS, indent=2, default=str))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(RESULTS, indent=2,
-                                                                        default=str))
 
 
 if __name__ == "__main__":
