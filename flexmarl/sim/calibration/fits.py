@@ -105,6 +105,20 @@ class LocalProfile:
     # preemption left out; `contention` then is the speed of a CPU second with k busy), or
     # "wall" (an older profile: wall seconds at the profile's load)
     clock: str = "wall"
+    # a training slot's CPU seconds a command with another of the run's processes busy next to
+    # it (a rollout replica decoding), over the same command's alone, by command (`train_bind`,
+    # `train_accumulate`, `train_step`): shared caches and memory bandwidth; empty: none
+    overlap: dict[str, float] = field(default_factory=dict)
+    # the driver's CPU as a real run of the config spends it (`profile.measure_driver`):
+    # `per_request_s` / `per_train_call_s` from a sync run's rollout and training phases, and
+    # `pipelined` its CPU an iteration in an async run over what those charge the same work
+    # (1.0 where it was not measured); `echo_*` the zero-cost-worker measure beside them
+    driver: dict[str, float] = field(default_factory=dict)
+
+    def driver_scale(self, mode: str) -> float:
+        """The driver's CPU per request and training call in `pipeline.mode` `mode` over the
+        sync run's: measured in an async run (overlapped rollout and training)."""
+        return 1.0 if mode == "sync" else float(self.driver.get("pipelined", 1.0))
 
     def scale(self, kind: str) -> float:
         return float(self.worker_scale.get(kind, 1.0))
@@ -133,7 +147,9 @@ class LocalProfile:
                    {k: float(v) for k, v in d.get("worker_scale", {}).items()},
                    [float(v) for v in d.get("contention", [])],
                    {k: float(v) for k, v in d.get("spread", {}).items()},
-                   str(d.get("clock", "wall")))
+                   str(d.get("clock", "wall")),
+                   {k: float(v) for k, v in d.get("overlap", {}).items()},
+                   {k: float(v) for k, v in d.get("driver", {}).items()})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

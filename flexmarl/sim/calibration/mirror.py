@@ -45,7 +45,10 @@ from flexmarl.sim.calibration.machine import profiled_load
 from flexmarl.sim.runtime.clock import run_virtual
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.digest_host import DigestSlotHost
+from flexmarl.training.host import TrainHost
 from flexmarl.types import GenerationRequest, GenerationResult
+
+_WORKER_KINDS = ("rollout", "train")  # the run's worker processes (the driver is "driver")
 
 
 class CpuShare:
@@ -164,7 +167,11 @@ class CpuShare:
                 self.got_s += (now - self.last) * n * min(1.0, self.cores / max(1.0, n + e))
                 done = (now - self.last) * self._rate()
                 for job in self.jobs.values():
-                    job[0] -= done
+                    slow = self._slowdown(job)
+                    job[0] -= done / slow
+                    if slow != 1.0 and done > 0:  # the CPU it spent beyond its profiled work
+                        self.log.append((self.last, job[2], done - done / slow))
+                        self.busy_s += done - done / slow
         self.last = now
         self.external = self.external_at(now)
 
@@ -182,7 +189,7 @@ class CpuShare:
             if not fut.done():
                 fut.set_result(None)
         if self.jobs:
-            left = min(j[0] for j in self.jobs.values()) / self._rate()
+            left = min(j[0] * self._slowdown(j) for j in self.jobs.values()) / self._rate()
             change = self._next_change(loop.time())  # the other load changes: a new rate
             if change is not None:
                 left = min(left, max(0.0, change - loop.time()))
@@ -194,16 +201,25 @@ class CpuShare:
         self._advance(loop.time())
         self._reschedule(loop)
 
-    async def run(self, seconds: float, who: str = "") -> None:
+    def _slowdown(self, job: list[Any]) -> float:
+        """How many CPU seconds a job spends a profiled one while another of the run's worker
+        processes (a replica, a training slot) is busy next to it (its `overlap`; 1.0 alone)."""
+        if job[3] == 1.0:
+            return 1.0
+        others = sum(1 for j in self.jobs.values() if j is not job and j[2] in _WORKER_KINDS)
+        return job[3] if others else 1.0
+
+    async def run(self, seconds: float, who: str = "", overlap: float = 1.0) -> None:
         """`seconds` of one process's profiled CPU work (of a process of kind `who`),
-        stretched (or shrunk) by the sharing."""
+        stretched (or shrunk) by the sharing; `overlap`: the CPU seconds it spends a profiled
+        one while another of the run's worker processes is busy (`LocalProfile.overlap`)."""
         if seconds <= 0:
             return
         loop = asyncio.get_running_loop()
         self.log.append((loop.time(), who, seconds))
         self._advance(loop.time())
         fut = loop.create_future()
-        self.jobs[id(fut)] = [seconds, fut]
+        self.jobs[id(fut)] = [seconds, fut, who, max(1e-3, float(overlap))]
         self.busy_s += seconds
         self._reschedule(loop)
         try:
@@ -216,17 +232,19 @@ class CpuShare:
 
 class ParentProcess:
     """The orchestrator's own process: its per-request and per-training-call work, one piece
-    at a time, on the shared CPUs."""
+    at a time, on the shared CPUs; `scale` is what the run's pipeline mode costs it a request
+    or call over a sync run (`LocalProfile.driver_scale`)."""
 
-    def __init__(self, cpu: CpuShare) -> None:
+    def __init__(self, cpu: CpuShare, scale: float = 1.0) -> None:
         self.cpu = cpu
+        self.scale = scale
         self.lock = asyncio.Lock()
 
     async def work(self, seconds: float) -> None:
         if seconds <= 0:
             return
         async with self.lock:
-            await self.cpu.run(seconds, "driver")
+            await self.cpu.run(seconds * self.scale, "driver")
 
 
 def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
@@ -438,11 +456,21 @@ class SimRolloutWorker(_Common):
         self.wake.set()
 
     async def call(self, command: str, payload: Any) -> Any:
-        """`load_weights`, and under `runtime.colocate` `sleep` / `wake` (their message round
-        trip only: on a CPU a replica frees and re-zeroes its KV pool, nothing the profile
-        measures; the weights stay where they are)."""
+        """`load_weights`, and under `runtime.colocate` `sleep` / `wake`: their message round
+        trip and what the replica's engines of the named agents (None: all) spend on them
+        (the profile's `sleep` / `wake`, measured on the real engine: on a CPU the KV pool is
+        freed and allocated again, the weights stay where they are)."""
         if command in ("sleep", "wake"):
-            await asyncio.sleep(2 * self._ipc("ipc_call", bytes=0))
+            await asyncio.sleep(self._ipc("ipc_call", bytes=0))
+            named = self.agents if payload is None else [a for a in payload if a in self.engines]
+            cost = sum(_cost(self.engines[a].p, command) for a in named)
+            t0 = asyncio.get_running_loop().time()
+            await self.cpu.run(cost, "rollout")
+            if cost > 0:
+                who = "+".join(payload) if payload else ""
+                self.sink.span("rollout", self.index, t0, asyncio.get_running_loop().time(),
+                               f"{command}:{who}")
+            await asyncio.sleep(self._ipc("ipc_call", bytes=0))
             return {"kv_bytes": 0, "weight_bytes": 0}
         if command != "load_weights":
             raise ValueError(f"simulated rollout worker: unknown command {command!r}")
@@ -513,7 +541,10 @@ class SimTrainWorker(_Common):
                  parent: ParentProcess) -> None:
         super().__init__("train", index, profile, sink, cpu, parent)
         self.lock = asyncio.Lock()  # FIFO: the pipe's order
-        self.host = DigestSlotHost()  # who is resident, versions, results
+        # who is resident, versions, results; a swapped-out state stays parked here, as in a
+        # real slot's kept trainer, and comes back as `("kept", token)` (`TrainHost.bind`)
+        self.host = DigestSlotHost(parks=True)
+        self.generation = index  # `LocalTrainPool._slot_generation`: never restarted
         self.built: set[str] = set()
 
     def _payload_bytes(self, command: str, payload: Any) -> int:
@@ -521,7 +552,7 @@ class SimTrainWorker(_Common):
             return len(pickle.dumps(payload))
         if command in ("step", "weights", "get_state"):
             return 0
-        if command == "bind" and payload[1] is not None:  # the state swapped in
+        if command == "bind" and payload[1] is not None and payload[1][0] != "kept":
             return 3 * self.profile.agents[payload[0]].weights_bytes  # weights + Adam moments
         return 256
 
@@ -533,8 +564,14 @@ class SimTrainWorker(_Common):
         async with self.lock:
             t0 = loop.time()
             result, cost, reply_bytes, agent = self._run(command, payload)
-            await self.cpu.run(cost * self.profile.scale(f"train_{command}"), "train")
-            self.sink.span("train", self.index, t0, loop.time(), f"{command}:{agent}")
+            kind = f"train_{command}"
+            await self.cpu.run(cost * self.profile.scale(kind), "train",
+                               self.profile.overlap.get(kind, 1.0))
+            # the real slot's label (`TrainHost.SPAN_LABELS`): `swap:` spans are the records'
+            # `pool/train/swaps`
+            label = TrainHost.SPAN_LABELS.get(command, command)
+            count = f":{len(payload[1])}" if command == "accumulate" else ""
+            self.sink.span("train", self.index, t0, loop.time(), f"{label}:{agent}{count}")
         await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
         return result
 
@@ -552,7 +589,11 @@ class SimTrainWorker(_Common):
                 reply = 3 * prof[resident].weights_bytes  # weights + two Adam moments
             if resident != agent:
                 first = payload[1] is None and agent not in self.built
-                cost += _cost(prof.get(agent), "build" if first else "swap_in")
+                kept = payload[1] is not None and payload[1][0] == "kept"
+                # a kept swap-in only puts the RNG back (the token path); older profiles did
+                # not measure it: nothing moves, so nothing is charged
+                cost += _cost(prof.get(agent), "build" if first else
+                              "swap_in_kept" if kept else "swap_in")
                 self.built.add(agent)
             return result, cost, reply, agent
         if command == "accumulate":
@@ -664,7 +705,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
                        curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
         shares.append(cpu)
-        parent = ParentProcess(cpu)
+        parent = ParentProcess(cpu, profile.driver_scale(cfg.pipeline.mode))
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
                                      parent) for i in range(rt.rollout_workers)]

@@ -47,17 +47,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import pickle
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from flexmarl.api.runtime import NullSink
 from flexmarl.orchestrator.joint import JointOrchestrator
+from flexmarl.orchestrator.run import train
 from flexmarl.policy.model import build_model, weights_of
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import HFEngine
@@ -159,8 +163,39 @@ def profile_engine(model: Any, max_seqs: int, max_width: int, vocab: int,
             dx.append({"seqs": n, "tokens": n * (w + 2 + reps / 2)})
             dy.append(_stat(steps))
             engine.reset()
+    sleeps, wakes = _sleep_wake(engine, requests, seqs_grid[len(seqs_grid) // 2],
+                                width_grid[len(width_grid) // 2], reps)
     return {"prefill": fit_linear(["1", "seqs", "tokens"], px, py),
-            "decode": fit_linear(["1", "seqs", "tokens"], dx, dy)}
+            "decode": fit_linear(["1", "seqs", "tokens"], dx, dy),
+            "sleep": constant(sleeps, STATISTIC), "wake": constant(wakes, STATISTIC)}
+
+
+def _sleep_wake(engine: HFEngine, requests: Callable[[int, int], list[GenerationRequest]],
+                n: int, width: int, reps: int) -> tuple[list[float], list[float]]:
+    """`runtime.colocate`'s sleep and wake of one engine (`HFEngine.sleep` / `wake`: on a CPU
+    its KV pool freed, then allocated again), the wake with what the first batch after it
+    costs beyond the same batch on an engine that stayed awake (tables built again)."""
+    sleeps, wakes = [], []
+    for _ in range(reps):
+        engine.admit(requests(n, width))
+        engine.step()
+        engine.reset()
+        t0 = _clock()
+        engine.sleep()
+        sleeps.append(_clock() - t0)
+        t0 = _clock()
+        engine.wake()
+        engine.admit(requests(n, width))
+        engine.step()
+        woke = _clock() - t0
+        engine.reset()
+        t0 = _clock()
+        engine.admit(requests(n, width))
+        engine.step()
+        awake = _clock() - t0
+        engine.reset()
+        wakes.append(max(0.0, woke - awake))
+    return sleeps, wakes
 
 
 def _samples(n: int, prompt: int, response: int, vocab: int, version: int, tag: str,
@@ -222,7 +257,18 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
         spare.bind(agent, state)
         ins.append(_clock() - t0)
         slot, spare = spare, slot
+    # a kept swap-in (`TrainHost.bind`'s `("kept", token)`: back to the process it left, its
+    # kept trainer still holds the state): parked as `bind` parks a swapped-out resident
+    kept_ins: list[float] = []
+    for _ in range(reps):
+        token = float(len(kept_ins) + 1)
+        slot.trainers.pop(agent)
+        slot.parked[agent] = (int(token), torch.get_rng_state())
+        t0 = _clock()
+        slot.bind(agent, ("kept", token))
+        kept_ins.append(_clock() - t0)
     return {
+        "swap_in_kept": constant(kept_ins, STATISTIC),
         "accumulate": fit_linear(["1", "rows", "tokens"], ax, ay),
         "step": constant(steps, STATISTIC),
         "weights": constant([weights_s]),
@@ -489,17 +535,44 @@ async def _replica_probe(cfg: Any, vocab: int, max_len: int, agents: dict[str, A
     return over, _ratio(measured, predicted), {"rollout": _spread(ratios)}
 
 
+async def _keep_busy(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
+                     allowed: dict[str, list[int] | None]) -> tuple[Any, asyncio.Task]:
+    """A real rollout replica (`rollout_worker_main`, the config's models) kept decoding:
+    batches of every agent's requests with its measured output lengths, one after another,
+    until the returned task is cancelled (then stop the proxy)."""
+    proxy, _ = await _start_worker(cfg, vocab, max_len, list(agents))
+    ids = itertools.count()
+    rng = np.random.default_rng(3)
+    n = max(1, min(cfg.rollout.max_batch_seqs, 16))
+
+    async def feed() -> None:
+        while True:
+            reqs = []
+            for agent, prof in agents.items():
+                prompt = max(1, round(statistics.median(prof.prompt_lengths or [8])))
+                for out in rng.choice(prof.output_lengths or [1], size=n):
+                    reqs.append(GenerationRequest(
+                        f"busy{next(ids)}", agent, 0, rng.integers(3, vocab, size=prompt).tolist(),
+                        max(1, int(out)), allowed.get(agent)))
+            await asyncio.gather(*(proxy.submit(r, (0, i, 0)) for i, r in enumerate(reqs)))
+
+    return proxy, asyncio.ensure_future(feed())
+
+
 async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
-                       allowed: dict[str, list[int] | None], reps: int
+                       allowed: dict[str, list[int] | None], reps: int, busy_replica: bool = False
                        ) -> tuple[dict[str, float], dict[str, float]]:
     """A real training worker (`train_worker_main`) given the run's commands in the run's
     order: micro-batches of the trainable agents in turn (each `bind` swaps the resident out
     and the next agent in when agents share the slot), samples over the pipe, then every
     agent's `step`. Per command kind, the spans it reports over what the in-process fits
-    (`swap_out` + `swap_in`, `accumulate`, `step`) predict, and the spread of its rounds."""
+    (`swap_out` + `swap_in`, `accumulate`, `step`) predict, and the spread of its rounds.
+    With `busy_replica`, a real rollout replica decodes next to it all along (`_keep_busy`),
+    as in a pipelined run."""
     trainable = [a for a in agents if cfg.agents[a].trainable]
     if not trainable:
         return {}, {}
+    neighbour = await _keep_busy(cfg, vocab, max_len, agents, allowed) if busy_replica else None
     proxy, sink = await _start_worker(cfg, vocab, max_len, trainable, "train")
     rows = max(1, cfg.train.micro_batch_size)
     swapped: dict[str, Any] = {}
@@ -560,6 +633,10 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
                 predicted[kind].append(value)
     finally:
         await proxy.stop()
+        if neighbour is not None:
+            neighbour[1].cancel()
+            await asyncio.gather(neighbour[1], return_exceptions=True)
+            await neighbour[0].stop()
     scale = {f"train_{k}": _ratio(measured[k], predicted[k]) for k in measured}
     spread = {f"train_{k}": _spread([m / p for m, p in zip(measured[k], predicted[k],
                                                            strict=True) if p > 0])
@@ -600,12 +677,100 @@ def measure_lengths(cfg: Any, task: Any
     return dict(lengths), allowed
 
 
+# --- the driver's CPU in real runs -----------------------------------------------------------
+def driver_cpu_s() -> float:
+    """This process's CPU seconds, every thread (the scheduler's nanosecond counters, or
+    `time.process_time` where the kernel keeps none)."""
+    got = sched_times_s(os.getpid())
+    return got[0] if got is not None else time.process_time()
+
+
+def driver_marks(cfg: Any, iterations: int) -> list[tuple[str, float, int, int]]:
+    """The config run for real (`orchestrator.run.train`: its worker processes, telemetry
+    files, metrics) for `iterations` iterations, in this process: marks `(what, driver CPU
+    seconds, generate requests so far, training calls so far)` at the start, at each
+    iteration's rollout end ("rollout", `RolloutPool.end_iteration`) and at each iteration's
+    record ("iteration")."""
+    counts = {"requests": 0, "calls": 0}
+    marks: list[tuple[str, float, int, int]] = []
+
+    def mark(what: str) -> None:
+        marks.append((what, driver_cpu_s(), counts["requests"], counts["calls"]))
+
+    def on_runtime(runtime: Any) -> None:
+        pool = runtime.rollout
+        generate, end = pool.generate, pool.end_iteration
+
+        async def counted(request: Any, priority: tuple) -> Any:
+            counts["requests"] += 1
+            return await generate(request, priority)
+
+        def ended(k: int, stats: Any) -> Any:
+            mark("rollout")
+            return end(k, stats)
+
+        pool.generate = counted
+        pool.end_iteration = ended
+        for w in getattr(runtime.train, "workers", []):
+            call = w.call
+
+            async def called(command: str, payload: Any, *args: Any, call: Any = call,
+                             **kw: Any) -> Any:
+                counts["calls"] += 1
+                return await call(command, payload, *args, **kw)
+
+            w.call = called
+        mark("start")
+
+    with tempfile.TemporaryDirectory(prefix="flexmarl-driver-") as out:
+        train(mirror_config(cfg, iterations), out, on_iteration=lambda _: mark("iteration"),
+              on_runtime=on_runtime)
+    return marks
+
+
+def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
+    """The driver's CPU as real runs of the config spend it (its requests' and calls'
+    pickling, the task's prompts and rewards, the store, the metrics and telemetry files,
+    the proxies' threads), over the iterations after the first: a sync run's rollout phase
+    per generate request and the rest of its iterations per training call (publication and
+    records included), and an async run's CPU an iteration over what those two charge its
+    requests and calls (`pipelined`: rollout and training overlapped in one driver)."""
+    sync = driver_marks(mirror_config(cfg, mode="sync"), iterations)
+    rollout = train_s = 0.0
+    requests = calls = 0
+    last = next(m for m in sync if m[0] == "start")
+    seen = 0
+    for what, cpu, req, n_calls in sync:
+        if what == "start":
+            continue
+        if seen >= 2:  # the iterations after the first
+            if what == "rollout":
+                rollout += cpu - last[1]
+                requests += req - last[2]
+            else:
+                train_s += cpu - last[1]
+                calls += n_calls - last[3]
+        seen += what == "rollout" or what == "iteration"
+        last = (what, cpu, req, n_calls)
+    per_request = rollout / max(1, requests)
+    per_call = train_s / max(1, calls)
+    out = {"per_request_s": per_request, "per_train_call_s": per_call,
+           "sync_per_iteration_s": (rollout + train_s) / max(1, iterations - 1)}
+    if cfg.pipeline.mode == "sync":
+        return out
+    piped = [m for m in driver_marks(cfg, iterations) if m[0] != "rollout"]
+    first, end = piped[min(1, len(piped) - 1)], piped[-1]  # the first iteration's record
+    charged = per_request * (end[2] - first[2]) + per_call * (end[3] - first[3])
+    spent = end[1] - first[1]
+    out["pipelined"] = spent / charged if charged > 0 else 1.0
+    out["pipelined_per_iteration_s"] = spent / max(1, len(piped) - 2)
+    return out
+
+
 # --- the profiler ----------------------------------------------------------------------------
 def profile_local(cfg: Any, task: Any, *, reps: int = 5,
                   log: Callable[[str], None] | None = None) -> LocalProfile:
     """Measure `cfg`'s agents on this machine (see the module docstring)."""
-    import torch  # start-up cost: torch only where it runs
-
     log = log or (lambda s: None)
     started = time.perf_counter()
     log("machine load: other runnable work, in CPUs")
@@ -667,18 +832,28 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         spread.update(contention_spread)
         log("worker scale: " + ", ".join(f"{k} x{v:.2f} (spread {spread.get(k, 0.0):.0%})"
                                          for k, v in scale.items()))
+        log("a real training worker with a real replica decoding next to it")
+        busy_scale, _ = asyncio.run(_train_scale(cfg, vocab, max_len, agents, allowed, reps,
+                                                 busy_replica=True))
+        overlap = {k: v / scale[k] for k, v in busy_scale.items() if scale.get(k, 0) > 0}
+        log("overlap: " + ", ".join(f"{k} x{v:.2f}" for k, v in overlap.items()))
         log("orchestrator overhead per request and training call (zero-cost workers, "
             "real time)")
-        parent_s = asyncio.run(measure_parent_overhead(cfg, task, agents))
+        echo_s = asyncio.run(measure_parent_overhead(cfg, task, agents))
+        log(f"the driver's CPU in real runs of {cfg.name} (sync, then {cfg.pipeline.mode})")
+        driver = measure_driver(cfg)
+        driver.update(echo_per_request_s=echo_s[0], echo_per_train_call_s=echo_s[1])
+        log("driver: " + ", ".join(f"{k} {v:.4g}" for k, v in driver.items()))
     finally:
         torch.set_num_threads(threads)
     during.stop()
     machine = machine_info()
     machine["external_load"] = external
     machine["other_load"] = round(during.cpus, 3)
-    return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits, parent_s[0],
-                        machine, time.perf_counter() - started, parent_s[1], scale, contention,
-                        spread, clock="cpu")
+    return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits,
+                        driver["per_request_s"], machine, time.perf_counter() - started,
+                        driver["per_train_call_s"], scale, contention, spread, clock="cpu",
+                        overlap=overlap, driver=driver)
 
 
 async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]

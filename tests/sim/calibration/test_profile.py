@@ -123,8 +123,10 @@ def test_mirror_simulates_the_local_runtime_both_modes():
         assert len(res.records) == 2, mode
         assert res.per_iteration_s > 0
         assert res.requests == 2 * 4 * 2 * 3  # iterations x inputs x group x nodes
-        # one slot for three agents: they take turns, swapping (the production allocator)
-        assert any(s.label.startswith("bind:") for s in res.spans)
+        # one slot for three agents: they take turns, swapping (the production allocator),
+        # and the records count the swaps as a real run's do (the slot's `swap:` spans)
+        assert any(s.label.startswith("swap:") for s in res.spans)
+        assert sum(r["pool/train/swaps"] for r in res.records) > 0
     again = run_mirror(cfg, task, prof, mode="sync")
     assert again.per_iteration_s == runs["sync"].per_iteration_s  # deterministic
     slower = run_mirror(cfg, task, _synthetic_profile(scale=2.0), mode="sync")
@@ -132,8 +134,8 @@ def test_mirror_simulates_the_local_runtime_both_modes():
     # more training slots: fewer swaps
     three = tiny_config(runtime={"kind": "local", "rollout_workers": 1, "train_workers": 3})
     spread = run_mirror(three, task, prof, mode="sync")
-    assert sum(s.label.startswith("bind:") for s in spread.spans) < sum(
-        s.label.startswith("bind:") for s in runs["sync"].spans)
+    assert sum(s.label.startswith("swap:") for s in spread.spans) < sum(
+        s.label.startswith("swap:") for s in runs["sync"].spans)
 
 
 @pytest.mark.slow
@@ -193,7 +195,7 @@ def test_worker_scale_stretches_that_commands_work_in_virtual_time():
     a, b = (_span_sums(run_mirror(cfg, task, p, mode="sync")) for p in (base, scaled))
     # sync: nothing else is busy while the slot accumulates or the replica decodes (the
     # parent waits), so the spans stretch by exactly the factor; other commands do not
-    assert b["accumulate"] == pytest.approx(2.0 * a["accumulate"], rel=1e-6)
+    assert b["acc"] == pytest.approx(2.0 * a["acc"], rel=1e-6)
     assert b["gen"] == pytest.approx(3.0 * a["gen"], rel=1e-6)
     assert b["step"] == pytest.approx(a["step"], rel=1e-6)
     assert LocalProfile.from_dict(scaled.to_dict()).scale("rollout") == 3.0

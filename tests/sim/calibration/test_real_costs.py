@@ -1,0 +1,118 @@
+"""The mirror charges what real runs spend (issue 31 item 5): the driver's CPU as a real run
+measures it, a training slot's commands next to a busy replica, kept swap-ins as the token
+path, swaps in the records, and a colocated replica's sleep and wake."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flexmarl.graph.task import load_task
+from flexmarl.sim.calibration.fits import LocalProfile, constant
+from flexmarl.sim.calibration.mirror import CpuShare, run_mirror
+from flexmarl.sim.runtime.clock import run_virtual
+from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
+
+
+def _task(cfg):
+    return load_task(cfg.task.builder, cfg.task.options)
+
+
+def test_a_job_with_overlap_spends_more_cpu_while_another_worker_is_busy():
+    async def jobs(overlap: float) -> tuple[float, float, CpuShare]:
+        cpu = CpuShare(2)
+        loop = asyncio.get_running_loop()
+        ends: dict[str, float] = {}
+
+        async def one(who: str, seconds: float, factor: float) -> None:
+            await cpu.run(seconds, who, factor)
+            ends[who] = loop.time()
+
+        await asyncio.gather(one("train", 1.0, overlap), one("rollout", 1.0, 1.0))
+        return ends["train"], ends["rollout"], cpu
+
+    train, rollout, cpu = run_virtual(jobs(1.5))
+    # 2 CPUs, 2 busy: the replica's second is done at 1.0; the slot spends 1.5 CPU seconds a
+    # profiled one meanwhile (2/3 done), then the last third alone
+    assert rollout == pytest.approx(1.0)
+    assert train == pytest.approx(1.0 + 1.0 / 3.0)
+    charged = sum(s for _, who, s in cpu.log if who == "train")
+    assert charged == pytest.approx(1.0 + 1.0 / 3.0)  # the profiled second and the excess
+    alone, _, _ = run_virtual(jobs(1.0))
+    assert alone == pytest.approx(1.0)
+    # the driver next to a slot does not count as another worker
+    async def next_to_driver() -> float:
+        cpu = CpuShare(2)
+        await asyncio.gather(cpu.run(1.0, "train", 2.0), cpu.run(1.0, "driver"))
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(next_to_driver()) == pytest.approx(1.0)
+
+
+def test_the_slots_overlap_stretches_its_work_only_in_a_pipelined_run():
+    cfg = tiny_config()
+    task = _task(cfg)
+    base, slowed = _synthetic_profile(), _synthetic_profile()
+    slowed.overlap = {"train_accumulate": 2.0, "train_step": 2.0}
+    assert LocalProfile.from_dict(slowed.to_dict()).overlap == slowed.overlap
+    sync = [run_mirror(cfg, task, p, mode="sync").cpu_by_kind(False) for p in (base, slowed)]
+    # sync, one slot: nothing of the run's is busy next to it, nothing more is spent
+    assert sync[1]["train"] == pytest.approx(sync[0]["train"], rel=1e-6)
+    piped = [run_mirror(cfg, task, p, mode="async").cpu_by_kind(False) for p in (base, slowed)]
+    assert piped[1]["train"] > piped[0]["train"] * 1.01  # where it overlapped the replica
+
+
+def test_the_driver_costs_what_the_run_measured_scaled_in_a_pipelined_mode():
+    cfg = tiny_config()
+    task = _task(cfg)
+    prof = _synthetic_profile()
+    prof.driver = {"per_request_s": 7e-5, "per_train_call_s": 4e-4, "pipelined": 2.0}
+    assert prof.driver_scale("sync") == 1.0 and prof.driver_scale("async") == 2.0
+    plain = _synthetic_profile()
+    got = {m: run_mirror(cfg, task, p, mode=m).cpu_by_kind(False)["driver"]
+           for m, p in (("sync", prof), ("async", prof))}
+    base = {m: run_mirror(cfg, task, plain, mode=m).cpu_by_kind(False)["driver"]
+            for m in ("sync", "async")}
+    assert got["sync"] == pytest.approx(base["sync"], rel=1e-6)
+    assert got["async"] == pytest.approx(2.0 * base["async"], rel=0.05)
+    assert LocalProfile.from_dict(prof.to_dict()).driver == prof.driver
+
+
+def test_a_kept_swap_in_costs_the_token_path_not_a_state_transfer():
+    cfg = tiny_config()  # three agents, one slot: every swap-in after the first is kept
+    task = _task(cfg)
+    cheap, dear = _synthetic_profile(), _synthetic_profile()
+    for p, kept in ((cheap, 1e-5), (dear, 1.0)):
+        for a in p.agents.values():
+            a.fits["swap_in"] = constant([1.0])
+            a.fits["swap_in_kept"] = constant([kept])
+    fast = run_mirror(cfg, task, cheap, mode="sync")
+    slow = run_mirror(cfg, task, dear, mode="sync")
+    swaps = sum(r["pool/train/swaps"] for r in fast.records)
+    assert swaps >= 3
+    # a full swap-in (1 s) is charged nowhere: the swap-ins after the three builds are kept
+    # and cost their token path (1 s each in `dear`)
+    its = len(fast.records)
+    assert fast.cpu_by_kind(False)["train"] * its < 1.0
+    kept = (slow.cpu_by_kind(False)["train"] - fast.cpu_by_kind(False)["train"]) * its
+    assert kept == pytest.approx(round(kept), abs=1e-3) and round(kept) >= swaps - 3
+
+
+def test_a_colocated_replicas_sleep_and_wake_cost_their_profiled_time():
+    cfg = tiny_config(runtime={"kind": "local", "rollout_workers": 1, "train_workers": 1,
+                               "torch_threads": 1, "colocate": True})
+    task = _task(cfg)
+    free, priced = _synthetic_profile(), _synthetic_profile()
+    for a in priced.agents.values():
+        a.fits["sleep"] = constant([0.01])
+        a.fits["wake"] = constant([0.02])
+    a, b = (run_mirror(cfg, task, p, mode="sync") for p in (free, priced))
+    sleeps = [s for s in b.spans if s.label.startswith("sleep:")]
+    wakes = [s for s in b.spans if s.label.startswith("wake:")]
+    assert sleeps and wakes
+    assert not any(s.label.startswith(("sleep:", "wake:")) for s in a.spans)
+    # every sleep or wake: three engines on the replica
+    extra = (b.cpu_by_kind(False)["rollout"] - a.cpu_by_kind(False)["rollout"]) * len(b.records)
+    assert extra == pytest.approx(3 * (0.01 * len(sleeps) + 0.02 * len(wakes)), rel=1e-6)
+    assert b.per_iteration_s > a.per_iteration_s
