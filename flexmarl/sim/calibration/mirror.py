@@ -6,11 +6,16 @@ processes that keep the protocol of `runtime.local.workers`:
 
 - `SimRolloutWorker` mirrors `rollout_worker_main`: the shared `ReplicaScheduler` over one
   `ProfiledEngine` per local agent (the profile's prefill, decode and load costs);
-- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order.
+- `SimTrainWorker` mirrors `train_worker_main`: one command at a time, in arrival order, its
+  states parked as a real slot's kept trainers park them (a swap-in back to the slot it left
+  costs the profile's `swap_in_kept`), its spans labelled as the real slot's (`swap:` spans
+  are the records' `pool/train/swaps`); while another of the run's workers is busy next to
+  it, its commands cost the profile's `overlap` more.
 
 Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
-The orchestrator's own CPU time (`parent_per_request_s`, `parent_per_train_call_s`) is work of a
-serial parent process. All processes' work shares the machine's CPUs (`CpuShare`: the measured
+The orchestrator's own CPU time (`parent_per_request_s`, `parent_per_train_call_s`, as real
+runs of the config measured it, times `driver["pipelined"]` outside sync mode) is work of a
+serial parent process. A colocated replica's `sleep` and `wake` cost their profiled time. All processes' work shares the machine's CPUs (`CpuShare`: the measured
 contention curve, or processor sharing on `profile.machine["cpus"]` cores), next to other
 users' load as the run saw it (`run_mirror(..., external=...)`). The worker layout is the
 config's; the task is the real one (its prompt builders), and outputs are tokens drawn from

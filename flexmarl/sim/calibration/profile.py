@@ -21,12 +21,18 @@ of each run instead: `LocalProfile.clock` "cpu"):
 
 and, through the real `WorkerProxy` and a spawned echo process speaking the worker protocol,
 the message round trips of the local runtime (`ipc_generate`: a batch of `requests`;
-`ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Finally
-`parent_per_request_s`: the orchestrator's own CPU time per generate request, from running the
-production `JointOrchestrator` against zero-cost pools in real time; `worker_scale`: real
-worker processes given the run's order of work (a replica: batches with the agents' measured
-output lengths), over the fits' prediction, their busy spans turned into CPU seconds by the
-share of them each process spent on a CPU (`_OnCpu`, from /proc). Before all of it,
+`ipc_call`: one command carrying `rows` samples or one set of weights, by `bytes`). Also
+`sleep` / `wake` (`runtime.colocate`: an engine's KV pool freed and allocated again, the first
+batch after waking included) and `swap_in_kept` (a swap-in back to the process the state left:
+the token path). Then `worker_scale`: real worker processes given the run's order of work (a
+replica: batches with the agents' measured output lengths), over the fits' prediction, their
+busy spans turned into CPU seconds by the share of them each process spent on a CPU (`_OnCpu`,
+from /proc); `overlap`: the same training worker's commands with a real replica decoding next
+to it, over their cost alone. Finally the driver (`driver`, `parent_per_request_s`,
+`parent_per_train_call_s`): the driver process's own CPU (the scheduler's counters) in real
+runs of the config, a sync one's rollout phase per generate request and the rest per training
+call, and an async one's CPU an iteration over what those charge (`measure_driver`); the
+zero-cost-worker measure (`measure_parent_overhead`) is kept beside it as `driver["echo_*"]`. Before all of it,
 `contention`: how fast a CPU second of each of k processes busy at once goes on this machine
 (spawned processes doing torch work of the config's model sizes, work done per CPU second
 counted; see `measure_contention`). Every repeated quantity's spread over its rounds
@@ -734,7 +740,8 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     the proxies' threads), over the iterations after the first: a sync run's rollout phase
     per generate request and the rest of its iterations per training call (publication and
     records included), and an async run's CPU an iteration over what those two charge its
-    requests and calls (`pipelined`: rollout and training overlapped in one driver)."""
+    requests and calls (`pipelined`: rollout and training overlapped in one driver; the
+    config's own mode, or async for a sync config)."""
     sync = driver_marks(mirror_config(cfg, mode="sync"), iterations)
     rollout = train_s = 0.0
     requests = calls = 0
@@ -756,9 +763,8 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     per_call = train_s / max(1, calls)
     out = {"per_request_s": per_request, "per_train_call_s": per_call,
            "sync_per_iteration_s": (rollout + train_s) / max(1, iterations - 1)}
-    if cfg.pipeline.mode == "sync":
-        return out
-    piped = [m for m in driver_marks(cfg, iterations) if m[0] != "rollout"]
+    piped_cfg = cfg if cfg.pipeline.mode != "sync" else mirror_config(cfg, mode="async")
+    piped = [m for m in driver_marks(piped_cfg, iterations) if m[0] != "rollout"]
     first, end = piped[min(1, len(piped) - 1)], piped[-1]  # the first iteration's record
     charged = per_request * (end[2] - first[2]) + per_call * (end[3] - first[3])
     spent = end[1] - first[1]
