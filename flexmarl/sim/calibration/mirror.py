@@ -15,11 +15,12 @@ processes that keep the protocol of `runtime.local.workers`:
 Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
 The orchestrator's own CPU time (`parent_per_request_s`, `parent_per_train_call_s`, as real
 runs of the config measured it, times `driver["pipelined"]` outside sync mode) is work of a
-serial parent process. A colocated replica's `sleep` and `wake` cost their profiled time. All processes' work shares the machine's CPUs (`CpuShare`: the measured
-contention curve, or processor sharing on `profile.machine["cpus"]` cores), next to other
-users' load as the run saw it (`run_mirror(..., external=...)`). The worker layout is the
-config's; the task is the real one (its prompt builders), and outputs are tokens drawn from
-each request's allowed tokens with the profile's lengths.
+serial parent process. A colocated replica's `sleep` and `wake` cost their profiled time. All
+processes' work shares the machine's CPUs (`CpuShare`: the measured contention curve, or
+processor sharing on `profile.machine["cpus"]` cores), next to other users' load as the run
+saw it (`run_mirror(..., external=...)`). The worker layout is the config's; the task is the
+real one (its prompt builders), and outputs are tokens drawn from each request's allowed
+tokens with the profile's lengths.
 """
 
 from __future__ import annotations
@@ -551,13 +552,17 @@ class SimTrainWorker(_Common):
         self.host = DigestSlotHost(parks=True)
         self.generation = index  # `LocalTrainPool._slot_generation`: never restarted
         self.built: set[str] = set()
+        # a profile that measured the token path prices a kept swap-in as one; an older one
+        # did not, and simulates as before (the state sent and swapped in)
+        self.kept_priced = any("swap_in_kept" in a.fits for a in profile.agents.values())
 
     def _payload_bytes(self, command: str, payload: Any) -> int:
         if command in ("accumulate",):
             return len(pickle.dumps(payload))
         if command in ("step", "weights", "get_state"):
             return 0
-        if command == "bind" and payload[1] is not None and payload[1][0] != "kept":
+        if command == "bind" and payload[1] is not None and not (
+                self.kept_priced and payload[1][0] == "kept"):
             return 3 * self.profile.agents[payload[0]].weights_bytes  # weights + Adam moments
         return 256
 
@@ -594,9 +599,8 @@ class SimTrainWorker(_Common):
                 reply = 3 * prof[resident].weights_bytes  # weights + two Adam moments
             if resident != agent:
                 first = payload[1] is None and agent not in self.built
-                kept = payload[1] is not None and payload[1][0] == "kept"
-                # a kept swap-in only puts the RNG back (the token path); older profiles did
-                # not measure it: nothing moves, so nothing is charged
+                kept = (self.kept_priced and payload[1] is not None
+                        and payload[1][0] == "kept")  # only the RNG put back: the token path
                 cost += _cost(prof.get(agent), "build" if first else
                               "swap_in_kept" if kept else "swap_in")
                 self.built.add(agent)

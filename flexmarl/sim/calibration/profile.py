@@ -32,7 +32,8 @@ to it, over their cost alone. Finally the driver (`driver`, `parent_per_request_
 `parent_per_train_call_s`): the driver process's own CPU (the scheduler's counters) in real
 runs of the config, a sync one's rollout phase per generate request and the rest per training
 call, and an async one's CPU an iteration over what those charge (`measure_driver`); the
-zero-cost-worker measure (`measure_parent_overhead`) is kept beside it as `driver["echo_*"]`. Before all of it,
+zero-cost-worker measure (`measure_parent_overhead`) is kept beside it as `driver["echo_*"]`.
+Before all of it,
 `contention`: how fast a CPU second of each of k processes busy at once goes on this machine
 (spawned processes doing torch work of the config's model sizes, work done per CPU second
 counted; see `measure_contention`). Every repeated quantity's spread over its rounds

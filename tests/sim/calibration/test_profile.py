@@ -162,6 +162,15 @@ def test_profile_local_end_to_end(tmp_path, capsys):
     assert prof.agents["relay"].fits["decode"].coef["1"] > 0
     # CPU seconds, and how much each repeated quantity's rounds differed
     assert prof.clock == "cpu" and "rollout" in prof.spread and "contention_2" in prof.spread
+    # what real runs spend beyond the fits: the driver in real runs of the config, a slot's
+    # commands next to a busy replica, a kept swap-in, a colocated engine's sleep and wake
+    assert prof.driver["per_request_s"] > 0 and prof.driver["per_train_call_s"] > 0
+    assert prof.parent_per_request_s == prof.driver["per_request_s"]
+    assert prof.driver["pipelined"] > 0 and prof.driver["echo_per_request_s"] > 0
+    assert prof.overlap and set(prof.overlap) <= {"train_bind", "train_accumulate", "train_step"}
+    fits = prof.agents["relay"].fits
+    assert {"swap_in_kept", "sleep", "wake"} <= set(fits)
+    assert fits["swap_in_kept"]() < fits["swap_in"]()
     assert (out / "calibration.json").exists()
     assert (out / "real-sync" / "metrics.jsonl").exists()
     assert (out / "real-async" / "metrics.jsonl").exists()
