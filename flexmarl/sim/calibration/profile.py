@@ -572,7 +572,10 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
     """A real training worker (`train_worker_main`) given the run's commands in the run's
     order: micro-batches of the trainable agents in turn (each `bind` swaps the resident out
     and the next agent in when agents share the slot), samples over the pipe, then every
-    agent's `step`. Per command kind, the spans it reports over what the in-process fits
+    agent's `step`. Per command kind, the worker's CPU seconds while each command was out
+    (the scheduler's counters of every thread: the command's own work and its payload's
+    unpickling and its reply's pickling, which its busy span leaves out; where the kernel
+    keeps no counters, its spans in CPU seconds, `_OnCpu`) over what the in-process fits
     (`swap_out` + `swap_in`, `accumulate`, `step`) predict, and the spread of its rounds.
     With `busy_replica`, a real rollout replica decodes next to it all along (`_keep_busy`),
     as in a pipelined run."""
@@ -593,13 +596,20 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
     on_cpu = _OnCpu(proxy, sink)
     spans: list[tuple[str, float, float | None]] = []  # this round's
 
+    pid = proxy.process.pid
+    calls: list[tuple[str, float]] = []  # this round's: (kind, the worker's CPU seconds)
+
     async def call(command: str, payload: Any) -> Any:
         got: list[Any] = []
 
         async def run() -> None:
             got.append(await proxy.call(command, payload))
 
+        before = sched_times_s(pid)
         spans.extend(await on_cpu.measure(run()))
+        after = sched_times_s(pid)
+        if before is not None and after is not None:
+            calls.append((command, after[0] - before[0]))
         return got[0]
 
     async def bind(agent: str) -> None:
@@ -610,10 +620,11 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
             want["bind"] += agents[agent].fits["swap_out"]() + agents[agent].fits["swap_in"]()
 
     try:
-        rounds: list[tuple[list[Any], dict[str, float]]] = []
+        rounds: list[tuple[list[Any], dict[str, float], list[tuple[str, float]]]] = []
         for rep in range(reps + 1):
             want.clear()
             spans.clear()
+            calls.clear()
             if rep == 1:  # the first round builds the trainers: its CPU time left out
                 on_cpu = _OnCpu(proxy, sink)
             for _ in range(2):  # two micro-batches per agent per round, agents in turn
@@ -632,9 +643,13 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
                 versions[agent] += 1
                 want["step"] += agents[agent].fits["step"]()
             if rep:  # the first round builds the trainers
-                rounds.append((list(spans), dict(want)))
-        for got_spans, wanted in rounds:
+                rounds.append((list(spans), dict(want), list(calls)))
+        for got_spans, wanted, got_calls in rounds:
             for kind, value in wanted.items():
+                if got_calls:  # all of the worker's CPU while the command was out
+                    measured[kind].append(sum(c for k, c in got_calls if k == kind))
+                    predicted[kind].append(value)
+                    continue
                 mine = [sp for sp in got_spans if kinds.get(sp[0]) == kind]
                 measured[kind].append(on_cpu.cpu_s(mine))
                 predicted[kind].append(value)
