@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexmarl.sim.cost import CostModel
+from flexmarl.sim.cost import CostModel, Efficiency
 from flexmarl.sim.hardware import get_accelerator
 from flexmarl.sim.lengths import LengthDistribution
 from flexmarl.sim.models import MODEL_PRESETS, ModelSpec, UnknownModelError, get_model
@@ -17,11 +17,8 @@ M7 = get_model("7B")
 # defaults are recalibrated.
 PINNED = CostModel(
     H800,
-    mfu_prefill=0.5,
-    mbu_decode=0.7,
-    mfu_decode=0.5,
-    mfu_train=0.4,
-    mbu_optimizer=0.7,
+    efficiency=Efficiency(
+        mfu_prefill=0.5, mbu_decode=0.7, mfu_decode=0.5, mfu_train=0.4, mbu_optimizer=0.7),
     decode_step_overhead_s=1e-3,
     allreduce_latency_s=20e-6,
 )
@@ -214,7 +211,7 @@ def test_closed_form_matches_step_by_step_reference(cap: int) -> None:
 
 def test_closed_form_matches_reference_in_compute_bound_regime() -> None:
     # A tiny decode MFU makes large batches compute-bound, exercising the roofline's other side.
-    cm = CostModel(H800, mfu_decode=0.01)
+    cm = CostModel(H800, efficiency=Efficiency(mfu_decode=0.01))
     outs = [40, 80, 80, 120] * 8
     total, finish = _reference_timeline(cm, M7, 1, [64] * 32, outs, 256)
     timing = cm.generation_timing(M7, 1, 64, outs)
@@ -256,7 +253,7 @@ def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError):
         cm.generation_timing(M7, 1, 10, [0, 5])
     with pytest.raises(ValueError, match="mbu_decode"):
-        CostModel(H800, mbu_decode=1.5)
+        Efficiency(mbu_decode=1.5)
     assert CostModel.named("h800") == CostModel(H800)
 
 
