@@ -12,21 +12,31 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from flexmarl.api.runtime import TrainPool
 from flexmarl.config.schema import ConfigError, RunConfig
 from flexmarl.graph.meg import GraphError
+from flexmarl.orchestrator.checkpoint import TrainerState
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.store.experience import ExperienceStore, Status
 from flexmarl.telemetry.recorder import Telemetry
 
-# save(completed, position, trainer_states, rows[, extra]) -> path: the checkpoint writer
-# (blocking; it runs in a thread while the pipeline goes on); `extra` (a driver's own files,
-# `checkpoint.py`) only when the snapshot has some.
-SaveCheckpoint = Callable[..., Any]
+
+class SaveCheckpoint(Protocol):
+    """The checkpoint writer (`checkpoint.CheckpointManager.save`): writes generation
+    `completed` and returns where. Blocking: it runs in a thread while the pipeline goes on.
+    `extra` (a driver's own files, `checkpoint.py`) is passed only when the snapshot has
+    some."""
+
+    def __call__(self, completed: int, position: dict[str, Any],
+                 trainer_states: dict[str, TrainerState], rows: list[dict[str, Any]],
+                 extra: dict[str, bytes] | None = None, /) -> Path | str: ...
+
+
 # snapshot(completed) -> (position, rows, extra): what a boundary holds besides trainer states
 Snapshot = Callable[[int], tuple[dict[str, Any], list[dict[str, Any]], dict[str, bytes]]]
 
