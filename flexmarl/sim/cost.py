@@ -48,11 +48,9 @@ P2P_LATENCY_INTRA_S = 10e-6
 P2P_LATENCY_INTER_S = 20e-6
 # Fixed parts of colocated-baseline state changes. ASSUMPTIONS: putting a vLLM-style engine to
 # sleep (free the KV cache, offload weights) ~0.5 s beyond the copy; waking it (re-allocate the
-# KV cache, rebind CUDA graphs) ~1 s; reloading a model from host memory into a fresh engine
-# (allocator warm-up, CUDA-graph capture) ~5 s beyond the copy.
+# KV cache, rebind CUDA graphs) ~1 s.
 ENGINE_SLEEP_FIXED_S = 0.5
 ENGINE_WAKE_FIXED_S = 1.0
-MODEL_RELOAD_FIXED_S = 5.0
 
 # --- Sizes and engine defaults -----------------------------------------------------------------
 
@@ -440,12 +438,6 @@ class CostModel:
         latency = P2P_LATENCY_INTER_S if inter else P2P_LATENCY_INTRA_S
         return update + model.layers * latency + volume / self._link_bw(inter)
 
-    def train_time(self, model: ModelSpec, n_accel: int, tokens: float) -> float:
-        """One full optimizer step's training over ``tokens`` tokens on ``n_accel`` devices."""
-        return self.train_compute_time(model, n_accel, tokens) + self.optimizer_step_time(
-            model, n_accel
-        )
-
     def training_memory_bytes(self, model: ModelSpec, n_accel: int) -> float:
         """Training state per device with mixed-precision Adam fully sharded over ``n_accel``."""
         return model.params * TRAIN_STATE_BYTES_PER_PARAM / n_accel
@@ -479,11 +471,6 @@ class CostModel:
         """Colocated baseline: reload the engine's weights (and KV cache) from host memory."""
         self._check_tp(tp)
         return (model.weight_bytes + kv_bytes) / tp / self._pcie_bw() + ENGINE_WAKE_FIXED_S
-
-    def model_reload_time(self, model: ModelSpec, tp: int) -> float:
-        """Load a model from host memory into a freshly started engine on ``tp`` devices."""
-        self._check_tp(tp)
-        return model.weight_bytes / tp / self._pcie_bw() + MODEL_RELOAD_FIXED_S
 
     def train_state_swap_time(self, model: ModelSpec, n_accel: int) -> float:
         """Swap a trainer's sharded state (weights, grads, Adam) between device and host, one
