@@ -405,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
+        stops = sys.modules.get("flexmarl.orchestrator.checkpointing")  # loaded by runs only
+        if stops is not None and isinstance(exc, stops.RunInterrupted):
+            # SIGTERM / Ctrl-C in any command that runs training (bench, simulate, ...), also
+            # before a run's first iteration: a stop the user asked for, not a bug
+            print(f"interrupted: {exc}", file=sys.stderr)
+            return 143
         base = sys.modules.get("flexmarl.api.runtime")  # not imported for config errors
         if base is not None and isinstance(exc, base.WorkerError):
             # workers lost beyond runtime.max_worker_restarts (e.g. out-of-memory kills): the
