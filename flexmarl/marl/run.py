@@ -99,6 +99,8 @@ class MarlRun:
             self._snapshot, source.step_allowed)
         evaluation = PeriodicEvaluation(cfg, self.layouts, n_iter)
         start = telemetry.now()
+        if self.records:  # resumed: time keeps counting from where the run stopped
+            start -= float(self.records[-1].get("time_s", 0.0))
         t_start = time.perf_counter()
         await runtime.start()
         try:
