@@ -10,6 +10,7 @@ its traceback; 130/143 interrupted.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -107,7 +108,8 @@ def _env_kind(cfg: RunConfig, out: Path) -> _RunKind:
                     f"{cfg.env_algorithm.name}, pipeline={cfg.pipeline.mode}, "
                     f"runtime={cfg.runtime.kind}, {envs} envs, {n_iter} iterations "
                     f"({n_iter * envs * cfg.train.rollout_steps} env steps)",
-                    train_marl, "return", lambda rec: rec.get("return_mean", 0.0),
+                    functools.partial(train_marl, run=run), "return",
+                    lambda rec: rec.get("return_mean", 0.0),
                     lambda rec: f"{rec['env_steps_per_s']:.0f} steps/s", final)
 
 
