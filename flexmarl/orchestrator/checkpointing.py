@@ -206,21 +206,21 @@ class CheckpointCoordinator(BoundaryCheckpoints):
     trainer consumed, the audit, evictions) and the store's rows not yet trained on; restores
     that position from `resume` (a `checkpoint.Checkpoint`)."""
 
-    def __init__(self, cfg: RunConfig, telemetry: Telemetry, store: ExperienceStore,
-                 train: TrainPool, versions: Versions, episodes: EpisodeRunner,
-                 trainer: MicroBatchTrainer, records: list[dict[str, Any]],
-                 agents: list[str], save: SaveCheckpoint | None, resume: Any) -> None:
-        super().__init__(cfg, telemetry, train, save,
-                         lambda done: (self.position(done), store.snapshot(done), {}),
+    def __init__(self, cfg: RunConfig, telemetry: Telemetry, trainer: MicroBatchTrainer,
+                 records: list[dict[str, Any]], agents: list[str], save: SaveCheckpoint | None,
+                 resume: Any) -> None:
+        super().__init__(cfg, telemetry, trainer.train, save,
+                         lambda done: (self.position(done), trainer.store.snapshot(done), {}),
                          trainer.step_allowed)
-        self.store = store
-        self.versions = versions
-        self.episodes = episodes
+        # a position is the training driver's and its parts': their store, versions, episodes
         self.trainer = trainer
+        self.store: ExperienceStore = trainer.store
+        self.versions: Versions = trainer.versions
+        self.episodes: EpisodeRunner = trainer.episodes
         self.records = records
         self.agents = agents
         self.resume = resume
-        if versions.staleness:
+        if self.versions.staleness:
             if resume is not None:
                 raise ConfigError(f"resume {getattr(resume, 'path', resume)}: checkpoints are "
                                   "not supported with pipeline.mode=one_step_off")
