@@ -5,7 +5,8 @@
 # under the section's name (the device returns at most 8 files).
 #   run (from the repo root, on the device machine):  bash benchmarks/gpu_session.sh
 # SECTIONS picks and orders them (default: fsdp llama compare train run mps engine cases);
-# BUDGET_S stops starting new ones after that many seconds.
+# BUDGET_S (default 420) stops starting new ones after that many seconds: with the longest
+# limit 190 s, a call ends inside the device's 600 s per command.
 # SMALL=1 runs the same on a CPU with tiny shapes (a dry run); ITS sets the run's iterations.
 # Needs the wheels the device image lacks in .whl/ (benchmarks/README or docs/gpu.md).
 set -u
@@ -90,6 +91,6 @@ for s in ${SECTIONS:-fsdp llama compare train run mps engine cases}; do
   esac
   [ -d /tmp/runs ] && tar czf "$OUT/runs.tar.gz" -C /tmp --exclude=checkpoints \
     --exclude=samples.jsonl runs 2> /dev/null
-  [ $(( $(date +%s) - T0 )) -gt "${BUDGET_S:-540}" ] && { echo "### budget spent"; break; }
+  [ $(( $(date +%s) - T0 )) -gt "${BUDGET_S:-420}" ] && { echo "### budget spent"; break; }
 done
 echo "### done +$(( $(date +%s) - T0 )) s"
