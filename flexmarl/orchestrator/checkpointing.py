@@ -10,25 +10,67 @@ goes on.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from flexmarl.api.runtime import TrainPool
 from flexmarl.config.schema import ConfigError, RunConfig
 from flexmarl.graph.meg import GraphError
+from flexmarl.orchestrator.checkpoint import TrainerState
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.store.experience import ExperienceStore, Status
 from flexmarl.telemetry.recorder import Telemetry
 
-# save(completed, position, trainer_states, rows[, extra]) -> path: the checkpoint writer
-# (blocking; it runs in a thread while the pipeline goes on); `extra` (a driver's own files,
-# `checkpoint.py`) only when the snapshot has some.
-SaveCheckpoint = Callable[..., Any]
+
+class SaveCheckpoint(Protocol):
+    """The checkpoint writer (`checkpoint.CheckpointManager.save`): writes generation
+    `completed` and returns where. Blocking: it runs in a thread while the pipeline goes on.
+    `extra` (a driver's own files, `checkpoint.py`) is passed only when the snapshot has
+    some."""
+
+    def __call__(self, completed: int, position: dict[str, Any],
+                 trainer_states: dict[str, TrainerState], rows: list[dict[str, Any]],
+                 extra: dict[str, bytes] | None = None, /) -> Path | str: ...
+
+
 # snapshot(completed) -> (position, rows, extra): what a boundary holds besides trainer states
 Snapshot = Callable[[int], tuple[dict[str, Any], list[dict[str, Any]], dict[str, bytes]]]
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a daemon thread. A second stop request abandons a checkpoint being
+    written and the process exits at once: `asyncio.to_thread`'s executor would be joined at
+    exit, finishing the write first. A generation is published by one atomic rename
+    (`checkpoint.py`), so an abandoned one leaves only a `.tmp-*` folder, which the next save
+    removes."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():  # abandoned
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: the run ended without this write
+            pass
+
+    threading.Thread(target=work, name="checkpoint-write", daemon=True).start()
+    return await done
 
 
 class RunInterrupted(RuntimeError):
@@ -104,7 +146,7 @@ class BoundaryCheckpoints:
             t0 = self.telemetry.now()
             args = (k + 1, position, states, rows, extra) if extra else (
                 k + 1, position, states, rows)
-            path = await asyncio.to_thread(save, *args)
+            path = await _in_daemon_thread(save, *args)
             self.last_checkpoint = str(path)
             self.telemetry.fault("checkpoint", completed=k + 1, path=str(path),
                                  rows_in_flight=len(rows), save_s=self.telemetry.now() - t0)
@@ -147,10 +189,16 @@ class BoundaryCheckpoints:
             return
         main.cancel()  # stop requested: the checkpoint (if any) is written, end here
         await asyncio.gather(main, return_exceptions=True)
-        await self.wait_writes()
+        abandoned = ""
+        if self.stop_requests > 1 and self._writing is not None and not self._writing.done():
+            self._writing.cancel()  # a second request: at once, without the write in flight
+            await asyncio.gather(self._writing, return_exceptions=True)
+            abandoned = "; a second stop abandoned the checkpoint being written"
+        else:
+            await self.wait_writes()
         last = self.last_checkpoint
         where = f"; resume from {last}" if last else ""
-        raise RunInterrupted(f"stopped after {done()} iterations{where}", last)
+        raise RunInterrupted(f"stopped after {done()} iterations{abandoned}{where}", last)
 
 
 class CheckpointCoordinator(BoundaryCheckpoints):
@@ -158,21 +206,21 @@ class CheckpointCoordinator(BoundaryCheckpoints):
     trainer consumed, the audit, evictions) and the store's rows not yet trained on; restores
     that position from `resume` (a `checkpoint.Checkpoint`)."""
 
-    def __init__(self, cfg: RunConfig, telemetry: Telemetry, store: ExperienceStore,
-                 train: TrainPool, versions: Versions, episodes: EpisodeRunner,
-                 trainer: MicroBatchTrainer, records: list[dict[str, Any]],
-                 agents: list[str], save: SaveCheckpoint | None, resume: Any) -> None:
-        super().__init__(cfg, telemetry, train, save,
-                         lambda done: (self.position(done), store.snapshot(done), {}),
+    def __init__(self, cfg: RunConfig, telemetry: Telemetry, trainer: MicroBatchTrainer,
+                 records: list[dict[str, Any]], agents: list[str], save: SaveCheckpoint | None,
+                 resume: Any) -> None:
+        super().__init__(cfg, telemetry, trainer.train, save,
+                         lambda done: (self.position(done), trainer.store.snapshot(done), {}),
                          trainer.step_allowed)
-        self.store = store
-        self.versions = versions
-        self.episodes = episodes
+        # a position is the training driver's and its parts': their store, versions, episodes
         self.trainer = trainer
+        self.store: ExperienceStore = trainer.store
+        self.versions: Versions = trainer.versions
+        self.episodes: EpisodeRunner = trainer.episodes
         self.records = records
         self.agents = agents
         self.resume = resume
-        if versions.staleness:
+        if self.versions.staleness:
             if resume is not None:
                 raise ConfigError(f"resume {getattr(resume, 'path', resume)}: checkpoints are "
                                   "not supported with pipeline.mode=one_step_off")
