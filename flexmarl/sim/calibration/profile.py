@@ -268,9 +268,9 @@ def profile_trainer(cfg: Any, agent: str, vocab: int, max_seq_len: int,
     # kept trainer still holds the state): parked as `bind` parks a swapped-out resident
     kept_ins: list[float] = []
     for _ in range(reps):
-        token = float(len(kept_ins) + 1)
+        token = len(kept_ins) + 1
         slot.trainers.pop(agent)
-        slot.parked[agent] = (int(token), torch.get_rng_state())
+        slot.parked[agent] = (token, torch.get_rng_state())
         t0 = _clock()
         slot.bind(agent, ("kept", token))
         kept_ins.append(_clock() - t0)
