@@ -9,7 +9,9 @@ checkout of the project (e.g. a worktree of main: its code on PYTHONPATH), so bo
 drift of the machine's load. Every profile is then simulated with this checkout's mirror (no
 other load: what the profile alone predicts) as each of `--systems`, and the table prints per
 profile the worker scales, two costs (a decode step's fixed part, accumulate's per token) and
-each system's simulated s/iteration, then per code its spread over the profiles,
+the driver's CPU an iteration in a real sync run and its async factor, accumulate's overlap
+with a busy replica (nan for an older profiler), and each system's simulated s/iteration, then
+per code its spread over the profiles,
 (max - min) / median, and the other load during each profiling.
 """
 
@@ -38,6 +40,7 @@ profile_local(cfg, prepare(cfg), reps=int(sys.argv[3])).save(sys.argv[2])
 """
 
 SCALES = ("rollout", "train_bind", "train_accumulate", "train_step")
+EXTRA = ("drv sync", "drv x", "ovl acc")
 
 
 def profile_with(code: str, config: str, out: Path, reps: int) -> LocalProfile:
@@ -75,7 +78,8 @@ if __name__ == "__main__":
     got: dict[str, list[dict[str, float]]] = {c: [] for c in codes}
     head = (f"{'code':<7}{'#':>2}{'others':>7}" + "".join(f"{k.replace('train_', ''):>11}"
                                                         for k in SCALES)
-            + f"{'decode 1':>10}{'acc/tok':>9}" + "".join(f"{s:>16}" for s in systems))
+            + f"{'decode 1':>10}{'acc/tok':>9}" + "".join(f"{k:>9}" for k in EXTRA)
+            + "".join(f"{s:>16}" for s in systems))
     print(head, flush=True)
     for i in range(args.profiles):
         for code, path in (codes.items() if i % 2 == 0 else reversed(codes.items())):
@@ -84,19 +88,26 @@ if __name__ == "__main__":
             row = {**{k: prof.scale(k) for k in SCALES},
                    "decode 1": agent.fits["decode"].coef.get("1", 0.0) * 1e3,
                    "acc/tok": agent.fits["accumulate"].coef.get("tokens", 0.0) * 1e6,
-                   "others": float(prof.machine.get("other_load", 0.0))}
+                   "others": float(prof.machine.get("other_load", 0.0)),
+                   # the driver's CPU an iteration of a real sync run, its async factor, and
+                   # accumulate's cost next to a busy replica (nan: an older profiler's)
+                   "drv sync": prof.driver.get("sync_per_iteration_s", float("nan")),
+                   "drv x": prof.driver.get("pipelined", float("nan")),
+                   "ovl acc": prof.overlap.get("train_accumulate", float("nan"))}
             for s, cfg in cfgs.items():
                 row[s] = run_mirror(cfg, task, prof, external=0.0).per_iteration_s
             got[code].append(row)
             print(f"{code:<7}{i + 1:>2}{row['others']:>7.2f}"
                   + "".join(f"{row[k]:>11.2f}" for k in SCALES)
                   + f"{row['decode 1']:>10.3f}{row['acc/tok']:>9.1f}"
+                  + "".join(f"{row[k]:>9.3f}" for k in EXTRA)
                   + "".join(f"{row[s]:>16.3f}" for s in systems), flush=True)
     print("spread over the profiles, (max - min) / median:")
     for code, rows in got.items():
         print(f"{code:<7}   " + "".join(f"{spread([r[k] for r in rows]):>11.0%}" for k in SCALES)
               + f"{spread([r['decode 1'] for r in rows]):>10.0%}"
               + f"{spread([r['acc/tok'] for r in rows]):>9.0%}"
+              + "".join(f"{spread([r[k] for r in rows]):>9.0%}" for k in EXTRA)
               + "".join(f"{spread([r[s] for r in rows]):>16.0%}" for s in systems))
     (out / "spread.json").write_text(json.dumps(got, indent=1))
     print(f"profiles: {out}")
