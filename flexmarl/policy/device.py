@@ -10,8 +10,10 @@ reverse (the separation is physical, not a convention). Inside a worker the mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -226,6 +228,19 @@ def set_process_device(placement: Placement) -> None:
     global _PROCESS_DEVICE
     placement.apply()
     _PROCESS_DEVICE = placement.device
+
+
+@contextlib.contextmanager
+def computing_on(device: str) -> Iterator[None]:
+    """Models and trainers built inside default to `device` (the simulator's profiler measures
+    a run's agents in its own process on the device the run places them on), without
+    changing what this process may see."""
+    global _PROCESS_DEVICE
+    before, _PROCESS_DEVICE = _PROCESS_DEVICE, device
+    try:
+        yield
+    finally:
+        _PROCESS_DEVICE = before
 
 
 def process_device() -> str:

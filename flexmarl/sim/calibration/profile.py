@@ -69,6 +69,7 @@ import torch
 from flexmarl.api.runtime import NullSink
 from flexmarl.orchestrator.joint import JointOrchestrator
 from flexmarl.orchestrator.run import train
+from flexmarl.policy.device import Placement, computing_on, plan_placements
 from flexmarl.policy.model import build_model, weights_of
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import HFEngine
@@ -110,7 +111,24 @@ STATISTIC = "median"
 # processes preempted reads the same as one they did not, so a profile taken on a busy machine
 # holds the same costs as one taken on a quiet one, and the mirror shares the CPUs among the
 # run's processes and the run's own other load (`CpuShare`, `LocalProfile.clock` "cpu").
-_clock = time.process_time
+# On a GPU a call returns before its kernels ran and its CPU time is only their launches: there
+# it is timed in wall seconds once the device has drained (`_on_gpu`, set by `profile_local`
+# when the run's pools are on CUDA).
+_on_gpu: list[torch.device] = []
+
+
+def _clock() -> float:
+    if _on_gpu:
+        torch.cuda.synchronize(_on_gpu[0])
+        return time.perf_counter()
+    return time.process_time()
+
+
+def run_placements(cfg: Any) -> tuple[Placement, Placement] | None:
+    """Worker 0's placement of the rollout and the training pool when the run computes on CUDA
+    (the profiler measures there); None on the CPU, where the probes keep the default."""
+    rollout, train = plan_placements(cfg.runtime, 1, 1)
+    return (rollout[0], train[0]) if rollout[0].kind == "cuda" else None
 
 
 def _stat(xs: Sequence[float]) -> float:
@@ -427,9 +445,11 @@ async def _start_worker(cfg: Any, vocab: int, max_len: int, names: list[str],
     """A real worker process of the local runtime (`rollout_worker_main`, or
     `train_worker_main` for pool "train") hosting `names`, and the sink its spans go to."""
     rt = cfg.runtime
+    gpu = run_placements(cfg)  # on a GPU run: on the pool's GPU, as the run's worker 0
     spec = WorkerSpec(cfg.model_dump(mode="json"), vocab, max_len, names, rt.torch_threads,
                       rt.deterministic, cfg.rollout.max_batch_seqs,
-                      heartbeat_s=rt.heartbeat_interval_s)
+                      heartbeat_s=rt.heartbeat_interval_s,
+                      placement=gpu[pool == "train"] if gpu else Placement())
     sink = _Spans()
     main = train_worker_main if pool == "train" else rollout_worker_main
     proxy = WorkerProxy(pool, 0, main, spec, sink)
@@ -806,9 +826,16 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     log("contention: " + ", ".join(f"{k} busy x{v:.2f}" for k, v in enumerate(contention, 1)))
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.runtime.torch_threads)
+    gpu = run_placements(cfg)  # a GPU run's agents are measured on its GPUs
+    rollout_device = f"cuda:{gpu[0].visible[0]}" if gpu else "cpu"
+    if gpu:
+        log(f"measuring on the run's GPUs: rollout on {rollout_device}, training on "
+            f"cuda:{gpu[1].visible[0]} (wall seconds after the device drained)")
+        _on_gpu[:] = [torch.device(rollout_device)]
     try:
         vocab, max_len = task.vocab_size, task.max_seq_len
-        models = {a: build_model(a, cfg.agents[a].model, vocab, max_len, cfg.seed)
+        models = {a: build_model(a, cfg.agents[a].model, vocab, max_len, cfg.seed,
+                                 rollout_device)
                   for a in cfg.agents if cfg.agents[a].backend.kind == "hf"}
         log(f"lengths: one iteration of {cfg.name} on the local runtime")
         lengths, allowed = measure_lengths(cfg, task)
@@ -828,9 +855,10 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
                 fits = profile_engine(model, cfg.rollout.max_batch_seqs, width, vocab, reps)
                 fits["load_weights"] = profile_load_weights(model, agent, reps)
                 if acfg.trainable:
-                    fits.update(profile_trainer(
-                        cfg, agent, vocab, max_len, max(1, round(statistics.mean(prompts))),
-                        max(1, round(statistics.mean(outs))), allowed.get(agent), reps))
+                    with computing_on(f"cuda:{gpu[1].visible[0]}" if gpu else "cpu"):
+                        fits.update(profile_trainer(
+                            cfg, agent, vocab, max_len, max(1, round(statistics.mean(prompts))),
+                            max(1, round(statistics.mean(outs))), allowed.get(agent), reps))
                 cache[key] = fits
             nbytes = len(pickle.dumps(publish_form(weights_of(model), agent, 1)))
             agents[agent] = AgentProfile(dict(cache[key]), outs[:2048], prompts[:2048],
@@ -868,6 +896,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         log("driver: " + ", ".join(f"{k} {v:.4g}" for k, v in driver.items()))
     finally:
         torch.set_num_threads(threads)
+        _on_gpu.clear()
     during.stop()
     machine = machine_info()
     machine["external_load"] = external

@@ -291,3 +291,43 @@ def test_contention_probe_runs_real_processes():
     curve = measure_contention(cfg, 8, 16, max_procs=2, reps=1, seconds=0.05)
     assert len(curve) == 2 and curve[0] == 1.0
     assert 0.0 < curve[1] <= 1.0
+
+
+def test_a_gpu_run_is_profiled_on_its_gpus(monkeypatch):
+    """A run on CUDA is measured where it computes: the probes' workers get the pools' worker-0
+    placements and the in-process trainers build on the training GPU (before, every profile
+    measured the CPU, and predicted an H100 run at half its time); a CPU run keeps the default
+    placement."""
+    import torch
+
+    from flexmarl.policy.device import computing_on, process_device
+    from flexmarl.sim.calibration.profile import run_placements
+
+    assert run_placements(tiny_config()) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    runtime = {"kind": "local", "rollout_workers": 1, "train_workers": 1, "torch_threads": 1,
+               "devices": "cuda"}
+    rollout, train = run_placements(tiny_config(runtime=runtime))
+    assert (rollout.kind, rollout.visible, train.kind, train.visible) == ("cuda", (0,),
+                                                                          "cuda", (1,))
+    with computing_on("cuda:1"):
+        assert process_device() == "cuda:1"
+    assert process_device() == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_a_gpu_times_the_device_not_the_launches():
+    """On a GPU the engine's fits are the device's time, read after it drained."""
+    import torch
+
+    from flexmarl.policy.model import build_model
+    from flexmarl.sim.calibration import profile as prof
+
+    model = build_model("a", tiny_config().agents["speaker"].model, 16, 64, 0, "cuda:0")
+    prof._on_gpu[:] = [torch.device("cuda:0")]
+    try:
+        fits = prof.profile_engine(model, 8, 32, 16, reps=3)
+    finally:
+        prof._on_gpu.clear()
+    assert fits["decode"](seqs=8, tokens=64) > 0 and fits["prefill"](seqs=8, tokens=64) > 0
