@@ -737,12 +737,14 @@ class SlotPool(TrainPool):
         if (incoming is not None and parked is not None and generation is not None
                 and parked[:2] == (lease.slot, generation)):
             sent = ("kept", parked[2])  # back where it left: the slot still holds it
-        # one slot (the evicted agent can only come back here), its restart point current:
-        # the evicted state need not travel (`TrainHost.bind`'s send_out)
+        # one slot (the evicted agent can only come back here) and a restart point: the
+        # evicted state need not travel (`TrainHost.bind`'s send_out). Lost with the slot, it
+        # is its restart point plus the micro-batches accumulated since (the journal), as a
+        # resident agent's is (`restore_slot`); mid-iteration swaps of agents time-sharing
+        # the slot would otherwise pipe a state through the driver at every swap.
         evicted = lease.evict
         skip_out = (evicted is not None and generation is not None and self.slots == 1
-                    and self._recovers() and evicted in self.saved_state
-                    and not self.journal[evicted])
+                    and self._recovers() and evicted in self.saved_state)
         payload = (agent, sent, False) if skip_out else (agent, sent)
         try:
             try:
