@@ -383,13 +383,18 @@ class LocalRolloutPool(RolloutPool):
     async def _dispatch(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         cost = self.balancer.expected_cost(request.agent, len(request.prompt),
                                            request.max_new_tokens)
-        live = [w for w in self.workers if w.alive]
-        if not live:
-            raise WorkerLost("no live rollout replica")
-        load = [w.outstanding_tokens if w.alive else float("inf") for w in self.workers]
-        worker = self.workers[self.balancer.pick(request.agent, load, request.sample_id)]
-        if not worker.alive:  # its planned replicas are down: any live one will do
-            worker = min(live, key=lambda w: (w.outstanding_tokens, w.index))
+        if len(self.workers) == 1:  # one replica: nothing to choose (every request's path)
+            worker = self.workers[0]
+            if not worker.alive:
+                raise WorkerLost("no live rollout replica")
+        else:
+            live = [w for w in self.workers if w.alive]
+            if not live:
+                raise WorkerLost("no live rollout replica")
+            load = [w.outstanding_tokens if w.alive else float("inf") for w in self.workers]
+            worker = self.workers[self.balancer.pick(request.agent, load, request.sample_id)]
+            if not worker.alive:  # its planned replicas are down: any live one will do
+                worker = min(live, key=lambda w: (w.outstanding_tokens, w.index))
         worker.outstanding_tokens += cost
         submitted = time.time()
         try:
