@@ -3,7 +3,7 @@ own span, per command, on one config's run (async unless --set pipeline.mode=syn
 
 `python benchmarks/slot_commands.py [CONFIG] [--iterations N] [--set k=v]` (default
 examples/longtail_experts.yaml, 8 iterations; the local runtime) prints, per slot-protocol
-command (bind = a swap, get_state = a restart point, ...), how many ran, the median
+command (bind = a swap, get_state or keep_restart = a restart point, ...), how many ran, the median
 driver-side round trip (`LocalTrainPool._run`: the command and its payload through the pipe,
 the worker's work, the result back), the median of the worker's span for it (OUT/trace.json)
 and the seconds per iteration the slot was held by each. The slot is held for the whole round
@@ -27,7 +27,8 @@ from flexmarl.runtime.local.runtime import LocalTrainPool
 
 # the trace's span label of each command (`TrainHost.SPAN_LABELS`)
 LABELS = {"bind": "swap", "accumulate": "acc", "step": "step", "get_state": "state",
-          "set_state": "restore", "weights": "weights", "save": "save"}
+          "set_state": "restore", "weights": "weights", "save": "save",
+          "keep_restart": "state", "restore_restart": "restore"}
 
 
 def measure(config: str, overrides: list[str], out: Path) -> dict[str, dict[str, float]]:
@@ -72,9 +73,9 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="flexmarl-slot-commands-") as tmp:
         figures = measure(args.config, [f"train.iterations={args.iterations}", *args.set],
                           Path(tmp))
-    print(f"{'command':<11} {'calls':>6} {'round trip ms':>14} {'worker span ms':>15} "
+    print(f"{'command':<12} {'calls':>6} {'round trip ms':>14} {'worker span ms':>15} "
           f"{'slot held s/it':>15}")
     for command, f in figures.items():
-        print(f"{command:<11} {f['calls']:>6} {f['round_trip_ms']:>14.1f} {f['span_ms']:>15.1f} "
+        print(f"{command:<12} {f['calls']:>6} {f['round_trip_ms']:>14.1f} {f['span_ms']:>15.1f} "
               f"{f['held_s_per_it']:>15.3f}")
     print(f"load average: {load:.1f} before, {os.getloadavg()[0]:.1f} after")
