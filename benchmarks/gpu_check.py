@@ -566,6 +566,15 @@ def bench_run(device: torch.device, iterations: int, run_dir: str | None) -> Non
     RESULTS["run"] = rows
 
 
+def write_results(path: Path, key: str | None) -> None:
+    """The figures so far to `path`; with `key`, merged under it into what is there."""
+    results: dict[str, Any] = RESULTS
+    if key:
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results[key] = RESULTS
+    path.write_text(json.dumps(results, indent=2, default=str))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -578,6 +587,9 @@ def main() -> None:
     parser.add_argument("--json", default=None,
                         help="where the figures go, rewritten after each section "
                              "(default $OUT/gpu_check.json when $OUT is set)")
+    parser.add_argument("--key", default=None,
+                        help="merge the figures into --json under this key (several processes "
+                             "writing one file)")
     parser.add_argument("--run-dir", default=None,
                         help="keep the multi-agent runs' folders (trace, metrics) here")
     args = parser.parse_args()
@@ -622,7 +634,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if json_path:  # after every section, so a run cut short keeps what it measured
-            Path(json_path).write_text(json.dumps(RESULTS, indent=2, default=str))
+            write_results(Path(json_path), args.key)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 

@@ -468,8 +468,37 @@ def check_throughput(run: Run) -> list[Finding]:
     return out
 
 
+def check_gpu_sharing(run: Run) -> list[Finding]:
+    """Rollout and training processes on one GPU without MPS: in an overlapping pipeline their
+    kernels take turns by time slices instead of running at once."""
+    placement = run.summary.get("placement")
+    mode = (run.config.get("pipeline") or {}).get("mode", "async")
+    if not isinstance(placement, dict) or "mps" not in placement or placement["mps"] \
+            or mode == "sync":
+        return []
+
+    def gpus(pool: str) -> set[int]:
+        return {g for w in placement.get(pool) or [] if w.get("device") == "cuda"
+                for g in w.get("gpus") or []}
+
+    shared = sorted(gpus("rollout") & gpus("train"))
+    if not shared:
+        return []
+    its, busy = run.series("pool/train/busy_frac")
+    _, rollout_busy = run.series("pool/rollout/busy_frac")
+    return [Finding(
+        "rollout and training share a GPU without MPS", "warning", "placement", its,
+        f"GPU {', '.join(map(str, shared))} runs both pools' processes (pipeline.mode {mode}) "
+        f"with no MPS daemon; median busy fractions: rollout {_median(rollout_busy):.2f}, "
+        f"training {_median(busy):.2f}",
+        "start the MPS daemon before the run (`nvidia-cuda-mps-control -d`; `echo quit | "
+        "nvidia-cuda-mps-control` stops it) so the pools' kernels run at once (one H100, "
+        "relay chain async: 0.505 -> 0.413 s/iteration), or give the pools separate GPUs "
+        "(runtime.rollout_devices / runtime.train_devices)")]
+
+
 RULES = [check_failures, check_gradients, check_oscillation, check_entropy, check_one_verdict,
-         check_swaps, check_store, check_throughput]
+         check_swaps, check_store, check_throughput, check_gpu_sharing]
 
 
 def diagnose(run: Run) -> list[Finding]:

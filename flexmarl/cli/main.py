@@ -10,6 +10,7 @@ its traceback; 130/143 interrupted.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -107,7 +108,8 @@ def _env_kind(cfg: RunConfig, out: Path) -> _RunKind:
                     f"{cfg.env_algorithm.name}, pipeline={cfg.pipeline.mode}, "
                     f"runtime={cfg.runtime.kind}, {envs} envs, {n_iter} iterations "
                     f"({n_iter * envs * cfg.train.rollout_steps} env steps)",
-                    train_marl, "return", lambda rec: rec.get("return_mean", 0.0),
+                    functools.partial(train_marl, run=run), "return",
+                    lambda rec: rec.get("return_mean", 0.0),
                     lambda rec: f"{rec['env_steps_per_s']:.0f} steps/s", final)
 
 
@@ -406,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - not the user's fault: keep the traceback, say so
+        stops = sys.modules.get("flexmarl.orchestrator.checkpointing")  # loaded by runs only
+        if stops is not None and isinstance(exc, stops.RunInterrupted):
+            # SIGTERM / Ctrl-C in any command that runs training (bench, simulate, ...), also
+            # before a run's first iteration: a stop the user asked for, not a bug
+            print(f"interrupted: {exc}", file=sys.stderr)
+            return 143
         base = sys.modules.get("flexmarl.api.runtime")  # not imported for config errors
         if base is not None and isinstance(exc, base.WorkerError):
             # workers lost beyond runtime.max_worker_restarts (e.g. out-of-memory kills): the

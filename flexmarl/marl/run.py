@@ -99,6 +99,8 @@ class MarlRun:
             self._snapshot, source.step_allowed)
         evaluation = PeriodicEvaluation(cfg, self.layouts, n_iter)
         start = telemetry.now()
+        if self.records:  # resumed: time keeps counting from where the run stopped
+            start -= float(self.records[-1].get("time_s", 0.0))
         t_start = time.perf_counter()
         await runtime.start()
         try:
@@ -187,12 +189,13 @@ class MarlRun:
 
 def train_marl(cfg: RunConfig, out: str | Path | None = None, on_iteration=None,
                iterations: int | None = None, resume: str | Path | None = None,
-               on_runtime=None) -> MarlResult:
+               on_runtime=None, run: MarlRun | None = None) -> MarlResult:
     """Train a classic MARL run, hosted like every run (`orchestrator.run.host_run`): writes
     config.yaml, metrics.jsonl, summary.json, trace.json and checkpoints under `out`. With
     `resume` (a run folder or its checkpoints/), continue from its LATEST generation.
-    `on_runtime(runtime)` is called once the workers run (fault tests)."""
-    run = MarlRun(cfg)  # environments probed: spaces and agents checked
+    `on_runtime(runtime)` is called once the workers run (fault tests); `run`, a `MarlRun` of
+    `cfg` not yet run (the CLI's, whose environments it probed for its header)."""
+    run = run if run is not None else MarlRun(cfg)  # environments probed: spaces, agents
     out_path = Path(out) if out is not None else None
     ckpt = find_checkpoints(resume).load() if resume is not None else None
     n_iter = iterations if iterations is not None else cfg.train.iterations

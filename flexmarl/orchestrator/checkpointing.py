@@ -10,6 +10,7 @@ goes on.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +30,37 @@ from flexmarl.telemetry.recorder import Telemetry
 SaveCheckpoint = Callable[..., Any]
 # snapshot(completed) -> (position, rows, extra): what a boundary holds besides trainer states
 Snapshot = Callable[[int], tuple[dict[str, Any], list[dict[str, Any]], dict[str, bytes]]]
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a daemon thread. A second stop request abandons a checkpoint being
+    written and the process exits at once: `asyncio.to_thread`'s executor would be joined at
+    exit, finishing the write first. A generation is published by one atomic rename
+    (`checkpoint.py`), so an abandoned one leaves only a `.tmp-*` folder, which the next save
+    removes."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():  # abandoned
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: the run ended without this write
+            pass
+
+    threading.Thread(target=work, name="checkpoint-write", daemon=True).start()
+    return await done
 
 
 class RunInterrupted(RuntimeError):
@@ -104,7 +136,7 @@ class BoundaryCheckpoints:
             t0 = self.telemetry.now()
             args = (k + 1, position, states, rows, extra) if extra else (
                 k + 1, position, states, rows)
-            path = await asyncio.to_thread(save, *args)
+            path = await _in_daemon_thread(save, *args)
             self.last_checkpoint = str(path)
             self.telemetry.fault("checkpoint", completed=k + 1, path=str(path),
                                  rows_in_flight=len(rows), save_s=self.telemetry.now() - t0)
@@ -147,10 +179,16 @@ class BoundaryCheckpoints:
             return
         main.cancel()  # stop requested: the checkpoint (if any) is written, end here
         await asyncio.gather(main, return_exceptions=True)
-        await self.wait_writes()
+        abandoned = ""
+        if self.stop_requests > 1 and self._writing is not None and not self._writing.done():
+            self._writing.cancel()  # a second request: at once, without the write in flight
+            await asyncio.gather(self._writing, return_exceptions=True)
+            abandoned = "; a second stop abandoned the checkpoint being written"
+        else:
+            await self.wait_writes()
         last = self.last_checkpoint
         where = f"; resume from {last}" if last else ""
-        raise RunInterrupted(f"stopped after {done()} iterations{where}", last)
+        raise RunInterrupted(f"stopped after {done()} iterations{abandoned}{where}", last)
 
 
 class CheckpointCoordinator(BoundaryCheckpoints):

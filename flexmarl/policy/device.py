@@ -58,6 +58,14 @@ class Placement:
         os.environ.update(self.env())
 
 
+def mps_active() -> bool:
+    """Whether an MPS control daemon is up for this process's user (its control pipe exists
+    where CUDA clients look for it). Without one, processes sharing a GPU run their kernels by
+    turns (time slices); under MPS at once."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipes, "control"))
+
+
 def resolve_kind(devices: str, gpu_count: int | None = None) -> Literal["cpu", "cuda"]:
     """`runtime.devices` to cpu or cuda; asking for cuda on a machine without one is an error."""
     n = torch.cuda.device_count() if gpu_count is None else gpu_count

@@ -45,7 +45,7 @@ from flexmarl.policy.device import process_device
 from flexmarl.policy.model import skeleton, stable_seed
 from flexmarl.training import dcp as dcp_state
 from flexmarl.training import lora
-from flexmarl.training.state import TrainingState
+from flexmarl.training.state import TrainingState, comm_device
 from flexmarl.training.trainer import (
     EPOCH_CHUNK_ROWS,
     AgentTrainer,
@@ -200,6 +200,9 @@ class ShardedAgentTrainer(AgentTrainer):
         self.group = self.mesh.get_group()
         self.rank = self.mesh.get_local_rank()
         self.world = self.mesh.size()
+        # NCCL reduces only device tensors, gloo only host ones (the first GPU run failed with
+        # "No backend type associated with device type cpu" on a host tensor)
+        self.comm_device = comm_device(self.group)
         # the peft adapter this trainer trains (LoRA agents; "default" unless on a shared base)
         self.adapter = adapter or ("default" if cfg.lora is not None else None)
         self.shared_policy = policy is not None
@@ -310,21 +313,22 @@ class ShardedAgentTrainer(AgentTrainer):
         """Later passes (`AgentTrainer._later_epochs`), each rank over its own share of the
         kept rows: they normalise by the rows of all ranks, and every rank runs as many chunks
         as the rank with the most (zero-weight passes where it has none)."""
-        total = torch.tensor([float(n_rows)], dtype=torch.float64)
+        total = torch.tensor([float(n_rows)], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(total, group=self.group)
-        chunks = torch.tensor([-(-n_rows // EPOCH_CHUNK_ROWS)], dtype=torch.int64)
+        chunks = torch.tensor([-(-n_rows // EPOCH_CHUNK_ROWS)], dtype=torch.int64,
+                              device=self.comm_device)
         dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=self.group)
         return int(total.item()), int(chunks.item())
 
     def _agree_nonfinite(self) -> None:
         """A pass poisoned on any rank moves nothing on every rank."""
-        poisoned = torch.tensor([float(self._nonfinite is not None)])
+        poisoned = torch.tensor([float(self._nonfinite is not None)], device=self.comm_device)
         dist.all_reduce(poisoned, op=dist.ReduceOp.MAX, group=self.group)
         if poisoned.item() and self._nonfinite is None:
             self._nonfinite = "non-finite loss on another rank"
 
     def _sum_ranks(self, values: list[float]) -> list[float]:
-        vals = torch.tensor(values, dtype=torch.float64)
+        vals = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(vals, group=self.group)
         return [float(v) for v in vals]
 
@@ -336,9 +340,10 @@ class ShardedAgentTrainer(AgentTrainer):
         dist.all_gather_object(gathered, (keys, self._nonfinite), group=self.group)
         all_keys = sorted({k for ks, _ in gathered for k in ks})
         vals = torch.tensor([float(self._rows)] + [self._sums.get(k, 0.0) for k in all_keys],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(vals, group=self.group)
-        mx = torch.tensor([self._sums.get("logprob_diff_max", -1.0)], dtype=torch.float64)
+        mx = torch.tensor([self._sums.get("logprob_diff_max", -1.0)], dtype=torch.float64,
+                          device=self.comm_device)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.group)
         self._rows = int(vals[0])
         self._sums = {k: float(v) for k, v in zip(all_keys, vals[1:].tolist(), strict=True)}

@@ -214,9 +214,9 @@ def swap_in(form: tuple[str, Any]) -> TrainingState:
     return handle.load()
 
 
-def _comm_device(group: Any = None) -> torch.device:
-    """Where a transfer's buffers live: the current GPU for NCCL, else host memory."""
-
+def comm_device(group: Any = None) -> torch.device:
+    """Where a collective's or transfer's buffers live: the current GPU for NCCL, else host
+    memory."""
     backend = group.name() if group is not None else dist.get_backend()
     if str(backend).lower() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -232,7 +232,7 @@ def _p2p(op: str, tensor: torch.Tensor, rank: int, group: Any) -> None:
 
 
 def _send(state: TrainingState, rank: int, group: Any = None) -> None:
-    dev = _comm_device(group)
+    dev = comm_device(group)
     header = torch.frombuffer(bytearray(json.dumps(_header(state)).encode()), dtype=torch.uint8)
     flat = _flat(state, dev)  # on the device for NCCL: device to device, no host copy
     _p2p("send", torch.tensor([header.numel(), flat.numel()], dtype=torch.int64, device=dev),
@@ -242,7 +242,7 @@ def _send(state: TrainingState, rank: int, group: Any = None) -> None:
 
 
 def _recv(rank: int, group: Any = None) -> TrainingState:
-    dev = _comm_device(group)
+    dev = comm_device(group)
     sizes = torch.zeros(2, dtype=torch.int64, device=dev)
     _p2p("recv", sizes, rank, group)
     header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=dev)

@@ -170,3 +170,19 @@ def test_worker_killed_by_sigkill_reads_as_out_of_memory(tmp_path):
     assert "Traceback" not in err
     assert "out-of-memory killer" in err and ("holds agents" in err or "trains agents" in err), err
     assert not (out / "checkpoints" / "final").exists()
+
+
+def test_a_stop_in_any_command_reads_as_interrupted_not_as_a_bug(capsys, monkeypatch):
+    """SIGTERM before a run's first iteration (`bench compare` under `timeout` did this on the
+    GPU machine) ends the command with 143 and one line, not an internal error."""
+    import flexmarl.cli.main as cli
+    from flexmarl.orchestrator.checkpointing import RunInterrupted
+
+    def stopped(*_a, **_k):
+        raise RunInterrupted("stopped before the first iteration", None)
+
+    monkeypatch.setattr(cli, "load_config", stopped)
+    assert main(["train", "whatever.yaml"]) == 143
+    err = capsys.readouterr().err
+    assert "interrupted: stopped before the first iteration" in err
+    assert "Traceback" not in err and "bug" not in err

@@ -302,3 +302,31 @@ def test_doctor_names_an_environment_runs_lost_rollout_workers(tmp_path):
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     found = {f.problem: f for f in diagnose(load_run(run))}["rollout workers lost"]
     assert found.severity == "warning"
+
+
+def _gpu_run(tmp_path: Path, name: str, mode: str, train_gpus: list[int], mps: bool) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    records = [{"iteration": k, "pool/rollout/busy_frac": 0.48, "pool/train/busy_frac": 0.79}
+               for k in range(5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text(f"pipeline: {{mode: {mode}}}\n")
+    placement = {"rollout": [{"worker": 0, "device": "cuda", "gpus": [0]}],
+                 "train": [{"worker": 0, "device": "cuda", "gpus": train_gpus}], "mps": mps}
+    (run / "summary.json").write_text(json.dumps({"status": "completed",
+                                                  "placement": placement}))
+    return run
+
+
+def test_doctor_names_pools_sharing_a_gpu_without_mps(tmp_path):
+    """An overlapping run whose rollout and training processes share a GPU with no MPS daemon
+    is a warning naming the GPU and the daemon; sync runs, MPS and separate GPUs are not."""
+    rule = "rollout and training share a GPU without MPS"
+    found = {f.problem: f for f in diagnose(load_run(_gpu_run(tmp_path, "a", "async", [0],
+                                                              False)))}
+    assert "GPU 0" in found[rule].evidence and "nvidia-cuda-mps-control -d" in found[rule].remedy
+    for name, mode, gpus, mps in (("b", "async", [0], True), ("c", "sync", [0], False),
+                                  ("d", "async", [1], False)):
+        assert rule not in {f.problem for f in diagnose(load_run(_gpu_run(tmp_path, name, mode,
+                                                                          gpus, mps)))}
+

@@ -84,6 +84,29 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_stops(tmp_path, reference)
 
 
 @pytest.mark.slow
+def test_a_second_sigterm_during_a_checkpoint_write_stops_at_once(tmp_path):
+    """The first SIGTERM checkpoints at the next boundary; a second one while that generation
+    is being written (slowed to 2 s a file, so it takes over 20 s) ends the process without
+    finishing it: exit 143, and nothing published."""
+    import time
+
+    out = tmp_path / "run"
+    proc = cli(*cli_args(out, "--set", "train.checkpoint_every=100"),
+               env={"FLEXMARL_CHAOS_SLOW_CHECKPOINT_S": "2"})
+    wait_for(lambda: (out / "metrics.jsonl").exists()
+             and '"iteration": 0' in (out / "metrics.jsonl").read_text(), 240, proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: any((out / "checkpoints").glob(".tmp-gen-*")), 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert "a second stop abandoned the checkpoint being written" in stderr
+    assert not (out / "checkpoints" / "LATEST").exists()  # never published
+    print(f"second SIGTERM to exit: {time.monotonic() - sent:.1f} s")
+
+
+@pytest.mark.slow
 def test_full_disk_during_a_run_stops_it_loudly_and_keeps_the_old_generation(tmp_path,
                                                                              monkeypatch):
     import errno

@@ -151,6 +151,8 @@ def test_stopped_after_two_iterations_then_resumed_equals_uninterrupted(tmp_path
     assert {p.name for p in (gen / "agents").iterdir()} == {"speaker_0", "listener_0"}
     resumed = train_marl(cfg(**tb), out, resume=out)
     assert [r["iteration"] for r in resumed.records] == list(range(ITERATIONS))
+    times = [r["time_s"] for r in resumed.records]  # the clock carries on across the resume
+    assert times == sorted(times) and times[2] > times[1] == first.records[1]["time_s"]
     scalars = read_tensorboard(out / "tb")
     assert scalars["return_mean"] == pytest.approx(
         {r["iteration"]: r["return_mean"] for r in resumed.records})

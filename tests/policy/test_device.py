@@ -18,6 +18,7 @@ from flexmarl.policy.device import (
     compute_dtype,
     kv_bytes_per_token,
     kv_token_budget,
+    mps_active,
     plan_placements,
     pool_devices,
     resolve_kind,
@@ -136,3 +137,10 @@ def test_kv_budget_on_a_gpu_follows_free_memory():
     free, _ = torch.cuda.mem_get_info()
     budget = kv_token_budget(None, model, 0.5)
     assert abs(budget - free * 0.5 // kv_bytes_per_token(model.config, torch.bfloat16)) < 2048
+
+
+def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_active()
+    (tmp_path / "control").touch()
+    assert mps_active()

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from flexmarl.config.schema import AgentConfig
 from flexmarl.runtime.local.slot_ranks import end_rank
 from flexmarl.training.sharded import ShardedAgentTrainer
-from flexmarl.training.state import publish_form, swap_in, swap_out
+from flexmarl.training.state import comm_device, publish_form, swap_in, swap_out
 from flexmarl.training.trainer import AgentTrainer
 from flexmarl.types import Sample
 
@@ -257,3 +257,40 @@ def test_killed_rank_fails_its_peer_within_the_timeout(tmp_path):
     assert not outcome.startswith("finished"), outcome
     print(f"peer failed after {elapsed} s: {outcome}")
     assert float(elapsed) < 25.0, (elapsed, outcome)  # the group's timeout is 20 s
+
+
+class _Group:
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def name(self) -> str:
+        return self.backend
+
+
+def test_small_collectives_live_where_the_backend_reduces(monkeypatch):
+    """Row counts, metric sums and flags go on the GPU for NCCL and stay on the host for gloo
+    (the first GPU run failed with a host tensor in an NCCL all-reduce)."""
+    assert comm_device(_Group("gloo")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert comm_device(_Group("nccl")) == torch.device("cuda", 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_k1_nccl_trainer_steps_and_matches_one_device(tmp_path):
+    """The sharded slot's trainer on a one-rank NCCL group takes the steps the one-device
+    trainer takes, to the same weights (summation order aside)."""
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1, device_id=device)
+    try:
+        sharded = ShardedAgentTrainer("a", _cfg(), VOCAB, 16, run_seed=0, device="cuda")
+        _train(sharded, 0, STEPS)
+        got = sharded.full_weights()
+    finally:
+        dist.destroy_process_group()
+    plain = AgentTrainer("a", _cfg(), VOCAB, 16, run_seed=0, device="cuda")
+    _train(plain, 0, STEPS)
+    want = plain.full_weights()
+    assert max((got[k].float().cpu() - want[k].float().cpu()).abs().max().item()
+               for k in want) < 1e-4

@@ -37,7 +37,7 @@ from flexmarl.api.runtime import (
 )
 from flexmarl.config.schema import RunConfig
 from flexmarl.planning.planner import Plan, bind_slots
-from flexmarl.policy.device import Placement, plan_placements, slot_placements
+from flexmarl.policy.device import Placement, mps_active, plan_placements, slot_placements
 from flexmarl.policy.memory import memory_hints
 from flexmarl.policy.model import approx_params
 from flexmarl.rollout.backends.openai import OpenAIBackend
@@ -788,6 +788,8 @@ class LocalRuntime(Runtime):
             "train_swaps": self.train.allocator.swaps,
             "train_swaps_in": dict(self.train.swaps_in),
             "train_swap_s": self.train.swap_seconds,
+            # pools sharing a GPU overlap their kernels only under MPS (doctor: gpu sharing)
+            "mps": mps_active(),
         }
 
 
