@@ -17,6 +17,7 @@ machine.
 import argparse
 import time
 
+from flexmarl.sim.cost import Efficiency
 from flexmarl.sim.simulate import simulate_system
 from flexmarl.sim.workload import load_workload
 
@@ -66,7 +67,8 @@ def sweep(iterations):
     data = base.model_dump(mode="json")
     cases = []
     for mfu in (0.4, 0.1, 0.04, 0.02):
-        cases.append((f"training MFU {mfu}", base, base.cost_model(mfu_train=mfu)))
+        cases.append((f"training MFU {mfu}", base,
+                      base.cost_model(efficiency=Efficiency(mfu_train=mfu))))
     for prompts in (16, 64):
         d = {**data, "rollout": {**data["rollout"], "prompts_per_iteration": prompts}}
         wl = type(base).model_validate(d)

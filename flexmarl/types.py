@@ -1,5 +1,6 @@
 """Torch-free contracts shared across layers: what rollout is asked and answers, what a trainer
-reads from the store, and how arrays travel in checkpoints and journals.
+reads from the store, what a training slot's swap returns, and how arrays travel in
+checkpoints and journals.
 
 Lower layers (the store, the runtime interfaces) import these without pulling in torch or a
 model; the modules that do the work (`policy.sampling`, `training.trainer`) use the same types.
@@ -8,7 +9,7 @@ model; the modules that do the work (`policy.sampling`, `training.trainer`) use 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -63,6 +64,19 @@ class Sample:
     reward: float = 0.0
     # the token budget ended the completion before its stop token or string
     truncated: bool = False
+
+
+class Bound(NamedTuple):
+    """A training slot's `bind` result (the slot protocol, `training.host`): the agent it
+    swapped out (None: the slot was free or held `agent` already), that agent's state as it
+    leaves, the token under which this process keeps that state in its kept trainer (None:
+    not kept; sent back as `("kept", token)` it swaps in without moving), and the swap's
+    seconds and bytes."""
+
+    evicted: str | None
+    state: Any
+    parked: int | None
+    timings: dict[str, float]
 
 
 def encode_array(a: np.ndarray) -> dict[str, Any]:

@@ -394,13 +394,26 @@ class AgentNetworkConfig(NetworkConfig):
     spaces: NetworkSpaces | None = None  # from the task: leave out
 
 
-class AgentConfig(Strict):
+class LlmAgentFields(Strict):
+    """An agent's fields that belong to an LLM policy: a network-policy agent leaves them
+    unset (`AgentConfig.network`, and every agent of an environment run)."""
+
     model: ModelConfig = ModelConfig()
     backend: BackendConfig = BackendConfig()
     algorithm: AlgorithmConfig = GRPOConfig()
     sampling: SamplingConfig = SamplingConfig()
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig | None = None
+
+    def llm_fields_given(self) -> list[str]:
+        """The LLM fields this agent sets to something else than their defaults (compared
+        with the defaults, not `model_fields_set`: a dumped config, what workers get, sets
+        every field)."""
+        return [f for f, info in LlmAgentFields.model_fields.items()
+                if getattr(self, f) != info.default]
+
+
+class AgentConfig(LlmAgentFields):
     trainable: bool = True
     # a network policy instead of an LLM (hybrid graphs): its nodes act in the episode's
     # environment (`EnvSegment`); `model`, `backend`, `algorithm`, `sampling`, `optim` and
@@ -410,10 +423,7 @@ class AgentConfig(Strict):
     @model_validator(mode="after")
     def _applies(self) -> AgentConfig:
         if self.network is not None:
-            # compared with the defaults, not `model_fields_set`: a dumped config (what workers
-            # get) sets every field
-            llm = [f for f in ("model", "backend", "algorithm", "sampling", "optim", "lora")
-                   if getattr(self, f) != type(self).model_fields[f].default]
+            llm = self.llm_fields_given()
             if llm:
                 raise ValueError(f"{llm[0]}: an agent with a `network` is a network policy; "
                                  f"{', '.join(llm)} belong to LLM agents (its algorithm is "
@@ -979,9 +989,7 @@ class RunConfig(Strict):
                              f"(every policy together); got {self.pipeline.mode!r}, "
                              f"train_agents {self.pipeline.train_agents!r}")
         for name, agent in self.agents.items():
-            llm = [f for f in ("model", "backend", "algorithm", "sampling", "optim", "lora",
-                               "trainable")
-                   if getattr(agent, f) != AgentConfig.model_fields[f].default]
+            llm = agent.llm_fields_given() + ([] if agent.trainable else ["trainable"])
             if llm:
                 raise ValueError(f"agents.{name}.{llm[0]}: an environment run's agents are "
                                  f"network policies (agents.{name}.network; its algorithm is "

@@ -4,10 +4,9 @@
   agent (`{agent}@{t}`), each depending on the previous round (the environment's state). An
   agent that terminates or is truncated stops producing nodes; the episode ends when no agent
   is left.
-- AEC API: a *chain of turns*: turn t is a node of `env.agent_selection`, depending on turn t-1.
-  Dead agents are stepped with `None` (PettingZoo's protocol) and produce no node.
-- AEC-only games (PettingZoo's classic board games) are trained through the Parallel API as a
-  chain of turns, with optional built-in opponents (`turns.py`).
+- AEC API (PettingZoo's classic board games): a *chain of turns*, trained through the Parallel
+  API: turn t is a node of `env.agent_selection`, depending on turn t-1, with optional
+  built-in opponents (`turns.py`).
 - `VecParallelEnv`: many Parallel environments of one id stepped as a batch, so that one policy
   forward pass covers all of them (auto-reset, per-episode returns and task metrics).
 
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -151,47 +150,6 @@ class ParallelAdapter(_Adapter):
         except (NotImplementedError, AttributeError):
             return np.concatenate([obs.get(a, np.zeros(self.obs_specs[a].dim, np.float32))
                                    for a in self.agents])
-
-
-Policy = Callable[[str, np.ndarray, np.ndarray | None], np.ndarray]
-
-
-@dataclass
-class AECEpisode:
-    turns: list[str] = field(default_factory=list)  # node names `{agent}@{t}`, a chain
-    returns: dict[str, float] = field(default_factory=dict)
-    left_at: dict[str, int] = field(default_factory=dict)  # agent -> turn count when it left
-    truncated: bool = False
-
-
-class AECAdapter(_Adapter):
-    """One AEC environment as a chain of turns (see the module docstring)."""
-
-    def run_episode(self, policy: Policy, seed: int | None = None,
-                    max_turns: int = 10_000) -> AECEpisode:
-        """Play one episode: `policy(agent, obs_vector, action_mask) -> action row`."""
-        env = self.env
-        env.reset(seed=seed)
-        ep = AECEpisode(returns=dict.fromkeys(self.agents, 0.0))
-        for _ in range(max_turns * max(1, len(self.agents))):
-            if not env.agents:
-                return ep
-            agent = env.agent_selection
-            raw, _, term, trunc, _ = env.last()
-            for a, r in env.rewards.items():
-                ep.returns[a] = ep.returns.get(a, 0.0) + float(r)
-            if term or trunc:
-                ep.truncated = ep.truncated or bool(trunc)
-                ep.left_at.setdefault(agent, len(ep.turns))
-                env.step(None)  # PettingZoo: a dead agent is stepped with None, no node
-                continue
-            if len(ep.turns) >= max_turns:
-                ep.truncated = True
-                return ep
-            ep.turns.append(f"{agent}@{len(ep.turns)}")
-            action = policy(agent, self.obs_specs[agent].encode(raw), ObsSpec.mask_of(raw))
-            env.step(self.action_specs[agent].to_env(np.asarray(action)))
-        return ep
 
 
 # --- task metrics ----------------------------------------------------------------------------

@@ -73,11 +73,6 @@ class ActionSpec:
     def logits_dim(self) -> int:
         return sum(self.nvec) if self.kind != "box" else self.dim
 
-    @property
-    def action_shape(self) -> int:
-        """Entries per action in the store: 1 discrete, len(nvec) multi-discrete, dim box."""
-        return {"discrete": 1, "multi_discrete": len(self.nvec), "box": self.dim}[self.kind]
-
     def to_env(self, action: np.ndarray):
         """A stored action row -> what `env.step` takes."""
         if self.kind == "discrete":

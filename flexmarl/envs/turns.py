@@ -2,7 +2,7 @@
 same vectorised rollout: PettingZoo's classic games (tictactoe_v3, connect_four_v3, ...) have
 `env()` only.
 
-One parallel step is one turn of a trained agent, a chain of turns as in `AECAdapter`:
+One parallel step is one turn of a trained agent (the AEC API's chain of turns):
 - every trained agent gets its observation at every step, so its chain (GAE, the critic) runs
   through the other agents' turns; the agent whose turn it is gets the game's action mask,
   the others a mask that allows action 0 only: a forced pass that is ignored, whose log-prob

@@ -137,54 +137,8 @@ class GraphExecutor:
         fails cancels the others and its error propagates. `on_task(name, task)` sees each
         node's task as it is made (training's stage barrier counts them)."""
         names = [n for n in self.order if n not in skip]
-        loop = asyncio.get_running_loop()
-        done: dict[str, asyncio.Future[bool]] = {n: loop.create_future() for n in names}
-        bus = MessageBus([self.address(n) for n in names]) if self.handoff == "bus" else None
-
-        def finish(name: str, ran: bool) -> None:
-            done[name].set_result(ran)
-            if bus is None:
-                return
-            msg: dict[str, Any] = {"node": name, "ran": ran}
-            if ran:
-                msg["tokens"] = ctx.outputs[name]
-                if name in ctx.texts:
-                    msg["text"] = ctx.texts[name]
-            for reader in self.readers[name]:
-                if reader in done:
-                    bus.send(self.address(name), self.address(reader), msg)
-                    self.messages += 1
-
-        async def inputs_ran(name: str) -> bool:
-            node = self.graph.nodes[name]
-            if bus is None:
-                return all([await done[d] for d in node.inputs])
-            ran = True
-            for _ in node.inputs:  # one message from each input, in the order they finish
-                _env, msg = await bus.receive(self.address(name))
-                if msg["ran"]:
-                    ctx.outputs[msg["node"]] = list(msg["tokens"])
-                    if "text" in msg:
-                        ctx.texts[msg["node"]] = msg["text"]
-                ran = ran and msg["ran"]
-            return ran
-
-        async def run_node(name: str) -> None:
-            node = self.graph.nodes[name]
-            if not await inputs_ran(name):
-                finish(name, False)  # an upstream branch ended: so does this one
-                return
-            ready = self.prepare(ctx, name)
-            if ready is None:
-                finish(name, False)
-                return
-            tokens = await call(ready)
-            ctx.outputs[name] = tokens
-            if ready.is_text:  # the sampled ids stay as they are; downstream reads them decoded
-                ctx.texts[name] = self.renderer.decode(node.agent, tokens, ready.prompt.stop)
-            finish(name, True)
-
-        tasks = [asyncio.ensure_future(run_node(n)) for n in names]
+        walk = _EpisodeWalk(self, ctx, call, names)
+        tasks = [asyncio.ensure_future(walk.run_node(n)) for n in names]
         if on_task is not None:
             for n, t in zip(names, tasks, strict=True):
                 on_task(n, t)
@@ -194,7 +148,7 @@ class GraphExecutor:
             for t in tasks:
                 if not t.done():
                     t.cancel()
-        return {n: done[n].result() for n in names}
+        return {n: walk.done[n].result() for n in names}
 
     def address(self, node: str) -> str:
         """A node's mailbox on the bus: its agent and the node (one agent may run many)."""
@@ -237,3 +191,63 @@ class GraphExecutor:
             return bool(self.graph.success(ctx))
         except Exception:  # noqa: BLE001 - a metric must not kill the run
             return None
+
+
+class _EpisodeWalk:
+    """One episode of `GraphExecutor.run`: each node's task waits for its inputs (their
+    futures, or with the "bus" hand-off one message from each), runs unless its inputs did not
+    all run or its condition skips it, and tells the nodes that read it."""
+
+    def __init__(self, executor: GraphExecutor, ctx: EpisodeContext, call: Call,
+                 names: list[str]) -> None:
+        self.executor = executor
+        self.ctx = ctx
+        self.call = call
+        loop = asyncio.get_running_loop()
+        self.done: dict[str, asyncio.Future[bool]] = {n: loop.create_future() for n in names}
+        self.bus = (MessageBus([executor.address(n) for n in names])
+                    if executor.handoff == "bus" else None)
+
+    def finish(self, name: str, ran: bool) -> None:
+        self.done[name].set_result(ran)
+        if self.bus is None:
+            return
+        ctx, ex = self.ctx, self.executor
+        msg: dict[str, Any] = {"node": name, "ran": ran}
+        if ran:
+            msg["tokens"] = ctx.outputs[name]
+            if name in ctx.texts:
+                msg["text"] = ctx.texts[name]
+        for reader in ex.readers[name]:
+            if reader in self.done:
+                self.bus.send(ex.address(name), ex.address(reader), msg)
+                ex.messages += 1
+
+    async def inputs_ran(self, name: str) -> bool:
+        node = self.executor.graph.nodes[name]
+        if self.bus is None:
+            return all([await self.done[d] for d in node.inputs])
+        ran = True
+        for _ in node.inputs:  # one message from each input, in the order they finish
+            _env, msg = await self.bus.receive(self.executor.address(name))
+            if msg["ran"]:
+                self.ctx.outputs[msg["node"]] = list(msg["tokens"])
+                if "text" in msg:
+                    self.ctx.texts[msg["node"]] = msg["text"]
+            ran = ran and msg["ran"]
+        return ran
+
+    async def run_node(self, name: str) -> None:
+        if not await self.inputs_ran(name):
+            self.finish(name, False)  # an upstream branch ended: so does this one
+            return
+        ex, ctx = self.executor, self.ctx
+        ready = ex.prepare(ctx, name)
+        if ready is None:
+            self.finish(name, False)
+            return
+        tokens = await self.call(ready)
+        ctx.outputs[name] = tokens
+        if ready.is_text:  # the sampled ids stay as they are; downstream reads them decoded
+            ctx.texts[name] = ex.renderer.decode(ready.agent, tokens, ready.prompt.stop)
+        self.finish(name, True)

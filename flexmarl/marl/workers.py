@@ -69,10 +69,6 @@ class RolloutHost:
         raise ValueError(f"unknown command {command!r}")
 
 
-def rollout_host(spec: MarlWorkerSpec) -> RolloutHost:
-    return RolloutHost(spec)
-
-
 def marl_rollout_worker_main(conn: Connection, spec: MarlWorkerSpec) -> None:
     """A rollout worker process: the shared command loop (`serve_slot`) over a
     `RolloutHost`."""

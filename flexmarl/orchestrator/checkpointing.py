@@ -13,21 +13,31 @@ import asyncio
 import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from flexmarl.api.runtime import TrainPool
 from flexmarl.config.schema import ConfigError, RunConfig
 from flexmarl.graph.meg import GraphError
+from flexmarl.orchestrator.checkpoint import TrainerState
 from flexmarl.orchestrator.episodes import EpisodeRunner
 from flexmarl.orchestrator.training import MicroBatchTrainer
 from flexmarl.orchestrator.versions import Versions
 from flexmarl.store.experience import ExperienceStore, Status
 from flexmarl.telemetry.recorder import Telemetry
 
-# save(completed, position, trainer_states, rows[, extra]) -> path: the checkpoint writer
-# (blocking; it runs in a thread while the pipeline goes on); `extra` (a driver's own files,
-# `checkpoint.py`) only when the snapshot has some.
-SaveCheckpoint = Callable[..., Any]
+
+class SaveCheckpoint(Protocol):
+    """The checkpoint writer (`checkpoint.CheckpointManager.save`): writes generation
+    `completed` and returns where. Blocking: it runs in a thread while the pipeline goes on.
+    `extra` (a driver's own files, `checkpoint.py`) is passed only when the snapshot has
+    some."""
+
+    def __call__(self, completed: int, position: dict[str, Any],
+                 trainer_states: dict[str, TrainerState], rows: list[dict[str, Any]],
+                 extra: dict[str, bytes] | None = None, /) -> Path | str: ...
+
+
 # snapshot(completed) -> (position, rows, extra): what a boundary holds besides trainer states
 Snapshot = Callable[[int], tuple[dict[str, Any], list[dict[str, Any]], dict[str, bytes]]]
 
@@ -196,21 +206,21 @@ class CheckpointCoordinator(BoundaryCheckpoints):
     trainer consumed, the audit, evictions) and the store's rows not yet trained on; restores
     that position from `resume` (a `checkpoint.Checkpoint`)."""
 
-    def __init__(self, cfg: RunConfig, telemetry: Telemetry, store: ExperienceStore,
-                 train: TrainPool, versions: Versions, episodes: EpisodeRunner,
-                 trainer: MicroBatchTrainer, records: list[dict[str, Any]],
-                 agents: list[str], save: SaveCheckpoint | None, resume: Any) -> None:
-        super().__init__(cfg, telemetry, train, save,
-                         lambda done: (self.position(done), store.snapshot(done), {}),
+    def __init__(self, cfg: RunConfig, telemetry: Telemetry, trainer: MicroBatchTrainer,
+                 records: list[dict[str, Any]], agents: list[str], save: SaveCheckpoint | None,
+                 resume: Any) -> None:
+        super().__init__(cfg, telemetry, trainer.train, save,
+                         lambda done: (self.position(done), trainer.store.snapshot(done), {}),
                          trainer.step_allowed)
-        self.store = store
-        self.versions = versions
-        self.episodes = episodes
+        # a position is the training driver's and its parts': their store, versions, episodes
         self.trainer = trainer
+        self.store: ExperienceStore = trainer.store
+        self.versions: Versions = trainer.versions
+        self.episodes: EpisodeRunner = trainer.episodes
         self.records = records
         self.agents = agents
         self.resume = resume
-        if versions.staleness:
+        if self.versions.staleness:
             if resume is not None:
                 raise ConfigError(f"resume {getattr(resume, 'path', resume)}: checkpoints are "
                                   "not supported with pipeline.mode=one_step_off")

@@ -167,6 +167,7 @@ def downstream_hops(graph: MEG) -> dict[str, dict[str, int]]:
     return out
 
 
+@dataclass(eq=False)
 class EpisodeRunner:
     """Runs iterations' episodes against the rollout pool and writes their rows to the store.
 
@@ -175,28 +176,26 @@ class EpisodeRunner:
     checkpoint: episodes of the first iteration that had finished before it are replayed from
     their rows instead of generated again."""
 
-    def __init__(self, cfg: RunConfig, task: Task, store: ExperienceStore, rollout: RolloutPool,
-                 telemetry: Telemetry, versions: Versions, trainable: list[str],
-                 on_group_ready: Callable[[], None],
-                 networks: NetworkActors | None = None) -> None:
-        self.cfg = cfg
-        self.task = task
-        self.graph = task.graph
+    cfg: RunConfig
+    task: Task
+    store: ExperienceStore
+    rollout: RolloutPool
+    telemetry: Telemetry
+    versions: Versions
+    trainable: list[str]
+    on_group_ready: Callable[[], None]
+    # network-policy agents (hybrid graphs): their nodes act in the episode's environment
+    networks: NetworkActors | None = None
+
+    def __post_init__(self) -> None:
+        self.graph = self.task.graph
         # text- and chat-level nodes: each agent's tokenizer and sampling defaults
-        self.renderer = PromptRenderer(cfg.agents, task.vocab_size)
-        self.executor = GraphExecutor(self.graph, self.renderer, cfg.agents.keys())
+        self.renderer = PromptRenderer(self.cfg.agents, self.task.vocab_size)
+        self.executor = GraphExecutor(self.graph, self.renderer, self.cfg.agents.keys())
         self.order = self.executor.order
         self.turns = self.graph.turn_of()
         self.level = graph_levels(self.graph, self.order)
         self.downstream = downstream_hops(self.graph)
-        self.store = store
-        self.rollout = rollout
-        self.telemetry = telemetry
-        self.versions = versions
-        self.trainable = trainable
-        self.on_group_ready = on_group_ready
-        # network-policy agents (hybrid graphs): their nodes act in the episode's environment
-        self.networks = networks
         self.iterations: dict[int, IterationState] = {}
         self._started: dict[int, asyncio.Event] = {}
         self.start_iteration = 0
@@ -206,7 +205,7 @@ class EpisodeRunner:
         self.resumed_stats: dict[int, dict[str, tuple[float, float]]] = {}
         self.first_error: str | None = None
         # the simulator's synthetic prompts (placeholder ids, any length) feed no real model
-        self._check_prompts = cfg.runtime.kind != "sim"
+        self._check_prompts = self.cfg.runtime.kind != "sim"
         # between iterations: the planner's plan for the next one (set by the orchestrator),
         # merged into the iteration's recorded plan
         self.plan_next: Callable[[IterationState], dict[str, Any] | None] | None = None

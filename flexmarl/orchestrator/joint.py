@@ -117,8 +117,7 @@ class JointOrchestrator:
         self.metric_sources = self.metrics.sources
         self.budget = FailureBudget(cfg, telemetry)
         self.checkpoints = CheckpointCoordinator(
-            cfg, telemetry, self.store, train, self.version_book, self.episodes, self.trainer,
-            self.records, self.agents, save_checkpoint, resume)
+            cfg, telemetry, self.trainer, self.records, self.agents, save_checkpoint, resume)
         # Between iterations the planner (planning/planner.py) plans from what was measured
         # (node latencies, training seconds): the training order along the critical path and,
         # with more replicas than agents, the replicas per agent; the pools follow it. The

@@ -115,7 +115,8 @@ class IterationMetrics:
     def common(self, k: int, t0: float, now: float, start: float) -> dict[str, Any]:
         """What every run's record of iteration k holds, whatever its rollout (a task's
         episodes, an environment run's workers): its window (t0, now], the pools' busy
-        fractions, the training-state swaps, and the extra `sources`."""
+        fractions, the training-state swaps (the pool's and each trainable agent's or
+        policy's), and the extra `sources`."""
         spans = self.telemetry.spans  # those that ended before t0 matter to no later window
         while self._first < len(spans) and spans[self._first].end <= t0:
             self._first += 1
@@ -130,6 +131,8 @@ class IterationMetrics:
         swaps = self.swaps(t0, now)
         record["pool/train/swaps"] = sum(n for n, _ in swaps.values())
         record["pool/train/swap_s"] = sum(secs for _, secs in swaps.values())
+        for agent in self.trainable:  # an environment run's trainable are its policies
+            record[f"agent/{agent}/swaps"] = swaps.get(agent, (0, 0.0))[0]
         for source in self.sources:
             record.update(source())
         return record
@@ -159,7 +162,6 @@ class IterationMetrics:
             record["rollout/logprob_diff_mean"] = float(np.mean(
                 [d["logprob_diff_mean"] for d in diffs]))
             record["rollout/logprob_diff_max"] = max(d["logprob_diff_max"] for d in diffs)
-        swaps = self.swaps(t0, now)
         for agent in self.agents:
             # fsum is exactly rounded, so the mean does not depend on the order in which
             # episodes finished (placement changes that order, never the rewards).
@@ -178,8 +180,6 @@ class IterationMetrics:
             record[f"agent/{agent}/rows_trained"] = len(self.consumed[agent].get(k, []))
             if agent in it.rows_filtered:  # dynamic sampling dropped these
                 record[f"agent/{agent}/rows_filtered"] = it.rows_filtered[agent]
-            if agent in self.trainable:
-                record[f"agent/{agent}/swaps"] = swaps.get(agent, (0, 0.0))[0]
             for key, value in it.trained.get(agent, {}).items():
                 record[f"agent/{agent}/{key}"] = value
         if it.errors:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from flexmarl.api.runtime import TrainPool
@@ -29,22 +30,23 @@ class EpisodesFailed(RuntimeError):
     """An agent's iteration has no rows to train on: its episodes all failed."""
 
 
+@dataclass(eq=False)
 class MicroBatchTrainer:
     """Feeds each trainable agent's rows to the training pool, one iteration at a time.
 
     `step_allowed` is cleared while a checkpoint reads the trainer states: no step then."""
 
-    def __init__(self, cfg: RunConfig, episodes: EpisodeRunner, store: ExperienceStore,
-                 train: TrainPool, telemetry: Telemetry, versions: Versions,
-                 agents: list[str], trainable: list[str], step_allowed: asyncio.Event) -> None:
-        self.cfg = cfg
-        self.episodes = episodes
-        self.store = store
-        self.train = train
-        self.telemetry = telemetry
-        self.versions = versions
-        self.trainable = trainable
-        self.step_allowed = step_allowed
+    cfg: RunConfig
+    episodes: EpisodeRunner
+    store: ExperienceStore
+    train: TrainPool
+    telemetry: Telemetry
+    versions: Versions
+    agents: InitVar[list[str]]
+    trainable: list[str]
+    step_allowed: asyncio.Event
+
+    def __post_init__(self, agents: list[str]) -> None:
         self._changed: dict[str, asyncio.Event] = {}
         self.consumed: dict[str, dict[int, list[str]]] = {a: defaultdict(list) for a in agents}
         # (sample_id, policy_version, optimizer step) of every row trained on: the audit trail

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import (
@@ -69,6 +70,9 @@ def _from_path(agent: str, cfg: ModelConfig, loader: Any) -> Any:
             return loader(str(path), **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"agent {agent!r}: cannot load model.path {path}: {exc}") from exc
+    except StrictDataclassError as exc:  # a field of the folder's config.json (transformers)
+        raise ModelLoadError(f"agent {agent!r}: model.path {path / 'config.json'}: "
+                             f"{' '.join(str(exc).split())}") from exc
 
 
 def build_model(

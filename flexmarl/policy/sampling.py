@@ -158,14 +158,6 @@ def make_token_batch(
     return TokenBatch(input_ids, attn, rmask, rtok, start, masks, temps)
 
 
-def response_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [B, R] of the response tokens under `model` (same mask, temperature)."""
-    logp, entropy, _ = response_forward(model, batch, with_entropy)
-    return logp, entropy
-
-
 def response_forward(
     model: torch.nn.Module, batch: TokenBatch, with_entropy: bool | str = False,
     with_hidden: bool = False,

@@ -126,6 +126,50 @@ class _PathModel:
         mean, first = self.typical_of({a: self.mean(a, replicas[a]) for a in self.agents})
         return Allotment(dict(replicas), used, mean + self.tail(replicas), mean, first)
 
+    def objective(self, replicas: Mapping[str, int]) -> float:
+        """What the search shortens: the predicted path, plus a small term for the mean node
+        time (over every call) that breaks ties between parallel branches."""
+        means = {a: self.mean(a, replicas[a]) for a in self.agents}
+        calls = self.calls
+        spread = sum(calls[a] * means[a] for a in self.agents) / max(1, sum(calls.values()))
+        return self.typical_of(means)[0] + self.tail(replicas) + 0.1 * spread
+
+    def near_critical(self, replicas: Mapping[str, int], band: float) -> tuple[str, ...]:
+        """Agents with a node on a path within `band` of the longest (typical) one: the
+        branches that only shorten the iteration when they all get replicas together."""
+        end: dict[str, float] = {}
+        dur: dict[str, float] = {}
+        for node, agent, inputs in self.nodes:
+            dur[node] = self.d(agent, replicas[agent])[0]
+            end[node] = max((end[i] for i in inputs if i in end), default=0.0) + dur[node]
+        after: dict[str, float] = dict.fromkeys(end, 0.0)  # longest path from a node's end
+        for node, _, inputs in reversed(self.nodes):
+            for i in inputs:
+                if i in after:
+                    after[i] = max(after[i], dur[node] + after[node])
+        longest = max((end[n] + after[n] for n in end), default=0.0)
+        return tuple(dict.fromkeys(agent for node, agent, _ in self.nodes
+                                   if end[node] + after[node] >= (1 - band) * longest))
+
+    def moves(self, replicas: Mapping[str, int],
+              pairs: list[tuple[str, str]]) -> list[tuple[str, ...]]:
+        """The search's moves: one replica to one agent, to two agents at once, or to every
+        agent on a near-critical path. One agent at a time stalls on parallel branches that
+        tie: a replica for either alone leaves the longest branch as long while its tail term
+        grows, so no single move gains even though both together shorten the iteration. Three
+        or more branches that nearly tie (measured lengths differ a little) stall pairs too:
+        the agents within 1% and within 10% of the longest path, and every agent at once, are
+        moves too."""
+        moves: list[tuple[str, ...]] = [(a,) for a in self.agents]
+        moves += pairs
+        for band in (0.01, 0.1):
+            group = self.near_critical(replicas, band)
+            if len(group) > 2 and group not in moves:
+                moves.append(group)
+        if len(self.agents) > 2 and tuple(self.agents) not in moves:
+            moves.append(tuple(self.agents))
+        return moves
+
 
 def path_allotment(
     nodes: Sequence[tuple[str, str, Sequence[str]]],
@@ -167,67 +211,26 @@ def latency_allotments(
     capacity is used. Every step is returned, so the caller can trade rollout capacity
     against training capacity.
     """
-    agents = list(dict.fromkeys(agent for _, agent, _ in nodes))
-    units = dict(units or dict.fromkeys(agents, 1))
     model = _PathModel(nodes, phase_time)
-    calls = model.calls
-    d = model.d
-    mean = model.mean
-    allotment = model.allotment
-
-    def objective(replicas: Mapping[str, int]) -> float:
-        means = {a: mean(a, replicas[a]) for a in agents}
-        spread = sum(calls[a] * means[a] for a in agents) / max(1, sum(calls.values()))
-        return model.typical_of(means)[0] + model.tail(replicas) + 0.1 * spread
-
-    def near_critical(band: float) -> tuple[str, ...]:
-        """Agents with a node on a path within `band` of the longest (typical) one: the
-        branches that only shorten the iteration when they all get replicas together."""
-        end: dict[str, float] = {}
-        dur: dict[str, float] = {}
-        for node, agent, inputs in nodes:
-            dur[node] = d(agent, replicas[agent])[0]
-            end[node] = max((end[i] for i in inputs if i in end), default=0.0) + dur[node]
-        after: dict[str, float] = dict.fromkeys(end, 0.0)  # longest path from a node's end
-        for node, _, inputs in reversed(nodes):
-            for i in inputs:
-                if i in after:
-                    after[i] = max(after[i], dur[node] + after[node])
-        longest = max((end[n] + after[n] for n in end), default=0.0)
-        return tuple(dict.fromkeys(agent for node, agent, _ in nodes
-                                   if end[node] + after[node] >= (1 - band) * longest))
-
+    agents = model.agents
+    units = dict(units or dict.fromkeys(agents, 1))
     replicas = dict.fromkeys(agents, 1)
     used = sum(units[a] for a in agents)
     if used > capacity:
         raise ValueError(f"rollout capacity {capacity} cannot hold one replica of every agent "
                          f"(needs {used})")
-    steps = [allotment(replicas, used)]
-    current = objective(replicas)
-    # Moves: one replica to one agent, to two agents at once, or to every agent on a
-    # near-critical path. One agent at a time stalls on parallel branches that tie: a replica
-    # for either alone leaves the longest branch as long while its tail term grows, so no
-    # single move gains even though both together shorten the iteration. Three or more
-    # branches that nearly tie (measured lengths differ a little) stall pairs too: the agents
-    # within 1% and within 10% of the longest path, and every agent at once, are moves too.
+    steps = [model.allotment(replicas, used)]
+    current = model.objective(replicas)
     pairs = list(itertools.combinations(agents, 2))
     while True:
-        moves: list[tuple[str, ...]] = [(a,) for a in agents]
-        moves += pairs
-        for band in (0.01, 0.1):
-            group = near_critical(band)
-            if len(group) > 2 and group not in moves:
-                moves.append(group)
-        if len(agents) > 2 and tuple(agents) not in moves:
-            moves.append(tuple(agents))
         best, best_gain, best_value = None, 0.0, current
-        for move in moves:
+        for move in model.moves(replicas, pairs):
             cost = sum(units[a] for a in move)
             if used + cost > capacity:
                 continue
             for a in move:
                 replicas[a] += 1
-            value = objective(replicas)
+            value = model.objective(replicas)
             for a in move:
                 replicas[a] -= 1
             gain = (current - value) / cost
@@ -239,7 +242,7 @@ def latency_allotments(
             replicas[a] += 1
             used += units[a]
         current = best_value
-        steps.append(allotment(replicas, used))
+        steps.append(model.allotment(replicas, used))
 
 
 def share_replicas(demand: Mapping[str, float], n_replicas: int) -> dict[str, list[int]]:

@@ -18,10 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from flexmarl.config.schema import AgentConfig, ConfigError, RunConfig, load_config
+from flexmarl.config.schema import (
+    AgentConfig,
+    ConfigError,
+    RolloutConfig,
+    RunConfig,
+    RuntimeConfig,
+    Strict,
+    TrainConfig,
+    load_config,
+)
 from flexmarl.errors import UserError
 from flexmarl.graph.task import Task, load_task
 from flexmarl.policy.adapters import adapter_name, adapter_tensors, add_adapter, load_adapter
@@ -301,10 +311,22 @@ class AgentSpec:
         return out.eval()
 
 
+class ServedConfig(Strict):
+    """What the serving stack reads of a run's config (a `RunConfig` has these fields too):
+    for a model folder served without a run (`flexmarl serve-model`), validated like a run's,
+    every section but its one agent at its defaults."""
+
+    seed: int = 0
+    agents: dict[str, AgentConfig]
+    train: TrainConfig = TrainConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+
 @dataclass
 class ServedRun:
     run_dir: Path
-    cfg: RunConfig
+    cfg: RunConfig | ServedConfig
     task: Task | None
     task_error: str | None
     agents: dict[str, AgentSpec]
@@ -349,11 +371,11 @@ def load_model_folder(path: str | Path, name: str | None = None, device: str = "
                          "checkpoint such as runs/<name>/checkpoints/final/<agent>")
     name = name or folder.name
     try:
-        acfg = AgentConfig.model_validate({"model": {"kind": "path", "path": str(folder)}})
-    except ValueError as exc:
+        cfg = ServedConfig.model_validate(
+            {"agents": {name: {"model": {"kind": "path", "path": str(folder)}}}})
+    except ValidationError as exc:
         raise ServeError(f"serve-model: {folder}: {exc}") from None
-    # a task-less run: only the sections serving reads (rollout, runtime, seed), as defaults
-    cfg = RunConfig.model_construct(agents={name: acfg})
+    acfg = cfg.agents[name]
     dev = pick_device(device)
     source = WeightSource(str(folder), None, _policy_version(folder))  # weights: `model.path`
     return ServedRun(folder, cfg, None, "a model folder has no task",

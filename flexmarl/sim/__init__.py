@@ -1,6 +1,6 @@
 """Cluster simulator foundations: accelerator profiles, cost model, workload schema."""
 
-from flexmarl.sim.cost import CostModel, GenerationTiming
+from flexmarl.sim.cost import CostModel, Efficiency, GenerationTiming
 from flexmarl.sim.hardware import ACCELERATORS, AcceleratorSpec, get_accelerator
 from flexmarl.sim.lengths import LengthDistribution
 from flexmarl.sim.models import MODEL_PRESETS, ModelSpec, get_model
@@ -11,6 +11,7 @@ __all__ = [
     "MODEL_PRESETS",
     "AcceleratorSpec",
     "CostModel",
+    "Efficiency",
     "EpisodeNode",
     "GenerationTiming",
     "LengthDistribution",

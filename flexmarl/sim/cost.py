@@ -13,8 +13,9 @@ durations come from here. The model is a roofline in the usual first-order form:
 
 Attention FLOPs are left out of prefill and decode compute (under ~10% of ``2 * params`` per
 token for prompts below ~4k tokens at these model widths); tensor parallelism is assumed to
-stay inside a node. Every efficiency factor is a named constant below, with where it comes
-from; where no public measurement pins it down, the comment says ASSUMPTION.
+stay inside a node. Every efficiency factor is a field of `Efficiency` and every fixed cost a
+named constant below, each with where it comes from; where no public measurement pins it down,
+the comment says ASSUMPTION.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -31,33 +32,7 @@ import numpy as np
 from flexmarl.sim.hardware import AcceleratorSpec, get_accelerator
 from flexmarl.sim.models import ModelSpec
 
-__all__ = ["CostModel", "GenerationTiming"]
-
-# --- Efficiency factors (fractions of the datasheet peak that real software reaches) -----------
-
-# Prefill MFU. ASSUMPTION: vLLM/SGLang prefill of batched prompts on A100/H100-class parts runs
-# at roughly 40-60% of dense BF16 peak for 1B-70B models; we take the middle.
-MFU_PREFILL = 0.5
-# Decode model-bandwidth utilisation (MBU: achieved bytes/s over peak HBM bandwidth). Databricks'
-# "LLM Inference Performance Engineering: Best Practices" (2023) reports ~55-60% MBU for 7B
-# models on A100; engines with CUDA graphs and fused kernels (vLLM, SGLang, TensorRT-LLM) reach
-# ~70-80%. ASSUMPTION: 0.7.
-MBU_DECODE = 0.7
-# Ceiling on decode compute efficiency, only binding for very large batches (roofline's other
-# side). ASSUMPTION: same as prefill.
-MFU_DECODE = 0.5
-# Training MFU. Megatron-LM reports ~40-47% MFU for GPT models at scale on A100/H100 (Narayanan
-# et al. 2021; NVIDIA Megatron-Core performance tables); RL actor updates with FSDP and short
-# sequences usually do worse. ASSUMPTION: 0.4.
-MFU_TRAIN = 0.4
-# Fused Adam is a streaming elementwise kernel. ASSUMPTION: it reaches ~70% of HBM bandwidth.
-MBU_OPTIMIZER = 0.7
-# Achievable fraction of link peaks. ASSUMPTIONS from typical nccl-tests and cudaMemcpy results:
-# NVLink bus bandwidth ~80% of the per-direction peak, InfiniBand ~90% of line rate, pinned
-# host<->device copies ~80% of the PCIe per-direction peak.
-NVLINK_EFFICIENCY = 0.8
-IB_EFFICIENCY = 0.9
-PCIE_EFFICIENCY = 0.8
+__all__ = ["CostModel", "Efficiency", "GenerationTiming"]
 
 # --- Fixed costs --------------------------------------------------------------------------------
 
@@ -73,11 +48,9 @@ P2P_LATENCY_INTRA_S = 10e-6
 P2P_LATENCY_INTER_S = 20e-6
 # Fixed parts of colocated-baseline state changes. ASSUMPTIONS: putting a vLLM-style engine to
 # sleep (free the KV cache, offload weights) ~0.5 s beyond the copy; waking it (re-allocate the
-# KV cache, rebind CUDA graphs) ~1 s; reloading a model from host memory into a fresh engine
-# (allocator warm-up, CUDA-graph capture) ~5 s beyond the copy.
+# KV cache, rebind CUDA graphs) ~1 s.
 ENGINE_SLEEP_FIXED_S = 0.5
 ENGINE_WAKE_FIXED_S = 1.0
-MODEL_RELOAD_FIXED_S = 5.0
 
 # --- Sizes and engine defaults -----------------------------------------------------------------
 
@@ -124,23 +97,52 @@ def _fraction(name: str, value: float) -> None:
 
 
 @dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet peaks that real software reaches, each in (0, 1], with where
+    each default comes from; override them to calibrate against a measured system or to ask
+    "what if" questions, e.g. ``CostModel(H800, efficiency=Efficiency(mfu_train=0.1))``."""
+
+    # Prefill MFU. ASSUMPTION: vLLM/SGLang prefill of batched prompts on A100/H100-class parts
+    # runs at roughly 40-60% of dense BF16 peak for 1B-70B models; we take the middle.
+    mfu_prefill: float = 0.5
+    # Decode model-bandwidth utilisation (MBU: achieved bytes/s over peak HBM bandwidth).
+    # Databricks' "LLM Inference Performance Engineering: Best Practices" (2023) reports
+    # ~55-60% MBU for 7B models on A100; engines with CUDA graphs and fused kernels (vLLM,
+    # SGLang, TensorRT-LLM) reach ~70-80%. ASSUMPTION: 0.7.
+    mbu_decode: float = 0.7
+    # Ceiling on decode compute efficiency, only binding for very large batches (roofline's
+    # other side). ASSUMPTION: same as prefill.
+    mfu_decode: float = 0.5
+    # Training MFU. Megatron-LM reports ~40-47% MFU for GPT models at scale on A100/H100
+    # (Narayanan et al. 2021; NVIDIA Megatron-Core performance tables); RL actor updates with
+    # FSDP and short sequences usually do worse. ASSUMPTION: 0.4.
+    mfu_train: float = 0.4
+    # Fused Adam is a streaming elementwise kernel. ASSUMPTION: it reaches ~70% of HBM bandwidth.
+    mbu_optimizer: float = 0.7
+    # Achievable fraction of link peaks. ASSUMPTIONS from typical nccl-tests and cudaMemcpy
+    # results: NVLink bus bandwidth ~80% of the per-direction peak, InfiniBand ~90% of line
+    # rate, pinned host<->device copies ~80% of the PCIe per-direction peak.
+    nvlink_efficiency: float = 0.8
+    ib_efficiency: float = 0.9
+    pcie_efficiency: float = 0.8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _fraction(f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Durations of simulated work on one kind of accelerator.
 
-    Efficiency factors default to the module's named constants; override them to calibrate
-    against a measured system or to ask "what if" questions.
+    `efficiency` holds the fractions of the datasheet peaks that software reaches; the
+    engine's fixed costs and limits default to the module's named constants. Override either
+    to calibrate against a measured system or to ask "what if" questions.
     """
 
     accelerator: AcceleratorSpec
     accelerators_per_node: int = 8
-    mfu_prefill: float = MFU_PREFILL
-    mbu_decode: float = MBU_DECODE
-    mfu_decode: float = MFU_DECODE
-    mfu_train: float = MFU_TRAIN
-    mbu_optimizer: float = MBU_OPTIMIZER
-    nvlink_efficiency: float = NVLINK_EFFICIENCY
-    ib_efficiency: float = IB_EFFICIENCY
-    pcie_efficiency: float = PCIE_EFFICIENCY
+    efficiency: Efficiency = Efficiency()
     decode_step_overhead_s: float = DECODE_STEP_OVERHEAD_S
     allreduce_latency_s: float = ALLREDUCE_LATENCY_S
     kv_memory_fraction: float = KV_MEMORY_FRACTION
@@ -154,18 +156,7 @@ class CostModel:
     def __post_init__(self) -> None:
         if isinstance(self.accelerator, str):  # tolerate CostModel("H800")
             object.__setattr__(self, "accelerator", get_accelerator(self.accelerator))
-        for name in (
-            "mfu_prefill",
-            "mbu_decode",
-            "mfu_decode",
-            "mfu_train",
-            "mbu_optimizer",
-            "nvlink_efficiency",
-            "ib_efficiency",
-            "pcie_efficiency",
-            "kv_memory_fraction",
-        ):
-            _fraction(name, getattr(self, name))
+        _fraction("kv_memory_fraction", self.kv_memory_fraction)
         if self.accelerators_per_node < 1 or self.max_num_seqs < 1:
             raise ValueError("accelerators_per_node and max_num_seqs must be >= 1")
         if self.decode_step_overhead_s < 0 or self.allreduce_latency_s < 0:
@@ -181,15 +172,15 @@ class CostModel:
             )
 
     def _nvlink_bw(self) -> float:
-        return self.accelerator.intra_node_unidirectional * self.nvlink_efficiency
+        return self.accelerator.intra_node_unidirectional * self.efficiency.nvlink_efficiency
 
     def _link_bw(self, inter_node: bool) -> float:
         if inter_node:
-            return self.accelerator.inter_node_bandwidth * self.ib_efficiency
+            return self.accelerator.inter_node_bandwidth * self.efficiency.ib_efficiency
         return self._nvlink_bw()
 
     def _pcie_bw(self) -> float:
-        return self.accelerator.host_link_bandwidth * self.pcie_efficiency
+        return self.accelerator.host_link_bandwidth * self.efficiency.pcie_efficiency
 
     def tp_comm_time(self, model: ModelSpec, tp: int, tokens: float) -> float:
         """Tensor-parallel all-reduces of one forward pass over ``tokens`` tokens.
@@ -224,9 +215,9 @@ class CostModel:
         self._check_tp(tp)
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
-        acc = self.accelerator
-        compute = 2 * model.params * prompt_tokens / (tp * acc.peak_bf16_flops * self.mfu_prefill)
-        weights = model.weight_bytes / (tp * acc.hbm_bandwidth * self.mbu_decode)
+        acc, eff = self.accelerator, self.efficiency
+        compute = 2 * model.params * prompt_tokens / (tp * acc.peak_bf16_flops * eff.mfu_prefill)
+        weights = model.weight_bytes / (tp * acc.hbm_bandwidth * eff.mbu_decode)
         return (
             max(compute, weights)
             + self.tp_comm_time(model, tp, prompt_tokens)
@@ -237,11 +228,11 @@ class CostModel:
         self, model: ModelSpec, tp: int, batch_size: int
     ) -> tuple[float, float, float]:
         """(memory seconds of the weights, memory seconds per KV token, compute+fixed seconds)."""
-        acc = self.accelerator
-        bw = acc.hbm_bandwidth * self.mbu_decode
+        acc, eff = self.accelerator, self.efficiency
+        bw = acc.hbm_bandwidth * eff.mbu_decode
         weights_s = model.weight_bytes / tp / bw
         kv_token_s = model.kv_bytes_per_token / min(tp, model.kv_heads) / bw
-        compute_s = 2 * model.params * batch_size / (tp * acc.peak_bf16_flops * self.mfu_decode)
+        compute_s = 2 * model.params * batch_size / (tp * acc.peak_bf16_flops * eff.mfu_decode)
         return weights_s, kv_token_s, compute_s
 
     def decode_step_time(
@@ -426,7 +417,7 @@ class CostModel:
     def _train_flops(self, n_accel: int) -> float:
         if n_accel < 1:
             raise ValueError(f"n_accel must be >= 1, got {n_accel}")
-        return n_accel * self.accelerator.peak_bf16_flops * self.mfu_train
+        return n_accel * self.accelerator.peak_bf16_flops * self.efficiency.mfu_train
 
     def optimizer_step_time(self, model: ModelSpec, n_accel: int) -> float:
         """Gradient all-reduce plus the Adam update, once per optimizer step.
@@ -438,21 +429,14 @@ class CostModel:
         if n_accel < 1:
             raise ValueError(f"n_accel must be >= 1, got {n_accel}")
         acc = self.accelerator
-        update = (
-            model.params * ADAM_BYTES_PER_PARAM / (n_accel * acc.hbm_bandwidth * self.mbu_optimizer)
-        )
+        update = model.params * ADAM_BYTES_PER_PARAM / (
+            n_accel * acc.hbm_bandwidth * self.efficiency.mbu_optimizer)
         if n_accel == 1:
             return update
         inter = n_accel > self.accelerators_per_node
         volume = 2 * (n_accel - 1) / n_accel * model.params * GRAD_BYTES
         latency = P2P_LATENCY_INTER_S if inter else P2P_LATENCY_INTRA_S
         return update + model.layers * latency + volume / self._link_bw(inter)
-
-    def train_time(self, model: ModelSpec, n_accel: int, tokens: float) -> float:
-        """One full optimizer step's training over ``tokens`` tokens on ``n_accel`` devices."""
-        return self.train_compute_time(model, n_accel, tokens) + self.optimizer_step_time(
-            model, n_accel
-        )
 
     def training_memory_bytes(self, model: ModelSpec, n_accel: int) -> float:
         """Training state per device with mixed-precision Adam fully sharded over ``n_accel``."""
@@ -487,11 +471,6 @@ class CostModel:
         """Colocated baseline: reload the engine's weights (and KV cache) from host memory."""
         self._check_tp(tp)
         return (model.weight_bytes + kv_bytes) / tp / self._pcie_bw() + ENGINE_WAKE_FIXED_S
-
-    def model_reload_time(self, model: ModelSpec, tp: int) -> float:
-        """Load a model from host memory into a freshly started engine on ``tp`` devices."""
-        self._check_tp(tp)
-        return model.weight_bytes / tp / self._pcie_bw() + MODEL_RELOAD_FIXED_S
 
     def train_state_swap_time(self, model: ModelSpec, n_accel: int) -> float:
         """Swap a trainer's sharded state (weights, grads, Adam) between device and host, one

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from flexmarl.api.runtime import WorkerError
+from flexmarl.types import Bound
 
 
 def digest(*parts: Any) -> str:
@@ -41,7 +42,7 @@ class DigestSlotHost:
     `(weights digest, version, pending micro-batch digests)`.
 
     `parks`: like a `TrainHost` whose trainers keep their states, a swapped-out state stays
-    here too under a token (`bind`'s "parked" timing): `("kept", token)` swaps it back in,
+    here too under a token (`Bound.parked`): `("kept", token)` swaps it back in,
     and with `send_out` False it is the only copy (the driver's restart point is the same)."""
 
     def __init__(self, parks: bool = False) -> None:
@@ -50,13 +51,12 @@ class DigestSlotHost:
         self.builds: dict[str, int] = defaultdict(int)  # initial states made, per agent
         self.commands: list[tuple[str, str]] = []  # (command, agent), in order
         self.parks = parks
-        self.parked: dict[str, tuple[float, tuple[str, int, list[str]]]] = {}
+        self.parked: dict[str, tuple[int, tuple[str, int, list[str]]]] = {}
         self._tokens = itertools.count(1)
         self.kept_in = self.kept_out = 0  # swaps in from a parked state; swaps out kept here
 
-    def _bind(self, agent: str, incoming: Any, send_out: bool = True,
-              ) -> tuple[str | None, Any, dict[str, float]]:
-        timings = {"swap_in_s": 0.0}
+    def _bind(self, agent: str, incoming: Any, send_out: bool = True) -> Bound:
+        token: int | None = None
         kept = incoming is not None and incoming[0] == "kept"
         if kept and (agent not in self.parked or self.parked[agent][0] != incoming[1]):
             raise WorkerError(f"agent {agent!r}: no state kept on this slot for token "
@@ -67,8 +67,8 @@ class DigestSlotHost:
             out_agent, state = self.resident, self.states.pop(self.resident)
             out_state = ("host", state)
             if self.parks:
-                self.parked[out_agent] = (float(next(self._tokens)), state)
-                timings["parked"] = self.parked[out_agent][0]
+                token = next(self._tokens)
+                self.parked[out_agent] = (token, state)
                 if not send_out:
                     out_state = ("restart", None)
                     self.kept_out += 1
@@ -83,7 +83,7 @@ class DigestSlotHost:
             self.builds[agent] += 1
             self.states[agent] = (digest("init", agent), 0, [])
         self.resident = agent
-        return out_agent, out_state, timings
+        return Bound(out_agent, out_state, token, {"swap_in_s": 0.0})
 
     def _state(self, agent: str) -> tuple[str, int, list[str]]:
         if agent != self.resident:

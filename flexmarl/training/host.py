@@ -17,7 +17,7 @@ Ray runtime (actors over the object store) alike:
   `_recover`) and, where it differs, the form of a few commands.
 
 The slot protocol (command, payload) -> result:
-  bind (agent, incoming)  -> (evicted agent | None, its state | None, timings)
+  bind (agent, incoming)  -> Bound(evicted agent, its state, its parking token, timings)
   accumulate (agent, samples) -> metrics;   step agent -> (metrics, published weights)
   weights agent -> published weights;       save (agent, directory) -> path
   weights_pipe agent -> published weights in wire form, whatever the publication
@@ -27,7 +27,7 @@ The slot protocol (command, payload) -> result:
     a local slot's, so that only the file's name travels the pipe)
 A state in transit is `("host", wire)`, `("disk", path)` or a runtime's own form (Ray: an
 object-store reference, resolved by the actor before it reaches `bind`). A state coming back
-to the process it left is `("kept", token)` (`bind`'s `parked` timing; runtimes that opt in
+to the process it left is `("kept", token)` (`Bound.parked`; runtimes that opt in
 with `SlotPool._slot_generation`): the agent's kept trainer still holds it, so nothing moves.
 """
 
@@ -59,6 +59,7 @@ from flexmarl.training.learner import Learner, NetworkLearner, published_form
 from flexmarl.training.policy_learner import agent_learner
 from flexmarl.training.state import state_to_numpy
 from flexmarl.training.trainer import AgentTrainer
+from flexmarl.types import Bound
 
 if TYPE_CHECKING:
     from flexmarl.config.schema import RunConfig
@@ -230,23 +231,22 @@ class TrainHost:
         state (its base is shared); any other agent its whole model and optimizer."""
         return self.resident_bytes([agent]) - self.resident_bytes([])
 
-    def bind(self, agent: str, incoming: Any, send_out: bool = True,
-             ) -> tuple[str | None, Any, dict[str, float]]:
+    def bind(self, agent: str, incoming: Any, send_out: bool = True) -> Bound:
         """Make `agent` resident: swap out the current resident (its state goes back, as wire
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config, or a restart point `set_state` loads next;
         `("kept", token)`: the state it left this process with, still in its kept trainer).
-        `timings["parked"]`: the swapped-out agent's token for a later `("kept", token)`.
         `send_out=False`: the driver holds the resident's state already (its restart point,
         taken after its last step, nothing accumulated since): a parkable resident's state
         then stays in its kept trainer only and goes back as `("restart", None)`."""
         timings: dict[str, float] = {}
         out_agent: str | None = None
         out_state: tuple[str, Any] | None = None
+        out_token: int | None = None
         kept_in = isinstance(incoming, tuple) and incoming[0] == "kept"
         if kept_in and agent not in self.trainers:  # refused before anything moves
             parked = self.parked.get(agent)
-            if parked is None or agent not in self.kept or float(parked[0]) != incoming[1]:
+            if parked is None or agent not in self.kept or parked[0] != incoming[1]:
                 raise SlotError(f"agent {agent!r}: {NOT_KEPT} for token "
                                 f"{incoming[1]!r} (the driver still holds its state)")
         for resident in [a for a in self.trainers if a != agent]:
@@ -254,18 +254,16 @@ class TrainHost:
             trainer = self.trainers.pop(resident)
             out_agent = resident
             if not send_out and self.world == 1 and resident in self.parkable:
-                token = next(self._park_ids)
-                self.parked[resident] = (token, torch.get_rng_state())
-                timings["parked"] = float(token)
+                out_token = next(self._park_ids)
+                self.parked[resident] = (out_token, torch.get_rng_state())
                 out_state = ("restart", None)
                 timings["swap_out_s"] = time.perf_counter() - t0
                 continue
             captured = trainer.capture()  # a frozen base is kept in the object
             out_state = self._swap_out(captured, resident)
             if self.world == 1 and resident in self.parkable:
-                token = next(self._park_ids)
-                self.parked[resident] = (token, captured.tensors["rng/torch"])
-                timings["parked"] = float(token)
+                out_token = next(self._park_ids)
+                self.parked[resident] = (out_token, captured.tensors["rng/torch"])
             timings["swap_out_s"] = time.perf_counter() - t0
             timings["swap_bytes"] = float(captured.nbytes)
             del captured
@@ -279,7 +277,7 @@ class TrainHost:
                 self.trainers[agent] = kept
                 timings["swap_in_s"] = time.perf_counter() - t0
                 timings["kept_in"] = 1.0
-                return out_agent, out_state, timings
+                return Bound(out_agent, out_state, out_token, timings)
             if kept is None:  # first binding in this process: built once, then kept
                 trainer = self.kept[agent] = self._build(agent)
             else:
@@ -294,7 +292,7 @@ class TrainHost:
             timings["swap_in_s"] = time.perf_counter() - t0
             timings["resident_bytes"] = float(self.resident_bytes())
             timings["agent_bytes"] = float(self.agent_bytes(agent))
-        return out_agent, out_state, timings
+        return Bound(out_agent, out_state, out_token, timings)
 
     def _swap_out(self, captured: st.TrainingState, agent: str) -> tuple[str, Any]:
         """A swapped-out state as it leaves the slot. A sharded slot's ranks each write their
@@ -452,7 +450,7 @@ class SlotPool(TrainPool):
         self.swapped: dict[str, Any] = {}  # agent -> its state while on no slot
         # agent -> (slot, that slot's process generation, token): where its kept trainer
         # still holds the state it was last swapped out with (`TrainHost.bind`'s "kept")
-        self.parked_on: dict[str, tuple[int, Any, float]] = {}
+        self.parked_on: dict[str, tuple[int, Any, int]] = {}
         self.swap_seconds = 0.0
         self.swaps_in: dict[str, int] = defaultdict(int)  # per agent: swap-ins (binds)
         # per slot: the bytes its trainers hold (weights, grads, optimizer; a shared base once)
@@ -748,25 +746,24 @@ class SlotPool(TrainPool):
         payload = (agent, sent, False) if skip_out else (agent, sent)
         try:
             try:
-                out_agent, out_state, timings = await self._run(lease.slot, "bind", payload)
+                bound: Bound = await self._run(lease.slot, "bind", payload)
             except (SlotError, WorkerError) as refused:  # (over a pipe: a WorkerError)
                 if sent is state or isinstance(refused, WorkerLost) or (
                         NOT_KEPT not in str(refused)):
                     raise
                 # the slot no longer keeps it (refused before anything moved): the state
                 sent = state
-                out_agent, out_state, timings = await self._run(lease.slot, "bind",
-                                                                (agent, state, *payload[2:]))
+                bound = await self._run(lease.slot, "bind", (agent, state, *payload[2:]))
         except BaseException as exc:
             if incoming is not None:  # not delivered: it is still the state
                 self.swapped[agent] = incoming
             if lease.evict is not None:
                 self.allocator.state_arrived(lease.evict, exc)
             raise
-        if out_agent is not None:
-            self.swapped[out_agent] = out_state
-            if "parked" in timings and generation is not None:
-                self.parked_on[out_agent] = (lease.slot, generation, timings["parked"])
+        if bound.evicted is not None:
+            self.swapped[bound.evicted] = bound.state
+            if bound.parked is not None and generation is not None:
+                self.parked_on[bound.evicted] = (lease.slot, generation, bound.parked)
         if lease.evict is not None:
             self.allocator.state_arrived(lease.evict)
         self.swaps_in[agent] += 1
@@ -776,6 +773,7 @@ class SlotPool(TrainPool):
             await self._run(lease.slot, *self._restore_command(agent, self.saved_state[agent]))
             for batch in self.journal[agent]:
                 await self._run(lease.slot, *self._accumulate_command(agent, batch, True))
+        timings = bound.timings
         swap_s = timings.get("swap_out_s", 0.0) + timings.get("swap_in_s", 0.0)
         if "resident_bytes" in timings:
             self.resident_bytes[lease.slot] = timings["resident_bytes"]
@@ -799,9 +797,9 @@ class SlotPool(TrainPool):
             for agent in todo:
                 self.swapped.pop(agent, None)  # a swap-in the loss interrupted: superseded
                 self.parked_on.pop(agent, None)
-                out_agent, out_state, _ = await run("bind", (agent, None))
-                if out_agent is not None:  # restored here a moment ago: exact
-                    self.swapped[out_agent] = out_state
+                bound = await run("bind", (agent, None))
+                if bound.evicted is not None:  # restored here a moment ago: exact
+                    self.swapped[bound.evicted] = bound.state
                 versions[agent] = await run(*self._restore_command(agent,
                                                                    self.saved_state[agent]))
                 for batch in self.journal[agent]:

@@ -12,11 +12,9 @@ pytest.importorskip("mpe2")
 from gymnasium import spaces  # noqa: E402
 
 from flexmarl.envs.pettingzoo import (  # noqa: E402
-    AECAdapter,
     EnvError,
     ParallelAdapter,
     VecParallelEnv,
-    make_aec,
     make_parallel,
 )
 from flexmarl.envs.spaces import SpaceError, action_spec, obs_spec  # noqa: E402
@@ -91,32 +89,6 @@ def test_agents_that_leave_stop_producing_nodes() -> None:
     assert partial > 0, "no seed had an agent leave before the others"
 
 
-def test_aec_chain_of_turns_with_action_masks() -> None:
-    for env_id in ("pettingzoo.classic.tictactoe_v3", "pettingzoo.classic.connect_four_v3"):
-        adapter = AECAdapter(make_aec(env_id), env_id)
-        spec = adapter.obs_specs[adapter.agents[0]]
-        assert spec.kind == "dict_masked"
-        rng = np.random.default_rng(0)
-        seen_masks = []
-
-        def policy(agent, obs, mask, rng=rng, spec=spec, seen=seen_masks):
-            assert obs.shape == (spec.dim,) and mask is not None
-            seen.append(mask.copy())
-            return np.array([rng.choice(np.flatnonzero(mask))])
-
-        ep = adapter.run_episode(policy, seed=3)
-        players = [t.split("@")[0] for t in ep.turns]
-        assert all(a != b for a, b in zip(players, players[1:], strict=False))  # alternate
-        assert [int(t.split("@")[1]) for t in ep.turns] == list(range(len(ep.turns)))
-        assert set(ep.left_at) == set(adapter.agents)  # both agents left, stepped with None
-        # legal play of a zero-sum game: a win and a loss, or a draw
-        assert sorted(ep.returns.values()) in ([-1.0, 1.0], [0.0, 0.0])
-        # a legal move never becomes legal again once taken (cells and columns only fill)
-        assert all((b <= a).all() for a, b in zip(seen_masks, seen_masks[1:], strict=False))
-        if env_id.endswith("tictactoe_v3"):
-            assert [int(m.sum()) for m in seen_masks] == list(range(9, 9 - len(seen_masks), -1))
-
-
 def test_vectorised_batch_resets_and_records_episodes() -> None:
     venv = VecParallelEnv("mpe2.simple_spread_v3", {"max_cycles": 5}, num_envs=4, seed=0)
     venv.reset()
@@ -151,7 +123,7 @@ def test_multi_discrete_spaces_encode_and_decode() -> None:
     o = obs_spec(spaces.MultiDiscrete([2, 3]), "e", "a")
     assert o.dim == 5 and o.encode(np.array([1, 2])).tolist() == [0, 1, 0, 0, 1]
     a = action_spec(spaces.MultiDiscrete([4, 2]), "e", "a")
-    assert a.logits_dim == 6 and a.action_shape == 2
+    assert a.logits_dim == 6
     assert a.to_env(np.array([3.0, 1.0])).tolist() == [3, 1]
     box = action_spec(spaces.Box(-1, 1, (2,)), "e", "a")
     assert box.to_env(np.array([2.0, -0.5])).tolist() == [1.0, -0.5]  # clipped to the box

@@ -48,7 +48,7 @@ def test_train_host_swaps_network_learners_exactly() -> None:
         host.bind("speaker_0", None)
         host.handle("accumulate", ("speaker_0", rows["speaker_0"]))
     kept = swapped.kept["speaker_0"]
-    out_agent, out_state, _ = swapped.bind("listener_0", None)
+    out_agent, out_state, _, _ = swapped.bind("listener_0", None)
     assert out_agent == "speaker_0"
     swapped.handle("accumulate", ("listener_0", rows["listener_0"]))
     swapped.handle("step", "listener_0")

@@ -223,7 +223,8 @@ def test_a_resumed_hybrid_run_equals_the_uninterrupted_one():
     train_cfg = dict(_raw()["train"], iterations=4, checkpoint_every=2)
     saved: dict[int, Checkpoint] = {}
 
-    def save(completed: int, position: dict, states: dict, rows: list) -> str:
+    def save(completed: int, position: dict, states: dict, rows: list,
+             extra: dict | None = None) -> str:
         saved[completed] = Checkpoint(Path(f"ckpt-{completed}"), position, states, rows)
         return f"ckpt-{completed}"
 

@@ -210,7 +210,8 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(normalize):
                    for a in ("speaker", "relay", "listener")))
     saved: dict[int, Checkpoint] = {}
 
-    def save(completed: int, position: dict, states: dict, rows: list) -> str:
+    def save(completed: int, position: dict, states: dict, rows: list,
+             extra: dict | None = None) -> str:
         saved[completed] = Checkpoint(Path(f"ckpt-{completed}"), position, states, rows)
         return f"ckpt-{completed}"
 

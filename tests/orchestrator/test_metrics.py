@@ -1,5 +1,6 @@
 """The iteration record's common part (`IterationMetrics.common`): its span scans start after
-the spans that ended before the window, and give what a scan of every span gives."""
+the spans that ended before the window, and give what a scan of every span gives (the pools'
+busy fractions, the swaps of the pool and of each trainable agent)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def full_scan(t: Telemetry, n_rollout: int, n_train: int, t0: float, t1: float) 
     swaps = t.labelled("train", "swap:", t0, t1)
     return (t.busy_frac("rollout", n_rollout, t0, t1),
             sum(t.busy_by_worker("train", n_train, t0, t1)) / ((t1 - t0) * n_train),
-            sum(n for n, _ in swaps.values()), sum(s for _, s in swaps.values()))
+            sum(n for n, _ in swaps.values()), sum(s for _, s in swaps.values()),
+            {a: swaps.get(a, (0, 0.0))[0] for a in ("a", "b")})
 
 
 def test_common_record_equals_a_full_scan_over_successive_windows() -> None:
@@ -35,7 +37,8 @@ def test_common_record_equals_a_full_scan_over_successive_windows() -> None:
         rec = metrics.common(k, t0, now, 0.0)
         want = full_scan(telemetry, rollout.n_workers, train.n_workers, t0, now)
         got = (rec["pool/rollout/busy_frac"], rec["pool/train/busy_frac"],
-               rec["pool/train/swaps"], rec["pool/train/swap_s"])
+               rec["pool/train/swaps"], rec["pool/train/swap_s"],
+               {a: rec[f"agent/{a}/swaps"] for a in ("a", "b")})
         assert got == want, k
         skipped.append(metrics._first)
         t0 = now

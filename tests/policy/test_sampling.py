@@ -8,7 +8,7 @@ from flexmarl.policy.sampling import (
     _mul32,
     keyed_uniform,
     make_token_batch,
-    response_logprobs,
+    response_forward,
     sample_keyed,
     sampling_key,
 )
@@ -59,7 +59,7 @@ def test_training_logprobs_match_generation():
     res = generate(model, reqs)
     batch = make_token_batch([r.prompt for r in reqs], [r.tokens for r in res],
                              [r.allowed_tokens for r in reqs], [1.0] * len(reqs), 40)
-    logp, ent = response_logprobs(model, batch, with_entropy=True)
+    logp, ent, _ = response_forward(model, batch, with_entropy=True)
     for i, r in enumerate(res):
         for j, lp in enumerate(r.logprobs):
             assert abs(float(logp[i, j]) - lp) < 1e-4
@@ -132,7 +132,7 @@ def test_padding_after_shorter_responses_is_finite_with_restricted_tokens():
     assert len({len(r.tokens) for r in res}) > 1
     batch = make_token_batch([r.prompt for r in reqs], [r.tokens for r in res],
                              [r.allowed_tokens for r in reqs], [1.0] * len(reqs), 40)
-    logp, _ = response_logprobs(model, batch)
+    logp, _, _ = response_forward(model, batch)
     assert bool(torch.isfinite(logp).all())
     assert float((logp * (1 - batch.response_mask)).abs().sum()) == 0.0
     logp.sum().backward()

@@ -8,7 +8,7 @@ import torch
 
 from flexmarl.config.schema import ModelConfig
 from flexmarl.policy.model import build_model
-from flexmarl.policy.sampling import make_token_batch, response_logprobs, top_p_mask
+from flexmarl.policy.sampling import make_token_batch, response_forward, top_p_mask
 from flexmarl.policy.tokenizer import byte_tokenizer
 from flexmarl.rollout.engine import ContinuousBatcher, generate
 from flexmarl.types import GenerationRequest
@@ -79,7 +79,7 @@ def test_top_p_samples_in_the_nucleus_and_logs_untruncated_logprobs(model):
     model.eval()
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logp, _ = response_logprobs(model, batch)
+        logp, _, _ = response_forward(model, batch)
     for i, res in enumerate(greedy_like):
         start = int(batch.response_start[i])
         argmax = out[i, start - 1:start - 1 + len(res.tokens)].argmax(-1).tolist()

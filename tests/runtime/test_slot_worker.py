@@ -44,7 +44,7 @@ def test_a_slot_of_two_publishes_the_one_device_bytes_and_swaps_per_rank(tmp_pat
             await two.call("bind", ("speaker", None))
             b = await two.call("weights_pipe", "speaker")
             assert a[0] == b[0] and np.array_equal(a[1], b[1])  # header and bytes
-            out, state, timings = await two.call("bind", ("relay", None))
+            out, state, _, _ = await two.call("bind", ("relay", None))
             assert out == "speaker" and state[0] == "shards" and len(state[1]) == 2
             assert all(os.path.isfile(p) for p in state[1])
             # each rank's file holds about half of the agent

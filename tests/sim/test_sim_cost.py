@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexmarl.sim.cost import CostModel
+from flexmarl.sim.cost import CostModel, Efficiency
 from flexmarl.sim.hardware import get_accelerator
 from flexmarl.sim.lengths import LengthDistribution
 from flexmarl.sim.models import MODEL_PRESETS, ModelSpec, UnknownModelError, get_model
@@ -17,11 +17,8 @@ M7 = get_model("7B")
 # defaults are recalibrated.
 PINNED = CostModel(
     H800,
-    mfu_prefill=0.5,
-    mbu_decode=0.7,
-    mfu_decode=0.5,
-    mfu_train=0.4,
-    mbu_optimizer=0.7,
+    efficiency=Efficiency(
+        mfu_prefill=0.5, mbu_decode=0.7, mfu_decode=0.5, mfu_train=0.4, mbu_optimizer=0.7),
     decode_step_overhead_s=1e-3,
     allreduce_latency_s=20e-6,
 )
@@ -86,7 +83,6 @@ def test_train_time_hand_computed() -> None:
     optimizer = 7.61e9 * 30 / (8 * 3.35e12 * 0.7) + 2 * 7 / 8 * 15.22e9 / (200e9 * 0.8) + 28e-5
     assert PINNED.train_compute_time(M7, 8, 1e6) == pytest.approx(compute, rel=1e-12)
     assert PINNED.optimizer_step_time(M7, 8) == pytest.approx(optimizer, rel=1e-12)
-    assert PINNED.train_time(M7, 8, 1e6) == pytest.approx(compute + optimizer, rel=1e-12)
     assert compute == pytest.approx(14.4202, rel=1e-4)
 
 
@@ -117,7 +113,6 @@ def test_colocated_baseline_costs() -> None:
     assert PINNED.engine_sleep_time(M7, 1) == pytest.approx(15.22e9 / 51.2e9 + 0.5)
     assert PINNED.engine_wake_time(M7, 1) > PINNED.engine_sleep_time(M7, 1)
     assert PINNED.engine_wake_time(M7, 1, kv_bytes=10e9) > PINNED.engine_wake_time(M7, 1)
-    assert PINNED.model_reload_time(M7, 2) < PINNED.model_reload_time(M7, 1)
     # 16 B/param of training state, sharded over 8 devices, one way over PCIe.
     assert PINNED.train_state_swap_time(M7, 8) == pytest.approx(7.61e9 * 16 / 8 / 51.2e9)
 
@@ -139,9 +134,10 @@ def test_prefill_and_training_monotone_in_tokens_and_size() -> None:
     cm = CostModel(H800)
     pre = [cm.prefill_time(M7, 1, t) for t in (1, 1000, 10_000, 100_000)]
     assert pre == sorted(pre) and pre[0] < pre[-1]
-    train = [cm.train_time(M7, 8, t) for t in (1e3, 1e5, 1e7)]
+    train = [cm.train_compute_time(M7, 8, t) for t in (1e3, 1e5, 1e7)]
     assert train == sorted(train) and train[0] < train[-1]
-    sizes = [cm.train_time(m, 16, 1e6) for m in MODEL_PRESETS.values()]
+    sizes = [cm.train_compute_time(m, 16, 1e6) + cm.optimizer_step_time(m, 16)
+             for m in MODEL_PRESETS.values()]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
 
 
@@ -214,7 +210,7 @@ def test_closed_form_matches_step_by_step_reference(cap: int) -> None:
 
 def test_closed_form_matches_reference_in_compute_bound_regime() -> None:
     # A tiny decode MFU makes large batches compute-bound, exercising the roofline's other side.
-    cm = CostModel(H800, mfu_decode=0.01)
+    cm = CostModel(H800, efficiency=Efficiency(mfu_decode=0.01))
     outs = [40, 80, 80, 120] * 8
     total, finish = _reference_timeline(cm, M7, 1, [64] * 32, outs, 256)
     timing = cm.generation_timing(M7, 1, 64, outs)
@@ -256,7 +252,7 @@ def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(ValueError):
         cm.generation_timing(M7, 1, 10, [0, 5])
     with pytest.raises(ValueError, match="mbu_decode"):
-        CostModel(H800, mbu_decode=1.5)
+        Efficiency(mbu_decode=1.5)
     assert CostModel.named("h800") == CostModel(H800)
 
 

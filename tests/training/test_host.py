@@ -38,12 +38,12 @@ def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
     for host in (swapped, plain):
         host.handle("accumulate", ("speaker", _samples("a")))
     # relay takes the slot mid-iteration: speaker's state (gradients included) leaves it
-    out_agent, out_state, timings = swapped.bind("relay", None)
+    out_agent, out_state, _, timings = swapped.bind("relay", None)
     assert out_agent == "speaker" and out_state[0] == "host" and timings["swap_out_s"] >= 0
     swapped.handle("accumulate", ("relay", _samples("r")))
     with pytest.raises(SlotError, match="'speaker' is not resident"):
         swapped.handle("accumulate", ("speaker", _samples("b")))
-    back, relay_state, _ = swapped.bind("speaker", out_state)
+    back, relay_state, _, _ = swapped.bind("speaker", out_state)
     assert back == "relay"
     assert swapped.kept["speaker"] is speaker and swapped.builds == 2  # loaded, not rebuilt
     for host in (swapped, plain):
@@ -52,15 +52,16 @@ def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
     # the state, torch's RNG (moved by other work here) is put back. Another process, or a
     # stale token, is refused before anything moves (the driver then sends the state).
     rng_out = torch.get_rng_state()
-    _, _, timings = swapped.bind("relay", relay_state)
+    bound = swapped.bind("relay", relay_state)
     torch.rand(7)
-    token = timings["parked"]
+    token = bound.parked
+    assert isinstance(token, int) and "parked" not in bound.timings  # a token, not a timing
     with pytest.raises(SlotError, match="no state kept on this slot"):
         TrainHost(cfg, VOCAB, SEQ).bind("speaker", ("kept", token))
     with pytest.raises(SlotError, match="no state kept on this slot"):
-        swapped.bind("speaker", ("kept", token + 1.0))
+        swapped.bind("speaker", ("kept", token + 1))
     assert swapped.trainers.keys() == {"relay"}
-    out_agent, _, timings = swapped.bind("speaker", ("kept", token))
+    out_agent, _, _, timings = swapped.bind("speaker", ("kept", token))
     assert out_agent == "relay" and timings["kept_in"] == 1.0 and swapped.builds == 2
     assert torch.equal(torch.get_rng_state(), rng_out)
     (_, a), _ = swapped.handle("step", "speaker")

@@ -49,7 +49,7 @@ def test_math_task_renders_chat_prompts_and_scores_the_decoded_text():
 
 def test_lora_step_on_smollm2_publishes_merged_layers_into_a_plain_replica():
     from flexmarl.policy.model import build_model
-    from flexmarl.policy.sampling import make_token_batch, response_logprobs
+    from flexmarl.policy.sampling import make_token_batch, response_forward
     from flexmarl.training.trainer import AgentTrainer, Sample
 
     cfg = AgentConfig.model_validate({
@@ -72,6 +72,6 @@ def test_lora_step_on_smollm2_publishes_merged_layers_into_a_plain_replica():
     batch = make_token_batch([s.prompt for s in samples], [s.response for s in samples],
                              [None] * 4, [1.0] * 4, 49152)
     with torch.no_grad():
-        a, _ = response_logprobs(trainer.model.eval(), batch)
-        b, _ = response_logprobs(replica, batch)
+        a = response_forward(trainer.model.eval(), batch)[0]
+        b = response_forward(replica, batch)[0]
     assert torch.allclose(a, b, atol=1e-4)

@@ -10,6 +10,7 @@ from typing import Any
 
 from flexmarl.planning.planner import Plan
 from flexmarl.runtime.local.runtime import LocalTrainPool
+from flexmarl.types import Bound
 
 
 class RecordingSlot:
@@ -29,7 +30,7 @@ class RecordingSlot:
         self.calls.append((command, agent))
         if command == "bind":
             out, self.resident = self.resident, agent
-            return out, (None if out is None else f"state:{out}"), {}
+            return Bound(out, None if out is None else f"state:{out}", None, {})
         if command == "step":
             return {"loss": 0.0}, {}
         return {}

@@ -32,7 +32,8 @@ import asyncio
 import datetime
 import json
 import threading
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -178,33 +179,34 @@ def receive(groups: PairGroups, ref: PublishedRef, key: str, backend: str) -> An
     return _unflat(json.loads(ref.header), buf)
 
 
+@dataclass(eq=False)
 class Publisher:
     """The driver's side: one publication at a time, from the slot holding the version to
     replicas, over their pair groups; recovery of the failures described in the module
     docstring. `train_workers` / `placements` are the runtime's (restarts replace workers in
-    the shared lists); `wait_slot(i)` returns once slot i runs again; `pipe_weights(agent)`
-    fetches the agent's current weights in wire form through the slot pool."""
+    the shared lists)."""
 
-    def __init__(self, train_workers: list[WorkerProxy], placements: dict[str, list[Placement]],
-                 wait_slot: Any = None, pipe_weights: Any = None,
-                 on_refetch: Any = None, timeout_s: float = 60.0) -> None:
-        """`on_refetch(agent, version)`: told when a lost slot's version is published again
-        from its restored successor (an event in metrics.jsonl). `timeout_s`
-        (`runtime.publication_timeout_s`): how long a restarted replica waits for the
-        publication of a version its restored slot already trained (see `load_into`)."""
-        self.train_workers = train_workers
-        self.timeout_s = timeout_s
-        self.on_refetch = on_refetch
-        self.placements = placements
-        self.wait_slot = wait_slot
-        self.pipe_weights = pipe_weights
-        self.lock = asyncio.Lock()
-        self.sent_bytes = 0
-        self.fallbacks = 0
-        self.published: dict[str, int] = {}  # per agent: the newest version sent
-        # per agent: the newest version whose publication began (the driver's `latest`)
-        self.announced: dict[str, int] = {}
-        self._news = asyncio.Event()  # set (and replaced) when a newer version is announced
+    train_workers: list[WorkerProxy]
+    placements: dict[str, list[Placement]]
+    # returns once training slot i runs again (a lost slot's restart)
+    wait_slot: Callable[[int], Awaitable[None]] | None = None
+    # the agent's current weights in wire form, fetched through the slot pool
+    pipe_weights: Callable[[str], Awaitable[Any]] | None = None
+    # (agent, version): a lost slot's version was published again from its restored
+    # successor (an event in metrics.jsonl)
+    on_refetch: Callable[[str, int], None] | None = None
+    # `runtime.publication_timeout_s`: how long a restarted replica waits for the publication
+    # of a version its restored slot already trained (see `load_into`)
+    timeout_s: float = 60.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    sent_bytes: int = field(default=0, init=False)
+    fallbacks: int = field(default=0, init=False)
+    # per agent: the newest version sent
+    published: dict[str, int] = field(default_factory=dict, init=False)
+    # per agent: the newest version whose publication began (the driver's `latest`)
+    announced: dict[str, int] = field(default_factory=dict, init=False)
+    # set (and replaced) when a newer version is announced
+    _news: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     def _dest(self, ref: PublishedRef, replica: WorkerProxy) -> tuple[str, str]:
         key = pair_key(ref.slot, ref.generation, replica.index, replica.generation)

@@ -87,7 +87,7 @@ from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training import state as st
 from flexmarl.training.host import TrainHost
 from flexmarl.training.state import from_numpy, publish_form, state_to_numpy
-from flexmarl.types import GenerationRequest, GenerationResult, Sample
+from flexmarl.types import Bound, GenerationRequest, GenerationResult, Sample
 
 # --- measurement helpers ----------------------------------------------------------------------
 # How repeated timings of one point are summarised: the median is the typical cost at the
@@ -263,7 +263,7 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
             continue
         result: Any = 0
         if command == "bind":
-            result = (None, None, {})
+            result = Bound(None, None, None, {})
         elif command == "accumulate":
             result = {"rows": float(len(payload[1]))} if payload else {}
         elif command == "step":
@@ -523,9 +523,9 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
         return got[0]
 
     async def bind(agent: str) -> None:
-        out_agent, out_state, _ = await call("bind", (agent, swapped.pop(agent, None)))
-        if out_agent is not None:
-            swapped[out_agent] = out_state
+        bound = await call("bind", (agent, swapped.pop(agent, None)))
+        if bound.evicted is not None:
+            swapped[bound.evicted] = bound.state
         if len(trainable) > 1:
             want["bind"] += agents[agent].fits["swap_out"]() + agents[agent].fits["swap_in"]()
 
