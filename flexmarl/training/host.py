@@ -236,9 +236,9 @@ class TrainHost:
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config, or a restart point `set_state` loads next;
         `("kept", token)`: the state it left this process with, still in its kept trainer).
-        `send_out=False`: the driver holds the resident's state already (its restart point,
-        taken after its last step, nothing accumulated since): a parkable resident's state
-        then stays in its kept trainer only and goes back as `("restart", None)`."""
+        `send_out=False`: the driver can rebuild the resident's state (its restart point
+        after its last step, and the journal of micro-batches since): a parkable resident's
+        state then stays in its kept trainer only and goes back as `("restart", None)`."""
         timings: dict[str, float] = {}
         out_agent: str | None = None
         out_state: tuple[str, Any] | None = None
@@ -726,8 +726,8 @@ class SlotPool(TrainPool):
     async def _swap_in(self, agent: str, lease: Lease) -> None:
         await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
         incoming = self.swapped.pop(agent, None)
-        # ("restart", None): it left its state in its kept trainer; the restart point (after
-        # its last step, nothing since) is the same state wherever the kept trainer is not
+        # ("restart", None): it left its state in its kept trainer; wherever the kept trainer
+        # is not, the state is its restart point with the journal replayed (below)
         state = None if incoming is not None and incoming[0] == "restart" else incoming
         parked = self.parked_on.pop(agent, None)
         generation = self._slot_generation(lease.slot)
