@@ -146,7 +146,8 @@ def _train(args: argparse.Namespace) -> int:
     progress = Progress(
         TextColumn("[bold blue]iteration {task.completed}/{task.total}"), BarColumn(),
         TextColumn(f"{kind.progress} {{task.fields[figure]:.3f}}"),
-        TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console)
+        TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console,
+        refresh_per_second=1)  # (rich's 10 a second: the driver's CPU, for a clock in s)
     with progress:
         bar = progress.add_task("train", total=cfg.train.iterations, figure=0.0, speed="",
                                 completed=done)
@@ -154,7 +155,7 @@ def _train(args: argparse.Namespace) -> int:
 
         def on_iteration(record: dict) -> None:
             progress.update(bar, advance=1, figure=kind.figure(record),
-                            speed=kind.speed(record))
+                            speed=kind.speed(record), refresh=True)
             shown: dict[str, int] = {}
             for sample in tail.new():  # --show-samples: what each agent said, N per agent
                 if shown.get(sample["agent"], 0) < args.show_samples:

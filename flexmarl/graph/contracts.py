@@ -53,8 +53,24 @@ def _token_list(where: str, what: str, value: Any, vocab: int, agent: str,
                 f"[0, {vocab}) (the task's vocab_size)")
 
 
+def _plain_ids(value: Any, vocab: int) -> bool:
+    """A list of plain ints within [0, vocab), or an empty one: what passes `_token_list`."""
+    return type(value) is list and (not value or (
+        set(map(type, value)) == {int} and min(value) >= 0 and max(value) < vocab))
+
+
 def check_prompt(node: str, agent: str, prompt: Any, vocab: int, max_seq_len: int) -> None:
     """A prompt builder's return value: a NodePrompt whose ids the agent's model can take."""
+    # every node's prompt passes here: the common case first, without building messages
+    if (type(prompt) is NodePrompt and prompt.tokens and _plain_ids(prompt.tokens, vocab)
+            and type(prompt.max_new_tokens) is int
+            and 0 < prompt.max_new_tokens <= max_seq_len - len(prompt.tokens)
+            and (prompt.allowed_tokens is None or (
+                prompt.allowed_tokens and _plain_ids(prompt.allowed_tokens, vocab)))
+            and _plain_ids(prompt.stop_tokens, vocab)
+            and type(prompt.stop) in (list, tuple)
+            and all(type(x) is str and x for x in prompt.stop)):
+        return
     where = f"node {node!r} (agent {agent!r}): prompt builder"
     if not isinstance(prompt, NodePrompt):
         raise ContractError(f"{where} returned {type(prompt).__name__}, not NodePrompt")

@@ -53,6 +53,9 @@ class IterationMetrics:
         # the spans before this index ended before the last record's window: `common`'s
         # windows only move forward, so its scans start here (a long run's records stay O(1))
         self._first = 0
+        # the same for the rollout windows (`rollout_metrics`), which start at each
+        # iteration's rollout start: before the last record's window in a pipelined run
+        self._rollout_first, self._rollout_t0 = 0, float("-inf")
 
     def _train_busy_frac(self, t0: float, t1: float) -> float:
         """Busy device-seconds of the training pool over its devices: a slot of K ranks
@@ -67,7 +70,8 @@ class IterationMetrics:
         """Balance and latency of one iteration's rollout (docs/design.md section 9 names)."""
         t0, t1 = it.started_at, it.rollout_finished_at
         span = max(t1 - t0, 1e-9)
-        busy = self.telemetry.busy_by_worker("rollout", self.rollout.n_workers, t0, t1)
+        busy = self.telemetry.busy_by_worker("rollout", self.rollout.n_workers, t0, t1,
+                                             self._skip_ended(t0))
         out: dict[str, Any] = {}
         for i, b in enumerate(busy):
             out[f"rollout/replica/{i}/busy_frac"] = b / span
@@ -95,6 +99,18 @@ class IterationMetrics:
         if it.plan is not None:
             out["rollout/plan"] = it.plan
         return out
+
+    def _skip_ended(self, t0: float) -> int:
+        """The index of the first span that may end after `t0`, for windows starting at a
+        non-decreasing `t0`: a run's records scan only the spans since, not the whole trace
+        each iteration."""
+        spans = self.telemetry.spans
+        if t0 < self._rollout_t0:  # (an earlier window: from the start)
+            self._rollout_first = 0
+        self._rollout_t0 = t0
+        while self._rollout_first < len(spans) and spans[self._rollout_first].end <= t0:
+            self._rollout_first += 1
+        return self._rollout_first
 
     def common(self, k: int, t0: float, now: float, start: float) -> dict[str, Any]:
         """What every run's record of iteration k holds, whatever its rollout (a task's

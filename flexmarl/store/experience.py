@@ -82,6 +82,18 @@ class TensorRef:
     dtype: str
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """`str(dtype)`, remembered: numpy builds the name in Python on every call, and every
+    generated row stores an array."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 class LocalObjectStore:
     """In-process object store: arrays by handle, freed when their row is consumed or failed."""
 
@@ -93,7 +105,7 @@ class LocalObjectStore:
         array = np.ascontiguousarray(array)
         self._next += 1
         self._objects[self._next] = array
-        return TensorRef(self._next, tuple(array.shape), str(array.dtype))
+        return TensorRef(self._next, array.shape, _dtype_name(array.dtype))
 
     def get(self, ref: TensorRef) -> np.ndarray:
         try:
@@ -157,13 +169,13 @@ class AgentTable:
             raise StoreError(f"agent {self.agent!r}: no row {sample_id}") from exc
 
     def transition(self, sample_id: str, to: Status) -> Row:
-        row = self.get(sample_id)
+        row = self.rows.get(sample_id) or self.get(sample_id)  # (get: the error naming it)
         if to not in ALLOWED_TRANSITIONS[row.status]:
             raise StoreError(
                 f"agent {self.agent!r}: row {sample_id} cannot go from {row.status.value} "
                 f"to {to.value}"
             )
-        del self._index(row)[sample_id]
+        del self._by_status[(row.status, row.policy_version)][sample_id]
         row.status = to
         row.updated_at = time.time()
         self._index(row)[sample_id] = None

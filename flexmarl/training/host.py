@@ -22,6 +22,9 @@ The slot protocol (command, payload) -> result:
   weights agent -> published weights;       save (agent, directory) -> path
   weights_pipe agent -> published weights in wire form, whatever the publication
   get_state agent -> (arrays, meta);        set_state (agent, arrays, meta) -> version
+  keep_restart (agent, path) -> path;       restore_restart (agent, path) -> version
+    (the restart point as a file the driver names and owns, `get_state`'s arrays and meta:
+    a local slot's, so that only the file's name travels the pipe)
 A state in transit is `("host", wire)`, `("disk", path)` or a runtime's own form (Ray: an
 object-store reference, resolved by the actor before it reaches `bind`). A state coming back
 to the process it left is `("kept", token)` (`Bound.parked`; runtimes that opt in
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import time
 from collections import defaultdict, deque
@@ -39,7 +43,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from flexmarl.api.runtime import TrainPool, WorkerError, WorkerLost
 from flexmarl.policy import adapters
@@ -229,9 +236,9 @@ class TrainHost:
         bytes or a disk path), then swap `agent` in from `incoming` (None: the agent's initial
         state, as built from its config, or a restart point `set_state` loads next;
         `("kept", token)`: the state it left this process with, still in its kept trainer).
-        `send_out=False`: the driver holds the resident's state already (its restart point,
-        taken after its last step, nothing accumulated since): a parkable resident's state
-        then stays in its kept trainer only and goes back as `("restart", None)`."""
+        `send_out=False`: the driver can rebuild the resident's state (its restart point
+        after its last step, and the journal of micro-batches since): a parkable resident's
+        state then stays in its kept trainer only and goes back as `("restart", None)`."""
         timings: dict[str, float] = {}
         out_agent: str | None = None
         out_state: tuple[str, Any] | None = None
@@ -345,10 +352,21 @@ class TrainHost:
         """The weights as they go through a pipe (never through the publisher)."""
         return published(self.trainers[agent], None, self.rank)
 
+    def keep_restart(self, agent: str, path: str) -> str:
+        """`get_state` written to `path` (a new name each time, chosen by the driver, which
+        owns the folder): it outlives this process, and only its name crosses the pipe."""
+        write_restart_point(path, *self.get_state(agent))
+        return path
+
+    def restore_restart(self, agent: str, path: str) -> int:
+        """`set_state` from a file `keep_restart` wrote."""
+        return self.set_state(agent, *read_restart_point(path))
+
     # the slot protocol's commands (methods of this class) and their span labels
     SPAN_LABELS = {"bind": "swap", "accumulate": "acc", "step": "step", "weights": "weights",
                    "weights_pipe": "weights", "save": "save", "get_state": "state",
-                   "set_state": "restore"}
+                   "set_state": "restore", "keep_restart": "state",
+                   "restore_restart": "restore"}
 
     def handle(self, command: str, payload: Any) -> tuple[Any, str]:
         """Run one command of the slot protocol; returns its result and its span label. A
@@ -361,6 +379,21 @@ class TrainHost:
         result = getattr(self, command)(*args)
         count = f":{len(args[1])}" if command == "accumulate" else ""
         return result, f"{prefix}:{args[0]}{count}"
+
+
+def write_restart_point(path: str, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """A restart point (`get_state`'s arrays and JSON-able meta) as one safetensors file,
+    written under another name and renamed, so a reader never sees half of one."""
+    tmp = f"{path}.tmp"
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp,
+              metadata={"flexmarl": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def read_restart_point(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    with safe_open(path, framework="np") as f:
+        meta = json.loads((f.metadata() or {})["flexmarl"])
+        return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 - not a dict
 
 
 # --- driver side ----------------------------------------------------------------------------
@@ -693,8 +726,8 @@ class SlotPool(TrainPool):
     async def _swap_in(self, agent: str, lease: Lease) -> None:
         await self.allocator.wait_state(agent)  # evicted elsewhere a moment ago?
         incoming = self.swapped.pop(agent, None)
-        # ("restart", None): it left its state in its kept trainer; the restart point (after
-        # its last step, nothing since) is the same state wherever the kept trainer is not
+        # ("restart", None): it left its state in its kept trainer; wherever the kept trainer
+        # is not, the state is its restart point with the journal replayed (below)
         state = None if incoming is not None and incoming[0] == "restart" else incoming
         parked = self.parked_on.pop(agent, None)
         generation = self._slot_generation(lease.slot)
@@ -702,12 +735,14 @@ class SlotPool(TrainPool):
         if (incoming is not None and parked is not None and generation is not None
                 and parked[:2] == (lease.slot, generation)):
             sent = ("kept", parked[2])  # back where it left: the slot still holds it
-        # one slot (the evicted agent can only come back here), its restart point current:
-        # the evicted state need not travel (`TrainHost.bind`'s send_out)
+        # one slot (the evicted agent can only come back here) and a restart point: the
+        # evicted state need not travel (`TrainHost.bind`'s send_out). Lost with the slot, it
+        # is its restart point plus the micro-batches accumulated since (the journal), as a
+        # resident agent's is (`restore_slot`); mid-iteration swaps of agents time-sharing
+        # the slot would otherwise pipe a state through the driver at every swap.
         evicted = lease.evict
         skip_out = (evicted is not None and generation is not None and self.slots == 1
-                    and self._recovers() and evicted in self.saved_state
-                    and not self.journal[evicted])
+                    and self._recovers() and evicted in self.saved_state)
         payload = (agent, sent, False) if skip_out else (agent, sent)
         try:
             try:

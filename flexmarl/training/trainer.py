@@ -121,6 +121,7 @@ class AgentTrainer:
             lora.apply(agent, base, cfg.lora, stable_seed(run_seed, agent, "lora"))
             if cfg.lora is not None else base)
         self.model.train()
+        self._hf_json: dict[str, Any] | None = None  # `_hf_config`
         self.actor_params = [p for p in self.model.parameters() if p.requires_grad]
         self.critic_model = None
         self.value_head: torch.nn.Linear | None = None
@@ -557,9 +558,16 @@ class AgentTrainer:
             "version": self.version,
             "param_groups": opt["param_groups"],
             "rng_numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
-            "hf_config": json.loads(self.model.config.to_json_string()),
+            "hf_config": dict(self._hf_config()),
         }
         return arrays, meta
+
+    def _hf_config(self) -> dict[str, Any]:
+        """The model's config as JSON values, made once: transformers rebuilds it field by
+        field on every call, a third of a restart point's time after every step."""
+        if self._hf_json is None:
+            self._hf_json = json.loads(self.model.config.to_json_string())
+        return self._hf_json
 
     def set_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Restore `get_state`'s output; any gradients accumulated so far are dropped. A

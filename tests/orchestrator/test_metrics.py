@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from flexmarl.orchestrator.episodes import IterationState
 from flexmarl.orchestrator.metrics import IterationMetrics
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.testing.fakes import FakeRolloutPool, FakeTrainPool
@@ -42,3 +43,27 @@ def test_common_record_equals_a_full_scan_over_successive_windows() -> None:
         skipped.append(metrics._first)
         t0 = now
     assert skipped[-1] > 250  # the scans start near the window, not at the run's first span
+
+
+def test_rollout_windows_equal_a_full_scan_when_they_overlap_the_last_record() -> None:
+    """`rollout_metrics`' window starts at the iteration's rollout start, before the previous
+    record's end in a pipelined run: its scan skips only spans that ended before it."""
+    rng = random.Random(1)
+    telemetry = Telemetry()
+    rollout, train = FakeRolloutPool(), FakeTrainPool(["a"])
+    metrics = IterationMetrics(telemetry, rollout, train, ["a"], ["a"])
+    start, skipped = 0.0, []
+    for k in range(30):
+        end_rollout = start + 1.0
+        for _ in range(10):
+            end = rng.uniform(start - 0.5, end_rollout + 0.5)
+            telemetry.span("rollout", rng.randrange(rollout.n_workers),
+                           end - rng.uniform(0.0, 0.8), end, "gen:a")
+        it = IterationState(k, 1, started_at=start, rollout_finished_at=end_rollout)
+        got = metrics.rollout_metrics(it)
+        want = telemetry.busy_by_worker("rollout", rollout.n_workers, start, end_rollout)
+        assert [got[f"rollout/replica/{i}/busy_frac"] for i in range(rollout.n_workers)] == [
+            b / (end_rollout - start) for b in want], k
+        skipped.append(metrics._rollout_first)
+        start += 0.6  # the next rollout starts while this one's tail is generated
+    assert skipped[-1] > 150

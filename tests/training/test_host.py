@@ -21,11 +21,11 @@ RELAY = Path(__file__).resolve().parents[2] / "examples" / "relay_chain.yaml"
 VOCAB, SEQ = 32, 16
 
 
-def _samples(tag: str, n: int = 4) -> list[Sample]:
+def _samples(tag: str, n: int = 4, version: int = 0) -> list[Sample]:
     rng = np.random.default_rng(abs(hash(tag)) % 2**32)
-    return [Sample(f"0-{tag}{i}_0_0", rng.integers(3, VOCAB, size=4).tolist(),
+    return [Sample(f"{version}-{tag}{i}_0_0", rng.integers(3, VOCAB, size=4).tolist(),
                    rng.integers(3, VOCAB, size=3).tolist(), [-1.0] * 3,
-                   float(rng.normal()), None, 1.0, 0) for i in range(n)]
+                   float(rng.normal()), None, 1.0, version) for i in range(n)]
 
 
 def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
@@ -70,6 +70,27 @@ def test_a_swapped_out_and_back_trainer_is_exact_and_never_rebuilt():
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     with pytest.raises(SlotError, match="'ghost' is not in the run's config"):
         swapped.bind("ghost", None)
+
+
+def test_a_restart_point_through_a_file_continues_bit_for_bit(tmp_path):
+    """`keep_restart` / `restore_restart` (the local slots' restart points): a fresh host
+    restored from the file steps to the same weights as the host that wrote it."""
+    cfg = load_config(RELAY, ["runtime.deterministic=true"])
+    kept, fresh = TrainHost(cfg, VOCAB, SEQ), TrainHost(cfg, VOCAB, SEQ)
+    kept.bind("speaker", None)
+    kept.handle("accumulate", ("speaker", _samples("a")))
+    kept.handle("step", "speaker")
+    path = str(tmp_path / "0.safetensors")
+    assert kept.handle("keep_restart", ("speaker", path)) == (path, "state:speaker")
+    fresh.bind("speaker", None)
+    assert fresh.handle("restore_restart", ("speaker", path)) == (1, "restore:speaker")
+    steps = []  # the second step reads the optimizer's moments of the first
+    for host in (kept, fresh):
+        host.handle("accumulate", ("speaker", _samples("b", version=1)))
+        (_, w), _ = host.handle("step", "speaker")
+        steps.append(st.from_wire(w).tensors)
+    a, b = steps
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @dataclass

@@ -7,11 +7,14 @@ The rollout pool and the training pool are separate sets of processes (sized by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import itertools
 import multiprocessing as mp
+import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -380,13 +383,18 @@ class LocalRolloutPool(RolloutPool):
     async def _dispatch(self, request: GenerationRequest, priority: tuple) -> GenerationResult:
         cost = self.balancer.expected_cost(request.agent, len(request.prompt),
                                            request.max_new_tokens)
-        live = [w for w in self.workers if w.alive]
-        if not live:
-            raise WorkerLost("no live rollout replica")
-        load = [w.outstanding_tokens if w.alive else float("inf") for w in self.workers]
-        worker = self.workers[self.balancer.pick(request.agent, load, request.sample_id)]
-        if not worker.alive:  # its planned replicas are down: any live one will do
-            worker = min(live, key=lambda w: (w.outstanding_tokens, w.index))
+        if len(self.workers) == 1:  # one replica: nothing to choose (every request's path)
+            worker = self.workers[0]
+            if not worker.alive:
+                raise WorkerLost("no live rollout replica")
+        else:
+            live = [w for w in self.workers if w.alive]
+            if not live:
+                raise WorkerLost("no live rollout replica")
+            load = [w.outstanding_tokens if w.alive else float("inf") for w in self.workers]
+            worker = self.workers[self.balancer.pick(request.agent, load, request.sample_id)]
+            if not worker.alive:  # its planned replicas are down: any live one will do
+                worker = min(live, key=lambda w: (w.outstanding_tokens, w.index))
         worker.outstanding_tokens += cost
         submitted = time.time()
         try:
@@ -516,10 +524,37 @@ class LocalTrainPool(SlotPool):
     agents on demand by the shared `SlotPool`. A slot lost meanwhile is restarted by the
     supervisor (`on_lost(slot)` returns once it runs again, restored) and the call runs again."""
 
-    def __init__(self, workers: list[WorkerProxy], slot_sizes: list[int] | None = None) -> None:
+    def __init__(self, workers: list[WorkerProxy], slot_sizes: list[int] | None = None,
+                 restart_dir: str | None = None) -> None:
+        """`restart_dir`: a folder of this machine the slots write their restart points to
+        (`keep_restart`), so a step's restart point is a file name on the pipe, not its
+        state (weights and optimizer moments) pickled, piped and unpickled by the driver
+        while the slot waits; None: `get_state` through the pipe."""
         super().__init__(len(workers), slot_sizes)
         self.workers = workers
         self.on_lost: Callable[[int], Awaitable[None]] | None = None
+        self.restart_dir = restart_dir
+        self._restart_names = itertools.count()
+
+    def _keep_command(self, agent: str) -> Any:
+        if self.restart_dir is None:
+            return super()._keep_command(agent)
+        # a new name for every restart point: a slot lost after writing one but before its
+        # answer leaves the previous file, which the journal since is relative to, intact
+        path = os.path.join(self.restart_dir, f"{next(self._restart_names)}.safetensors")
+        return ("keep_restart", (agent, path))
+
+    def _restore_command(self, agent: str, saved: Any) -> Any:
+        if isinstance(saved, str):
+            return ("restore_restart", (agent, saved))
+        return super()._restore_command(agent, saved)
+
+    def _kept(self, agent: str, saved: Any) -> None:
+        before = self.saved_state.get(agent)
+        super()._kept(agent, saved)
+        if isinstance(before, str) and before != saved:  # superseded: no restore reads it
+            with contextlib.suppress(OSError):
+                os.unlink(before)
 
     async def _run(self, slot: int, command: str, payload: Any) -> Any:
         worker = self.workers[slot]
@@ -619,7 +654,10 @@ class LocalRuntime(Runtime):
         self.rollout = LocalRolloutPool(self.rollout_workers, balancer, remote)
         if time_shared(cfg):
             self.rollout.take_turns(local_agents)
-        self.train = LocalTrainPool(self.train_workers, self.slot_sizes)
+        self._restart_tmp = self._restart_folder(launcher, trainable, vocab_size)
+        self.train = LocalTrainPool(
+            self.train_workers, self.slot_sizes,
+            self._restart_tmp.name if self._restart_tmp is not None else None)
         # slots of different sizes: the heaviest agent (parameters) on the largest slot, until
         # the planner measured their training (an agent keeps the size it first trained at)
         self.slot_of = bind_slots({a: costs.get(a, float(approx_params(
@@ -647,6 +685,26 @@ class LocalRuntime(Runtime):
             self.rollout.publisher = Publisher(self.train_workers, self.placements,
                                                wait_slot, pipe_weights, refetched,
                                                rt.publication_timeout_s)
+
+    def _restart_folder(self, launcher: Launcher, trainable: list[str],
+                        vocab_size: int) -> tempfile.TemporaryDirectory | None:
+        """Where the slots write their restart points (`LocalTrainPool.restart_dir`), with
+        recovery on: slots of one rank that are processes of this machine (a sharded slot's
+        restart point is already a checkpoint folder; a Ray actor may be on another node).
+        In shared memory when it holds four restart points of every agent (weights and two
+        optimizer moments in float32), else the temporary folder; removed at `stop`."""
+        rt = self.cfg.runtime
+        if (rt.max_worker_restarts <= 0 or not trainable or max(self.slot_sizes) > 1
+                or not isinstance(launcher, ProcessLauncher)):
+            return None
+        need = 4 * 12 * sum(approx_params(self.cfg.agents[a].model, vocab_size)
+                            for a in trainable)
+        shm = "/dev/shm"  # noqa: S108 - a private folder made in it
+        try:
+            where = shm if shutil.disk_usage(shm).free > need else None
+        except OSError:
+            where = None
+        return tempfile.TemporaryDirectory(prefix="flexmarl-restart-", dir=where)
 
     def _swap_dir(self) -> str | None:
         """`runtime.swap_to: disk`: the folder swapped-out trainer states go to (the workers
@@ -695,6 +753,8 @@ class LocalRuntime(Runtime):
             self._swap_tmp.cleanup()
         if self._shard_tmp is not None:
             self._shard_tmp.cleanup()
+        if self._restart_tmp is not None:
+            self._restart_tmp.cleanup()
         self._store = None  # the pair groups' rendezvous, once every worker is gone
 
     def pool_devices(self) -> dict[str, list[int]]:
@@ -852,6 +912,7 @@ class EnvRuntime(LocalRuntime):
         self.sink = sink or NullSink()
         self.trainable = list(workers.policies)
         self._shard_tmp = None
+        self._restart_tmp = None  # restart points through the pipes (`LocalTrainPool`)
         self._store = None
         swap_dir = self._swap_dir()
         n_train = max(1, min(rt.train_workers, len(workers.policies)))
