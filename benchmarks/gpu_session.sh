@@ -5,8 +5,9 @@
 # under the section's name (the device returns at most 8 files).
 #   run (from the repo root, on the device machine):  bash benchmarks/gpu_session.sh
 # SECTIONS picks and orders them (default: fsdp llama compare train run mps engine cases);
-# BUDGET_S (default 420) stops starting new ones after that many seconds: with the longest
-# limit 190 s, a call ends inside the device's 600 s per command.
+# BUDGET_S (default 420) stops starting new ones after that many seconds: compare (260 s) starts
+# third, by 210 s, and the later sections' limits are at most 110 s, so a call ends inside the
+# device's 600 s per command.
 # SMALL=1 runs the same on a CPU with tiny shapes (a dry run); ITS sets the run's iterations.
 # Needs the wheels the device image lacks in .whl/ (benchmarks/README or docs/gpu.md).
 set -u
@@ -64,10 +65,10 @@ run_mps() {
 }
 run_compare() {
   # issue 31's table on the device: the systems as real runs, the simulator beside them (the
-  # profile alone took 76 s on 12-06)
+  # profile alone took 76 s on 12-06; it now also times real sync and async runs of the config)
   local dev=cuda
   [ -n "${SMALL:-}" ] && dev=cpu
-  section compare 190 python3 -m flexmarl.cli.main bench compare examples/relay_chain.yaml \
+  section compare 260 python3 -m flexmarl.cli.main bench compare examples/relay_chain.yaml \
     --systems flexmarl,flexmarl-sync,sync-disaggregated,marti --iterations "${CMP_ITS:-6}" \
     --rounds 1 --set runtime.devices=$dev --out /tmp/compare
   tar czf "$OUT/compare.tar.gz" -C /tmp --exclude=checkpoints --exclude=samples.jsonl \
