@@ -43,7 +43,8 @@ class DigestSlotHost:
 
     `parks`: like a `TrainHost` whose trainers keep their states, a swapped-out state stays
     here too under a token (`Bound.parked`): `("kept", token)` swaps it back in,
-    and with `send_out` False it is the only copy (the driver's restart point is the same)."""
+    and with `send_out` False it is the only copy (the driver's restart point plus its
+    journal rebuild it)."""
 
     def __init__(self, parks: bool = False) -> None:
         self.resident: str | None = None
