@@ -73,6 +73,7 @@ def test_greedy_evaluation_needs_every_policy_loaded() -> None:
         ev.run()
 
 
+@pytest.mark.slow  # two runs (13 s); the evaluation's own tests above stay fast
 def test_eval_every_leaves_training_unchanged_and_matches_the_checkpoints(tmp_path) -> None:
     plain = train_marl(spread(), None).records
     c = spread(**{"train.eval_every": 2, "train.checkpoint_every": 1,

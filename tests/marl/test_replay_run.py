@@ -108,6 +108,7 @@ def assert_same(out, records, reference) -> None:
     assert all(key in records[-1] for key in COMPARED)
 
 
+@pytest.mark.slow  # 12 s; env-run resume is checked in make test by test_reliability's MAPPO run
 def test_qmix_stopped_after_two_iterations_then_resumed_equals_uninterrupted(tmp_path,
                                                                             reference):
     """The checkpoint holds the replay table (filled rows only); the records reach

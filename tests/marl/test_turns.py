@@ -66,6 +66,7 @@ def test_opponent_errors_name_the_field() -> None:
         make_parallel(TTT, opponents={"player_1": "random", "player_2": "random"})
 
 
+@pytest.mark.slow  # a learning run (13 s); test_run's MPE run checks MARL learning in make test
 def test_mappo_beats_a_random_tictactoe_opponent(tmp_path) -> None:
     """The example (flexmarl train examples/tictactoe.yaml) at a short budget: player_1's
     return against the random opponent rises well above random play's (about +0.3)."""
