@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import itertools
 import multiprocessing as mp
 import os
@@ -55,6 +56,38 @@ from flexmarl.training.host import SlotPool
 from flexmarl.types import GenerationRequest, GenerationResult
 
 _GENERATIONS = itertools.count()
+
+
+class RunTempFolder(tempfile.TemporaryDirectory):
+    """A run's private temporary folder, removed at `stop`, holding a lock (`.lock`, flock)
+    for as long as its run lives. A driver killed with SIGKILL never removes its own, and one
+    in /dev/shm holds memory until the machine restarts: a new run sweeps the folders of its
+    prefix whose lock nobody holds (the kernel frees a dead process's locks; pids would not
+    do, another container may share the folder)."""
+
+    def __init__(self, prefix: str, where: str | None = None) -> None:
+        base = where if where is not None else tempfile.gettempdir()
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(base):
+                if entry.name.startswith(prefix) and entry.is_dir() and _unlocked(entry.path):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+        super().__init__(prefix=prefix, dir=where)
+        self._lock = open(os.path.join(self.name, ".lock"), "w")  # noqa: SIM115 - held
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def cleanup(self) -> None:
+        self._lock.close()
+        super().cleanup()
+
+
+def _unlocked(folder: str) -> bool:
+    """Whether `folder`'s run is gone: its `.lock` exists and nobody holds it."""
+    try:
+        with open(os.path.join(folder, ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # no lock file (being made, or not ours), or held
+        return False
+    return True
 
 
 class Launcher(Protocol):
@@ -606,7 +639,7 @@ class LocalRuntime(Runtime):
         self._shard_tmp = None
         shard_dir = None
         if max(self.slot_sizes) > 1:  # sharded slots swap and restart per rank through files
-            self._shard_tmp = tempfile.TemporaryDirectory(prefix="flexmarl-shards-")
+            self._shard_tmp = RunTempFolder("flexmarl-shards-")
             shard_dir = self._shard_tmp.name
         self.publication = publication_mode(rt.publication, cfg.pipeline.mode)
         self._store: Any = None
@@ -704,12 +737,12 @@ class LocalRuntime(Runtime):
             where = shm if shutil.disk_usage(shm).free > need else None
         except OSError:
             where = None
-        return tempfile.TemporaryDirectory(prefix="flexmarl-restart-", dir=where)
+        return RunTempFolder("flexmarl-restart-", where)
 
     def _swap_dir(self) -> str | None:
         """`runtime.swap_to: disk`: the folder swapped-out trainer states go to (the workers
         of both runtimes get it in their spec; removed at `stop`)."""
-        self._swap_tmp = (tempfile.TemporaryDirectory(prefix="flexmarl-swap-")
+        self._swap_tmp = (RunTempFolder("flexmarl-swap-")
                           if self.cfg.runtime.swap_to == "disk" else None)
         return self._swap_tmp.name if self._swap_tmp is not None else None
 
