@@ -43,8 +43,6 @@ from flexmarl.api.runtime import WorkerError, WorkerLost
 from flexmarl.training.state import TrainingState, _header, _unflat
 
 if TYPE_CHECKING:
-    import torch
-
     from flexmarl.policy.device import Placement
     from flexmarl.runtime.local.runtime import WorkerProxy
 
