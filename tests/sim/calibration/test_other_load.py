@@ -121,15 +121,22 @@ def test_series_in_virtual_time():
 def test_the_process_tree_and_other_load_series():
     t0 = tree_cpu_s()
     assert t0 is not None and t0 > 0
+    # the child spins until it has used 0.3 CPU seconds, however loaded the machine is
     child = subprocess.Popen([sys.executable, "-c",
-                              "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+                              "import time\nwhile time.process_time() < 0.3: pass"])
     try:
         with OtherLoad(every=0.1) as load:
-            time.sleep(0.4)  # the child's work is this tree's own, not other load
-            mid = tree_cpu_s()
+            entered = time.monotonic()
+            mid = t0
+            deadline = time.monotonic() + 30.0
+            # the child's work is this tree's own, not other load
+            while mid - t0 <= 0.05 and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                mid = tree_cpu_s() or t0
+            time.sleep(max(0.0, 0.45 - (time.monotonic() - entered)))  # a few samples
     finally:
         child.wait()
-    assert mid is not None and mid - t0 > 0.05
+    assert mid - t0 > 0.05
     assert len(load.series) >= 2
     assert all(v >= 0.0 for _, v in load.series)
     assert [t for t, _ in load.series] == sorted(t for t, _ in load.series)
