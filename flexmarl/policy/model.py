@@ -116,7 +116,6 @@ def approx_params(cfg: ModelConfig, vocab_size: int) -> int:
     if cfg.kind == "path" and cfg.path:
         config_file = Path(cfg.path) / "config.json"
         if config_file.exists():
-
             c = json.loads(config_file.read_text())
             hidden = c.get("hidden_size", hidden)
             inter = c.get("intermediate_size", inter)

@@ -98,7 +98,6 @@ def is_adapter_file(path: Path) -> bool:
         if is_packed(path):
             names = list(unpack(path.read_bytes()))
         else:
-
             with safe_open(str(path), "pt") as f:
                 names = list(f.keys())
     except Exception:  # noqa: BLE001 - unreadable: the full-weights loader says why
