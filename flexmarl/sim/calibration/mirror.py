@@ -634,6 +634,9 @@ class MirrorResult:
     # the CPU time the run's own processes got (processor sharing; more than `own_cpu_s`
     # where contention slows a CPU second): what a real run's own CPUs measure
     own_cpu_got_s: float = 0.0
+    # the orchestrator's instant events (`Telemetry.event`: `rollout_plan` ...), as a real
+    # run's trace.json holds them: {"name", "time" (virtual seconds), ...}
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     def cpu_by_kind(self, after_first: bool = True) -> dict[str, float]:
         """The run's own profiled CPU seconds an iteration by process kind (rollout, train,
@@ -690,12 +693,14 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                          "profiled on this machine")
     workers: list[_Common] = []
     spans: list[Any] = []
+    events: list[dict[str, Any]] = []
     shares: list[CpuShare] = []
 
     async def main() -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
         telemetry = Telemetry(None, clock=loop.time)
         telemetry.spans = spans
+        telemetry.events = events
         max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
         machine = profile.machine
         # the profiled costs are typical costs at the profile's load (medians): without
@@ -756,7 +761,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
                         runnable, shares[0].busy_s if shares else 0.0,
                         shares[0].log if shares else [],
-                        shares[0].got_s if shares else 0.0)
+                        shares[0].got_s if shares else 0.0, events)
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,
