@@ -266,11 +266,13 @@ class ParentProcess:
 
 
 class Transfers:
-    """Collective publications in flight: replica i's receive of (agent, version) ends the
-    slot's send to it (`pub_send` waits for every destination's)."""
+    """Collective publications in flight: a replica's receive of (agent, version) starts once
+    the slot's send has (`sent`) and lasts the profile's `driver["publish_s"]`; its end
+    (`future(agent, version, replica)`) ends the slot's send to it (`pub_send` waits for
+    every destination's)."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = max(0.0, float(seconds))  # the profile's `driver["publish_s"]`
+        self.seconds = max(0.0, float(seconds))
         self.done: dict[tuple[str, int, int], asyncio.Future] = {}
 
     def future(self, agent: str, version: int, replica: int) -> asyncio.Future:
@@ -278,6 +280,9 @@ class Transfers:
         if key not in self.done:
             self.done[key] = asyncio.get_running_loop().create_future()
         return self.done[key]
+
+    def sent(self, agent: str, version: int) -> asyncio.Future:
+        return self.future(agent, version, -1)
 
 
 def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
@@ -539,6 +544,7 @@ class SimRolloutWorker(_Common):
             for fut, agent, version, collective in loads:
                 if collective and self.transfers is not None:
                     # the real loop blocks in the receive until the slot's send is done
+                    await self.transfers.sent(agent, version)
                     await asyncio.sleep(self.transfers.seconds)
                     done = self.transfers.future(agent, version, self.index)
                     if not done.done():
@@ -644,9 +650,12 @@ class SimTrainWorker(_Common):
         loop = asyncio.get_running_loop()
         await asyncio.sleep(self._ipc("ipc_call", bytes=256))
         t0 = loop.time()
+        sent = self.transfers.sent(agent, version)
+        if not sent.done():
+            sent.set_result(None)
         await asyncio.gather(*(self.transfers.future(agent, version, i)
                                for i in range(len(dests))))
-        for i in range(len(dests)):
+        for i in (-1, *range(len(dests))):
             self.transfers.done.pop((agent, version, i), None)
         self.sink.span("train", self.index, t0, loop.time(), f"publish:{agent}")
         await asyncio.sleep(self._ipc("ipc_call", bytes=64))

@@ -133,7 +133,7 @@ def test_a_collective_publication_stops_the_replica_for_the_measured_send():
         loads = [s for s in b.spans if s.label.startswith("load:")]
         # every version after the first goes out from its slot, and the replica loads it
         assert len(sends) >= len(cfg.agents) * (len(b.records) - 1) and len(loads) >= len(sends)
-        assert min(s.end - s.start for s in sends) >= 0.045  # less its pipe message
+        assert min(s.end - s.start for s in sends) >= 0.05 - 1e-9
         assert not any(s.label.startswith("publish:") for s in a.spans)  # through the pipes
         if mode == "sync":  # nothing decodes meanwhile: each send is on the critical path
             assert b.makespan_s > a.makespan_s + 0.05 * (len(b.records) - 1)
