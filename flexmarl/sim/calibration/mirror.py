@@ -15,7 +15,13 @@ processes that keep the protocol of `runtime.local.workers`:
 Message round trips (`ipc_*`) delay delivery and replies by half a measured round trip each.
 The orchestrator's own CPU time (`parent_per_request_s`, `parent_per_train_call_s`, as real
 runs of the config measured it, times `driver["pipelined"]` outside sync mode) is work of a
-serial parent process. A colocated replica's `sleep` and `wake` cost their profiled time. All
+serial parent process. A colocated replica's `sleep` and `wake` cost their profiled time.
+Under collective publication (`runtime.publication`, the real runtime's choice for sync and
+async) with a profile that measured it (`driver["publish_s"]`), a step answers with a small
+`PublishedRef`, the production `Publisher` sends `pub_send` to the slot and `load_collective`
+to each replica, and a replica that reads it stops decoding for the measured send (the real
+replica's loop blocks in the receive), which ends the slot's `publish:` span; otherwise the
+weights travel through the pipes (`load_weights`). All
 processes' work shares the machine's CPUs (`CpuShare`: the measured contention curve, or
 processor sharing on `profile.machine["cpus"]` cores), next to other users' load as the run
 saw it (`run_mirror(..., external=...)`). The worker layout is the config's; the task is the
@@ -38,13 +44,19 @@ import numpy as np
 from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.joint import JointOrchestrator
-from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS
+from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS, Placement
 from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import BLOCK_SIZE
 from flexmarl.rollout.paged import shared_prompt_tokens
 from flexmarl.rollout.scheduler import Loaded, ReplicaScheduler, Reply
-from flexmarl.runtime.local.runtime import LocalRolloutPool, LocalTrainPool, fixed_binding
+from flexmarl.runtime.local.publication import PublishedRef, Publisher
+from flexmarl.runtime.local.runtime import (
+    LocalRolloutPool,
+    LocalTrainPool,
+    fixed_binding,
+    publication_mode,
+)
 from flexmarl.runtime.local.turns import time_shared
 from flexmarl.sim.calibration.fits import AgentProfile, LocalProfile
 from flexmarl.sim.calibration.machine import profiled_load
@@ -253,6 +265,26 @@ class ParentProcess:
             await self.cpu.run(seconds * self.scale, "driver")
 
 
+class Transfers:
+    """Collective publications in flight: a replica's receive of (agent, version) starts once
+    the slot's send has (`sent`) and lasts the profile's `driver["publish_s"]`; its end
+    (`future(agent, version, replica)`) ends the slot's send to it (`pub_send` waits for
+    every destination's)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = max(0.0, float(seconds))
+        self.done: dict[tuple[str, int, int], asyncio.Future] = {}
+
+    def future(self, agent: str, version: int, replica: int) -> asyncio.Future:
+        key = (agent, version, replica)
+        if key not in self.done:
+            self.done[key] = asyncio.get_running_loop().create_future()
+        return self.done[key]
+
+    def sent(self, agent: str, version: int) -> asyncio.Future:
+        return self.future(agent, version, -1)
+
+
 def _cost(p: AgentProfile | None, name: str, **x: float) -> float:
     if p is None or name not in p.fits:
         return 0.0
@@ -432,7 +464,10 @@ class SimRolloutWorker(_Common):
                         for a in agents}
         self.sched = ReplicaScheduler({a: [a] for a in agents}, dict(self.engines),
                                       max_batch_seqs=max_seqs)
-        self.loads: list[tuple[asyncio.Future, str, int]] = []
+        # (future, agent, version, collective: the replica receives the weights first)
+        self.loads: list[tuple[asyncio.Future, str, int, bool]] = []
+        self.transfers: Transfers | None = None  # collective publication (`run_mirror`)
+        self.generation = index  # the pair key's (`Publisher`): never restarted
         self.wake = asyncio.Event()
         self._outbox: list[tuple[asyncio.Future, GenerationRequest, tuple]] = []
         self._pending: set[asyncio.Task] = set()
@@ -461,8 +496,9 @@ class SimRolloutWorker(_Common):
             self.sched.submit(fut, request, priority)
         self.wake.set()
 
-    async def call(self, command: str, payload: Any) -> Any:
-        """`load_weights`, and under `runtime.colocate` `sleep` / `wake`: their message round
+    async def call(self, command: str, payload: Any, watched: bool = True) -> Any:
+        """`load_weights` (`load_collective`: the ref of a collective publication), and under
+        `runtime.colocate` `sleep` / `wake`: their message round
         trip and what the replica's engines of the named agents (None: all) spend on them
         (the profile's `sleep` / `wake`, measured on the real engine: on a CPU the KV pool is
         freed and allocated again, the weights stay where they are)."""
@@ -478,12 +514,19 @@ class SimRolloutWorker(_Common):
                                f"{command}:{who}")
             await asyncio.sleep(self._ipc("ipc_call", bytes=0))
             return {"kv_bytes": 0, "weight_bytes": 0}
+        if command == "load_collective":
+            ref = payload[0]
+            fut = asyncio.get_running_loop().create_future()
+            await asyncio.sleep(self._ipc("ipc_call", bytes=len(ref.header) + 256))
+            self.loads.append((fut, ref.agent, ref.version, True))
+            self.wake.set()
+            return await fut
         if command != "load_weights":
             raise ValueError(f"simulated rollout worker: unknown command {command!r}")
         agent, version, _ = payload
         fut = asyncio.get_running_loop().create_future()
         await asyncio.sleep(self._ipc("ipc_call", bytes=self.profile.agents[agent].weights_bytes))
-        self.loads.append((fut, agent, version))
+        self.loads.append((fut, agent, version, False))
         self.wake.set()
         return await fut
 
@@ -498,7 +541,14 @@ class SimRolloutWorker(_Common):
         sched = self.sched
         while True:
             loads, self.loads = self.loads, []
-            for fut, agent, version in loads:
+            for fut, agent, version, collective in loads:
+                if collective and self.transfers is not None:
+                    # the real loop blocks in the receive until the slot's send is done
+                    await self.transfers.sent(agent, version)
+                    await asyncio.sleep(self.transfers.seconds)
+                    done = self.transfers.future(agent, version, self.index)
+                    if not done.done():
+                        done.set_result(None)
                 await self._loaded(sched.load(fut, agent, version, None))
             await self._loaded(sched.apply_deferred())
             if self.loads:  # a load that came in while the one before it ran
@@ -555,6 +605,7 @@ class SimTrainWorker(_Common):
         # a profile that measured the token path prices a kept swap-in as one; an older one
         # did not, and simulates as before (the state sent and swapped in)
         self.kept_priced = any("swap_in_kept" in a.fits for a in profile.agents.values())
+        self.transfers: Transfers | None = None  # collective publication (`run_mirror`)
 
     def _payload_bytes(self, command: str, payload: Any) -> int:
         if command in ("accumulate",):
@@ -566,14 +617,21 @@ class SimTrainWorker(_Common):
             return 3 * self.profile.agents[payload[0]].weights_bytes  # weights + Adam moments
         return 256
 
-    async def call(self, command: str, payload: Any) -> Any:
+    async def call(self, command: str, payload: Any, watched: bool = True) -> Any:
         loop = asyncio.get_running_loop()
         self.calls += 1
         await self.parent.work(self.profile.parent_per_train_call_s)
+        if command == "pub_send":
+            return await self._pub_send(*payload)
         await asyncio.sleep(self._ipc("ipc_call", bytes=self._payload_bytes(command, payload)))
         async with self.lock:
             t0 = loop.time()
             result, cost, reply_bytes, agent = self._run(command, payload)
+            if self.transfers is not None and command in ("step", "weights"):
+                # collective publication: the slot keeps the weights, the driver gets a ref
+                ref = PublishedRef(agent, self.host.states[agent][1], b"{}",
+                                   self.profile.agents[agent].weights_bytes)
+                result, reply_bytes = ((result[0], ref) if command == "step" else ref), 256
             kind = f"train_{command}"
             await self.cpu.run(cost * self.profile.scale(kind), "train",
                                self.profile.overlap.get(kind, 1.0))
@@ -584,6 +642,24 @@ class SimTrainWorker(_Common):
             self.sink.span("train", self.index, t0, loop.time(), f"{label}:{agent}{count}")
         await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
         return result
+
+    async def _pub_send(self, agent: str, version: int, dests: list[Any]) -> list[None]:
+        """A collective publication's send (the real slot's side thread: beside its commands,
+        not behind them), done when every destination replica has received it."""
+        assert self.transfers is not None
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self._ipc("ipc_call", bytes=256))
+        t0 = loop.time()
+        sent = self.transfers.sent(agent, version)
+        if not sent.done():
+            sent.set_result(None)
+        await asyncio.gather(*(self.transfers.future(agent, version, i)
+                               for i in range(len(dests))))
+        for i in (-1, *range(len(dests))):
+            self.transfers.done.pop((agent, version, i), None)
+        self.sink.span("train", self.index, t0, loop.time(), f"publish:{agent}")
+        await asyncio.sleep(self._ipc("ipc_call", bytes=64))
+        return [None] * len(dests)
 
     def _run(self, command: str, payload: Any) -> tuple[Any, float, int, str]:
         """The command's result (the slot protocol, kept by `DigestSlotHost`), its profiled CPU
@@ -634,6 +710,9 @@ class MirrorResult:
     # the CPU time the run's own processes got (processor sharing; more than `own_cpu_s`
     # where contention slows a CPU second): what a real run's own CPUs measure
     own_cpu_got_s: float = 0.0
+    # the orchestrator's instant events (`Telemetry.event`: `rollout_plan` ...), as a real
+    # run's trace.json holds them: {"name", "time" (virtual seconds), ...}
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     def cpu_by_kind(self, after_first: bool = True) -> dict[str, float]:
         """The run's own profiled CPU seconds an iteration by process kind (rollout, train,
@@ -690,12 +769,14 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                          "profiled on this machine")
     workers: list[_Common] = []
     spans: list[Any] = []
+    events: list[dict[str, Any]] = []
     shares: list[CpuShare] = []
 
     async def main() -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
         telemetry = Telemetry(None, clock=loop.time)
         telemetry.spans = spans
+        telemetry.events = events
         max_seqs = 1 if rt.deterministic else cfg.rollout.max_batch_seqs
         machine = profile.machine
         # the profiled costs are typical costs at the profile's load (medians): without
@@ -728,6 +809,15 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         if time_shared(cfg):
             rollout.take_turns(local)
         train = LocalTrainPool(tworkers)  # type: ignore[arg-type]
+        publish_s = profile.driver.get("publish_s")
+        if (publish_s is not None and trainable
+                and publication_mode(rt.publication, cfg.pipeline.mode) == "collective"):
+            transfers = Transfers(publish_s)
+            for w in workers:
+                w.transfers = transfers  # type: ignore[attr-defined]
+            rollout.publisher = Publisher(
+                tworkers, {"train": [Placement()] * len(tworkers),  # type: ignore[arg-type]
+                           "rollout": [Placement()] * len(rworkers)})
         if rt.train_binding == "fixed":
             train.fix_slots(fixed_binding(trainable, [1] * len(tworkers), {}))
         try:
@@ -756,7 +846,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
     return MirrorResult(records, requests, makespan, mean, steady, spans, train_calls, others,
                         runnable, shares[0].busy_s if shares else 0.0,
                         shares[0].log if shares else [],
-                        shares[0].got_s if shares else 0.0)
+                        shares[0].got_s if shares else 0.0, events)
 
 
 def run_mirror_measured(cfg: RunConfig, task: Any, profile: LocalProfile, other_cpus: float,

@@ -61,6 +61,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,7 +96,7 @@ from flexmarl.sim.calibration.machine import (
     tree_cpu_s,
 )
 from flexmarl.sim.calibration.mirror import ProfiledEngine, mirror_config
-from flexmarl.telemetry.recorder import Telemetry
+from flexmarl.telemetry.recorder import Telemetry, read_trace
 from flexmarl.training import state as st
 from flexmarl.training.host import TrainHost
 from flexmarl.training.state import from_numpy, publish_form, state_to_numpy
@@ -727,12 +728,14 @@ def driver_cpu_s() -> float:
     return got[0] if got is not None else time.process_time()
 
 
-def driver_marks(cfg: Any, iterations: int) -> list[tuple[str, float, int, int]]:
+def driver_marks(cfg: Any, iterations: int, publish: list[float] | None = None
+                 ) -> list[tuple[str, float, int, int]]:
     """The config run for real (`orchestrator.run.train`: its worker processes, telemetry
     files, metrics) for `iterations` iterations, in this process: marks `(what, driver CPU
     seconds, generate requests so far, training calls so far)` at the start, at each
     iteration's rollout end ("rollout", `RolloutPool.end_iteration`) and at each iteration's
-    record ("iteration")."""
+    record ("iteration"). `publish` gets the wall seconds of each collective publication's
+    send (the slots' `publish:` spans in the run's trace.json)."""
     counts = {"requests": 0, "calls": 0}
     marks: list[tuple[str, float, int, int]] = []
 
@@ -767,6 +770,9 @@ def driver_marks(cfg: Any, iterations: int) -> list[tuple[str, float, int, int]]
     with tempfile.TemporaryDirectory(prefix="flexmarl-driver-") as out:
         train(mirror_config(cfg, iterations), out, on_iteration=lambda _: mark("iteration"),
               on_runtime=on_runtime)
+        trace = read_trace(Path(out) / "trace.json")
+        if publish is not None and trace is not None:
+            publish.extend(s.end - s.start for s in trace[0] if s.label.startswith("publish:"))
     return marks
 
 
@@ -777,8 +783,11 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     per generate request and the rest of its iterations per training call (publication and
     records included), and an async run's CPU an iteration over what those two charge its
     requests and calls (`pipelined`: rollout and training overlapped in one driver; the
-    config's own mode, or async for a sync config)."""
-    sync = driver_marks(mirror_config(cfg, mode="sync"), iterations)
+    config's own mode, or async for a sync config). With `runtime.publication` collective,
+    `publish_s`: the median wall seconds of a publication's send in both runs (a replica
+    receiving it stops decoding meanwhile, `mirror.SimRolloutWorker`)."""
+    sends: list[float] = []
+    sync = driver_marks(mirror_config(cfg, mode="sync"), iterations, sends)
     rollout = train_s = 0.0
     requests = calls = 0
     last = next(m for m in sync if m[0] == "start")
@@ -800,12 +809,14 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     out = {"per_request_s": per_request, "per_train_call_s": per_call,
            "sync_per_iteration_s": (rollout + train_s) / max(1, iterations - 1)}
     piped_cfg = cfg if cfg.pipeline.mode != "sync" else mirror_config(cfg, mode="async")
-    piped = [m for m in driver_marks(piped_cfg, iterations) if m[0] != "rollout"]
+    piped = [m for m in driver_marks(piped_cfg, iterations, sends) if m[0] != "rollout"]
     first, end = piped[min(1, len(piped) - 1)], piped[-1]  # the first iteration's record
     charged = per_request * (end[2] - first[2]) + per_call * (end[3] - first[3])
     spent = end[1] - first[1]
     out["pipelined"] = spent / charged if charged > 0 else 1.0
     out["pipelined_per_iteration_s"] = spent / max(1, len(piped) - 2)
+    if sends:
+        out["publish_s"] = statistics.median(sends)
     return out
 
 

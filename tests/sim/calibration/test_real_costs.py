@@ -120,3 +120,25 @@ def test_a_colocated_replicas_sleep_and_wake_cost_their_profiled_time():
     extra = (b.cpu_by_kind(False)["rollout"] - a.cpu_by_kind(False)["rollout"]) * len(b.records)
     assert extra == pytest.approx(3 * (0.01 * len(sleeps) + 0.02 * len(wakes)), rel=1e-6)
     assert b.per_iteration_s > a.per_iteration_s
+
+
+def test_a_collective_publication_stops_the_replica_for_the_measured_send():
+    cfg = tiny_config()
+    task = _task(cfg)
+    plain, measured = _synthetic_profile(), _synthetic_profile()
+    measured.driver = {"publish_s": 0.05}
+    for mode in ("sync", "async"):
+        a, b = (run_mirror(cfg, task, p, mode=mode) for p in (plain, measured))
+        sends = [s for s in b.spans if s.label.startswith("publish:")]
+        loads = [s for s in b.spans if s.label.startswith("load:")]
+        # every version after the first goes out from its slot, and the replica loads it
+        assert len(sends) >= len(cfg.agents) * (len(b.records) - 1) and len(loads) >= len(sends)
+        assert min(s.end - s.start for s in sends) >= 0.05 - 1e-9
+        assert not any(s.label.startswith("publish:") for s in a.spans)  # through the pipes
+        if mode == "sync":  # nothing decodes meanwhile: each send is on the critical path
+            assert b.makespan_s > a.makespan_s + 0.05 * (len(b.records) - 1)
+    # `runtime.publication: pipe` (and one_step_off's auto) keeps the pipes
+    piped = tiny_config(runtime={"kind": "local", "rollout_workers": 1, "train_workers": 1,
+                                 "torch_threads": 1, "publication": "pipe"})
+    sim = run_mirror(piped, task, measured, mode="async")
+    assert not any(s.label.startswith("publish:") for s in sim.spans)
