@@ -547,7 +547,8 @@ class RayBundle(Strict):
 
 
 class RayConfig(Strict):
-    """The Ray runtime: two placement groups (rollout, train), so the pools never contend."""
+    """The Ray runtime: two placement groups (rollout, train), so the pools never contend;
+    with `runtime.colocate`, one group both pools share, bundle by bundle."""
 
     rollout_bundle: RayBundle = RayBundle()
     train_bundle: RayBundle = RayBundle()
@@ -556,6 +557,20 @@ class RayConfig(Strict):
     num_cpus: int | None = Field(None, gt=0)
     temp_dir: str | None = None
     placement_timeout_s: float = Field(60.0, gt=0)
+
+    def worker_asks(self, colocate: bool = False) -> dict[str, dict[str, float]]:
+        """What one worker of each pool asks of its bundle (amounts of 0 left out). With
+        `runtime.colocate` a replica and a training slot share one bundle, the device they
+        take turns on: each resource the larger of the two pools' settings, each worker
+        asking half of it."""
+        asks = {pool: {k: v for k, v in {"CPU": b.cpus, "GPU": b.gpus, **b.resources}.items()
+                       if v > 0}
+                for pool, b in (("rollout", self.rollout_bundle), ("train", self.train_bundle))}
+        if colocate:
+            r, t = asks["rollout"], asks["train"]
+            asks = {pool: {k: max(r.get(k, 0.0), t.get(k, 0.0)) / 2 for k in {**r, **t}}
+                    for pool in asks}
+        return asks
 
     @field_validator("temp_dir")
     @classmethod
@@ -593,7 +608,8 @@ class RuntimeConfig(Strict):
     # next the replicas sleep: they release their KV cache and move their weights to host
     # memory (on a CPU the weights already are in host memory and stay; only the KV cache is
     # freed), and wake before the next rollout (docs/pipelines.md, "Colocated pools").
-    # pipeline.mode sync only; local runtime only.
+    # pipeline.mode sync only. On Ray, replica i and training slot i share one bundle
+    # (`RayConfig.worker_asks`; docs/ray.md).
     colocate: bool = False
     # Rollout replicas: a count, or {min: M, max: N} for an elastic pool (runtime.kind=ray):
     # the run starts with M and, each iteration, grows by one replica while the cluster has
@@ -751,10 +767,17 @@ class RuntimeConfig(Strict):
         return self
 
     def _check_colocated(self) -> None:
-        """`colocate`: one set of devices (cores) for both pools, on the local runtime."""
-        if self.kind != "local":
-            raise ValueError(f"runtime.colocate: colocated pools run on the local runtime "
-                             f"only (runtime.kind is {self.kind!r})")
+        """`colocate`: one set of devices (cores) for both pools; on Ray, one bundle holds a
+        replica and a training slot (`RayConfig.worker_asks`)."""
+        if self.kind == "ray" and max(self.train_slot_sizes()) > 1:
+            raise ValueError(f"runtime.colocate: on Ray a replica and a training slot of one "
+                             f"device share a bundle; a slot of {max(self.train_slot_sizes())} "
+                             f"ranks is a placement group of its own (runtime.slot_size / "
+                             f"slot_sizes: 1 with colocate)")
+        if self.kind == "ray" and (self.rollout_workers_max or 0) > self.rollout_workers:
+            raise ValueError("runtime.colocate: the replicas an elastic pool grows "
+                             "(runtime.rollout_workers {min, max}) would have no training "
+                             "slot to share a bundle with; give a count")
         for field, a, b in (("cpus", self.rollout_cpus, self.train_cpus),
                             ("devices", self.rollout_devices, self.train_devices)):
             if a is not None and b is not None and a != b:

@@ -131,8 +131,14 @@ def test_colocated_sync_run_equals_the_run_on_separate_pools(runs):
      "runtime.colocate: colocated replicas sleep while training runs, so rollout cannot "
      "overlap training; it needs pipeline.mode=sync \\(got 'async'\\)"),
     (["pipeline.mode=one_step_off", "runtime.colocate=true"], "got 'one_step_off'"),
-    (["pipeline.mode=sync", "runtime.colocate=true", "runtime.kind=ray"],
-     "runtime.colocate: colocated pools run on the local runtime only"),
+    (["pipeline.mode=sync", "runtime.colocate=true", "runtime.kind=ray",
+      "runtime.slot_size=2"],
+     r"runtime.colocate: on Ray a replica and a training slot of one device share a bundle; "
+     r"a slot of 2 ranks is a placement group of its own \(runtime.slot_size / slot_sizes"),
+    (["pipeline.mode=sync", "runtime.colocate=true", "runtime.kind=ray",
+      "runtime.rollout_workers={min: 1, max: 2}"],
+     r"runtime.colocate: the replicas an elastic pool grows \(runtime.rollout_workers "
+     r"\{min, max\}\) would have no training slot"),
     (["pipeline.mode=sync", "runtime.colocate=true", "runtime.rollout_cpus=[0]",
       "runtime.train_cpus=[0,1]"],
      r"runtime.colocate: both pools compute on the same cpus, but runtime.rollout_cpus is "

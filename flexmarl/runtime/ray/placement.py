@@ -1,13 +1,15 @@
 """Where a runtime's workers go on a Ray cluster: the session (connect to `runtime.address`, or
 start a private cluster sized for the run), one placement group per pool with one bundle per
 worker (`runtime.ray.rollout_bundle` / `train_bundle`: CPUs, GPUs and custom resources, e.g. a
-node role), so the pools never contend, and the launcher that starts worker i of a pool in
-bundle i, also when the supervisor restarts it.
+node role), so the pools never contend (`runtime.colocate`: one group, replica i and training
+slot i sharing bundle i), and the launcher that starts worker i of a pool in bundle i, also
+when the supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 from collections.abc import Awaitable, Callable
@@ -21,17 +23,12 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from flexmarl.config.schema import RayBundle, RuntimeConfig
+from flexmarl.config.schema import RuntimeConfig
 from flexmarl.policy.device import Placement
 from flexmarl.runtime.ray.session import RayRuntimeError, RaySession
 from flexmarl.runtime.ray.transport import RayLauncher
 
 POOLS = ("rollout", "train")
-
-
-def bundle_of(b: RayBundle) -> dict[str, float]:
-    out = {"CPU": b.cpus, "GPU": b.gpus, **b.resources}
-    return {k: v for k, v in out.items() if v > 0}
 
 
 def actor_resources(bundle: dict[str, float]) -> dict[str, Any]:
@@ -48,8 +45,9 @@ class RayPools:
         """`slot_sizes`: the ranks of each training slot; slot i's bundle is `slot_sizes[i]`
         x `train_bundle`, so its K ranks are placed together on one node."""
         self.run_name, self.rt, self.sizes = run_name, rt, sizes
-        self.bundles = {"rollout": bundle_of(rt.ray.rollout_bundle),
-                        "train": bundle_of(rt.ray.train_bundle)}
+        self.bundles = rt.ray.worker_asks(rt.colocate)  # each worker's ask of its bundle
+        # runtime.colocate: replica i and training slot i in bundle i of one group
+        self.shared = {k: 2 * v for k, v in self.bundles["train"].items()} if rt.colocate else None
         self.scale = {"rollout": [1] * sizes["rollout"],
                       "train": list(slot_sizes or [1] * sizes["train"])}
         self.groups: dict[str, Any] = {}
@@ -59,16 +57,20 @@ class RayPools:
         self.grown: dict[tuple[str, int], Any] = {}
         self.sharded = max(self.scale["train"], default=1) > 1
         self.avoid: set[str] = set()  # nodes being drained: no new bundle goes there
-        custom: dict[str, float] = {}
-        for pool, bundle in self.bundles.items():
-            for name, amount in bundle.items():
-                if name not in ("CPU", "GPU"):
-                    custom[name] = custom.get(name, 0.0) + amount * sum(self.scale[pool])
+        reserved = [b for pool in POOLS for b in self.reserved(pool)]
+        custom = {k: sum(b.get(k, 0.0) for b in reserved)
+                  for k in {k for b in reserved for k in b} - {"CPU", "GPU"}}
         cpus = rt.ray.num_cpus
         if rt.address is None and cpus is None:  # a cluster of our own: room for every bundle
-            need = sum(self.bundles[p].get("CPU", 0.0) * sum(self.scale[p]) for p in POOLS)
-            cpus = max(os.cpu_count() or 1, math.ceil(need))
+            cpus = max(os.cpu_count() or 1, math.ceil(sum(b.get("CPU", 0.0) for b in reserved)))
         self.session = RaySession(rt.address, cpus, rt.ray.temp_dir, custom)
+
+    def reserved(self, pool: str) -> list[dict[str, float]]:
+        """The bundles of `pool`'s placement group (a sharded slot's are its own group's);
+        colocated: the rollout pool's group is both pools' (none of the train pool's own)."""
+        if self.shared is not None:
+            return [self.shared] * max(self.sizes.values()) if pool == "rollout" else []
+        return [self.bundle(pool, i) for i in range(self.sizes[pool])]
 
     def placement(self, pool: str) -> Placement:
         """A worker whose bundle asks for GPUs computes on them (Ray sets the actor's
@@ -91,14 +93,18 @@ class RayPools:
                             f"not placed within {self.rt.ray.placement_timeout_s:.0f} s; the "
                             f"cluster has {ray.available_resources()} available")
                 continue
-            bundles = [self.bundle(pool, i) for i in range(self.sizes[pool])]
+            bundles = self.reserved(pool)
+            if not bundles:  # colocated: the slots are in the rollout pool's group
+                self.groups[pool] = self.groups["rollout"]
+                continue
             pg = placement_group(bundles, strategy=self.rt.ray.strategy,
                                  name=f"flexmarl-{self.run_name}-{pool}-{os.getpid()}")
             self.groups[pool] = pg
             timeout = self.rt.ray.placement_timeout_s
             if not await asyncio.to_thread(pg.wait, timeout):
+                setting = "rollout_bundle / train_bundle" if self.shared else f"{pool}_bundle"
                 raise RayRuntimeError(
-                    f"runtime.ray.{pool}_bundle: the {pool} pool's placement group "
+                    f"runtime.ray.{setting}: the {pool} pool's placement group "
                     f"({len(bundles)} x {bundles[0]}) was not placed within {timeout:.0f} s; "
                     f"the cluster has {ray.available_resources()} available")
 
@@ -208,10 +214,8 @@ class RayPools:
         """The placement groups, then the session (a cluster started for the run stops)."""
         if ray.is_initialized():
             for pg in [*self.groups.values(), *self.grown.values()]:
-                try:
+                with contextlib.suppress(Exception):  # already gone (colocated: the same pg)
                     remove_placement_group(pg)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
         self.groups.clear()
         self.grown.clear()
         self.session.stop()

@@ -11,6 +11,7 @@ a whole (rank 0 exits when a rank actor ends, `SlotLeader`'s watch).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -56,10 +57,8 @@ class ActorRank:
         return code
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already gone
             ray.kill(self.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ An actor that dies (its process SIGKILLed, its node gone) fails the next `pull` 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import threading
@@ -155,10 +156,8 @@ class ActorProcess:
 
     def kill(self) -> None:
         if self.handle is not None and self._alive:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(self.handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         self._alive = False
 
     def gone(self, reason: str) -> None:

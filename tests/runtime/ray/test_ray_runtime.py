@@ -3,6 +3,7 @@ local runtime bit for bit in deterministic mode, placement is logged, the sessio
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,7 +16,9 @@ from safetensors.torch import load_file
 
 from flexmarl.api.runtime import WorkerError
 from flexmarl.config.schema import load_config
+from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import train
+from flexmarl.runtime.ray.placement import RayPools
 from flexmarl.runtime.ray.session import RayRuntimeError
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -85,6 +88,31 @@ def test_bf16_agents_train_and_publish_on_ray(tmp_path, ray_head):
     for path in result.checkpoints.values():  # the checkpoint holds the fp32 masters
         assert {str(t.dtype) for t in load_file(str(path / "model.safetensors")).values()} == {
             "torch.float32"}
+
+
+def test_colocated_pools_share_one_placement_group_bundle_by_bundle(ray_head):
+    """`runtime.colocate` on Ray: one placement group for both pools, replica i and training
+    slot i in bundle i, each asking half of it, so two replicas and two slots fit the 2-CPU
+    head (apart they would need 4 CPUs). The colocated runs: test_ray_colocate.py (slow)."""
+    rt = load_config(EXAMPLES / "relay_chain.yaml", [
+        *system_overrides("marti"), "runtime.kind=ray", f"runtime.address={ray_head}",
+        "runtime.rollout_workers=2", "runtime.train_workers=2"]).runtime
+    pools = RayPools("colocate", rt, {"rollout": 2, "train": 2})
+    try:
+        asyncio.run(pools.place())
+        group = pools.groups["rollout"]
+        assert pools.groups["train"] is group
+        assert list(ray.util.placement_group_table(group)["bundles"].values()) == \
+            [{"CPU": 1.0}] * 2
+        for i in range(2):
+            asks = [pools.options(pool, i) for pool in ("rollout", "train")]
+            assert [a["num_cpus"] for a in asks] == [0.5, 0.5]
+            assert all(a["scheduling_strategy"].placement_group is group
+                       and a["scheduling_strategy"].placement_group_bundle_index == i
+                       for a in asks)
+    finally:
+        pools.release()
+    assert not ray.is_initialized()
 
 
 @pytest.mark.slow  # make test budget: the shared-base LoRA test below checks Ray == local
