@@ -194,10 +194,10 @@ def engine_run(model: Any, reqs: list[Any], max_seqs: int, engine_cls: Any = Non
     return steps
 
 
-def _alternating(names: list[str], rounds: int,
-                 measure: Callable[[str], float]) -> dict[str, list[float]]:
+def alternating(names: list[str], rounds: int,
+                measure: Callable[[str], float]) -> dict[str, list[float]]:
     """`measure(name)` for every name, `rounds` times, in alternating order (forward, then
-    backward): side by side on a noisy machine."""
+    backward): side by side on a noisy machine (every benchmark of this package's)."""
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -258,7 +258,7 @@ def decode_step_costs(model: Any, batch: int, vocab: int, steps: int = 16, round
         _sync(model)
         return ((CLOCK() - t1) - (t1 - t0)) / steps
 
-    times = _alternating(list(runs), rounds, per_step)
+    times = alternating(list(runs), rounds, per_step)
     out: dict[str, dict[str, Any]] = {}
     for name, (lo, hi) in counts.items():
         out[name] = {"host_us": 1e6 * statistics.median(times[name]),
@@ -293,7 +293,7 @@ def long_tail_costs(model: Any, reqs: list[Any], max_seqs: int, rounds: int = 3,
         _sync(model)
         return CLOCK() - t0
 
-    times = _alternating(list(runs), rounds, whole)
+    times = alternating(list(runs), rounds, whole)
     for name in runs:
         if times[name]:  # rounds=0: counts only
             out[name]["s"] = statistics.median(times[name])

@@ -23,6 +23,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from flexmarl.bench.engine_overhead import alternating
 from flexmarl.config.schema import RunConfig, config_from_dict
 from flexmarl.policy import adapters
 from flexmarl.policy.model import build_model
@@ -149,13 +150,10 @@ def rollout_speed(model: dict[str, Any], vocab: int, n: int, batch: int, prompt:
     def single() -> None:
         HFEngine(plain, batch).run_to_completion(single_reqs)
 
-    runs: dict[str, list[float]] = {"mixed": [], "per_agent": [], "single": []}
     fns = {"mixed": mixed, "per_agent": per_agent, "single": single}
     for fn in fns.values():  # warm-up
         fn()
-    for _ in range(rounds):  # alternating, so load on a shared machine hits all alike
-        for key, fn in fns.items():
-            runs[key].append(_timed(fn))
+    runs = alternating(list(fns), rounds, lambda key: _timed(fns[key]))
     tokens = batch * new
     out = {f"{k}_tps": tokens / statistics.median(v) for k, v in runs.items()}
     out["ratio"] = out["mixed_tps"] / out["single_tps"]

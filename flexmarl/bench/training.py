@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexmarl.bench.engine_overhead import alternating
 from flexmarl.config.schema import AgentConfig, load_config
 from flexmarl.orchestrator.run import train
 from flexmarl.policy.model import build_model
@@ -266,30 +267,25 @@ def bench_overhead(cfg: AgentConfig, vocab: int, batches: list[list[Sample]],
     model, params, opt = _plain_setup(cfg, vocab)
     trl = _trl_setup(cfg, vocab, batches) if cfg.lora is None else None
     tokens = sum(len(s.prompt) + len(s.response) for b in batches for s in b)
-    times: dict[str, list[float]] = {"flexmarl": [], "plain": []}
-    if trl is not None:
-        times["trl"] = []
-
-    def run_trainer(k: int) -> None:
-        for b in batches:
-            trainer.accumulate([Sample(s.sample_id, s.prompt, s.response, s.old_logprobs,
-                                       s.advantage, s.allowed, s.temperature, k) for s in b])
-        trainer.step()
-
     clip = cfg.optim.max_grad_norm or 1e9
-    for r in range(rounds + 1):  # round 0 warms them up and is not counted
-        names = list(times)
-        for who in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            if who == "flexmarl":
-                run_trainer(r)
-            elif who == "plain":
-                _plain_iteration(model, params, opt, batches, clip)
-            else:
-                _trl_iteration(trl, batches, clip)
-            if r > 0:
-                times[who].append(time.perf_counter() - t0)
-    med = {who: statistics.median(t) for who, t in times.items()}
+
+    def run(who: str) -> float:
+        t0 = time.perf_counter()
+        if who == "flexmarl":  # rows of the trainer's own version
+            for b in batches:
+                trainer.accumulate([Sample(s.sample_id, s.prompt, s.response, s.old_logprobs,
+                                           s.advantage, s.allowed, s.temperature,
+                                           trainer.version) for s in b])
+            trainer.step()
+        elif who == "plain":
+            _plain_iteration(model, params, opt, batches, clip)
+        else:
+            _trl_iteration(trl, batches, clip)
+        return time.perf_counter() - t0
+
+    names = ["flexmarl", "plain"] + (["trl"] if trl is not None else [])
+    alternating(names, 1, run)  # warms them up, not counted
+    med = {who: statistics.median(t) for who, t in alternating(names, rounds, run).items()}
     out = {"tokens": tokens, "flexmarl_tps": tokens / med["flexmarl"],
            "plain_tps": tokens / med["plain"], "overhead": med["flexmarl"] / med["plain"] - 1.0}
     if "trl" in med:  # the goal: our step <= 0.8x TRL's

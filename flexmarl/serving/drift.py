@@ -23,6 +23,7 @@ Then the key starts afresh (a new peak is learnt from the next full window).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter, deque
@@ -153,20 +154,15 @@ class DriftMonitor:
                           good.policy_version, time.time())
         dep = svc.deployment.agents.get(agent) if svc.deployment is not None else None
         spec.carry_tenant_adapters(model)  # the tenants' own adapters are not rolled back
-        if dep is not None:
-            with dep.lock:
-                if dep.canary is not None:
-                    dep._rollback(dep.canary, "drift", None, None)
-                with spec.lock:
-                    spec.model, spec.version = model, version
-                svc.workers[agent].swap(model, version)
-                if dep.learner is not None:
-                    dep.learner.reset(model, version.number)
-                    dep.since_candidate = 0
-        else:
+        with dep.lock if dep is not None else contextlib.nullcontext():
+            if dep is not None and dep.canary is not None:
+                dep._rollback(dep.canary, "drift", None, None)
             with spec.lock:
                 spec.model, spec.version = model, version
             svc.workers[agent].swap(model, version)
+            if dep is not None and dep.learner is not None:
+                dep.learner.reset(model, version.number)
+                dep.since_candidate = 0
         self.history.setdefault(agent, {})[version.number] = (model, version)
         return version.number
 

@@ -78,6 +78,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
+def _buckets(items: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+             bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """`items` as host copies (floating ones cast to `dtype`), about `bucket_bytes` a bucket:
+    each item is made (gathered) only when its bucket is being filled."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for key, value in items:
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        bucket[key] = value.to("cpu", copy=True).contiguous()
+        size += bucket[key].numel() * bucket[key].element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+    if bucket:
+        yield bucket
+
+
 def shard_model(model: Any, mesh: DeviceMesh,
                 mixed_precision: MixedPrecisionPolicy | None = None) -> None:
     """FSDP2 over `mesh`, per transformer block and at the root. Frozen parameters (a LoRA
@@ -548,19 +566,8 @@ class ShardedAgentTrainer(AgentTrainer):
         if self.cfg.lora is not None:
             yield from self._merged_buckets(full=True, dtype=dtype, bucket_bytes=bucket_bytes)
             return
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
-        for name, v in self.model.state_dict().items():
-            full = _full(v)
-            if dtype is not None and full.is_floating_point():
-                full = full.to(dtype)
-            bucket[name] = full.to("cpu", copy=True).contiguous()
-            size += bucket[name].numel() * bucket[name].element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = {}, 0
-        if bucket:
-            yield bucket
+        yield from _buckets(((name, _full(v)) for name, v in self.model.state_dict().items()),
+                            dtype, bucket_bytes)
 
     def _merged_buckets(self, full: bool, dtype: torch.dtype | None = None,
                         bucket_bytes: int = PUBLISH_BUCKET_BYTES
@@ -572,39 +579,26 @@ class ShardedAgentTrainer(AgentTrainer):
         from peft.utils import transpose  # peft is LoRA's dependency
 
         prefix = "base_model.model."
-        bucket: dict[str, torch.Tensor] = {}
-        size = 0
+        merged: set[str] = set()
 
-        def put(key: str, value: torch.Tensor) -> bool:
-            nonlocal size
-            if dtype is not None and value.is_floating_point():
-                value = value.to(dtype)
-            bucket[key] = value.to("cpu", copy=True).contiguous()
-            size += bucket[key].numel() * bucket[key].element_size()
-            return size >= bucket_bytes
-
-        for name, layer in adapters._lora_layers(self.model):
-            if not hasattr(layer, "base_layer") or self.adapter not in layer.lora_A:
-                continue
-            base = _full(layer.base_layer.weight)
-            delta = transpose(_full(layer.lora_B[self.adapter].weight)
-                              @ _full(layer.lora_A[self.adapter].weight),
-                              layer.fan_in_fan_out) * layer.scaling[self.adapter]
-            key = name[len(prefix):] if name.startswith(prefix) else name
-            if put(f"{key}.weight", base + delta):
-                yield bucket
-                bucket, size = {}, 0
-        if full:
-            for key, value in self.model.state_dict().items():
-                if "lora_" in key:
+        def items() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, layer in adapters._lora_layers(self.model):
+                if not hasattr(layer, "base_layer") or self.adapter not in layer.lora_A:
                     continue
+                base = _full(layer.base_layer.weight)
+                delta = transpose(_full(layer.lora_B[self.adapter].weight)
+                                  @ _full(layer.lora_A[self.adapter].weight),
+                                  layer.fan_in_fan_out) * layer.scaling[self.adapter]
+                key = name[len(prefix):] if name.startswith(prefix) else name
+                merged.add(f"{key}.weight")
+                yield f"{key}.weight", base + delta
+            for key, value in self.model.state_dict().items() if full else ():
                 key = key[len(prefix):] if key.startswith(prefix) else key
                 key = key.replace(".base_layer.", ".")
-                if key not in bucket and put(key, _full(value)):
-                    yield bucket
-                    bucket, size = {}, 0
-        if bucket:
-            yield bucket
+                if "lora_" not in key and key not in merged:  # (its base is merged already)
+                    yield key, _full(value)
+
+        yield from _buckets(items(), dtype, bucket_bytes)
 
     def _adapter_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """`adapters.adapter_tensors` of this agent, one layer's A and B at a time."""

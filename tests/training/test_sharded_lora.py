@@ -211,3 +211,11 @@ def test_one_rank_shared_base_adapter_trains_alone_and_publishes_only_itself(one
                atol=1e-6)
     assert (folders["sharded"] / "flexmarl.json").read_text() == \
         (folders["plain"] / "flexmarl.json").read_text()
+    # an own-base agent's merged export in small buckets (a large model's): each adapted
+    # layer's merged weight, never its base weight from a later bucket
+    with torch.no_grad():  # B != 0: merged and base weights differ
+        for name, p in own.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.01)
+    merged = {k: v for bucket in own.weight_buckets(bucket_bytes=1) for k, v in bucket.items()}
+    _close(merged, own.full_weights(), atol=0)

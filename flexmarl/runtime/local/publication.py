@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from flexmarl.api.runtime import WorkerError, WorkerLost
-from flexmarl.training.state import TrainingState, _header, _unflat
+from flexmarl.training.state import TrainingState, _header, _unflat, comm_device
 
 if TYPE_CHECKING:
     from flexmarl.policy.device import Placement
@@ -107,12 +107,6 @@ class PairGroups:
             self._groups.pop(key, None)
 
 
-def comm_device(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class SlotPublisher:
     """A training slot's published versions, kept until a newer version of the agent is
     published (a restarted replica loads the latest from here), and the sends."""
@@ -149,7 +143,7 @@ class SlotPublisher:
         def one(i: int, key: str, backend: str) -> None:
             try:
                 group = self.groups.get(key, 0, backend)
-                group.send([flat.to(comm_device(backend))], 1, 0).wait()
+                group.send([flat.to(comm_device(group))], 1, 0).wait()
             except Exception as exc:  # noqa: BLE001 - a lost or hung replica
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 self.groups.drop(key)
@@ -169,7 +163,7 @@ def receive(groups: PairGroups, ref: PublishedRef, key: str, backend: str) -> An
 
     try:
         group = groups.get(key, 1, backend)
-        buf = torch.empty(ref.nbytes, dtype=torch.uint8, device=comm_device(backend))
+        buf = torch.empty(ref.nbytes, dtype=torch.uint8, device=comm_device(group))
         group.recv([buf], 0, 0).wait()
     except Exception:
         groups.drop(key)

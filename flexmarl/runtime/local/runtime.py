@@ -1113,15 +1113,17 @@ class Supervisor:
         key = (proxy.pool, proxy.index)
         self._tasks[key] = asyncio.ensure_future(self._restart(proxy, died_at))
 
+    def _give_up(self, old: WorkerProxy, why: str) -> None:
+        """`old` stays lost: the run ends with why (`worker_unrecoverable`)."""
+        self._fatal = f"{old.pool} worker {old.index} lost ({old.lost_reason}) and {why}"
+        self._event("worker_unrecoverable", pool=old.pool, worker=old.index, reason=self._fatal)
+        self._changed.set()
+
     async def _restart(self, old: WorkerProxy, died_at: float) -> None:
         while True:
             if self.restarts >= self.cfg.max_worker_restarts:
-                self._fatal = (f"{old.pool} worker {old.index} lost ({old.lost_reason}) and "
-                               f"runtime.max_worker_restarts={self.cfg.max_worker_restarts} "
-                               f"restarts are used up")
-                self._event("worker_unrecoverable", pool=old.pool, worker=old.index,
-                            reason=self._fatal)
-                self._changed.set()
+                self._give_up(old, f"runtime.max_worker_restarts="
+                                   f"{self.cfg.max_worker_restarts} restarts are used up")
                 return
             self.restarts += 1
             new = old.fresh()
@@ -1139,11 +1141,7 @@ class Supervisor:
                 continue
             except Exception as exc:  # noqa: BLE001 - ends the run with why, never a silent wait
                 await new.stop(timeout=1)
-                self._fatal = (f"{old.pool} worker {old.index} lost ({old.lost_reason}) and its "
-                               f"restart failed: {type(exc).__name__}: {exc}")
-                self._event("worker_unrecoverable", pool=old.pool, worker=old.index,
-                            reason=self._fatal)
-                self._changed.set()
+                self._give_up(old, f"its restart failed: {type(exc).__name__}: {exc}")
                 return
             new.on_death = self._on_death
             workers = self.rt.rollout_workers if old.pool == "rollout" else self.rt.train_workers
