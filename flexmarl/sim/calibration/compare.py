@@ -118,7 +118,11 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     task = prepare(first)
     base = Path(out or Path("runs") / "compare" / first.name)
     base.mkdir(parents=True, exist_ok=True)
-    prof = load_or_profile(first, task, profile, base, reps, log)
+    # the agents' costs on this machine: the config as given, on the local runtime (the one
+    # the mirror simulates), whatever the first system's settings
+    profiled = load_config(config, [*overrides, "runtime.kind=local"] +
+                           ([f"train.iterations={iterations}"] if iterations is not None else []))
+    prof = load_or_profile(profiled, task, profile, base, reps, log)
     rows = {s: SystemRow(s) for s in systems}
     saved = {"config": str(config), "overrides": overrides, "rounds": rounds, "pin": pin,
              "machine": machine_info(), "settings": settings,

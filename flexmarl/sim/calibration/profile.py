@@ -344,6 +344,8 @@ def echo_worker_main(conn: Any, spec: Any) -> None:
             result = blob
         elif command == "get_state":
             result = ({}, {"version": 0})
+        elif command in ("sleep", "wake"):  # runtime.colocate: the bytes freed / loaded
+            result = {"kv_bytes": 0.0, "weight_bytes": 0.0}
         conn.send((msg_id, True, result, []))
 
 
@@ -776,6 +778,17 @@ def driver_marks(cfg: Any, iterations: int, publish: list[float] | None = None
     return marks
 
 
+def pipelined_config(cfg: Any) -> Any:
+    """The config `measure_driver` runs pipelined: its own, or async for a sync config (then
+    with separate pools and the agents trained together: colocated pools and agents trained
+    in turn are sync-only, and the workers would refuse the config)."""
+    if cfg.pipeline.mode != "sync":
+        return cfg
+    return mirror_config(cfg.model_copy(update={
+        "runtime": cfg.runtime.model_copy(update={"colocate": False}),
+        "pipeline": cfg.pipeline.model_copy(update={"train_agents": "together"})}), mode="async")
+
+
 def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     """The driver's CPU as real runs of the config spend it (its requests' and calls'
     pickling, the task's prompts and rewards, the store, the metrics and telemetry files,
@@ -787,6 +800,8 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     `publish_s`: the median wall seconds of a publication's send in both runs (a replica
     receiving it stops decoding meanwhile, `mirror.SimRolloutWorker`)."""
     sends: list[float] = []
+    # on the local runtime, which the mirror simulates (a Ray run's comparison too)
+    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
     sync = driver_marks(mirror_config(cfg, mode="sync"), iterations, sends)
     rollout = train_s = 0.0
     requests = calls = 0
@@ -808,8 +823,8 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     per_call = train_s / max(1, calls)
     out = {"per_request_s": per_request, "per_train_call_s": per_call,
            "sync_per_iteration_s": (rollout + train_s) / max(1, iterations - 1)}
-    piped_cfg = cfg if cfg.pipeline.mode != "sync" else mirror_config(cfg, mode="async")
-    piped = [m for m in driver_marks(piped_cfg, iterations, sends) if m[0] != "rollout"]
+    piped = [m for m in driver_marks(pipelined_config(cfg), iterations, sends)
+             if m[0] != "rollout"]
     first, end = piped[min(1, len(piped) - 1)], piped[-1]  # the first iteration's record
     charged = per_request * (end[2] - first[2]) + per_call * (end[3] - first[3])
     spent = end[1] - first[1]

@@ -5,16 +5,20 @@ recorded one so the test does not spend its time profiling)."""
 import json
 import multiprocessing as mp
 import os
+from pathlib import Path
 
 import pytest
 import yaml
 
-from flexmarl.config.schema import ConfigError, load_config
+from flexmarl.config.schema import ConfigError, RunConfig, load_config
 from flexmarl.config.systems import NOT_YET, SYSTEM_SETTINGS, system_overrides
 from flexmarl.policy.device import Placement, plan_placements
 from flexmarl.sim.calibration.compare import compare, pinned_overrides, resimulate
+from flexmarl.sim.calibration.profile import pipelined_config
 from flexmarl.sim.simulate import SYSTEMS
 from tests.sim.calibration.test_profile import _synthetic_profile, tiny_config
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def test_every_real_preset_and_every_refusal_is_a_simulated_system():
@@ -95,3 +99,13 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     if os.cpu_count() and os.cpu_count() >= 2:
         assert pinned_overrides()[0].startswith("runtime.rollout_cpus=[0")
         assert run_cfg.runtime.rollout_cpus == [0] or 0 in run_cfg.runtime.rollout_cpus
+
+
+@pytest.mark.parametrize("system", ["marti", "mas-rl-like", "flexmarl-sync", "flexmarl"])
+def test_the_driver_measures_pipelined_run_is_a_valid_config_for_every_system(system):
+    """The profiler's pipelined real run of a colocated or turn-by-turn config (a comparison
+    whose first system is marti) was async with colocate on: its workers refused it."""
+    cfg = load_config(EXAMPLES / "relay_chain.yaml", system_overrides(system))
+    piped = pipelined_config(cfg)
+    assert piped.pipeline.mode != "sync"
+    RunConfig.model_validate(piped.model_dump())  # what a worker does with its spec
