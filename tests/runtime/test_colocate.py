@@ -81,16 +81,22 @@ def _same_checkpoints(x, y) -> None:
         assert all((a[k] == b[k]).all() for k in a), agent
 
 
+def assert_asleep_while_training(seen: dict) -> None:
+    """What the replicas answered while each training call ran (`_instrument`): every engine
+    asleep, no KV pool held; at least an accumulate and a step per agent and iteration."""
+    assert len(seen["training"]) >= 2 * 3
+    for replicas in seen["training"]:
+        for engines in replicas:
+            assert engines and all(e["asleep"] and e["kv_pool_bytes"] == 0
+                                   for e in engines.values()), engines
+
+
 def test_colocated_replicas_sleep_while_training_runs(runs):
     colocated, _, seen = runs
     # every worker process, replicas and training slot, pinned to the same core
     assert seen["affinity"] and all(a == {0} for a in seen["affinity"])
     # asked of the replica processes: while any training call runs, no engine holds a KV pool
-    assert len(seen["training"]) >= 2 * 3  # an accumulate and a step per agent and iteration
-    for replicas in seen["training"]:
-        for engines in replicas:
-            assert engines and all(e["asleep"] and e["kv_pool_bytes"] == 0
-                                   for e in engines.values()), engines
+    assert_asleep_while_training(seen)
     first, second = colocated.records
     assert first["pool/rollout/sleep_kv_bytes"] > 0 and first["pool/rollout/sleep_s"] > 0
     assert "pool/rollout/wake_s" not in first  # awake from the start

@@ -14,7 +14,11 @@ import ray
 from flexmarl.config.schema import load_config
 from flexmarl.config.systems import system_overrides
 from flexmarl.orchestrator.run import train
-from tests.runtime.test_colocate import _instrument, _same_checkpoints
+from tests.runtime.test_colocate import (
+    _instrument,
+    _same_checkpoints,
+    assert_asleep_while_training,
+)
 
 RELAY = Path(__file__).resolve().parents[3] / "examples" / "relay_chain.yaml"
 # two short deterministic sync iterations (test_colocate.py's, the cores left to Ray)
@@ -38,11 +42,7 @@ def test_colocated_presets_on_ray_sleep_and_equal_the_local_run(system, tmp_path
     assert replica["bundle"] == slot["bundle"] == 0
     assert replica["resources"] == slot["resources"] == {"CPU": 0.5}
     # asked of the replica actors while each training call runs: no engine holds a KV pool
-    assert len(seen["training"]) >= 2 * 3
-    for replicas in seen["training"]:
-        for engines in replicas:
-            assert engines and all(e["asleep"] and e["kv_pool_bytes"] == 0
-                                   for e in engines.values()), engines
+    assert_asleep_while_training(seen)
     first, second = on_ray.records
     assert first["pool/rollout/sleep_kv_bytes"] > 0 and first["pool/rollout/sleep_s"] > 0
     if system == "marti":  # all engines wake before the next rollout
