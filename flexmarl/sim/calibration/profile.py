@@ -800,8 +800,6 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     `publish_s`: the median wall seconds of a publication's send in both runs (a replica
     receiving it stops decoding meanwhile, `mirror.SimRolloutWorker`)."""
     sends: list[float] = []
-    # on the local runtime, which the mirror simulates (a Ray run's comparison too)
-    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"kind": "local"})})
     sync = driver_marks(mirror_config(cfg, mode="sync"), iterations, sends)
     rollout = train_s = 0.0
     requests = calls = 0
