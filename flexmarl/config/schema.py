@@ -62,6 +62,12 @@ class ModelConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Recompute activations in the backward pass (less memory, about a third more compute).
     gradient_checkpointing: bool = False
+    # The trainer splits a micro-batch by length when the algorithm's loss is row by row
+    # (grpo; ppo without whitening): its rows, sorted by length, go into the sub-batches (one
+    # forward and backward each) that minimise the padded tokens plus this many tokens per
+    # sub-batch, a call's fixed cost. Long-tailed lengths otherwise pad every row of a
+    # micro-batch to its longest. None: 64 on CPU, 1024 on a GPU; 0: never split.
+    split_call_tokens: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _path_needed(self) -> ModelConfig:

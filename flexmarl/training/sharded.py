@@ -213,6 +213,9 @@ class ShardedAgentTrainer(AgentTrainer):
                                       total_steps, max_staleness, device="cpu")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device, policy=policy)
+        # the ranks must run the same forward/backward calls (FSDP's collectives): a
+        # micro-batch is not split by length here (each rank's share would split differently)
+        self.split_call_tokens = 0
         self.state_dir = state_dir
         self.mesh = mesh
         self.group = self.mesh.get_group()

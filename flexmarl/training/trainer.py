@@ -36,6 +36,41 @@ from flexmarl.types import Sample
 # rows per forward/backward in the passes after the first (`algorithm.epochs`): a fixed
 # chunking, so the summation order never depends on how the first pass's micro-batches came
 EPOCH_CHUNK_ROWS = 64
+# `model.split_call_tokens` left out: a forward and backward call's fixed cost, in tokens
+SPLIT_CALL_TOKENS = {"cpu": 64, "accelerator": 1024}
+
+
+def split_call_tokens(cfg: AgentConfig, device: torch.device) -> int:
+    """`model.split_call_tokens` as a trainer on `device` applies it; 0 (never split) when the
+    algorithm's loss takes statistics over the micro-batch (`rows_independent`)."""
+    if not algorithms.get(cfg.algorithm.name).rows_independent(cfg.algorithm):
+        return 0
+    if cfg.model.split_call_tokens is not None:
+        return cfg.model.split_call_tokens
+    return SPLIT_CALL_TOKENS["cpu" if device.type == "cpu" else "accelerator"]
+
+
+def length_split(lengths: list[int], call_tokens: int) -> list[list[int]]:
+    """The rows (indices into `lengths`), sorted by length, cut into the runs that minimise
+    sum over runs of (call_tokens + rows x longest): the padded tokens of one forward per run
+    plus each call's fixed cost. Exact (dynamic programming over the sorted rows); ties keep
+    the rows' order, so the split depends only on the lengths. call_tokens 0: one run."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if call_tokens <= 0 or len(order) < 2:
+        return [order] if order else []
+    ordered = [lengths[i] for i in order]
+    n = len(order)
+    best = [0] + [0] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):  # best[j]: the cheapest split of the j shortest rows
+        best[j], cut[j] = min((best[i] + call_tokens + (j - i) * ordered[j - 1], i)
+                              for i in range(j))
+    runs = []
+    j = n
+    while j > 0:
+        runs.append(order[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
 
 
 class TrainingError(RuntimeError):
@@ -97,6 +132,7 @@ class AgentTrainer:
         self.total_steps = cfg.optim.total_steps or total_steps or 1
         self.device = torch.device(device or process_device())
         self.compute_dtype = compute_dtype(cfg.model.dtype, self.device)
+        self.split_call_tokens = split_call_tokens(cfg, self.device)
         # float16 gradients underflow without scaling: a fixed loss scale, divided out at the
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
@@ -227,8 +263,21 @@ class AgentTrainer:
         return {"rows": float(len(samples))}
 
     def _backward(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
-        """Forward and backward of one micro-batch; its loss metrics, summed over its rows.
-        A non-finite loss adds no gradient and poisons the step (`_nonfinite`)."""
+        """Forward and backward of one micro-batch, split by length (`length_split`); its
+        loss metrics, summed over its rows."""
+        runs = length_split([len(s.prompt) + len(s.response) for s in samples],
+                            self.split_call_tokens)
+        if len(runs) == 1:
+            return self._backward_batch(samples, first_pass)
+        metrics: dict[str, float] = {}
+        for run in runs:
+            for k, v in self._backward_batch([samples[i] for i in run], first_pass).items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        return metrics
+
+    def _backward_batch(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
+        """Forward and backward of rows padded to one width; their loss metrics, summed over
+        the rows. A non-finite loss adds no gradient and poisons the step (`_nonfinite`)."""
         batch = make_token_batch(
             [s.prompt for s in samples],
             [s.response for s in samples],

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import RunConfig
@@ -64,6 +65,7 @@ from flexmarl.sim.runtime.clock import run_virtual
 from flexmarl.telemetry.recorder import Telemetry
 from flexmarl.training.digest_host import DigestSlotHost
 from flexmarl.training.host import TrainHost
+from flexmarl.training.trainer import length_split, split_call_tokens
 from flexmarl.types import GenerationRequest, GenerationResult
 
 _WORKER_KINDS = ("rollout", "train")  # the run's worker processes (the driver is "driver")
@@ -594,8 +596,10 @@ class SimTrainWorker(_Common):
     the profile's costs (a first `bind` of an agent builds its trainer, later ones swap it in)."""
 
     def __init__(self, index: int, profile: LocalProfile, sink: Any, cpu: CpuShare,
-                 parent: ParentProcess) -> None:
+                 parent: ParentProcess, split: dict[str, int] | None = None) -> None:
         super().__init__("train", index, profile, sink, cpu, parent)
+        # per agent, the trainer's `model.split_call_tokens` on CPU (`length_split`)
+        self.split = split or {}
         self.lock = asyncio.Lock()  # FIFO: the pipe's order
         # who is resident, versions, results; a swapped-out state stays parked here, as in a
         # real slot's kept trainer, and comes back as `("kept", token)` (`TrainHost.bind`)
@@ -682,10 +686,11 @@ class SimTrainWorker(_Common):
                 self.built.add(agent)
             return result, cost, reply, agent
         if command == "accumulate":
-            samples = payload[1]
-            width = max((len(s.prompt) + len(s.response) for s in samples), default=0)
-            cost = _cost(prof.get(agent), "accumulate", rows=len(samples),
-                         tokens=len(samples) * width) if samples else 0.0
+            # one forward and backward per run of the trainer's split by length
+            lengths = [len(s.prompt) + len(s.response) for s in payload[1]]
+            cost = sum(_cost(prof.get(agent), "accumulate", rows=len(run),
+                             tokens=len(run) * max(lengths[i] for i in run))
+                       for run in length_split(lengths, self.split.get(agent, 0)))
             return result, cost, 64, agent
         nbytes = prof[agent].weights_bytes
         fit, reply = {"step": ("step", nbytes), "weights": ("weights", nbytes),
@@ -799,7 +804,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
                                      parent) for i in range(rt.rollout_workers)]
-        tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent)
+        split = {a: split_call_tokens(cfg.agents[a], torch.device("cpu")) for a in trainable}
+        tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent, split)
                     for i in range(max(1, min(rt.train_workers, len(trainable))))]
         workers.extend(rworkers)
         workers.extend(tworkers)

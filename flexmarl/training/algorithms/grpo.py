@@ -28,7 +28,8 @@ from flexmarl.config.schema import GRPOConfig
 from flexmarl.training.algorithms.common import LossInputs, entropy_coef, policy_loss, reward_kl
 
 __all__ = ["baseline_advantages", "entropy_coef", "group_advantages", "label_balanced_advantages",
-           "loss", "normalized_advantages", "reward_stats", "sequence_advantages"]
+           "loss", "normalized_advantages", "reward_stats", "rows_independent",
+           "sequence_advantages"]
 
 
 def group_advantages(rewards: list[float], cfg: GRPOConfig) -> list[float]:
@@ -89,6 +90,12 @@ def reward_stats(rewards: list[float]) -> tuple[float, float]:
     """Mean and population std, exactly rounded sums (independent of the rewards' order)."""
     mean = math.fsum(rewards) / len(rewards)
     return mean, math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
+
+
+def rows_independent(cfg: GRPOConfig) -> bool:
+    """Each row's loss depends on that row alone (its advantage came with it), so the trainer
+    may split a micro-batch into sub-batches by length and get the same sum."""
+    return True
 
 
 def loss(inp: LossInputs, cfg: GRPOConfig, step: int = 0) -> tuple[torch.Tensor, dict[str, float]]:

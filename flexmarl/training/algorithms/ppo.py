@@ -47,6 +47,12 @@ def gae(
     return adv, (adv + values) * mask
 
 
+def rows_independent(cfg: PPOConfig) -> bool:
+    """Without whitening each row's loss is its own; whitening takes statistics over the
+    micro-batch's tokens, which a split into sub-batches would change."""
+    return not cfg.whiten_advantages
+
+
 def loss(inp: LossInputs, cfg: PPOConfig, step: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
     if inp.values is None:
         raise ValueError("ppo.loss needs critic values")
@@ -62,4 +68,4 @@ def loss(inp: LossInputs, cfg: PPOConfig, step: int = 0) -> tuple[torch.Tensor, 
     return total, metrics
 
 
-__all__ = ["gae", "loss", "sequence_advantages"]
+__all__ = ["gae", "loss", "rows_independent", "sequence_advantages"]

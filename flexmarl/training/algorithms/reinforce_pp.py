@@ -46,6 +46,11 @@ def advantages(inp: LossInputs, cfg: ReinforcePPConfig) -> torch.Tensor:
     return whiten(returns, inp.mask, cfg.adv_eps, inp.total)
 
 
+def rows_independent(cfg: ReinforcePPConfig) -> bool:
+    """The returns are whitened over the micro-batch's tokens: its rows belong together."""
+    return False
+
+
 def loss(
     inp: LossInputs, cfg: ReinforcePPConfig, step: int = 0
 ) -> tuple[torch.Tensor, dict[str, float]]:
