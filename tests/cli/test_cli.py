@@ -23,12 +23,19 @@ def _assert_clean_error(proc, *fragments):
         assert fragment in proc.stderr, proc.stderr
 
 
+# The five error tests below are slow (make test budget: ~28 s of subprocesses, each
+# importing torch). make test runs each of these errors through main() in
+# tests/cli/test_bad_inputs.py, which also runs one real subprocess per group of errors;
+# the sibling is named at each marker.
+@pytest.mark.slow  # sibling: test_bad_input_in_process[config file: malformed YAML]
 def test_malformed_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("agents: [\n")
     _assert_clean_error(_cli("train", str(bad)), str(bad), "malformed YAML")
 
 
+@pytest.mark.slow  # siblings: test_bad_input_real_subprocess[config fields: unknown key
+# (typo)], test_bad_input_in_process[config fields: wrong type]
 def test_unknown_key_and_wrong_type():
     _assert_clean_error(_cli("train", str(EXAMPLE), "--set", "train.iteratons=3"),
                         "train.iteratons: unknown key")
@@ -36,17 +43,20 @@ def test_unknown_key_and_wrong_type():
                         "train.iterations: Input should be a valid integer")
 
 
+@pytest.mark.slow  # sibling: test_bad_input_in_process[task builder: module missing]
 def test_import_path_that_does_not_resolve():
     _assert_clean_error(_cli("train", str(EXAMPLE), "--set", "task.builder=nowhere.mod:fn"),
                         "task.builder: cannot import module 'nowhere.mod'")
 
 
+@pytest.mark.slow  # sibling: test_bad_input_in_process[task builder: graph with a cycle]
 def test_graph_with_a_cycle():
     _assert_clean_error(
         _cli("train", str(EXAMPLE), "--set", "task.builder=tests.orchestrator.faulty_tasks:cyclic"),
         "graph has a cycle: speak -> listen -> speak")
 
 
+@pytest.mark.slow  # sibling: test_bad_input_in_process[task builder: agent no node uses]
 def test_agent_without_node():
     _assert_clean_error(_cli("train", str(EXAMPLE), "--set", "agents.critic={}"),
                         "agents.critic: configured, but no node of the graph uses it")
