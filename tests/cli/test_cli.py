@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from flexmarl.cli.doctor import load_run
+from flexmarl.cli.main import main
+from flexmarl.cli.report import _samples_table
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "referential_game.yaml"
 
@@ -62,10 +66,10 @@ def test_agent_without_node():
                         "agents.critic: configured, but no node of the graph uses it")
 
 
-def test_train_writes_metrics_trace_and_reloadable_checkpoints(tmp_path):
+def test_train_writes_metrics_trace_and_reloadable_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"
     proc = _cli("train", str(EXAMPLE), "--set", "train.iterations=3", "--set", "seed=1",
-                "--set", "pipeline.mode=sync", "--out", str(out))
+                "--set", "pipeline.mode=sync", "--out", str(out), "--show-samples", "1")
     assert proc.returncode == 0, proc.stderr
     assert "final success rate" in proc.stdout and str(out / "metrics.jsonl") in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -78,6 +82,19 @@ def test_train_writes_metrics_trace_and_reloadable_checkpoints(tmp_path):
     trace = json.loads((out / "trace.json").read_text())
     cats = {e.get("cat") for e in trace["traceEvents"]}
     assert {"gen", "acc", "step"} <= cats
+    # --show-samples 1: one sample per agent and iteration printed live, the same in the file
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert sorted(line.split("]")[0] for line in printed) == ["[listener"] * 3 + ["[speaker"] * 3
+    kept = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(kept) == 3 * 2 * 2  # default 2 per agent and iteration
+    first = kept[0]
+    assert printed[0].startswith(f"[{first['agent']}] it 0 {first['node']}")
+    assert f"answer ({first['answer_tokens']} tokens): " in proc.stderr
+    # doctor reads the run's folder, the report's table shows what the agents said (the
+    # report's page and images: tests/cli/test_doctor_report.py)
+    assert main(["doctor", str(out)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert "<td>speak</td>" in _samples_table(load_run(out))
     transformers = pytest.importorskip("transformers")
     for agent in ("speaker", "listener"):
         path = out / "checkpoints" / "final" / agent
