@@ -139,6 +139,9 @@ CASES = [
          "task.options.num_objects: must be an integer >= 2"),
     Case("task builder", "agent no node uses", train("--set", "agents.critic={}"),
          "agents.critic: configured, but no node of the graph uses it"),
+    Case("task builder", "graph with a cycle",
+         train("--set", "task.builder=tests.orchestrator.faulty_tasks:cyclic"),
+         "graph has a cycle: speak -> listen -> speak"),
     # --- values user functions return ---
     Case("user functions", "token id >= vocab", bad_task("out_of_vocab"),
          "node 'listen' (agent 'listener'): prompt builder: tokens[8] = 35 is outside agent "

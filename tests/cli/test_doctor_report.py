@@ -128,6 +128,12 @@ def test_report_in_headless_chromium(tmp_path):
     assert shot.exists() and shot.stat().st_size > 20000
 
 
+# make test budget (22 s measured): each backend reads back the same records in
+# tests/telemetry/test_loggers.py; doctor and report on a recorded run above
+# (test_doctor_finds_nothing_in_a_healthy_run, test_report_renders_html_with_images);
+# --show-samples, samples.jsonl, doctor and the report's samples table on a real CLI run:
+# tests/cli/test_cli.py::test_train_writes_metrics_trace_and_reloadable_checkpoints
+@pytest.mark.slow
 def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
     """One real CLI run, all four backends: the same metric names in each; doctor and report
     read its folder."""
