@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -137,25 +138,40 @@ def make_token_batch(
     temperatures: list[float],
     vocab: int,
 ) -> TokenBatch:
+    """Rows of prompt + response, right-padded to the longest; one scatter per tensor (not a
+    copy per row) and one mask per distinct `allowed` (a node's rows share theirs)."""
     bsz = len(prompts)
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    rwidth = max(max(len(r) for r in responses), 1)
-    input_ids = torch.full((bsz, width), PAD, dtype=torch.long)
-    attn = torch.zeros((bsz, width), dtype=torch.long)
-    rmask = torch.zeros((bsz, rwidth), dtype=torch.float32)
-    rtok = torch.zeros((bsz, rwidth), dtype=torch.long)
-    start = torch.zeros(bsz, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        seq = list(p) + list(r)
-        input_ids[i, : len(seq)] = torch.as_tensor(seq)
-        attn[i, : len(seq)] = 1
-        rmask[i, : len(r)] = 1.0
-        if r:
-            rtok[i, : len(r)] = torch.as_tensor(r)
-        start[i] = len(p)
-    masks = torch.stack([mask_row(vocab, a) for a in allowed])
+    plen = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=bsz)
+    rlen = np.fromiter((len(r) for r in responses), dtype=np.int64, count=bsz)
+    if len(responses) != bsz:
+        raise ValueError(f"{bsz} prompts but {len(responses)} responses")
+    seq_len = plen + rlen
+    width = int(seq_len.max())
+    rwidth = max(int(rlen.max()), 1)
+    row = np.arange(bsz)
+    # every token of every row, in order, and where it goes: (row, column)
+    flat = np.fromiter((t for p, r in zip(prompts, responses, strict=True)
+                        for part in (p, r) for t in part), dtype=np.int64,
+                       count=int(seq_len.sum()))
+    rows = np.repeat(row, seq_len)
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(seq_len) - seq_len, seq_len)
+    input_ids = np.full((bsz, width), PAD, dtype=np.int64)
+    input_ids[rows, cols] = flat
+    attn = (np.arange(width)[None, :] < seq_len[:, None]).astype(np.int64)
+    rmask = (np.arange(rwidth)[None, :] < rlen[:, None]).astype(np.float32)
+    rtok = np.zeros((bsz, rwidth), dtype=np.int64)
+    is_response = cols >= np.repeat(plen, seq_len)
+    rtok[rows[is_response], (cols - np.repeat(plen, seq_len))[is_response]] = flat[is_response]
+    masks: dict[tuple[int, ...] | None, torch.Tensor] = {}
+    for a in allowed:
+        key = None if a is None else tuple(a)
+        if key not in masks:
+            masks[key] = mask_row(vocab, a)
+    mask = torch.stack([masks[None if a is None else tuple(a)] for a in allowed])
     temps = torch.tensor(temperatures, dtype=torch.float32).unsqueeze(1)
-    return TokenBatch(input_ids, attn, rmask, rtok, start, masks, temps)
+    return TokenBatch(torch.from_numpy(input_ids), torch.from_numpy(attn),
+                      torch.from_numpy(rmask), torch.from_numpy(rtok), torch.from_numpy(plen),
+                      mask, temps)
 
 
 def response_forward(

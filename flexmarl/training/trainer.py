@@ -59,6 +59,8 @@ def length_split(lengths: list[int], call_tokens: int) -> list[list[int]]:
     if call_tokens <= 0 or len(order) < 2:
         return [order] if order else []
     ordered = [lengths[i] for i in order]
+    if ordered[0] == ordered[-1]:  # nothing to save: more runs only add calls
+        return [order]
     n = len(order)
     best = [0] + [0] * n
     cut = [0] * (n + 1)
@@ -286,10 +288,13 @@ class AgentTrainer:
             self.vocab,
         ).to(self.device)
         rwidth = batch.response_tokens.shape[1]
-        old = torch.zeros((len(samples), rwidth))
-        for i, s in enumerate(samples):
-            old[i, : len(s.old_logprobs)] = torch.as_tensor(s.old_logprobs)
-        old = old.to(self.device)
+        counts = np.fromiter((len(s.old_logprobs) for s in samples), dtype=np.int64,
+                             count=len(samples))
+        old_np = np.zeros((len(samples), rwidth), dtype=np.float32)
+        old_np[np.arange(rwidth)[None, :] < counts[:, None]] = np.fromiter(
+            (v for s in samples for v in s.old_logprobs), dtype=np.float32,
+            count=int(counts.sum()))
+        old = torch.from_numpy(old_np).to(self.device)
         shared_head = self.value_head is not None and self.critic_model is None
         ent_grad = entropy_coef(self.cfg.algorithm, self.version) > 0
         with self._autocast():
