@@ -14,8 +14,10 @@ pyyaml, rich and msgpack are needed. It prints:
    Llama-shaped random model of about 1.1B parameters at batch 64 and 256: tokens/s against
    `generate` and against the memory-bandwidth limit (weights read once per decode step, at
    the copy bandwidth measured on the device) (`llama`);
-2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW), and
-   the K=1 FSDP trainer (a sharded slot's code path on a one-rank mesh) against it (`fsdp`);
+2. trainer tokens/s against a plain PyTorch loop (same rows, same autocast, same AdamW), a
+   long-tailed micro-batch whole against split by length (`split`: which
+   `model.split_call_tokens` suits the device), and the K=1 FSDP trainer (a sharded slot's
+   code path on a one-rank mesh) against the one-device trainer (`fsdp`);
 3. swap MB/s of a full training state device <-> pinned host, and publication MB/s trainer ->
    replica (the wire form a worker pipe carries, loaded into the replica's model), then
    between processes: `runtime.publication` pipe against collective (NCCL with more GPUs than
@@ -53,7 +55,7 @@ from flexmarl.config.schema import AgentConfig, ModelConfig, load_config  # noqa
 from flexmarl.policy.model import build_model  # noqa: E402
 from flexmarl.rollout.engine import HFEngine  # noqa: E402
 from flexmarl.training import state as st  # noqa: E402
-from flexmarl.training.trainer import AgentTrainer, Sample  # noqa: E402
+from flexmarl.training.trainer import AgentTrainer, Sample, length_split  # noqa: E402
 from flexmarl.types import GenerationRequest  # noqa: E402
 
 MB = 1024 * 1024
@@ -377,6 +379,47 @@ def bench_trainer(device: torch.device, small: bool, vocab: int) -> AgentTrainer
     return trainer
 
 
+# --- 2a. a long-tailed micro-batch, whole against split by length ---------------------------
+def bench_split(device: torch.device, small: bool, vocab: int) -> None:
+    """`model.split_call_tokens` on this device: one micro-batch of long-tailed rows (output
+    lengths log-normal, sigma 1, capped at 8x the mean) through the trainer whole (0), with the
+    default (None: 1024 on a GPU) and with a few other costs per call, alternating."""
+    section("training: a long-tailed micro-batch whole vs split by length (split_call_tokens)")
+    rows, prompt, mean = (16, 16, 16) if small else (16, 128, 128)
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(8 * mean, np.maximum(1, rng.lognormal(np.log(mean) - 0.5, 1.0, rows)))
+    batch = [Sample(f"0-{i}_0_0", rng.integers(3, vocab, size=prompt).tolist(),
+                    rng.integers(3, vocab, size=int(n)).tolist(), [-1.0] * int(n),
+                    float(rng.normal()), None, 1.0, 0) for i, n in enumerate(lengths)]
+    padded = rows * max(len(s.prompt) + len(s.response) for s in batch)
+    real = sum(len(s.prompt) + len(s.response) for s in batch)
+    choices: list[int | None] = [0, None, 64, 256, 4096]
+    trainers = {}
+    for split in choices:
+        raw = {"model": {**model_cfg(small).model_dump(), "split_call_tokens": split},
+               "algorithm": {"name": "grpo"}, "optim": {"lr": 1e-5}}
+        trainers[str(split)] = AgentTrainer("bench", AgentConfig.model_validate(raw), vocab,
+                                            2048, run_seed=0, device=str(device))
+
+    def accumulate(trainer: AgentTrainer, _r: int) -> None:
+        trainer.accumulate(batch)
+        trainer._clear_step()  # the same version's rows again next round
+    times = _alternated(device, {k: functools.partial(accumulate, t)
+                                 for k, t in trainers.items()}, 2 if small else 5)
+    print(f"{rows} rows, prompt {prompt}, outputs {int(lengths.min())}..{int(lengths.max())} "
+          f"tokens: {padded} padded, {real} real tokens")
+    print(f"{'split_call_tokens':<20}{'runs':>6}{'ms':>10}{'vs whole':>10}")
+    for key, trainer in trainers.items():
+        n = len(length_split([len(s.prompt) + len(s.response) for s in batch],
+                             trainer.split_call_tokens))
+        label = f"{key} ({trainer.split_call_tokens})" if key == "None" else key
+        print(f"{label:<20}{n:>6}{1e3 * times[key]:>10.1f}{times[key] / times['0']:>10.2f}")
+    RESULTS["split"] = {"padded": padded, "real": real,
+                        "ms": {k: 1e3 * v for k, v in times.items()}}
+    del trainers
+    gc.collect()
+
+
 # --- 2b. the K=1 FSDP trainer (a sharded slot of one rank) vs the one-device trainer --------
 def bench_fsdp(device: torch.device, small: bool, vocab: int) -> None:
     """The sharded slot's code path on one device: `ShardedAgentTrainer` (FSDP2 `fully_shard`
@@ -581,7 +624,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--only",
-                        default="rollout,cases,llama,training,fsdp,transfers,logprob,run")
+                        default="rollout,cases,llama,training,split,fsdp,transfers,logprob,run")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine's run")
     parser.add_argument("--json", default=None,
@@ -611,6 +654,7 @@ def main() -> None:
     trainer_box: list[AgentTrainer] = []
     steps.append(("training", lambda: trainer_box.append(
         bench_trainer(device, args.small, vocab))))
+    steps.append(("split", lambda: bench_split(device, args.small, vocab)))
     steps.append(("fsdp", lambda: bench_fsdp(device, args.small, vocab)))
     steps.append(("transfers", lambda: trainer_box and bench_transfers(
         device, args.small, vocab, trainer_box[0])))

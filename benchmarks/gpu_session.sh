@@ -4,7 +4,7 @@
 # Everything it prints goes to $OUT/log.txt; each section's figures to $OUT/gpu_check.json
 # under the section's name (the device returns at most 8 files).
 #   run (from the repo root, on the device machine):  bash benchmarks/gpu_session.sh
-# SECTIONS picks and orders them (default: fsdp llama compare train run mps engine cases);
+# SECTIONS picks and orders them (default: fsdp llama compare train split run mps engine cases);
 # BUDGET_S (default 420) stops starting new ones after that many seconds: compare (260 s) starts
 # third, by 210 s, and the later sections' limits are at most 110 s, so a call ends inside the
 # device's 600 s per command.
@@ -78,12 +78,13 @@ run_compare() {
 # The order is the priority: what has never run on a GPU first. 12-06 measured run, mps,
 # engine (rollout), training, cases; it did not reach llama, fsdp failed (mended since) and
 # compare was cut after two systems.
-for s in ${SECTIONS:-fsdp llama compare train run mps engine cases}; do
+for s in ${SECTIONS:-fsdp llama compare train split run mps engine cases}; do
   case $s in
     fsdp) check fsdp 60 fsdp ;;  # the K=1 NCCL trainer against the one-device trainer
     llama) check llama 150 llama ;;  # 1.1B, eager against CUDA-graph decode, vs generate
     compare) run_compare ;;
     train) check train 80 training,transfers,logprob ;;
+    split) check split 60 split ;;  # the GPU default of model.split_call_tokens (unmeasured)
     run) run_sync_async ;;
     mps) run_mps ;;
     engine) check engine 110 rollout ;;  # long-tailed requests, engine against generate
