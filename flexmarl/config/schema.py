@@ -608,6 +608,12 @@ class RuntimeConfig(Strict):
     # apart on a CPU machine, the same list colocates them. None: anywhere.
     rollout_cpus: list[int] | None = None
     train_cpus: list[int] | None = None
+    # Niceness added to the rollout workers' processes (local runtime, CPU scheduling): with
+    # more busy threads than cores, the training slots get a core first. None: 10 on a CPU
+    # run that overlaps its pools (async, one_step_off; not colocated) with more threads
+    # (driver, replicas, slot ranks) than the cores it may use, else 0 (policy.device.
+    # rollout_nice). Each worker may only raise its own niceness, so 0 is the way back.
+    rollout_nice: int | None = Field(None, ge=0, le=19)
     # Colocated pools (MARTI's and verl's way): rollout replicas and training slots compute on
     # the same devices (GPU: the same device ids; CPU: every worker pinned to the same cores,
     # all of them unless rollout_cpus / train_cpus name them), and between a rollout and the

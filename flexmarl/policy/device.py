@@ -15,7 +15,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ class Placement:
     kind: Literal["cpu", "cuda"] = "cpu"
     visible: tuple[int, ...] = ()
     cpus: tuple[int, ...] = ()  # CPU cores the process is pinned to (empty: anywhere)
+    nice: int = 0  # added to the process's niceness (`runtime.rollout_nice`)
 
     @property
     def device(self) -> str:
@@ -55,6 +56,8 @@ class Placement:
         devices itself)."""
         if self.cpus:  # before torch starts its threads: they inherit the affinity
             os.sched_setaffinity(0, self.cpus)
+        if self.nice:
+            os.nice(self.nice)
         if self.kind == "cuda" and not self.visible:
             return
         os.environ.update(self.env())
@@ -170,6 +173,27 @@ def plan_placements(runtime_cfg, n_rollout: int, n_train: int, gpu_count: int | 
     colocated = runtime_cfg.colocated_cpus() if hasattr(runtime_cfg, "colocated_cpus") else None
     return (_pinned(rollout, colocated or getattr(runtime_cfg, "rollout_cpus", None)),
             _pinned(train, colocated or getattr(runtime_cfg, "train_cpus", None)))
+
+
+def nice_weight(nice: int) -> float:
+    """A process's CPU weight under Linux's CFS at `nice`, relative to nice 0 (each step
+    about 1.25x: 10 is 110/1024)."""
+    return 1.25 ** -nice
+
+
+def rollout_nice(cfg: Any, kind: str, threads: int, cores: int | None = None) -> int:
+    """`runtime.rollout_nice`, resolved: the given value, or (None) 10 when a CPU run overlaps
+    its pools (a pipelined mode, not colocated) and its processes' threads (`threads`: the
+    driver's, every replica's and every slot rank's) outnumber the cores this process may use
+    (`cores`: that many instead); else 0. Then the training slot gets a core first whenever
+    both pools want one: in an on-policy pipeline a slot that waits for a core delays every
+    version the replicas wait for, while rows a replica finishes later only wait in the store."""
+    rt = cfg.runtime
+    if rt.rollout_nice is not None:
+        return int(rt.rollout_nice)
+    pipelined = cfg.pipeline.mode != "sync" and not rt.colocate
+    usable = cores if cores is not None else len(os.sched_getaffinity(0))
+    return 10 if kind == "cpu" and pipelined and threads > usable else 0
 
 
 def _pinned(placements: list[Placement], cpus: list[int] | None) -> list[Placement]:

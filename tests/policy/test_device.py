@@ -144,3 +144,50 @@ def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
     assert not mps_active()
     (tmp_path / "control").touch()
     assert mps_active()
+
+
+def _niceness(placement, conn) -> None:
+    import os
+
+    from flexmarl.runtime.local.workers import WorkerSpec, _setup_torch
+
+    _setup_torch(WorkerSpec({}, 16, 16, [], 1, False, placement=placement))
+    conn.send(os.nice(0))
+
+
+def test_a_rollout_worker_runs_at_its_niceness():
+    import os
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_niceness, args=(Placement("cpu", nice=5), child))
+    proc.start()
+    assert parent.poll(300), "the spawned worker did not report (import under load?)"
+    assert parent.recv() == min(19, os.nice(0) + 5)
+    proc.join(30)
+
+
+@pytest.mark.parametrize("sets,cores,expected", [
+    ([], 2, 10),  # async, 3 threads (driver, replica, slot) on 2 cores: the slot first
+    ([], 4, 0),  # a core each: nothing to order
+    (["pipeline.mode=sync"], 2, 0),  # the pools take turns
+    (["pipeline.mode=one_step_off"], 2, 10),
+    (["runtime.rollout_nice=3"], 64, 3),  # given: as given
+    (["runtime.rollout_nice=0"], 2, 0),
+    (["runtime.torch_threads=2"], 4, 10),  # 6 threads on 4 cores
+])
+def test_rollout_niceness_resolves_from_the_run(monkeypatch, sets, cores, expected):
+    import os
+    from pathlib import Path
+
+    from flexmarl.config.schema import load_config
+    from flexmarl.policy.device import rollout_nice
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    cfg = load_config(examples / "relay_chain.yaml", overrides=sets)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    threads = 3 * cfg.runtime.torch_threads
+    assert rollout_nice(cfg, "cpu", threads) == expected
+    assert rollout_nice(cfg, "cuda", threads) == (3 if "runtime.rollout_nice=3" in sets else 0)
+    with pytest.raises(ValidationError, match="rollout_nice"):
+        RuntimeConfig(rollout_nice=20)

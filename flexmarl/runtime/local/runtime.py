@@ -38,7 +38,13 @@ from flexmarl.api.runtime import (
 )
 from flexmarl.config.schema import RunConfig
 from flexmarl.planning.planner import Plan, bind_slots
-from flexmarl.policy.device import Placement, mps_active, plan_placements, slot_placements
+from flexmarl.policy.device import (
+    Placement,
+    mps_active,
+    plan_placements,
+    rollout_nice,
+    slot_placements,
+)
 from flexmarl.policy.memory import memory_hints
 from flexmarl.policy.model import approx_params
 from flexmarl.rollout.backends.openai import OpenAIBackend
@@ -756,6 +762,9 @@ class LocalRuntime(Runtime):
         """The device of each rollout worker and of each rank of each training slot: each
         process sees only its own GPU."""
         rollout, _ = plan_placements(self.cfg.runtime, n_rollout, 0)
+        threads = (1 + n_rollout + sum(slot_sizes)) * self.cfg.runtime.torch_threads
+        nice = rollout_nice(self.cfg, rollout[0].kind if rollout else "cpu", threads)
+        rollout = [dataclasses.replace(p, nice=nice) for p in rollout]
         return rollout, slot_placements(self.cfg.runtime, slot_sizes)
 
     def _slot_rank_launcher(self) -> Any:

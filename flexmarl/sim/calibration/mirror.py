@@ -45,7 +45,12 @@ import torch
 from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import RunConfig
 from flexmarl.orchestrator.joint import JointOrchestrator
-from flexmarl.policy.device import CPU_MAX_BATCH_TOKENS, Placement
+from flexmarl.policy.device import (
+    CPU_MAX_BATCH_TOKENS,
+    Placement,
+    nice_weight,
+    rollout_nice,
+)
 from flexmarl.policy.model import approx_params, stable_seed
 from flexmarl.rollout.balancer import Balancer
 from flexmarl.rollout.engine import BLOCK_SIZE
@@ -105,8 +110,12 @@ class CpuShare:
 
     def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
                  profiled_external: float = 0.0, curve: list[float] | None = None,
-                 cpu_seconds: bool = False) -> None:
+                 cpu_seconds: bool = False, weights: dict[str, float] | None = None) -> None:
         self.cores = max(1.0, float(cores))
+        # CFS weights of the run's processes by kind, relative to 1 (`runtime.rollout_nice`:
+        # `nice_weight`); a kind not named has 1, as the other load has. With `cpu_seconds`
+        # only (`_weighted`).
+        self.weights = {k: float(w) for k, w in (weights or {}).items() if w != 1.0}
         self.cpu_seconds = cpu_seconds
         if isinstance(external, (int, float)):
             series = [(0.0, float(external))]
@@ -176,22 +185,61 @@ class CpuShare:
     def _rate(self) -> float:
         return self.rate(len(self.jobs)) if self.jobs else 1.0
 
+    def _weighted(self) -> bool:
+        """Whether a busy job's weight differs from 1 (CPU-second profiles only: a wall-clock
+        profile's costs hold its own load, shared equally)."""
+        return self.cpu_seconds and bool(self.weights) and any(
+            j[2] in self.weights for j in self.jobs.values())
+
+    def _shares(self) -> tuple[dict[Any, float], float]:
+        """The CPUs each busy job gets and the CPUs the other load gets: weighted processor
+        sharing (a job's weight by its kind, the other runnable work weight 1 each), no one
+        more than one CPU, what a capped one leaves shared by the rest (water filling)."""
+        e = self.external
+        weight: dict[Any, float] = {k: self.weights.get(j[2], 1.0) for k, j in self.jobs.items()}
+        cap: dict[Any, float] = {**{k: 1.0 for k in weight}, "others": e}
+        if e > 0:
+            weight["others"] = e
+        share: dict[Any, float] = {}
+        left, free = dict(weight), self.cores
+        while left:
+            total = sum(left.values())
+            fair = {k: free * w / total for k, w in left.items()}
+            capped = [k for k, v in fair.items() if v >= cap[k]]
+            if not capped:
+                share.update(fair)
+                break
+            for k in capped:
+                share[k] = cap[k]
+                free -= cap[k]
+                del left[k]
+        others = share.pop("others", 0.0)
+        return share, others
+
     def _advance(self, now: float) -> None:
         if self.last is not None:
             e = self.external
-            if e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
+            weighted = self._weighted()
+            if weighted:
+                shares, others = self._shares()
+                self.others_s += (now - self.last) * others
+            elif e > 0:  # the others' CPU time meanwhile: each of them gets a runnable's share
                 self.others_s += (now - self.last) * e * min(
                     1.0, self.cores / max(1.0, len(self.jobs) + e))
             if self.jobs:
                 n = len(self.jobs)
-                self.got_s += (now - self.last) * n * min(1.0, self.cores / max(1.0, n + e))
+                equal = min(1.0, self.cores / max(1.0, n + e))
+                self.got_s += (now - self.last) * (sum(shares.values()) if weighted
+                                                   else n * equal)
                 done = (now - self.last) * self._rate()
-                for job in self.jobs.values():
+                for key, job in self.jobs.items():
                     slow = self._slowdown(job)
-                    job[0] -= done / slow
-                    if slow != 1.0 and done > 0:  # the CPU it spent beyond its profiled work
-                        self.log.append((self.last, job[2], done - done / slow))
-                        self.busy_s += done - done / slow
+                    # weighted: the job's share over the equal one
+                    got = done * shares[key] / equal if weighted else done
+                    job[0] -= got / slow
+                    if slow != 1.0 and got > 0:  # the CPU it spent beyond its profiled work
+                        self.log.append((self.last, job[2], got - got / slow))
+                        self.busy_s += got - got / slow
         self.last = now
         self.external = self.external_at(now)
 
@@ -209,7 +257,13 @@ class CpuShare:
             if not fut.done():
                 fut.set_result(None)
         if self.jobs:
-            left = min(j[0] * self._slowdown(j) for j in self.jobs.values()) / self._rate()
+            if self._weighted():
+                shares, _ = self._shares()
+                equal = min(1.0, self.cores / max(1.0, len(self.jobs) + self.external))
+                left = min(j[0] * self._slowdown(j) * equal / max(shares[k], 1e-9)
+                           for k, j in self.jobs.items()) / self._rate()
+            else:
+                left = min(j[0] * self._slowdown(j) for j in self.jobs.values()) / self._rate()
             change = self._next_change(loop.time())  # the other load changes: a new rate
             if change is not None:
                 left = min(left, max(0.0, change - loop.time()))
@@ -797,8 +851,14 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                         else profiled_external)
         elif cpu_seconds:  # costs without load: the profile's own load, simulated
             ext = profiled_load(machine)
-        cpu = CpuShare(cores or machine.get("cpus") or 1, ext, prof_ext,
-                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds)
+        ncores = cores or machine.get("cpus") or 1
+        # the real runtime's niceness of its replicas (`runtime.rollout_nice`) on these cores
+        n_slots = max(1, min(rt.train_workers, len(trainable)))
+        nice = rollout_nice(cfg, "cpu", (1 + rt.rollout_workers + n_slots) * rt.torch_threads,
+                            cores=int(ncores))
+        cpu = CpuShare(ncores, ext, prof_ext,
+                       curve=None if cores else profile.contention, cpu_seconds=cpu_seconds,
+                       weights={"rollout": nice_weight(nice)})
         shares.append(cpu)
         parent = ParentProcess(cpu, profile.driver_scale(cfg.pipeline.mode))
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS

@@ -142,3 +142,37 @@ def test_a_collective_publication_stops_the_replica_for_the_measured_send():
                                  "torch_threads": 1, "publication": "pipe"})
     sim = run_mirror(piped, task, measured, mode="async")
     assert not any(s.label.startswith("publish:") for s in sim.spans)
+
+
+def test_a_niced_replica_gets_the_cpu_the_others_leave():
+    """`runtime.rollout_nice`: CFS weights in the mirror's processor sharing (water filling,
+    no process more than one CPU)."""
+    from flexmarl.policy.device import nice_weight
+
+    async def jobs(weights: dict[str, float] | None) -> tuple[dict[str, float], CpuShare]:
+        cpu = CpuShare(2, cpu_seconds=True, weights=weights)
+        loop = asyncio.get_running_loop()
+        ends: dict[str, float] = {}
+
+        async def one(who: str) -> None:
+            await cpu.run(1.0, who)
+            ends[who] = loop.time()
+
+        await asyncio.gather(*(one(w) for w in ("driver", "train", "rollout")))
+        return ends, cpu
+
+    equal, _ = run_virtual(jobs(None))
+    assert all(t == pytest.approx(1.5) for t in equal.values())  # 3 on 2 CPUs: 2/3 each
+    w = nice_weight(10)
+    assert w == pytest.approx(110 / 1024, rel=0.01)
+    ends, cpu = run_virtual(jobs({"rollout": w}))
+    first = (2 + w) / 2  # driver and slot at 2 / (2 + w) of a CPU each
+    assert ends["train"] == pytest.approx(first) and ends["driver"] == pytest.approx(first)
+    assert ends["rollout"] == pytest.approx(first + 1 - first * 2 * w / (2 + w))
+    assert cpu.got_s == pytest.approx(3.0)  # every CPU second of work was got, once
+    # next to 3 CPUs of other load: the others capped at what they can run, the rest shared
+    share = CpuShare(2, external=3.0, cpu_seconds=True, weights={"rollout": w})
+    share.jobs = {1: [1.0, None, "train", 1.0], 2: [1.0, None, "rollout", 1.0]}
+    shares, others = share._shares()
+    assert sum(shares.values()) + others == pytest.approx(2.0)
+    assert shares[1] == pytest.approx(2 / (4 + w)) and shares[2] == pytest.approx(2 * w / (4 + w))
