@@ -52,6 +52,7 @@ load and contention measures are in `machine`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -589,17 +590,47 @@ async def _keep_busy(cfg: Any, vocab: int, max_len: int, agents: dict[str, Agent
     return proxy, asyncio.ensure_future(feed())
 
 
+def _side_trainers(cfg: Any, vocab: int, max_len: int, trainable: list[str]) -> dict[str, Any]:
+    """A trainer in this process for each agent, one per distinct agent config (a micro-batch
+    costs what its shapes cost, whatever the weights)."""
+    hosts: dict[str, Any] = {}
+    side: dict[str, Any] = {}
+    for agent in trainable:
+        acfg = cfg.agents[agent]
+        key = json.dumps([acfg.model.model_dump(mode="json"),
+                          acfg.lora.model_dump(mode="json") if acfg.lora else None,
+                          acfg.algorithm.model_dump(mode="json")], sort_keys=True)
+        if key not in hosts:
+            hosts[key] = TrainHost(cfg, vocab, max_len)
+            hosts[key].bind(agent, None)
+        side[agent] = next(iter(hosts[key].trainers.values()))
+    return side
+
+
+def _accumulate_here(trainer: Any, batch: list[Any]) -> float:
+    """This process's CPU seconds for `batch` through `trainer` (as rows of its version; the
+    gradients dropped after)."""
+    rows = [dataclasses.replace(s, policy_version=trainer.version) for s in batch]
+    t0 = _clock()
+    trainer.accumulate(rows)
+    spent = _clock() - t0
+    trainer._clear_step()
+    return spent
+
+
 async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, AgentProfile],
                        allowed: dict[str, list[int] | None], reps: int, busy_replica: bool = False
                        ) -> tuple[dict[str, float], dict[str, float]]:
     """A real training worker (`train_worker_main`) given the run's commands in the run's
-    order: micro-batches of the trainable agents in turn (each `bind` swaps the resident out
-    and the next agent in when agents share the slot), samples over the pipe, then every
-    agent's `step`. Per command kind, the worker's CPU seconds while each command was out
-    (the scheduler's counters of every thread: the command's own work and its payload's
+    order: the trainable agents in turn (each `bind` swaps the resident out and the next
+    agent in when agents share the slot), each its micro-batches (samples over the pipe) and
+    its `step`. Per command kind, the worker's CPU seconds while each command was out (the
+    scheduler's counters of every thread: the command's own work and its payload's
     unpickling and its reply's pickling, which its busy span leaves out; where the kernel
-    keeps no counters, its spans in CPU seconds, `_OnCpu`) over what the in-process fits
-    (`swap_out` + `swap_in`, `accumulate`, `step`) predict, and the spread of its rounds.
+    keeps no counters, its spans in CPU seconds, `_OnCpu`) over what the same work costs in
+    this process (`accumulate`: on the CPU timed here beside it, `_side_trainers`; `swap_out`
+    + `swap_in`, `step` and a GPU's `accumulate`: the in-process fits), and the spread of its
+    rounds.
     With `busy_replica`, a real rollout replica decodes next to it all along (`_keep_busy`),
     as in a pipelined run."""
     trainable = [a for a in agents if cfg.agents[a].trainable]
@@ -618,6 +649,11 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
 
     on_cpu = _OnCpu(proxy, sink)
     spans: list[tuple[str, float, float | None]] = []  # this round's
+    # On the CPU, each micro-batch also runs through a trainer in this process right after the
+    # worker's, and the worker's CPU is scaled against that: both read within the same
+    # seconds, so a change of the host's speed between the fits and this probe stays out of
+    # the scale (it moved x1.07-1.29 between two profiles minutes apart). On a GPU, the fits.
+    side = {} if _on_gpu else _side_trainers(cfg, vocab, max_len, trainable)
 
     pid = proxy.process.pid
     calls: list[tuple[str, float]] = []  # this round's: (kind, the worker's CPU seconds)
@@ -650,18 +686,19 @@ async def _train_scale(cfg: Any, vocab: int, max_len: int, agents: dict[str, Age
             calls.clear()
             if rep == 1:  # the first round builds the trainers: its CPU time left out
                 on_cpu = _OnCpu(proxy, sink)
-            for _ in range(2):  # two micro-batches per agent per round, agents in turn
-                for agent in trainable:
-                    await bind(agent)
-                    p = max(1, round(statistics.mean(agents[agent].prompt_lengths or [8])))
-                    o = max(1, round(statistics.mean(agents[agent].output_lengths or [1])))
+            # agents in turn, each its two micro-batches then its step (a slot drains the
+            # queue of the agent it holds: sticky slots)
+            for agent in trainable:
+                await bind(agent)
+                p = max(1, round(statistics.mean(agents[agent].prompt_lengths or [8])))
+                o = max(1, round(statistics.mean(agents[agent].output_lengths or [1])))
+                for _ in range(2):
                     batch = _samples(rows, p, o, vocab, versions[agent], f"t{next(tags)}",
                                      allowed.get(agent))
                     await call("accumulate", (agent, batch))
-                    want["accumulate"] += agents[agent].fits["accumulate"](
-                        rows=rows, tokens=rows * (p + o))
-            for agent in trainable:
-                await bind(agent)
+                    want["accumulate"] += (
+                        _accumulate_here(side[agent], batch) if agent in side else
+                        agents[agent].fits["accumulate"](rows=rows, tokens=rows * (p + o)))
                 await call("step", agent)
                 versions[agent] += 1
                 want["step"] += agents[agent].fits["step"]()

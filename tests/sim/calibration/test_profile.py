@@ -331,3 +331,21 @@ def test_profile_on_a_gpu_times_the_device_not_the_launches():
     finally:
         prof._on_gpu.clear()
     assert fits["decode"](seqs=8, tokens=64) > 0 and fits["prefill"](seqs=8, tokens=64) > 0
+
+
+def test_the_worker_scale_times_the_same_rows_in_this_process():
+    """`_train_scale` scales a worker's CPU against the same micro-batches run here within the
+    same seconds: one trainer per distinct agent config, its gradients dropped after."""
+    from flexmarl.sim.calibration.profile import _accumulate_here, _samples, _side_trainers
+
+    cfg = tiny_config()
+    task = load_task(cfg.task.builder, cfg.task.options)
+    trainable = list(cfg.agents)
+    side = _side_trainers(cfg, task.vocab_size, task.max_seq_len, trainable)
+    assert set(side) == set(trainable)
+    assert len({id(t) for t in side.values()}) == 1  # the three agents share one config
+    trainer = side["relay"]
+    batch = _samples(4, 5, 2, task.vocab_size, 7, "x", None)  # another version: re-stamped
+    assert _accumulate_here(trainer, batch) > 0
+    assert _accumulate_here(trainer, batch) > 0  # the same ids again: the step was cleared
+    assert all(p.grad is None for p in trainer.params)
