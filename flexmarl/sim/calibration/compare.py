@@ -36,6 +36,7 @@ from flexmarl.sim.calibration.machine import (
     OtherLoad,
     machine_info,
     profiled_load,
+    speed_probe,
     window_load,
 )
 from flexmarl.sim.calibration.mirror import per_iteration, run_mirror, run_mirror_measured
@@ -74,6 +75,10 @@ class SystemRow:
     # per round: the CPUs the mirror's own processes got over its simulated iterations, the
     # figure beside `own_load` (a profile charging too much or too little CPU shows here)
     simulated_own_load: list[float] = field(default_factory=list)
+    # per round: the host's speed probe around the run (`machine.speed_probe`, CPU seconds of
+    # a fixed unit, the mean of before and after); the mirror runs the round at it over the
+    # profile's. Older comparisons have none (simulated at the profile's speed).
+    speed_probe_s: list[float] = field(default_factory=list)
 
     @property
     def measured_s(self) -> float:
@@ -130,9 +135,11 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
+            probe = speed_probe()
             with OtherLoad(every=SAMPLE_S) as during:
                 clock = IterationClock(during.t0)
                 result = train(cfg, base / f"{system}-{r}", on_iteration=clock.mark)
+            rows[system].speed_probe_s.append(round((probe + speed_probe()) / 2, 7))
             # others' CPU time over the iterations (the run's start-up and teardown left
             # out): what the mirror simulates next to them
             whole = during.cpus if during.measured else 0.0
@@ -150,7 +157,8 @@ def compare(config: str | Path, overrides: list[str] | None = None,
             rows[system].own_load.append(window_load(during.own_series, start,
                                                      start + makespan, 0.0))
             log(f"  round {r + 1}/{rounds} {system:<24} "
-                f"{rows[system].s_per_iteration[-1]:.3f} s/iteration")
+                f"{rows[system].s_per_iteration[-1]:.3f} s/iteration (host speed probe "
+                f"x{host_speed(prof, rows[system], r):.3f} of the profile's)")
     table = list(rows.values())
     save_rows(base, saved, table)  # the measurements first: a simulation may still fail
     simulate_rows(table, cfgs, task, prof)
@@ -158,6 +166,15 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     save_rows(base, saved, table)
     log(f"compare: {base / 'compare.json'}")
     return table
+
+
+def host_speed(prof: LocalProfile, row: SystemRow, r: int) -> float:
+    """Round r's speed probe over the profile's: how much longer a profiled CPU second of
+    work took in that round (1.0 where either has none)."""
+    at = prof.machine.get("speed_probe_s")
+    if not at or r >= len(row.speed_probe_s):
+        return 1.0
+    return row.speed_probe_s[r] / float(at)
 
 
 def add_run(row: SystemRow, records: list[dict[str, Any]], other_load: float) -> None:
@@ -192,7 +209,8 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
     got over the round's iterations (`run_mirror_measured`; a mean read above the machine is
     held to what the run's own work left, `own_share_cap`); with `load_model` "series" and a
     round that sampled it, the runnable work follows the series window by window (bursts),
-    "mean" holds it level."""
+    "mean" holds it level. Each round runs at its host speed over the profile's
+    (`host_speed`)."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
         row.simulated_rounds, row.simulated_runnable, row.simulated_own_load = [], [], []
@@ -201,12 +219,14 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
             if r < len(row.s_per_iteration):
                 load = own_share_cap(cfg, task, prof, load, row.s_per_iteration[r])
             series = row.other_series[r] if r < len(row.other_series) else []
+            speed = host_speed(prof, row, r)
             if load_model == "series" and series:
                 sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load,
                                           series=[(t, v) for t, v in series],
-                                          makespan=row.makespan_s[r])
+                                          makespan=row.makespan_s[r], speed=speed)
             else:
-                sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load)
+                sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load,
+                                          speed=speed)
             row.simulated_rounds.append(sim.per_iteration_s)
             row.simulated_own_load.append(sim.own_cpu_got_s / sim.makespan_s
                                           if sim.makespan_s > 0 else 0.0)
@@ -253,10 +273,12 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     cfgs: dict[str, Any] = {}
     loads: dict[str, list[float]] = {}
     own: dict[str, list[float]] = {}
+    probes: dict[str, list[float]] = {}
     sampled: dict[str, tuple[list, list]] = {}  # the rounds' series and makespans, if saved
     for r in saved.get("rows", []):
         loads[r["system"]] = [float(v) for v in r.get("other_load", [])]
         own[r["system"]] = [float(v) for v in r.get("own_load", [])]
+        probes[r["system"]] = [float(v) for v in r.get("speed_probe_s", [])]
         sampled[r["system"]] = (r.get("other_series", []), r.get("makespan_s", []))
     for run in sorted(base.glob("*-[0-9]*")):
         system, _, rnd = run.name.rpartition("-")
@@ -278,6 +300,7 @@ def resimulate(base: str | Path, profile: str | Path | None = None,
     for row in table:
         row.other_series, row.makespan_s = sampled.get(row.system, ([], []))
         row.own_load = own.get(row.system, [])
+        row.speed_probe_s = probes.get(row.system, [])
     first = next(iter(cfgs.values()))
     simulate_rows(table, cfgs, prepare(first), prof, load_model)
     print_table(first.name, table, max(len(r.s_per_iteration) for r in table),

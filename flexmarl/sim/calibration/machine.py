@@ -1,5 +1,6 @@
-"""The machine a calibration runs on: other users' CPU load (`OtherLoad`, the spinning probe)
-and the contention curve (`measure_contention`: how fast each of k busy processes runs)."""
+"""The machine a calibration runs on: other users' CPU load (`OtherLoad`, the spinning probe),
+the contention curve (`measure_contention`: how fast each of k busy processes runs) and the
+host's speed (`speed_probe`: CPU seconds of a fixed piece of work)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,32 @@ def machine_info() -> dict[str, Any]:
         load = (0.0, 0.0, 0.0)
     return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "loadavg": [round(x, 2) for x in load]}
+
+
+def speed_probe(units: int = 40) -> float:
+    """This thread's CPU seconds for one unit of fixed single-thread work (small matmuls and
+    the Python around them, like a tiny model's step), the median of `units` (about 0.2 s in
+    all). It is the host's speed now: on a shared virtual machine the same work's CPU time
+    moves with the neighbours (11% slower within 40 minutes here, with no load or steal to
+    show it), which neither the other load nor the profile's fits see. A profile keeps it
+    (`machine["speed_probe_s"]`) and each compared run is simulated at its own over it."""
+    import torch  # start-up cost: the load probes above need no torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(96, 96, generator=gen)
+        b = torch.randn(96, 96, generator=gen)
+        times = []
+        for _ in range(units):
+            t0 = time.thread_time()
+            for _ in range(100):
+                torch.relu(a @ b)
+            times.append(time.thread_time() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
 
 
 _SPIN = """

@@ -110,8 +110,12 @@ class CpuShare:
 
     def __init__(self, cores: float, external: float | Sequence[tuple[float, float]] = 0.0,
                  profiled_external: float = 0.0, curve: list[float] | None = None,
-                 cpu_seconds: bool = False, weights: dict[str, float] | None = None) -> None:
+                 cpu_seconds: bool = False, weights: dict[str, float] | None = None,
+                 speed: float = 1.0) -> None:
         self.cores = max(1.0, float(cores))
+        # the host's slowness against the profile's (`machine.speed_probe`: the run's probe
+        # over the profile's): every profiled CPU second of work costs this many
+        self.host_speed = max(1e-3, float(speed))
         # CFS weights of the run's processes by kind, relative to 1 (`runtime.rollout_nice`:
         # `nice_weight`); a kind not named has 1, as the other load has. With `cpu_seconds`
         # only (`_weighted`).
@@ -289,6 +293,7 @@ class CpuShare:
         one while another of the run's worker processes is busy (`LocalProfile.overlap`)."""
         if seconds <= 0:
             return
+        seconds *= self.host_speed
         loop = asyncio.get_running_loop()
         self.log.append((loop.time(), who, seconds))
         self._advance(loop.time())
@@ -811,13 +816,15 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                iterations: int | None = None, mode: str | None = None,
                cores: float | None = None,
                external: float | Sequence[tuple[float, float]] | None = None,
-               profiled_external: float | None = None) -> MirrorResult:
+               profiled_external: float | None = None, speed: float = 1.0) -> MirrorResult:
     """Run the production orchestrator on the mirrored local runtime. `cores` overrides the
     profile's CPU count; `external` is the simulated run's other runnable work in CPUs (a
     number, or a series `[(virtual t, cpus), ...]`, see `CpuShare`) next to the
     `profiled_external` the profile was measured under (default `machine.profiled_load`: other
     users' work during the profiling, or an older profile's probe); with `external` None the run
-    sees the profile's load, and the profiled costs and curve are used as measured."""
+    sees the profile's load, and the profiled costs and curve are used as measured. `speed`:
+    the host's speed probe during the simulated run over the profile's
+    (`CpuShare.host_speed`)."""
     cfg = mirror_config(cfg, iterations, mode)
     rt = cfg.runtime
     agents = list(cfg.agents)
@@ -858,7 +865,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
                             cores=int(ncores))
         cpu = CpuShare(ncores, ext, prof_ext,
                        curve=None if cores else profile.contention, cpu_seconds=cpu_seconds,
-                       weights={"rollout": nice_weight(nice)})
+                       weights={"rollout": nice_weight(nice)}, speed=speed)
         shares.append(cpu)
         parent = ParentProcess(cpu, profile.driver_scale(cfg.pipeline.mode))
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS

@@ -94,6 +94,7 @@ from flexmarl.sim.calibration.machine import (
     measure_external_load,
     on_cpu_share,
     sched_times_s,
+    speed_probe,
     tree_cpu_s,
 )
 from flexmarl.sim.calibration.mirror import ProfiledEngine, mirror_config
@@ -878,6 +879,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     started = time.perf_counter()
     log("machine load: other runnable work, in CPUs")
     external = measure_external_load()
+    speed = [speed_probe()]  # the host's speed, at the start and at the end
     during = OtherLoad().start()  # other users' work over the whole profiling
     log("contention: the speed of a CPU second of each of k busy processes (spawned, torch "
         "work)")
@@ -959,8 +961,10 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         torch.set_num_threads(threads)
         _on_gpu.clear()
     during.stop()
+    speed.append(speed_probe())
     machine = machine_info()
     machine["external_load"] = external
+    machine["speed_probe_s"] = statistics.mean(speed)
     machine["other_load"] = round(during.cpus, 3)
     return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits,
                         driver["per_request_s"], machine, time.perf_counter() - started,

@@ -66,6 +66,9 @@ def test_compare_runs_each_system_and_prints_the_table(tmp_path, capsys):
     # each round's others' load window by window over its iterations, for --resimulate
     assert all(len(r["other_series"]) == 1 and r["makespan_s"][0] > 0 and len(r["own_load"]) == 1
                for r in saved["rows"])
+    # and the host's speed probe around each run, for the mirror to run that round at
+    assert all(len(r["speed_probe_s"]) == 1 and r["speed_probe_s"][0] > 0
+               for r in saved["rows"])
     # the iterations' window from when they ran, ending before the run's teardown did
     for r in saved["rows"]:
         (start, end, wall), = r["windows"]
@@ -109,3 +112,29 @@ def test_the_driver_measures_pipelined_run_is_a_valid_config_for_every_system(sy
     piped = pipelined_config(cfg)
     assert piped.pipeline.mode != "sync"
     RunConfig.model_validate(piped.model_dump())  # what a worker does with its spec
+
+
+def test_a_round_is_simulated_at_its_host_speed():
+    """A profiled CPU second costs the round's speed probe over the profile's."""
+    import asyncio
+
+    from flexmarl.sim.calibration.compare import SystemRow, host_speed
+    from flexmarl.sim.calibration.machine import speed_probe
+    from flexmarl.sim.calibration.mirror import CpuShare
+    from flexmarl.sim.runtime.clock import run_virtual
+
+    probe = speed_probe(units=5)
+    assert 0 < probe < 1.0
+    prof = _synthetic_profile()
+    row = SystemRow("flexmarl", speed_probe_s=[0.011, 0.009])
+    assert host_speed(prof, row, 0) == 1.0  # a profile without a probe: as profiled
+    prof.machine["speed_probe_s"] = 0.010
+    assert host_speed(prof, row, 0) == pytest.approx(1.1)
+    assert host_speed(prof, row, 1) == pytest.approx(0.9)
+    assert host_speed(prof, row, 2) == 1.0  # an older comparison's round: none recorded
+
+    async def one(cpu: CpuShare) -> float:
+        await cpu.run(1.0, "train")
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(one(CpuShare(2, cpu_seconds=True, speed=1.1))) == pytest.approx(1.1)
