@@ -35,6 +35,7 @@ from flexmarl.sim.calibration.machine import (
     machine_info,
     measure_external_load,
     profiled_load,
+    speed_probe,
     window_load,
 )
 from flexmarl.sim.calibration.mirror import (
@@ -125,12 +126,15 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         mcfg = mirror_config(cfg, iterations, mode)
         log(f"real run: {cfg.name}, pipeline.mode={mode}, {iterations} iterations "
             f"-> {out / f'real-{mode}'}")
-        probe = measure_external_load()
+        probe, host = measure_external_load(), speed_probe()
         with OtherLoad(every=SAMPLE_S) as during:
             clock = IterationClock(during.t0)
             real = train(mcfg, out / f"real-{mode}", on_iteration=clock.mark)
         records, wall = real.records, real.wall_s
         probe = (probe + measure_external_load()) / 2  # before and after the run
+        # the host's speed around the run over the profile's (`CpuShare.host_speed`)
+        at = prof.machine.get("speed_probe_s")
+        speed = (host + speed_probe()) / 2 / float(at) if at else 1.0
         # others' CPU time over the run's iterations (its start-up and teardown left out, as
         # `bench compare` reads it); the probe only where there is no /proc/stat
         window = clock.window()
@@ -140,7 +144,7 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         # the profiled costs hold the load they were measured under: the mirror simulates the
         # run's other load next to the profile's (`CpuShare`), and without it for comparison
         sim = run_mirror_measured(cfg, task, prof, external, iterations=iterations, mode=mode,
-                                  profiled_external=prof_load)
+                                  profiled_external=prof_load, speed=speed)
         plain = run_mirror(cfg, task, prof, iterations=iterations, mode=mode)
         sims[mode] = sim
         mean, steady = per_iteration(records)
