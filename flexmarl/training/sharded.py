@@ -51,6 +51,7 @@ from flexmarl.training.trainer import (
     AgentTrainer,
     TrainingError,
     enable_checkpointing,
+    length_split,
 )
 from flexmarl.types import Sample
 
@@ -213,9 +214,12 @@ class ShardedAgentTrainer(AgentTrainer):
                                       total_steps, max_staleness, device="cpu")
         super().__init__(agent, cfg, vocab_size, max_seq_len, run_seed, total_steps,
                          max_staleness, device, policy=policy)
-        # the ranks must run the same forward/backward calls (FSDP's collectives): a
-        # micro-batch is not split by length here (each rank's share would split differently)
+        # the ranks must run the same forward/backward calls (FSDP's collectives): the whole
+        # micro-batch is split by length (every rank has it) and each run dealt to the ranks
+        # (`accumulate`); a rank never splits its own rows
+        self.whole_split_tokens = self.split_call_tokens
         self.split_call_tokens = 0
+        self._parts: list[int] | None = None  # this rank's rows of each run, in order
         self.state_dir = state_dir
         self.mesh = mesh
         self.group = self.mesh.get_group()
@@ -273,8 +277,10 @@ class ShardedAgentTrainer(AgentTrainer):
     # --- training ------------------------------------------------------------------------------
     def accumulate(self, samples: list[Sample]) -> dict[str, float]:
         """This rank's share (rows rank::K) of the micro-batch; every rank must call it with the
-        same samples. A rank left without rows runs one row with zero weight, because FSDP's
-        collectives need every rank in every forward and backward."""
+        same samples. Split by length (`model.split_call_tokens`), each run of the whole
+        micro-batch is dealt to the ranks (its rows rank::K). A rank left without rows (of the
+        micro-batch, or of a run) runs one row with zero weight, because FSDP's collectives
+        need every rank in every forward and backward."""
         if not samples:
             return {}
         if self.cfg.algorithm.mask_truncated:  # dropped before the split: every rank agrees
@@ -286,7 +292,15 @@ class ShardedAgentTrainer(AgentTrainer):
             if not samples:
                 return {"rows": 0.0}
         self._filler = samples[0]
-        share = samples[self.rank::self.world]
+        runs = length_split([len(s.prompt) + len(s.response) for s in samples],
+                            self.whole_split_tokens)
+        self._parts = None
+        if len(runs) > 1:  # each run dealt to the ranks: one forward and backward per run
+            shares = [[samples[i] for i in run][self.rank::self.world] for run in runs]
+            share = [s for part in shares for s in part]
+            self._parts = [len(part) for part in shares]
+        else:
+            share = samples[self.rank::self.world]
         if share:
             super().accumulate(share)
             return {"rows": float(len(share))}
@@ -308,7 +322,21 @@ class ShardedAgentTrainer(AgentTrainer):
         if self.shared_policy:
             for _, layer in adapters._lora_layers(self.model):
                 layer._active_adapter = self.adapter
-        return super()._backward(samples, first_pass)
+        parts, self._parts = self._parts, None
+        if parts is None:
+            return super()._backward(samples, first_pass)
+        # the runs of the micro-batch's split: this rank's rows of each, or (none) a
+        # zero-weight pass, so that every rank makes the same calls
+        metrics: dict[str, float] = {}
+        start = 0
+        for n in parts:
+            if n == 0:
+                self._zero_weight_pass()
+                continue
+            for k, v in super()._backward(samples[start:start + n], first_pass).items():
+                metrics[k] = metrics.get(k, 0.0) + v
+            start += n
+        return metrics
 
     def _zero_weight_pass(self) -> None:
         """A forward and backward of one row that adds nothing (loss scale 0): a rank without

@@ -52,6 +52,33 @@ def _samples(step: int) -> list[Sample]:
     return out
 
 
+def _split_cfg() -> AgentConfig:
+    """A small cost per call: the long-tailed rows below split into runs of 3, 1 and 1 rows."""
+    raw = _cfg().model_dump(mode="json")
+    raw["model"]["split_call_tokens"] = 8
+    return AgentConfig.model_validate(raw)
+
+
+def _tail_samples() -> list[Sample]:
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for i, n in enumerate([2, 3, 2, 26, 56]):
+        resp = torch.randint(3, 20, (n,), generator=g).tolist()
+        out.append(Sample(f"0-t{i}", [1, 3, 2, 6 + i], resp, [-1.0 - 0.01 * j for j in range(n)],
+                          float(i % 3 - 1), list(range(3, 20)), 1.0, 0, 0.0))
+    return out
+
+
+def _split_grads(trainer: AgentTrainer) -> dict[str, torch.Tensor]:
+    """A long-tailed micro-batch split by length: the gradients (scaled back to one device's)."""
+    trainer.accumulate(_tail_samples())
+    world = getattr(trainer, "world", 1)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone())
+             * world for n, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
 def _train(trainer: AgentTrainer, first: int, last: int) -> None:
     """Steps first..last-1; the last micro-batch of each step has one row (a rank runs empty)."""
     for k in range(first, last):
@@ -108,6 +135,14 @@ def _k2_job(rank: int, out: str, k1_ckpt: str) -> None:
     resumed.load_checkpoint(k1_ckpt)
     res["from_k1_version"] = resumed.version
     res["from_k1_weights"] = resumed.full_weights()
+    # split by length: each run of the micro-batch dealt to the ranks (rank 1 has no row of
+    # the two 1-row runs: zero-weight passes keep the collectives matched)
+    split = ShardedAgentTrainer("a", _split_cfg(), VOCAB, 80, run_seed=0, device="cpu")
+    calls: list[int] = []
+    forward = split._backward_batch
+    split._backward_batch = lambda rows, first: (calls.append(len(rows)), forward(rows, first))[1]
+    res["split_grads"] = _split_grads(split)
+    res["split_calls"] = calls
     torch.save(res, f"{out}/k2-rank{rank}.pt")
     end_rank(exit_process=True)
 
@@ -294,3 +329,19 @@ def test_k1_nccl_trainer_steps_and_matches_one_device(tmp_path):
     want = plain.full_weights()
     assert max((got[k].float().cpu() - want[k].float().cpu()).abs().max().item()
                for k in want) < 1e-4
+
+
+def test_k2_splits_a_long_tailed_micro_batch_as_one_device_does(k2):
+    from flexmarl.training.trainer import length_split
+
+    _, ranks = k2
+    lengths = [len(s.prompt) + len(s.response) for s in _tail_samples()]
+    assert [len(r) for r in length_split(lengths, 8)] == [3, 1, 1]
+    # one forward and backward per run on each rank: rank 0 has rows 0 and 2 of the short
+    # run and the two long rows; rank 1 row 1, then two zero-weight passes of one row
+    assert ranks[0]["split_calls"] == [2, 1, 1] and ranks[1]["split_calls"] == [1, 1, 1]
+    one = AgentTrainer("a", _split_cfg(), VOCAB, 80, run_seed=0, device="cpu")
+    ref = _split_grads(one)
+    for name, g in ref.items():
+        rel = ((ranks[0]["split_grads"][name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert rel <= 1e-5, (name, rel)
