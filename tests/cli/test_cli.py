@@ -66,6 +66,20 @@ def test_agent_without_node():
                         "agents.critic: configured, but no node of the graph uses it")
 
 
+def assert_samples_shown(stderr: str, run: Path, iterations: int) -> None:
+    """`--show-samples 1` on referential_game: one sample per agent and iteration printed
+    live, the same in the run's samples.jsonl (which keeps the default 2 per agent and
+    iteration)."""
+    printed = [line for line in stderr.splitlines() if line.startswith("[")]
+    assert sorted(line.split("]")[0] for line in printed) == (
+        ["[listener"] * iterations + ["[speaker"] * iterations)
+    kept = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(kept) == iterations * 2 * 2
+    first = kept[0]
+    assert printed[0].startswith(f"[{first['agent']}] it 0 {first['node']}")
+    assert f"answer ({first['answer_tokens']} tokens): " in stderr
+
+
 def test_train_writes_metrics_trace_and_reloadable_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"
     proc = _cli("train", str(EXAMPLE), "--set", "train.iterations=3", "--set", "seed=1",
@@ -82,14 +96,7 @@ def test_train_writes_metrics_trace_and_reloadable_checkpoints(tmp_path, capsys)
     trace = json.loads((out / "trace.json").read_text())
     cats = {e.get("cat") for e in trace["traceEvents"]}
     assert {"gen", "acc", "step"} <= cats
-    # --show-samples 1: one sample per agent and iteration printed live, the same in the file
-    printed = [line for line in proc.stderr.splitlines() if line.startswith("[")]
-    assert sorted(line.split("]")[0] for line in printed) == ["[listener"] * 3 + ["[speaker"] * 3
-    kept = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(kept) == 3 * 2 * 2  # default 2 per agent and iteration
-    first = kept[0]
-    assert printed[0].startswith(f"[{first['agent']}] it 0 {first['node']}")
-    assert f"answer ({first['answer_tokens']} tokens): " in proc.stderr
+    assert_samples_shown(proc.stderr, out, iterations=3)
     # doctor reads the run's folder, the report's table shows what the agents said (the
     # report's page and images: tests/cli/test_doctor_report.py)
     assert main(["doctor", str(out)]) == 0

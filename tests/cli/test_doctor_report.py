@@ -15,6 +15,7 @@ import pytest
 
 from flexmarl.cli.doctor import diagnose, load_run
 from flexmarl.cli.main import main
+from tests.cli.test_cli import assert_samples_shown
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "doctor"
@@ -161,14 +162,7 @@ def test_real_run_with_every_logger_then_doctor_and_report(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert (run / "report" / "index.html").exists()
-    # --show-samples 1: one sample per agent and iteration printed live, the same in the file
-    printed = [line for line in proc.stderr.splitlines() if line.startswith("[")]
-    assert sorted(line.split("]")[0] for line in printed) == ["[listener"] * 2 + ["[speaker"] * 2
-    kept = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-    assert len(kept) == 2 * 2 * 2  # default 2 per agent and iteration
-    first = kept[0]
-    assert printed[0].startswith(f"[{first['agent']}] it 0 {first['node']}")
-    assert f"answer ({first['answer_tokens']} tokens): " in proc.stderr
+    assert_samples_shown(proc.stderr, run, iterations=2)
     page = (run / "report" / "index.html").read_text()
     assert "What the agents said" in page and "<td>speak</td>" in page
 
