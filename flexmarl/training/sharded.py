@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -327,16 +328,10 @@ class ShardedAgentTrainer(AgentTrainer):
             return super()._backward(samples, first_pass)
         # the runs of the micro-batch's split: this rank's rows of each, or (none) a
         # zero-weight pass, so that every rank makes the same calls
-        metrics: dict[str, float] = {}
-        start = 0
-        for n in parts:
-            if n == 0:
-                self._zero_weight_pass()
-                continue
-            for k, v in super()._backward(samples[start:start + n], first_pass).items():
-                metrics[k] = metrics.get(k, 0.0) + v
-            start += n
-        return metrics
+        ends = list(itertools.accumulate(parts))
+        return self._backward_runs([samples[end - n:end] for n, end in zip(parts, ends,
+                                                                          strict=True)],
+                                   first_pass)
 
     def _zero_weight_pass(self) -> None:
         """A forward and backward of one row that adds nothing (loss scale 0): a rank without

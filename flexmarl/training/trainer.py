@@ -40,14 +40,15 @@ EPOCH_CHUNK_ROWS = 64
 SPLIT_CALL_TOKENS = {"cpu": 64, "accelerator": 1024}
 
 
-def split_call_tokens(cfg: AgentConfig, device: torch.device) -> int:
-    """`model.split_call_tokens` as a trainer on `device` applies it; 0 (never split) when the
-    algorithm's loss takes statistics over the micro-batch (`rows_independent`)."""
+def split_call_tokens(cfg: AgentConfig, device_type: str) -> int:
+    """`model.split_call_tokens` as a trainer on a `device_type` device applies it; 0 (never
+    split) when the algorithm's loss takes statistics over the micro-batch
+    (`rows_independent`)."""
     if not algorithms.get(cfg.algorithm.name).rows_independent(cfg.algorithm):
         return 0
     if cfg.model.split_call_tokens is not None:
         return cfg.model.split_call_tokens
-    return SPLIT_CALL_TOKENS["cpu" if device.type == "cpu" else "accelerator"]
+    return SPLIT_CALL_TOKENS["cpu" if device_type == "cpu" else "accelerator"]
 
 
 def length_split(lengths: list[int], call_tokens: int) -> list[list[int]]:
@@ -62,7 +63,7 @@ def length_split(lengths: list[int], call_tokens: int) -> list[list[int]]:
     if ordered[0] == ordered[-1]:  # nothing to save: more runs only add calls
         return [order]
     n = len(order)
-    best = [0] + [0] * n
+    best = [0] * (n + 1)
     cut = [0] * (n + 1)
     for j in range(1, n + 1):  # best[j]: the cheapest split of the j shortest rows
         best[j], cut[j] = min((best[i] + call_tokens + (j - i) * ordered[j - 1], i)
@@ -134,7 +135,7 @@ class AgentTrainer:
         self.total_steps = cfg.optim.total_steps or total_steps or 1
         self.device = torch.device(device or process_device())
         self.compute_dtype = compute_dtype(cfg.model.dtype, self.device)
-        self.split_call_tokens = split_call_tokens(cfg, self.device)
+        self.split_call_tokens = split_call_tokens(cfg, self.device.type)
         # float16 gradients underflow without scaling: a fixed loss scale, divided out at the
         # step (an overflow makes the step non-finite, and it is skipped like any such step)
         self.loss_scale = 1024.0 if self.compute_dtype == torch.float16 else 1.0
@@ -269,11 +270,19 @@ class AgentTrainer:
         loss metrics, summed over its rows."""
         runs = length_split([len(s.prompt) + len(s.response) for s in samples],
                             self.split_call_tokens)
-        if len(runs) == 1:
-            return self._backward_batch(samples, first_pass)
+        return self._backward_runs(
+            [samples] if len(runs) == 1 else [[samples[i] for i in run] for run in runs],
+            first_pass)
+
+    def _backward_runs(self, runs: list[list[Sample]], first_pass: bool) -> dict[str, float]:
+        """One forward and backward per run of rows (an empty run: `_zero_weight_pass`); the
+        runs' loss metrics, summed."""
         metrics: dict[str, float] = {}
-        for run in runs:
-            for k, v in self._backward_batch([samples[i] for i in run], first_pass).items():
+        for rows in runs:
+            if not rows:
+                self._zero_weight_pass()
+                continue
+            for k, v in self._backward_batch(rows, first_pass).items():
                 metrics[k] = metrics.get(k, 0.0) + v
         return metrics
 
