@@ -181,17 +181,20 @@ def nice_weight(nice: int) -> float:
     return 1.25 ** -nice
 
 
-def rollout_nice(cfg: Any, kind: str, threads: int, cores: int | None = None) -> int:
+def rollout_nice(cfg: Any, kind: str, replicas: int, slot_ranks: int,
+                 cores: int | None = None) -> int:
     """`runtime.rollout_nice`, resolved: the given value, or (None) 10 when a CPU run overlaps
-    its pools (a pipelined mode, not colocated) and its processes' threads (`threads`: the
-    driver's, every replica's and every slot rank's) outnumber the cores this process may use
-    (`cores`: that many instead); else 0. Then the training slot gets a core first whenever
-    both pools want one: in an on-policy pipeline a slot that waits for a core delays every
-    version the replicas wait for, while rows a replica finishes later only wait in the store."""
+    its pools (a pipelined mode, not colocated) and its processes' threads (the driver's, the
+    `replicas`' and the `slot_ranks`', `runtime.torch_threads` each) outnumber the cores this
+    process may use (`cores`: that many instead); else 0. Then the training slot gets a core
+    first whenever both pools want one: in an on-policy pipeline a slot that waits for a core
+    delays every version the replicas wait for, while rows a replica finishes later only wait
+    in the store."""
     rt = cfg.runtime
     if rt.rollout_nice is not None:
         return int(rt.rollout_nice)
     pipelined = cfg.pipeline.mode != "sync" and not rt.colocate
+    threads = (1 + replicas + slot_ranks) * rt.torch_threads
     usable = cores if cores is not None else len(os.sched_getaffinity(0))
     return 10 if kind == "cpu" and pipelined and threads > usable else 0
 

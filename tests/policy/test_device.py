@@ -186,8 +186,7 @@ def test_rollout_niceness_resolves_from_the_run(monkeypatch, sets, cores, expect
     examples = Path(__file__).resolve().parents[2] / "examples"
     cfg = load_config(examples / "relay_chain.yaml", overrides=sets)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    threads = 3 * cfg.runtime.torch_threads
-    assert rollout_nice(cfg, "cpu", threads) == expected
-    assert rollout_nice(cfg, "cuda", threads) == (3 if "runtime.rollout_nice=3" in sets else 0)
+    assert rollout_nice(cfg, "cpu", 1, 1) == expected  # driver, one replica, one slot
+    assert rollout_nice(cfg, "cuda", 1, 1) == (3 if "runtime.rollout_nice=3" in sets else 0)
     with pytest.raises(ValidationError, match="rollout_nice"):
         RuntimeConfig(rollout_nice=20)

@@ -762,8 +762,8 @@ class LocalRuntime(Runtime):
         """The device of each rollout worker and of each rank of each training slot: each
         process sees only its own GPU."""
         rollout, _ = plan_placements(self.cfg.runtime, n_rollout, 0)
-        threads = (1 + n_rollout + sum(slot_sizes)) * self.cfg.runtime.torch_threads
-        nice = rollout_nice(self.cfg, rollout[0].kind if rollout else "cpu", threads)
+        nice = rollout_nice(self.cfg, rollout[0].kind if rollout else "cpu", n_rollout,
+                            sum(slot_sizes))
         rollout = [dataclasses.replace(p, nice=nice) for p in rollout]
         return rollout, slot_placements(self.cfg.runtime, slot_sizes)
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from flexmarl.api.runtime import WorkerLost
 from flexmarl.config.schema import RunConfig
@@ -860,9 +859,8 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
             ext = profiled_load(machine)
         ncores = cores or machine.get("cpus") or 1
         # the real runtime's niceness of its replicas (`runtime.rollout_nice`) on these cores
-        n_slots = max(1, min(rt.train_workers, len(trainable)))
-        nice = rollout_nice(cfg, "cpu", (1 + rt.rollout_workers + n_slots) * rt.torch_threads,
-                            cores=int(ncores))
+        nice = rollout_nice(cfg, "cpu", rt.rollout_workers,
+                            max(1, min(rt.train_workers, len(trainable))), cores=int(ncores))
         cpu = CpuShare(ncores, ext, prof_ext,
                        curve=None if cores else profile.contention, cpu_seconds=cpu_seconds,
                        weights={"rollout": nice_weight(nice)}, speed=speed)
@@ -871,7 +869,7 @@ def run_mirror(cfg: RunConfig, task: Any, profile: LocalProfile, *,
         kv_budget = cfg.rollout.max_batch_tokens or CPU_MAX_BATCH_TOKENS
         rworkers = [SimRolloutWorker(i, local, profile, max_seqs, kv_budget, telemetry, cpu,
                                      parent) for i in range(rt.rollout_workers)]
-        split = {a: split_call_tokens(cfg.agents[a], torch.device("cpu")) for a in trainable}
+        split = {a: split_call_tokens(cfg.agents[a], "cpu") for a in trainable}
         tworkers = [SimTrainWorker(i, profile, telemetry, cpu, parent, split)
                     for i in range(max(1, min(rt.train_workers, len(trainable))))]
         workers.extend(rworkers)
