@@ -141,10 +141,10 @@ def make_token_batch(
     """Rows of prompt + response, right-padded to the longest; one scatter per tensor (not a
     copy per row) and one mask per distinct `allowed` (a node's rows share theirs)."""
     bsz = len(prompts)
-    plen = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=bsz)
-    rlen = np.fromiter((len(r) for r in responses), dtype=np.int64, count=bsz)
     if len(responses) != bsz:
         raise ValueError(f"{bsz} prompts but {len(responses)} responses")
+    plen = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=bsz)
+    rlen = np.fromiter((len(r) for r in responses), dtype=np.int64, count=bsz)
     seq_len = plen + rlen
     width = int(seq_len.max())
     rwidth = max(int(rlen.max()), 1)

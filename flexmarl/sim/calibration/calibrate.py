@@ -32,6 +32,7 @@ from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
     IterationClock,
     OtherLoad,
+    host_speed,
     machine_info,
     measure_external_load,
     profiled_load,
@@ -132,9 +133,7 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
             real = train(mcfg, out / f"real-{mode}", on_iteration=clock.mark)
         records, wall = real.records, real.wall_s
         probe = (probe + measure_external_load()) / 2  # before and after the run
-        # the host's speed around the run over the profile's (`CpuShare.host_speed`)
-        at = prof.machine.get("speed_probe_s")
-        speed = (host + speed_probe()) / 2 / float(at) if at else 1.0
+        speed = host_speed(prof.machine, (host + speed_probe()) / 2)  # around the run
         # others' CPU time over the run's iterations (its start-up and teardown left out, as
         # `bench compare` reads it); the probe only where there is no /proc/stat
         window = clock.window()

@@ -34,6 +34,7 @@ from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
     IterationClock,
     OtherLoad,
+    host_speed,
     machine_info,
     profiled_load,
     speed_probe,
@@ -158,7 +159,7 @@ def compare(config: str | Path, overrides: list[str] | None = None,
                                                      start + makespan, 0.0))
             log(f"  round {r + 1}/{rounds} {system:<24} "
                 f"{rows[system].s_per_iteration[-1]:.3f} s/iteration (host speed probe "
-                f"x{host_speed(prof, rows[system], r):.3f} of the profile's)")
+                f"x{round_speed(prof, rows[system], r):.3f} of the profile's)")
     table = list(rows.values())
     save_rows(base, saved, table)  # the measurements first: a simulation may still fail
     simulate_rows(table, cfgs, task, prof)
@@ -168,13 +169,10 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     return table
 
 
-def host_speed(prof: LocalProfile, row: SystemRow, r: int) -> float:
-    """Round r's speed probe over the profile's: how much longer a profiled CPU second of
-    work took in that round (1.0 where either has none)."""
-    at = prof.machine.get("speed_probe_s")
-    if not at or r >= len(row.speed_probe_s):
-        return 1.0
-    return row.speed_probe_s[r] / float(at)
+def round_speed(prof: LocalProfile, row: SystemRow, r: int) -> float:
+    """Round r's `machine.host_speed` (1.0 for an older comparison's round, without one)."""
+    return host_speed(prof.machine, row.speed_probe_s[r] if r < len(row.speed_probe_s)
+                      else None)
 
 
 def add_run(row: SystemRow, records: list[dict[str, Any]], other_load: float) -> None:
@@ -210,7 +208,7 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
     held to what the run's own work left, `own_share_cap`); with `load_model` "series" and a
     round that sampled it, the runnable work follows the series window by window (bursts),
     "mean" holds it level. Each round runs at its host speed over the profile's
-    (`host_speed`)."""
+    (`round_speed`)."""
     prof_load = profiled_load(prof.machine)
     for row in rows:
         row.simulated_rounds, row.simulated_runnable, row.simulated_own_load = [], [], []
@@ -219,7 +217,7 @@ def simulate_rows(rows: list[SystemRow], cfgs: dict[str, Any], task: Any,
             if r < len(row.s_per_iteration):
                 load = own_share_cap(cfg, task, prof, load, row.s_per_iteration[r])
             series = row.other_series[r] if r < len(row.other_series) else []
-            speed = host_speed(prof, row, r)
+            speed = round_speed(prof, row, r)
             if load_model == "series" and series:
                 sim = run_mirror_measured(cfg, task, prof, load, profiled_external=prof_load,
                                           series=[(t, v) for t, v in series],

@@ -51,6 +51,13 @@ def speed_probe(units: int = 40) -> float:
         torch.set_num_threads(threads)
 
 
+def host_speed(machine: dict[str, Any], probe_s: float | None) -> float:
+    """A run's `speed_probe` over the profile's (`machine["speed_probe_s"]`): how much longer a
+    profiled CPU second of work took then (1.0 where either has none)."""
+    at = machine.get("speed_probe_s")
+    return probe_s / float(at) if at and probe_s else 1.0
+
+
 _SPIN = """
 import sys, time
 seconds = float(sys.argv[1])

@@ -118,7 +118,7 @@ def test_a_round_is_simulated_at_its_host_speed():
     """A profiled CPU second costs the round's speed probe over the profile's."""
     import asyncio
 
-    from flexmarl.sim.calibration.compare import SystemRow, host_speed
+    from flexmarl.sim.calibration.compare import SystemRow, round_speed
     from flexmarl.sim.calibration.machine import speed_probe
     from flexmarl.sim.calibration.mirror import CpuShare
     from flexmarl.sim.runtime.clock import run_virtual
@@ -127,11 +127,11 @@ def test_a_round_is_simulated_at_its_host_speed():
     assert 0 < probe < 1.0
     prof = _synthetic_profile()
     row = SystemRow("flexmarl", speed_probe_s=[0.011, 0.009])
-    assert host_speed(prof, row, 0) == 1.0  # a profile without a probe: as profiled
+    assert round_speed(prof, row, 0) == 1.0  # a profile without a probe: as profiled
     prof.machine["speed_probe_s"] = 0.010
-    assert host_speed(prof, row, 0) == pytest.approx(1.1)
-    assert host_speed(prof, row, 1) == pytest.approx(0.9)
-    assert host_speed(prof, row, 2) == 1.0  # an older comparison's round: none recorded
+    assert round_speed(prof, row, 0) == pytest.approx(1.1)
+    assert round_speed(prof, row, 1) == pytest.approx(0.9)
+    assert round_speed(prof, row, 2) == 1.0  # an older comparison's round: none recorded
 
     async def one(cpu: CpuShare) -> float:
         await cpu.run(1.0, "train")
