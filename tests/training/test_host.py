@@ -188,3 +188,60 @@ def test_without_recovery_a_lost_slot_fails_the_call_naming_it():
         assert not pool.journal["speaker"]  # no journal without recovery
 
     asyncio.run(run())
+
+
+class _WatchedPool(FakeSlotPool):
+    """Fake slots that count the commands in flight at once and can fail one accumulate."""
+
+    def __init__(self, *args, fail: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_flight = self.most_in_flight = 0
+        self.fail = fail  # the sample id of a micro-batch whose accumulate fails
+        self.order: list[str] = []
+
+    async def _run(self, slot, command, payload):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if command == "accumulate":
+                self.order.append(payload[1][0].sample_id)
+                if payload[1][0].sample_id == self.fail:
+                    await asyncio.sleep(0)
+                    raise ValueError("bad micro-batch")
+            return await super()._run(slot, command, payload)
+        finally:
+            self.in_flight -= 1
+
+
+def test_the_next_micro_batch_is_sent_ahead_in_order_and_a_failed_one_fails_alone():
+    """`SlotPool._send_ahead`: the slot finds an agent's next micro-batch waiting when one is
+    done (two in flight, never more), in the order queued; the weights are those of one at a
+    time. A micro-batch that fails answers its own caller; the one sent behind it still
+    answers its caller, from the same slot."""
+    async def run(fail: str | None):
+        pool = _WatchedPool(1, fail=fail)
+        calls = [asyncio.ensure_future(pool.accumulate("relay", _batch(0, "relay", j)))
+                 for j in range(5)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        _, weights = await pool.step("relay")
+        return pool, results, bytes(weights["digest"]).hex()
+
+    pool, results, weights = asyncio.run(run(None))
+    assert pool.most_in_flight == 2  # the head and one sent ahead
+    assert pool.order == [_batch(0, "relay", j)[0].sample_id for j in range(5)]
+    assert not any(isinstance(r, BaseException) for r in results)
+    one_at_a_time = FakeSlotPool(1)
+
+    async def serial():
+        for j in range(5):
+            await one_at_a_time.accumulate("relay", _batch(0, "relay", j))
+        return bytes((await one_at_a_time.step("relay"))[1]["digest"]).hex()
+
+    assert asyncio.run(serial()) == weights
+
+    bad = _batch(0, "relay", 2)[0].sample_id
+    pool, results, _ = asyncio.run(run(bad))
+    assert isinstance(results[2], Exception) and "bad micro-batch" in str(results[2])
+    assert [isinstance(r, BaseException) for r in results] == [False, False, True, False,
+                                                               False]
+    assert pool.order.count(_batch(0, "relay", 3)[0].sample_id) == 1  # not sent twice

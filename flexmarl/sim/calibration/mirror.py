@@ -658,7 +658,10 @@ class SimTrainWorker(_Common):
         super().__init__("train", index, profile, sink, cpu, parent)
         # per agent, the trainer's `model.split_call_tokens` on CPU (`length_split`)
         self.split = split or {}
-        self.lock = asyncio.Lock()  # FIFO: the pipe's order
+        self.lock = asyncio.Lock()
+        # the last command sent: each runs after the one sent before it (the pipe's order),
+        # whatever their transfer times (a micro-batch sent ahead of a small one, ...)
+        self._tail: asyncio.Future | None = None
         # who is resident, versions, results; a swapped-out state stays parked here, as in a
         # real slot's kept trainer, and comes back as `("kept", token)` (`TrainHost.bind`)
         self.host = DigestSlotHost(parks=True)
@@ -682,10 +685,26 @@ class SimTrainWorker(_Common):
     async def call(self, command: str, payload: Any, watched: bool = True) -> Any:
         loop = asyncio.get_running_loop()
         self.calls += 1
-        await self.parent.work(self.profile.parent_per_train_call_s)
-        if command == "pub_send":
+        if command == "pub_send":  # the slot's side thread: not in the commands' order
+            await self.parent.work(self.profile.parent_per_train_call_s)
             return await self._pub_send(*payload)
-        await asyncio.sleep(self._ipc("ipc_call", bytes=self._payload_bytes(command, payload)))
+        before, mine = self._tail, loop.create_future()
+        self._tail = mine
+        try:
+            await self.parent.work(self.profile.parent_per_train_call_s)
+            await asyncio.sleep(self._ipc("ipc_call",
+                                          bytes=self._payload_bytes(command, payload)))
+            if before is not None:
+                await asyncio.shield(before)
+            result, reply_bytes = await self._command(loop, command, payload)
+        finally:
+            mine.set_result(None)
+        await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
+        return result
+
+    async def _command(self, loop: asyncio.AbstractEventLoop, command: str,
+                       payload: Any) -> tuple[Any, int]:
+        """One command on the slot: its result and its reply's bytes."""
         async with self.lock:
             t0 = loop.time()
             result, cost, reply_bytes, agent = self._run(command, payload)
@@ -702,8 +721,7 @@ class SimTrainWorker(_Common):
             label = TrainHost.SPAN_LABELS.get(command, command)
             count = f":{len(payload[1])}" if command == "accumulate" else ""
             self.sink.span("train", self.index, t0, loop.time(), f"{label}:{agent}{count}")
-        await asyncio.sleep(self._ipc("ipc_call", bytes=reply_bytes))
-        return result
+        return result, reply_bytes
 
     async def _pub_send(self, agent: str, version: int, dests: list[Any]) -> list[None]:
         """A collective publication's send (the real slot's side thread: beside its commands,
