@@ -32,6 +32,7 @@ from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
+    SETTLED,
     IterationClock,
     OtherLoad,
     host_speed,
@@ -136,11 +137,13 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
-            probe = speed_probe()
+            probe = speed_probe(repeats=SETTLED)
             with OtherLoad(every=SAMPLE_S) as during:
                 clock = IterationClock(during.t0)
                 result = train(cfg, base / f"{system}-{r}", on_iteration=clock.mark)
-            rows[system].speed_probe_s.append(round((probe + speed_probe()) / 2, 7))
+            # the host's speed around the run: the least reading (`speed_probe`)
+            rows[system].speed_probe_s.append(round(min(probe, speed_probe(repeats=SETTLED)),
+                                                    7))
             # others' CPU time over the iterations (the run's start-up and teardown left
             # out): what the mirror simulates next to them
             whole = during.cpus if during.measured else 0.0

@@ -88,6 +88,7 @@ from flexmarl.runtime.local.workers import (
 )
 from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
 from flexmarl.sim.calibration.machine import (
+    SETTLED,
     OtherLoad,
     machine_info,
     measure_contention,
@@ -879,7 +880,8 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     started = time.perf_counter()
     log("machine load: other runnable work, in CPUs")
     external = measure_external_load()
-    speed = [speed_probe()]  # the host's speed, at the start and at the end
+    # the host's speed, at the start and at the end: the least reading (`speed_probe`)
+    speed = [speed_probe(repeats=SETTLED)]
     during = OtherLoad().start()  # other users' work over the whole profiling
     log("contention: the speed of a CPU second of each of k busy processes (spawned, torch "
         "work)")
@@ -961,10 +963,10 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         torch.set_num_threads(threads)
         _on_gpu.clear()
     during.stop()
-    speed.append(speed_probe())
+    speed.append(speed_probe(repeats=SETTLED))
     machine = machine_info()
     machine["external_load"] = external
-    machine["speed_probe_s"] = statistics.mean(speed)
+    machine["speed_probe_s"] = min(speed)
     machine["other_load"] = round(during.cpus, 3)
     return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits,
                         driver["per_request_s"], machine, time.perf_counter() - started,

@@ -138,3 +138,16 @@ def test_a_round_is_simulated_at_its_host_speed():
         return asyncio.get_running_loop().time()
 
     assert run_virtual(one(CpuShare(2, cpu_seconds=True, speed=1.1))) == pytest.approx(1.1)
+
+
+def test_the_speed_probe_is_the_least_of_its_repeated_readings(monkeypatch):
+    """Interference only slows the probe's unit: with repeats, the least median is the host's
+    speed (a reading taken while a run winds down must not make the host look slow)."""
+    import itertools
+
+    from flexmarl.sim.calibration import machine
+
+    # thread_time pairs (start, end) per unit: readings of 3, 2 and 4 ms (units=1)
+    clock = itertools.chain.from_iterable((0.0, d) for d in (0.003, 0.002, 0.004))
+    monkeypatch.setattr(machine.time, "thread_time", lambda: next(clock))
+    assert machine.speed_probe(units=1, repeats=3, gap_s=0.0) == pytest.approx(0.002)
