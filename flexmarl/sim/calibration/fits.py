@@ -114,6 +114,10 @@ class LocalProfile:
     # `pipelined` its CPU an iteration in an async run over what those charge the same work
     # (1.0 where it was not measured); `echo_*` the zero-cost-worker measure beside them
     driver: dict[str, float] = field(default_factory=dict)
+    # the profile's own real sync run against its mirror (`profile.in_situ_scales`): the real
+    # busy seconds of each kind of work over the mirror's, by `worker_scale` key; already
+    # multiplied into `worker_scale` (kept to show how far the fits were off in situ)
+    in_situ: dict[str, float] = field(default_factory=dict)
 
     def driver_scale(self, mode: str) -> float:
         """The driver's CPU per request and training call in `pipeline.mode` `mode` over the
@@ -149,7 +153,8 @@ class LocalProfile:
                    {k: float(v) for k, v in d.get("spread", {}).items()},
                    str(d.get("clock", "wall")),
                    {k: float(v) for k, v in d.get("overlap", {}).items()},
-                   {k: float(v) for k, v in d.get("driver", {}).items()})
+                   {k: float(v) for k, v in d.get("driver", {}).items()},
+                   {k: float(v) for k, v in d.get("in_situ", {}).items()})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -98,7 +98,8 @@ from flexmarl.sim.calibration.machine import (
     speed_probe,
     tree_cpu_s,
 )
-from flexmarl.sim.calibration.mirror import ProfiledEngine, mirror_config
+from flexmarl.sim.calibration.mirror import ProfiledEngine, mirror_config, run_mirror
+from flexmarl.sim.calibration.waits import figures
 from flexmarl.telemetry.recorder import Telemetry, read_trace
 from flexmarl.training import state as st
 from flexmarl.training.host import TrainHost
@@ -769,14 +770,18 @@ def driver_cpu_s() -> float:
     return got[0] if got is not None else time.process_time()
 
 
-def driver_marks(cfg: Any, iterations: int, publish: list[float] | None = None
-                 ) -> list[tuple[str, float, int, int]]:
+DRIVER_ITERATIONS = 4  # of each of `measure_driver`'s real runs
+
+
+def driver_marks(cfg: Any, iterations: int, publish: list[float] | None = None,
+                 trace: list[Any] | None = None) -> list[tuple[str, float, int, int]]:
     """The config run for real (`orchestrator.run.train`: its worker processes, telemetry
     files, metrics) for `iterations` iterations, in this process: marks `(what, driver CPU
     seconds, generate requests so far, training calls so far)` at the start, at each
     iteration's rollout end ("rollout", `RolloutPool.end_iteration`) and at each iteration's
     record ("iteration"). `publish` gets the wall seconds of each collective publication's
-    send (the slots' `publish:` spans in the run's trace.json)."""
+    send (the slots' `publish:` spans in the run's trace.json); `trace` the run's trace
+    (its spans and its instant events, `read_trace`)."""
     counts = {"requests": 0, "calls": 0}
     marks: list[tuple[str, float, int, int]] = []
 
@@ -811,9 +816,11 @@ def driver_marks(cfg: Any, iterations: int, publish: list[float] | None = None
     with tempfile.TemporaryDirectory(prefix="flexmarl-driver-") as out:
         train(mirror_config(cfg, iterations), out, on_iteration=lambda _: mark("iteration"),
               on_runtime=on_runtime)
-        trace = read_trace(Path(out) / "trace.json")
-        if publish is not None and trace is not None:
-            publish.extend(s.end - s.start for s in trace[0] if s.label.startswith("publish:"))
+        read = read_trace(Path(out) / "trace.json")
+        if publish is not None and read is not None:
+            publish.extend(s.end - s.start for s in read[0] if s.label.startswith("publish:"))
+        if trace is not None and read is not None:
+            trace.extend(read)
     return marks
 
 
@@ -828,7 +835,8 @@ def pipelined_config(cfg: Any) -> Any:
         "pipeline": cfg.pipeline.model_copy(update={"train_agents": "together"})}), mode="async")
 
 
-def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
+def measure_driver(cfg: Any, iterations: int = DRIVER_ITERATIONS,
+                   sync_trace: list[Any] | None = None) -> dict[str, float]:
     """The driver's CPU as real runs of the config spend it (its requests' and calls'
     pickling, the task's prompts and rewards, the store, the metrics and telemetry files,
     the proxies' threads), over the iterations after the first: a sync run's rollout phase
@@ -837,9 +845,10 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     requests and calls (`pipelined`: rollout and training overlapped in one driver; the
     config's own mode, or async for a sync config). With `runtime.publication` collective,
     `publish_s`: the median wall seconds of a publication's send in both runs (a replica
-    receiving it stops decoding meanwhile, `mirror.SimRolloutWorker`)."""
+    receiving it stops decoding meanwhile, `mirror.SimRolloutWorker`). `sync_trace` gets the
+    sync run's trace (`in_situ_scales`)."""
     sends: list[float] = []
-    sync = driver_marks(mirror_config(cfg, mode="sync"), iterations, sends)
+    sync = driver_marks(mirror_config(cfg, mode="sync"), iterations, sends, sync_trace)
     rollout = train_s = 0.0
     requests = calls = 0
     last = next(m for m in sync if m[0] == "start")
@@ -869,6 +878,40 @@ def measure_driver(cfg: Any, iterations: int = 3) -> dict[str, float]:
     out["pipelined_per_iteration_s"] = spent / max(1, len(piped) - 2)
     if sends:
         out["publish_s"] = statistics.median(sends)
+    return out
+
+
+# `worker_scale` key -> the (pool, span kind) whose busy seconds `in_situ_scales` compares
+IN_SITU = {"rollout": ("rollout", "gen"), "train_accumulate": ("train", "acc"),
+           "train_step": ("train", "step"), "train_bind": ("train", "swap")}
+IN_SITU_MIN_S = 0.0005  # busy seconds an iteration below which a kind is left as fitted
+
+
+def in_situ_scales(prof: LocalProfile, cfg: Any, task: Any, trace: Sequence[Any],
+                   iterations: int = DRIVER_ITERATIONS) -> dict[str, float]:
+    """The real sync run's busy seconds of each kind of work (a replica's `gen:` spans, a
+    slot's `acc:`, `step:`, `swap:`) over what the mirror of the same config, from `prof`,
+    spends on them (`waits.figures`: the iterations after the first), by `worker_scale` key.
+
+    The fits are measured in the profiler's own process, one kind of work at a time, and the
+    worker scales on synthetic work; a real run's decode steps and micro-batches then cost
+    what neither saw (their batch mixes, lengths, caches): in two profiles of one afternoon
+    the mirror charged longtail_experts' decode 23% more and relay_chain's micro-batches 13%
+    less than the same profile's later sync runs spent. The profile's own sync run (made
+    for the driver's CPU anyway) measures that in situ; a sync run, so that each pool's work
+    runs next to little else, as its costs are counted."""
+    if len(trace) < 2:
+        return {}
+    spans, events = trace[0], trace[1]
+    real = figures(spans, events, iterations)
+    sim = run_mirror(mirror_config(cfg, iterations, "sync"), task, prof, external=0.0)
+    mirrored = figures(sim.spans, sim.events, iterations)
+    out: dict[str, float] = {}
+    for key, (pool, kind) in IN_SITU.items():
+        a = real.get(f"busy:{pool}:{kind}", 0.0)
+        b = mirrored.get(f"busy:{pool}:{kind}", 0.0)
+        if a >= IN_SITU_MIN_S and b >= IN_SITU_MIN_S:
+            out[key] = a / b
     return out
 
 
@@ -956,7 +999,8 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
             "real time)")
         echo_s = asyncio.run(measure_parent_overhead(cfg, task, agents))
         log(f"the driver's CPU in real runs of {cfg.name} (sync, then {cfg.pipeline.mode})")
-        driver = measure_driver(cfg)
+        sync_trace: list[Any] = []
+        driver = measure_driver(cfg, sync_trace=sync_trace)
         driver.update(echo_per_request_s=echo_s[0], echo_per_train_call_s=echo_s[1])
         log("driver: " + ", ".join(f"{k} {v:.4g}" for k, v in driver.items()))
     finally:
@@ -968,10 +1012,16 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     machine["external_load"] = external
     machine["speed_probe_s"] = min(speed)
     machine["other_load"] = round(during.cpus, 3)
-    return LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits,
+    prof = LocalProfile(cfg.name, cfg.runtime.torch_threads, agents, ipc_fits,
                         driver["per_request_s"], machine, time.perf_counter() - started,
                         driver["per_train_call_s"], scale, contention, spread, clock="cpu",
                         overlap=overlap, driver=driver)
+    prof.in_situ = in_situ_scales(prof, cfg, task, sync_trace)
+    for key, ratio in prof.in_situ.items():
+        prof.worker_scale[key] = prof.scale(key) * ratio
+    log("in situ (the profile's sync run over its mirror): " + ", ".join(
+        f"{k} x{v:.2f}" for k, v in prof.in_situ.items()))
+    return prof
 
 
 async def measure_parent_overhead(cfg: Any, task: Any, agents: dict[str, AgentProfile]

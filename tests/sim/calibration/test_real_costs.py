@@ -176,3 +176,34 @@ def test_a_niced_replica_gets_the_cpu_the_others_leave():
     shares, others = share._shares()
     assert sum(shares.values()) + others == pytest.approx(2.0)
     assert shares[1] == pytest.approx(2 / (4 + w)) and shares[2] == pytest.approx(2 * w / (4 + w))
+
+
+def test_in_situ_scales_make_the_mirror_spend_what_the_profiles_real_run_did():
+    """`profile.in_situ_scales`: the profile's real sync run against its mirror, kind by kind.
+    A "real" trace that is the mirror's own run 1.5x slower reads x1.5 for every kind of work
+    it holds; the profile scaled by those ratios then spends 1.5x the busy seconds (the same
+    window, the iterations after the first)."""
+    import dataclasses
+
+    from flexmarl.sim.calibration.mirror import mirror_config
+    from flexmarl.sim.calibration.profile import in_situ_scales
+    from flexmarl.sim.calibration.waits import figures
+
+    cfg = tiny_config(train={"iterations": 4, "inputs_per_iteration": 4, "group_size": 2,
+                             "micro_batch_size": 4})
+    task, prof = _task(cfg), _synthetic_profile()
+    sim = run_mirror(mirror_config(cfg, 4, "sync"), task, prof, external=0.0)
+    slower = ([dataclasses.replace(s, start=1.5 * s.start, end=1.5 * s.end) for s in sim.spans],
+              [{**e, "time": 1.5 * e["time"]} for e in sim.events])
+    ratios = in_situ_scales(prof, cfg, task, slower, iterations=4)
+    assert set(ratios) >= {"rollout", "train_accumulate", "train_step"}
+    assert all(r == pytest.approx(1.5) for r in ratios.values()), ratios
+    same = in_situ_scales(prof, cfg, task, (sim.spans, sim.events), 4)
+    assert same == pytest.approx(dict.fromkeys(ratios, 1.0))
+    scaled = dataclasses.replace(prof, worker_scale={k: prof.scale(k) * r
+                                                     for k, r in ratios.items()})
+    again = run_mirror(mirror_config(cfg, 4, "sync"), task, scaled, external=0.0)
+    before, after = (figures(s.spans, s.events, 4) for s in (sim, again))
+    for kind in ("busy:rollout:gen", "busy:train:acc"):
+        assert after[kind] == pytest.approx(1.5 * before[kind], rel=0.1), kind
+    assert in_situ_scales(prof, cfg, task, ()) == {}  # no trace read: as fitted
