@@ -884,7 +884,7 @@ def measure_driver(cfg: Any, iterations: int = DRIVER_ITERATIONS,
 # `worker_scale` key -> the (pool, span kind) whose busy seconds `in_situ_scales` compares
 IN_SITU = {"rollout": ("rollout", "gen"), "train_accumulate": ("train", "acc"),
            "train_step": ("train", "step"), "train_bind": ("train", "swap")}
-IN_SITU_MIN_S = 0.0005  # busy seconds an iteration below which a kind is left as fitted
+IN_SITU_MIN_S = 1e-4  # busy seconds an iteration below which a kind is left as fitted
 
 
 def in_situ_scales(prof: LocalProfile, cfg: Any, task: Any, trace: Sequence[Any],
