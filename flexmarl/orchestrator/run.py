@@ -162,6 +162,9 @@ class StopRequests:
         self.body: asyncio.Future | None = None  # the hosted driver's task
         self.handler: Callable[[], None] | None = None
         self.early = False
+        # the signals routed here and the loop that catches them (`_hosted`)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.signals: list[int] = []
 
     def __call__(self) -> None:
         if self.handler is not None:
@@ -172,7 +175,13 @@ class StopRequests:
                 self.body.cancel()
 
     def route(self, handler: Callable[[], None]) -> None:
+        """Requests go to `handler` from now on. Called once the runtime runs, it also
+        takes the signals back: starting a runtime may have replaced their handlers (`ray.init`
+        installs a SIGTERM handler in the driver that exits at once, with no checkpoint)."""
         self.handler = handler
+        if self.loop is not None:
+            for sig in self.signals:
+                self.loop.add_signal_handler(sig, self)
 
 
 def host_run(cfg: Any, out: Path | None, resume: Checkpoint | None,
@@ -226,13 +235,14 @@ async def _hosted(body: Callable[[Telemetry, StopRequests], Awaitable[R]],
     quiet_unretrieved(loop, telemetry)
     stops = StopRequests()
     task = stops.body = asyncio.ensure_future(body(telemetry, stops))
-    handled: list[int] = []
+    handled = stops.signals
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stops)
             handled.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
+    stops.loop = loop
     try:
         return await task
     except asyncio.CancelledError:
