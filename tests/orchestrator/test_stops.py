@@ -70,3 +70,28 @@ def test_a_second_stop_abandons_the_checkpoint_being_written():
         assert "resume from" not in message
     finally:
         release.set()  # the daemon writer ends (its result goes nowhere)
+
+
+def test_a_runtime_that_replaces_the_sigterm_handler_does_not_keep_it():
+    """`ray.init` installs its own SIGTERM handler in the driver (it exits at once, no
+    checkpoint). Once the runtime runs, the driver routes its stop requests and takes SIGTERM
+    back (`StopRequests.route`): the signal reaches the driver's handler."""
+    import os
+    import signal
+
+    from flexmarl.orchestrator.run import _hosted
+
+    got: list[str] = []
+
+    async def body(telemetry: Telemetry, stops) -> str:
+        signal.signal(signal.SIGTERM, lambda *_: got.append("runtime's"))  # as ray.init does
+        stops.route(lambda: got.append("driver's"))
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        return "done"
+
+    assert asyncio.run(_hosted(body, Telemetry(None))) == "done"
+    assert got == ["driver's"]
