@@ -658,9 +658,9 @@ class SimTrainWorker(_Common):
         super().__init__("train", index, profile, sink, cpu, parent)
         # per agent, the trainer's `model.split_call_tokens` on CPU (`length_split`)
         self.split = split or {}
-        self.lock = asyncio.Lock()
-        # the last command sent: each runs after the one sent before it (the pipe's order),
-        # whatever their transfer times (a micro-batch sent ahead of a small one, ...)
+        # the last command sent: each runs after the one sent before it is done (the pipe's
+        # order, one at a time), whatever their transfer times (a micro-batch sent ahead of a
+        # small one, ...)
         self._tail: asyncio.Future | None = None
         # who is resident, versions, results; a swapped-out state stays parked here, as in a
         # real slot's kept trainer, and comes back as `("kept", token)` (`TrainHost.bind`)
@@ -705,22 +705,21 @@ class SimTrainWorker(_Common):
     async def _command(self, loop: asyncio.AbstractEventLoop, command: str,
                        payload: Any) -> tuple[Any, int]:
         """One command on the slot: its result and its reply's bytes."""
-        async with self.lock:
-            t0 = loop.time()
-            result, cost, reply_bytes, agent = self._run(command, payload)
-            if self.transfers is not None and command in ("step", "weights"):
-                # collective publication: the slot keeps the weights, the driver gets a ref
-                ref = PublishedRef(agent, self.host.states[agent][1], b"{}",
-                                   self.profile.agents[agent].weights_bytes)
-                result, reply_bytes = ((result[0], ref) if command == "step" else ref), 256
-            kind = f"train_{command}"
-            await self.cpu.run(cost * self.profile.scale(kind), "train",
-                               self.profile.overlap.get(kind, 1.0))
-            # the real slot's label (`TrainHost.SPAN_LABELS`): `swap:` spans are the records'
-            # `pool/train/swaps`
-            label = TrainHost.SPAN_LABELS.get(command, command)
-            count = f":{len(payload[1])}" if command == "accumulate" else ""
-            self.sink.span("train", self.index, t0, loop.time(), f"{label}:{agent}{count}")
+        t0 = loop.time()
+        result, cost, reply_bytes, agent = self._run(command, payload)
+        if self.transfers is not None and command in ("step", "weights"):
+            # collective publication: the slot keeps the weights, the driver gets a ref
+            ref = PublishedRef(agent, self.host.states[agent][1], b"{}",
+                               self.profile.agents[agent].weights_bytes)
+            result, reply_bytes = ((result[0], ref) if command == "step" else ref), 256
+        kind = f"train_{command}"
+        await self.cpu.run(cost * self.profile.scale(kind), "train",
+                           self.profile.overlap.get(kind, 1.0))
+        # the real slot's label (`TrainHost.SPAN_LABELS`): `swap:` spans are the records'
+        # `pool/train/swaps`
+        label = TrainHost.SPAN_LABELS.get(command, command)
+        count = f":{len(payload[1])}" if command == "accumulate" else ""
+        self.sink.span("train", self.index, t0, loop.time(), f"{label}:{agent}{count}")
         return result, reply_bytes
 
     async def _pub_send(self, agent: str, version: int, dests: list[Any]) -> list[None]:
