@@ -30,7 +30,6 @@ from flexmarl.config.schema import RunConfig, load_config
 from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
-    SETTLED,
     IterationClock,
     OtherLoad,
     host_speed,
@@ -128,14 +127,14 @@ def calibrate(config: str | Path, overrides: list[str] | None = None, iterations
         mcfg = mirror_config(cfg, iterations, mode)
         log(f"real run: {cfg.name}, pipeline.mode={mode}, {iterations} iterations "
             f"-> {out / f'real-{mode}'}")
-        probe, host = measure_external_load(), speed_probe(repeats=SETTLED)
+        probe, host = measure_external_load(), speed_probe()
         with OtherLoad(every=SAMPLE_S) as during:
             clock = IterationClock(during.t0)
             real = train(mcfg, out / f"real-{mode}", on_iteration=clock.mark)
         records, wall = real.records, real.wall_s
         probe = (probe + measure_external_load()) / 2  # before and after the run
         # around the run: the least reading (`speed_probe`)
-        speed = host_speed(prof.machine, min(host, speed_probe(repeats=SETTLED)))
+        speed = host_speed(prof.machine, min(host, speed_probe()))
         # others' CPU time over the run's iterations (its start-up and teardown left out, as
         # `bench compare` reads it); the probe only where there is no /proc/stat
         window = clock.window()

@@ -32,7 +32,6 @@ from flexmarl.orchestrator.run import prepare, train
 from flexmarl.sim.calibration.calibrate import SAMPLE_S, load_or_profile
 from flexmarl.sim.calibration.fits import LocalProfile
 from flexmarl.sim.calibration.machine import (
-    SETTLED,
     IterationClock,
     OtherLoad,
     host_speed,
@@ -137,12 +136,12 @@ def compare(config: str | Path, overrides: list[str] | None = None,
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             cfg = cfgs[system]
-            probe = speed_probe(repeats=SETTLED)
+            probe = speed_probe()
             with OtherLoad(every=SAMPLE_S) as during:
                 clock = IterationClock(during.t0)
                 result = train(cfg, base / f"{system}-{r}", on_iteration=clock.mark)
             # the host's speed around the run: the least reading (`speed_probe`)
-            rows[system].speed_probe_s.append(round(min(probe, speed_probe(repeats=SETTLED)),
+            rows[system].speed_probe_s.append(round(min(probe, speed_probe()),
                                                     7))
             # others' CPU time over the iterations (the run's start-up and teardown left
             # out): what the mirror simulates next to them

@@ -25,10 +25,10 @@ def machine_info() -> dict[str, Any]:
             "loadavg": [round(x, 2) for x in load]}
 
 
-def speed_probe(units: int = 40, repeats: int = 1, gap_s: float = 0.15) -> float:
+def speed_probe(units: int = 40, repeats: int = 4, gap_s: float = 0.15) -> float:
     """This thread's CPU seconds for one unit of fixed single-thread work (small matmuls and
-    the Python around them, like a tiny model's step): the median of `units` (about 0.1 s in
-    all), and with `repeats` the least of that many medians `gap_s` apart. It is the host's
+    the Python around them, like a tiny model's step): the least of `repeats` medians of
+    `units` each (about 0.1 s), `gap_s` apart (about 1 s in all). It is the host's
     speed now: on a shared virtual machine the same work's CPU time moves with the neighbours
     (11% slower within 40 minutes here, with no load or steal to show it), which neither the
     other load nor the profile's fits see. A profile keeps it (`machine["speed_probe_s"]`) and
@@ -60,9 +60,6 @@ def speed_probe(units: int = 40, repeats: int = 1, gap_s: float = 0.15) -> float
         return best
     finally:
         torch.set_num_threads(threads)
-
-
-SETTLED = 4  # `speed_probe(repeats=SETTLED)` around runs and profiles: about 1 s
 
 
 def host_speed(machine: dict[str, Any], probe_s: float | None) -> float:

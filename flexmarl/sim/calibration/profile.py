@@ -88,7 +88,6 @@ from flexmarl.runtime.local.workers import (
 )
 from flexmarl.sim.calibration.fits import AgentProfile, Fit, LocalProfile, constant, fit_linear
 from flexmarl.sim.calibration.machine import (
-    SETTLED,
     OtherLoad,
     machine_info,
     measure_contention,
@@ -924,7 +923,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
     log("machine load: other runnable work, in CPUs")
     external = measure_external_load()
     # the host's speed, at the start and at the end: the least reading (`speed_probe`)
-    speed = [speed_probe(repeats=SETTLED)]
+    speed = [speed_probe()]
     during = OtherLoad().start()  # other users' work over the whole profiling
     log("contention: the speed of a CPU second of each of k busy processes (spawned, torch "
         "work)")
@@ -1007,7 +1006,7 @@ def profile_local(cfg: Any, task: Any, *, reps: int = 5,
         torch.set_num_threads(threads)
         _on_gpu.clear()
     during.stop()
-    speed.append(speed_probe(repeats=SETTLED))
+    speed.append(speed_probe())
     machine = machine_info()
     machine["external_load"] = external
     machine["speed_probe_s"] = min(speed)

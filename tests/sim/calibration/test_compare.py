@@ -123,7 +123,7 @@ def test_a_round_is_simulated_at_its_host_speed():
     from flexmarl.sim.calibration.mirror import CpuShare
     from flexmarl.sim.runtime.clock import run_virtual
 
-    probe = speed_probe(units=5)
+    probe = speed_probe(units=5, repeats=1)
     assert 0 < probe < 1.0
     prof = _synthetic_profile()
     row = SystemRow("flexmarl", speed_probe_s=[0.011, 0.009])
