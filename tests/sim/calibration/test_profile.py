@@ -168,6 +168,10 @@ def test_profile_local_end_to_end(tmp_path, capsys):
     assert prof.parent_per_request_s == prof.driver["per_request_s"]
     assert prof.driver["pipelined"] > 0 and prof.driver["echo_per_request_s"] > 0
     assert prof.overlap and set(prof.overlap) <= {"train_bind", "train_accumulate", "train_step"}
+    # the fits checked against the profile's own real sync run (`in_situ_scales`): decode
+    # and micro-batches at least, each ratio folded into the worker scale
+    assert {"rollout", "train_accumulate"} <= set(prof.in_situ)
+    assert all(0.0 < r < 10.0 for r in prof.in_situ.values()), prof.in_situ  # swaps: ~0.15
     fits = prof.agents["relay"].fits
     assert {"swap_in_kept", "sleep", "wake"} <= set(fits)
     assert fits["swap_in_kept"]() < fits["swap_in"]()

@@ -207,3 +207,20 @@ def test_in_situ_scales_make_the_mirror_spend_what_the_profiles_real_run_did():
     for kind in ("busy:rollout:gen", "busy:train:acc"):
         assert after[kind] == pytest.approx(1.5 * before[kind], rel=0.1), kind
     assert in_situ_scales(prof, cfg, task, ()) == {}  # no trace read: as fitted
+
+
+def test_in_situ_reads_a_real_sync_runs_trace(tmp_path):
+    """The real path of the in-situ check: a real sync run of a tiny config (its worker
+    processes, its trace.json, as `measure_driver` makes it) against the mirror of a
+    synthetic profile gives a ratio for the decode and the micro-batches."""
+    from flexmarl.sim.calibration.mirror import mirror_config
+    from flexmarl.sim.calibration.profile import driver_marks, in_situ_scales
+
+    cfg = tiny_config(train={"iterations": 4, "inputs_per_iteration": 4, "group_size": 2,
+                             "micro_batch_size": 4})
+    trace: list = []
+    driver_marks(mirror_config(cfg, mode="sync"), 4, None, trace)
+    assert len(trace) == 2 and trace[0] and trace[1]  # spans, events
+    ratios = in_situ_scales(_synthetic_profile(), cfg, _task(cfg), trace, 4)
+    assert {"rollout", "train_accumulate"} <= set(ratios), ratios
+    assert all(r > 0 for r in ratios.values())
